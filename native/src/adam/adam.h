@@ -1,0 +1,55 @@
+// Fused CPU Adam/AdamW over fp32 master weights and fp32 moments.
+//
+// One pass reads master, exp_avg, exp_avg_sq and grad and writes master,
+// exp_avg, exp_avg_sq and (optionally) a low-precision copy of the updated
+// master.  The arithmetic follows torch.optim.Adam/AdamW (see StepScalars).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace offloadd::adam {
+
+enum class GradDtype : int { kFloat32 = 0, kBFloat16 = 1 };
+enum class OutDtype : int { kNone = 0, kFloat32 = 1, kBFloat16 = 2, kFloat16 = 3 };
+
+// Per-step scalars.  They are derived in double precision and rounded to
+// float once, which is what torch does when a Python float multiplies an
+// fp32 tensor, so every kernel sees the same coefficients as torch.
+struct StepScalars {
+  float one_minus_beta1;       // lerp weight of exp_avg towards grad
+  float beta2;
+  float one_minus_beta2;
+  float eps;
+  float grad_scale;            // g = grad * grad_scale (unscale/clip fold)
+  float l2_weight_decay;       // Adam (L2) mode: g += wd * p; 0 in AdamW mode
+  float decay_factor;          // AdamW mode: p *= 1 - lr * wd; 1 in Adam mode
+  float neg_step_size;         // -lr / (1 - beta1^step)
+  float bias_correction2_sqrt; // sqrt(1 - beta2^step)
+};
+
+StepScalars make_step_scalars(int64_t step, double lr, double beta1, double beta2, double eps,
+                              double weight_decay, bool decoupled_weight_decay,
+                              double grad_scale);
+
+struct Buffers {
+  float* master;
+  float* exp_avg;
+  float* exp_avg_sq;
+  const void* grad;
+  GradDtype grad_dtype;
+  void* param_out;  // nullptr when out_dtype == kNone
+  OutDtype out_dtype;
+};
+
+// Updates elements [begin, end).  Each kernel computes an element the same
+// way wherever chunk boundaries fall, so threading never changes results.
+using KernelFn = void (*)(const StepScalars&, const Buffers&, size_t begin, size_t end);
+
+void step_scalar(const StepScalars&, const Buffers&, size_t begin, size_t end);
+#if defined(OFFLOADD_X86_KERNELS)
+void step_avx2(const StepScalars&, const Buffers&, size_t begin, size_t end);
+void step_avx512(const StepScalars&, const Buffers&, size_t begin, size_t end);
+#endif
+
+}  // namespace offloadd::adam

@@ -1,0 +1,128 @@
+// Python bindings: offloadd._native.
+//
+// Buffers cross as raw addresses: the Python wrappers (offloadd/adam.py,
+// offloadd/ioengine.py) validate dtype, size, contiguity and writability
+// and keep the owning objects alive, so this layer stays a thin,
+// allocation-free call.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <system_error>
+#include <tuple>
+#include <vector>
+
+#include "adam/adam_dispatch.h"
+#include "io/backend.h"
+#include "thread_pool.h"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace offloadd {
+namespace {
+
+void adam_step(uintptr_t master, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t grad,
+               int grad_dtype, uintptr_t param_out, int out_dtype, size_t numel, int64_t step,
+               double lr, double beta1, double beta2, double eps, double weight_decay,
+               bool decoupled_weight_decay, double grad_scale, const std::string& kernel,
+               int num_threads) {
+  if (grad_dtype < 0 || grad_dtype > 1) throw std::invalid_argument("grad_dtype must be 0 or 1");
+  if (out_dtype < 0 || out_dtype > 3) throw std::invalid_argument("out_dtype must be in 0..3");
+  const adam::KernelFn fn = adam::find_kernel(kernel);
+  const adam::Buffers buffers{reinterpret_cast<float*>(master),
+                              reinterpret_cast<float*>(exp_avg),
+                              reinterpret_cast<float*>(exp_avg_sq),
+                              reinterpret_cast<const void*>(grad),
+                              adam::GradDtype(grad_dtype),
+                              reinterpret_cast<void*>(param_out),
+                              adam::OutDtype(out_dtype)};
+  const adam::StepScalars scalars = adam::make_step_scalars(
+      step, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, grad_scale);
+  nb::gil_scoped_release no_gil;  // after argument checks: those may raise
+  adam::run_step(fn, scalars, buffers, numel, num_threads);
+}
+
+// Owns one backend; closing it waits for in-flight IO (see the backends).
+class IoEngine {
+ public:
+  IoEngine(const std::string& kind, unsigned queue_depth, unsigned num_threads) {
+    if (kind == "io_uring") {
+      backend_ = io::make_io_uring_backend(queue_depth);
+    } else if (kind == "threads") {
+      backend_ = io::make_thread_backend(num_threads);
+    } else {
+      throw std::invalid_argument("kind must be 'io_uring' or 'threads', got '" + kind + "'");
+    }
+  }
+
+  std::string kind() const { return backend().kind(); }
+  int event_fd() const { return backend().event_fd(); }
+
+  void submit(uint64_t tag, int op, int fd, uint64_t offset, uintptr_t addr, uint64_t nbytes,
+              int fault_errno) {
+    if (op != 0 && op != 1) throw std::invalid_argument("op must be 0 (read) or 1 (write)");
+    backend().submit({tag, io::Op(op), fd, offset, reinterpret_cast<char*>(addr), nbytes,
+                      fault_errno});
+  }
+
+  std::vector<std::tuple<uint64_t, int, uint64_t>> reap() {
+    std::vector<std::tuple<uint64_t, int, uint64_t>> out;
+    for (const io::Completion& c : backend().reap()) out.emplace_back(c.tag, c.error, c.nbytes_done);
+    return out;
+  }
+
+  // Blocks until in-flight requests finish, so release the GIL meanwhile.
+  void close() {
+    std::unique_ptr<io::Backend> doomed = std::move(backend_);
+    nb::gil_scoped_release no_gil;
+    doomed.reset();
+  }
+
+ private:
+  io::Backend& backend() const {
+    if (!backend_) throw std::runtime_error("IoEngine is closed");
+    return *backend_;
+  }
+  std::unique_ptr<io::Backend> backend_;
+};
+
+}  // namespace
+}  // namespace offloadd
+
+NB_MODULE(_native, m) {
+  using offloadd::IoEngine;
+  m.doc() = "offloadd native kernels: fused CPU Adam and the async file IO engine";
+
+  // std::system_error carries an errno; surface it as OSError(errno, message).
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::system_error& e) {
+      PyErr_SetObject(PyExc_OSError,
+                      nb::make_tuple(e.code().value(), std::string(e.what())).ptr());
+    }
+  });
+
+  m.def("adam_kernels", &offloadd::adam::supported_kernels,
+        "Kernels this CPU supports, best first.");
+  m.def("available_cpus", &offloadd::available_cpus);
+  m.def("adam_step", &offloadd::adam_step, "master"_a, "exp_avg"_a, "exp_avg_sq"_a, "grad"_a,
+        "grad_dtype"_a, "param_out"_a, "out_dtype"_a, "numel"_a, "step"_a, "lr"_a, "beta1"_a,
+        "beta2"_a, "eps"_a, "weight_decay"_a, "decoupled_weight_decay"_a, "grad_scale"_a,
+        "kernel"_a, "num_threads"_a);
+
+  nb::class_<IoEngine>(m, "IoEngine")
+      .def(nb::init<const std::string&, unsigned, unsigned>(), "kind"_a, "queue_depth"_a,
+           "num_threads"_a)
+      .def_prop_ro("kind", &IoEngine::kind)
+      .def_prop_ro("event_fd", &IoEngine::event_fd)
+      .def("submit", &IoEngine::submit, "tag"_a, "op"_a, "fd"_a, "offset"_a, "addr"_a,
+           "nbytes"_a, "fault_errno"_a)
+      .def("reap", &IoEngine::reap)
+      .def("close", &IoEngine::close);
+}

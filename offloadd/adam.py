@@ -1,0 +1,279 @@
+"""Fused CPU Adam/AdamW over fp32 master weights, for the optimizer service.
+
+`adam_step` updates master, exp_avg and exp_avg_sq in place (typically views
+of the shared arena) with exactly the semantics of torch.optim.AdamW
+(decoupled weight decay) or torch.optim.Adam (L2 weight decay), and can write
+a bf16/fp16/fp32 copy of the updated master in the same pass.
+
+The native kernel (offloadd._native) is one fused pass that reads every byte
+once, chosen at runtime among AVX-512, AVX2+FMA and scalar code, spread over
+a persistent thread pool with the GIL released.  Without the native module
+the same update runs as torch ops (torch._fused_adam(w)_ where available).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, Literal
+
+import torch
+
+try:
+    import offloadd._native as _native
+except ImportError:  # the package must work without its compiled part
+    _native = None
+
+__all__ = ["KernelName", "active_kernel", "adam_step", "native_kernels"]
+
+logger = logging.getLogger(__name__)
+
+KernelName = Literal["avx512", "avx2", "scalar", "torch"]
+
+_GRAD_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+_OUT_DTYPE_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+
+
+def native_kernels() -> list[str]:
+    """Native kernels this CPU can run, best first; empty without the native module."""
+    return list(_native.adam_kernels()) if _native is not None else []
+
+
+def active_kernel() -> KernelName:
+    """The kernel `adam_step` uses by default: the best native one, else "torch"."""
+    kernels = native_kernels()
+    return kernels[0] if kernels else "torch"  # type: ignore[return-value]
+
+
+def adam_step(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float = 0.0,
+    decoupled_weight_decay: bool = True,
+    grad_scale: float = 1.0,
+    param_out: torch.Tensor | None = None,
+    num_threads: int | None = None,
+    use_native: bool | None = None,
+    use_kernel: KernelName | None = None,
+) -> None:
+    """One Adam/AdamW step over flat fp32 state, in place.
+
+    grad (fp32 or bf16) is multiplied by grad_scale before use, which folds
+    loss-scale unscaling and gradient clipping into this pass.  step is the
+    1-based step count used for bias correction.  param_out, if given,
+    receives the updated master rounded to its dtype (round-to-nearest-even,
+    bit-identical to ``master.to(param_out.dtype)``).
+
+    use_native=None picks native when built; False forces the torch path.
+    use_kernel forces one kernel ("avx512", "avx2", "scalar" or "torch"),
+    mainly for tests.  num_threads=None uses every CPU this process may run on.
+    """
+    _check_state(master, exp_avg, exp_avg_sq, grad, param_out)
+    _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay, grad_scale, num_threads)
+    kernel = _choose_kernel(use_native, use_kernel)
+    if master.numel() == 0:
+        return
+    hyper: dict[str, Any] = dict(
+        step=step,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        decoupled_weight_decay=decoupled_weight_decay,
+        grad_scale=grad_scale,
+    )
+    if kernel == "torch":
+        _torch_step(master, exp_avg, exp_avg_sq, grad, param_out, **hyper)
+    else:
+        _native_step(master, exp_avg, exp_avg_sq, grad, param_out, kernel, num_threads, **hyper)
+
+
+def _check_tensor(name: str, tensor: Any, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{name} must be on the CPU, got device {tensor.device}")
+    if tensor.dtype not in dtypes:
+        accepted = ", ".join(str(d) for d in dtypes)
+        raise ValueError(f"{name} must have dtype in ({accepted}), got {tensor.dtype}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if tensor.numel() != numel:
+        raise ValueError(f"{name} has {tensor.numel()} elements, master has {numel}")
+
+
+def _check_state(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    param_out: torch.Tensor | None,
+) -> None:
+    if not isinstance(master, torch.Tensor):
+        raise ValueError(f"master must be a torch.Tensor, got {type(master).__name__}")
+    numel = master.numel()
+    _check_tensor("master", master, (torch.float32,), numel)
+    _check_tensor("exp_avg", exp_avg, (torch.float32,), numel)
+    _check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), numel)
+    _check_tensor("grad", grad, (torch.float32, torch.bfloat16), numel)
+    if param_out is not None:
+        out_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+        _check_tensor("param_out", param_out, out_dtypes, numel)
+
+
+def _check_hyperparameters(
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    grad_scale: float,
+    num_threads: int | None,
+) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"step must be an int >= 1 (1-based step count), got {step!r}")
+    for name, value in (("beta1", beta1), ("beta2", beta2)):
+        if not 0.0 <= value < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {value}")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    if not math.isfinite(grad_scale):
+        raise ValueError(f"grad_scale must be finite, got {grad_scale}")
+    if num_threads is not None and num_threads < 1:
+        raise ValueError(f"num_threads must be >= 1 or None (all CPUs), got {num_threads}")
+
+
+def _choose_kernel(use_native: bool | None, use_kernel: KernelName | None) -> KernelName:
+    if use_kernel is not None:
+        if use_kernel != "torch" and use_kernel not in native_kernels():
+            raise ValueError(
+                f"use_kernel={use_kernel!r} is not available here; "
+                f"choose from {[*native_kernels(), 'torch']}"
+            )
+        return use_kernel
+    if use_native is False:
+        return "torch"
+    if use_native and _native is None:
+        raise ValueError("use_native=True but offloadd._native is not built")
+    return active_kernel()
+
+
+def _native_step(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    param_out: torch.Tensor | None,
+    kernel: str,
+    num_threads: int | None,
+    **hyper: Any,
+) -> None:
+    # Addresses are only valid while the tensors live: they are all
+    # arguments of this call, so the caller keeps them alive throughout.
+    assert _native is not None
+    _native.adam_step(
+        master.data_ptr(),
+        exp_avg.data_ptr(),
+        exp_avg_sq.data_ptr(),
+        grad.data_ptr(),
+        _GRAD_DTYPE_CODES[grad.dtype],
+        0 if param_out is None else param_out.data_ptr(),
+        _OUT_DTYPE_CODES[None if param_out is None else param_out.dtype],
+        master.numel(),
+        kernel=kernel,
+        num_threads=num_threads or 0,
+        **hyper,
+    )
+
+
+def _torch_step(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    param_out: torch.Tensor | None,
+    *,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+    grad_scale: float,
+) -> None:
+    # Hazard: grad.float() is grad itself for fp32, so nothing below may write to it.
+    scaled = grad.float() if grad_scale == 1.0 else grad.float() * grad_scale
+    if _FUSED_AVAILABLE:
+        fused = torch._fused_adamw_ if decoupled_weight_decay else torch._fused_adam_
+        fused(
+            [master],
+            [scaled],
+            [exp_avg],
+            [exp_avg_sq],
+            [],
+            [torch.tensor(float(step))],
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=False,
+            maximize=False,
+        )
+    else:
+        _torch_unfused_step(
+            master, exp_avg, exp_avg_sq, scaled, step, lr, beta1, beta2, eps, weight_decay,
+            decoupled_weight_decay,
+        )
+    if param_out is not None:
+        param_out.copy_(master)
+
+
+def _torch_unfused_step(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    decoupled_weight_decay: bool,
+) -> None:
+    """torch.optim's single-tensor Adam(W) update (grad is read-only here)."""
+    if weight_decay != 0.0:
+        if decoupled_weight_decay:
+            master.mul_(1.0 - lr * weight_decay)
+        else:
+            grad = grad.add(master, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    step_size = lr / (1.0 - beta1**step)
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+# torch._fused_adam(w)_ runs on CPU since torch 2.4; older builds use the unfused ops.
+_FUSED_AVAILABLE = hasattr(torch, "_fused_adamw_") and hasattr(torch, "_fused_adam_")
+
+logger.info(
+    "cpu adam: %s",
+    f"native kernel {active_kernel()} (available: {native_kernels()})"
+    if _native is not None
+    else "offloadd._native not built, using torch ops",
+)

@@ -1,0 +1,156 @@
+"""Job arenas: one shared-memory region per job and the allocator inside it.
+
+The region is a memfd, fully backed before first use (fallocate + populate)
+so that no rank ever takes a SIGBUS on a lazily backed page, and mlock'ed
+where RLIMIT_MEMLOCK allows. Ranks map the same fd (passed with SCM_RIGHTS),
+so an arena offset names the same bytes in every process of the job.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import mmap
+import os
+import resource
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+PAGE_NBYTES = 4096
+_libc = ctypes.CDLL(None, use_errno=True)
+_mlock_warned = False
+
+
+def align_up(nbytes: int, alignment: int = PAGE_NBYTES) -> int:
+    return (nbytes + alignment - 1) // alignment * alignment
+
+
+@dataclass(frozen=True)
+class Extent:
+    offset: int
+    nbytes: int
+
+
+class Allocator:
+    """Best-fit allocator over ``[0, capacity)`` in 4 KiB units with coalescing frees."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity % PAGE_NBYTES:
+            raise ValueError(f"capacity must be a multiple of {PAGE_NBYTES}, got {capacity}")
+        self.capacity = capacity
+        self.used_nbytes = 0
+        self._free_offsets: list[int] = [0] if capacity else []
+        self._free_nbytes: dict[int, int] = {0: capacity} if capacity else {}
+
+    def alloc(self, nbytes: int) -> int | None:
+        """Return the offset of a free aligned range of ``nbytes`` or None if none fits."""
+        need = align_up(max(nbytes, 1))
+        best_offset, best_nbytes = -1, 0
+        for offset in self._free_offsets:
+            size = self._free_nbytes[offset]
+            if need <= size and (best_offset < 0 or size < best_nbytes):
+                best_offset, best_nbytes = offset, size
+                if size == need:
+                    break
+        if best_offset < 0:
+            return None
+        self._take(best_offset, best_nbytes, need)
+        return best_offset
+
+    def _take(self, offset: int, size: int, need: int) -> None:
+        index = bisect.bisect_left(self._free_offsets, offset)
+        del self._free_nbytes[offset]
+        if size == need:
+            del self._free_offsets[index]
+        else:
+            self._free_offsets[index] = offset + need
+            self._free_nbytes[offset + need] = size - need
+        self.used_nbytes += need
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Return a range to the free list, merging it with free neighbours."""
+        size = align_up(max(nbytes, 1))
+        index = bisect.bisect_left(self._free_offsets, offset)
+        assert offset not in self._free_nbytes, f"double free at offset {offset}"
+        self.used_nbytes -= size
+        if index < len(self._free_offsets) and self._free_offsets[index] == offset + size:
+            size += self._free_nbytes.pop(self._free_offsets.pop(index))
+        if index > 0:
+            before = self._free_offsets[index - 1]
+            if before + self._free_nbytes[before] == offset:
+                self._free_nbytes[before] += size
+                return
+        self._free_offsets.insert(index, offset)
+        self._free_nbytes[offset] = size
+
+    @property
+    def free_nbytes(self) -> int:
+        return self.capacity - self.used_nbytes
+
+    def largest_free(self) -> int:
+        return max(self._free_nbytes.values(), default=0)
+
+    def free_extents(self) -> list[Extent]:
+        return [Extent(offset, self._free_nbytes[offset]) for offset in self._free_offsets]
+
+
+def _mlock(address: int, nbytes: int) -> bool:
+    global _mlock_warned
+    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft != resource.RLIM_INFINITY and soft < nbytes and os.geteuid() != 0:
+        if not _mlock_warned:
+            log.warning(
+                "event=mlock_skipped reason=rlimit limit_nbytes=%d need_nbytes=%d "
+                "hint='raise LimitMEMLOCK / ulimit -l'", soft, nbytes,
+            )
+            _mlock_warned = True
+        return False
+    if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) != 0:
+        if not _mlock_warned:
+            err = ctypes.get_errno()
+            log.warning("event=mlock_failed errno=%d error=%r", err, os.strerror(err))
+            _mlock_warned = True
+        return False
+    return True
+
+
+def buffer_address(buffer: mmap.mmap | memoryview) -> int:
+    """Address of a writable buffer's first byte (for IO engines and CUDA registration)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+
+
+class Arena:
+    """A job's shared-memory region: memfd + mapping + allocator."""
+
+    def __init__(self, name: str, nbytes: int, *, lock: bool = True) -> None:
+        self.nbytes = align_up(nbytes)
+        self.fd = os.memfd_create(f"offloadd:{name}", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, self.nbytes)
+            # Backing every page now turns a later out-of-memory into a clear error
+            # here instead of a SIGBUS inside some rank's tensor write.
+            os.posix_fallocate(self.fd, 0, self.nbytes)
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self.map = mmap.mmap(self.fd, self.nbytes, flags=flags)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.view = memoryview(self.map)
+        self.address = buffer_address(self.map)
+        self.locked = lock and _mlock(self.address, self.nbytes)
+        self.allocator = Allocator(self.nbytes)
+
+    def slice(self, offset: int, nbytes: int) -> memoryview:
+        return self.view[offset : offset + nbytes]
+
+    def close(self) -> None:
+        self.view.release()
+        if self.locked:
+            _libc.munlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.nbytes))
+        try:
+            self.map.close()
+        except BufferError:
+            log.warning("event=arena_close_deferred reason=exported_views")
+        os.close(self.fd)

@@ -1,0 +1,74 @@
+"""Command line: ``offloadd serve | demo | status | gc``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from offloadd.config import DaemonConfig, parse_size
+from offloadd.logs import setup_logging
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text, knob="size")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offloadd", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the node daemon")
+    serve.add_argument("--config", help="TOML file with the same keys as the flags")
+    serve.add_argument("--socket", help="unix socket path")
+    serve.add_argument("--arena-size", type=_size, help="DRAM budget, e.g. 8GiB")
+    serve.add_argument("--swap-dir", action="append", dest="swap_dirs",
+                       help="swap directory (repeat for several drives)")
+    serve.add_argument("--swap-size", type=_size, help="swap budget per directory")
+    serve.add_argument("--metrics-addr", help="HOST:PORT for Prometheus /metrics")
+    serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--io-engine", choices=["auto", "native", "io_uring", "threads", "python"])
+    serve.add_argument("--recover", action="store_true", default=None,
+                       help="restore jobs from the last flushed manifests in the swap dirs")
+
+    demo = commands.add_parser("demo", help="run the end-to-end demo on a private daemon")
+    demo.add_argument("--mode", choices=["train", "data"], default="train",
+                      help="train: 2-rank ZeRO-3 training; data: shard write/read check")
+    demo.add_argument("--steps", type=int, default=20)
+    demo.add_argument("--nbytes", type=_size, default=256 << 20,
+                      help="data mode: bytes each client writes")
+    return parser
+
+
+def serve_config(args: argparse.Namespace) -> DaemonConfig:
+    overrides = {
+        "socket": args.socket, "arena_size": args.arena_size, "swap_dirs": args.swap_dirs,
+        "swap_size": args.swap_size, "metrics_addr": args.metrics_addr,
+        "log_level": args.log_level, "io_engine": args.io_engine, "recover": args.recover,
+    }
+    if args.config:
+        return DaemonConfig.from_toml(args.config, **overrides)
+    return DaemonConfig(**{k: v for k, v in overrides.items() if v is not None})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        try:
+            config = serve_config(args)
+        except (ValueError, OSError) as exc:
+            print(f"offloadd: {exc}", file=sys.stderr)
+            return 2
+        setup_logging(config.log_level)
+        from offloadd.server import run
+
+        return run(config)
+    if args.command == "demo":
+        setup_logging("warning")
+        from offloadd import demo
+
+        return demo.main(mode=args.mode, steps=args.steps, nbytes=args.nbytes)
+    return 2

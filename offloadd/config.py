@@ -1,0 +1,112 @@
+"""Daemon configuration: one keyword-only dataclass, filled from flags or a TOML file."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+LogLevel = Literal["debug", "info", "warning", "error"]
+IOEngineKind = Literal["auto", "native", "io_uring", "threads", "python"]
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int, *, knob: str = "size") -> int:
+    """Parse ``1GiB``, ``512MiB``, ``4096`` into bytes; ``knob`` names the setting in errors."""
+    if isinstance(text, int):
+        if text < 0:
+            raise ValueError(f"{knob} must be >= 0 bytes, got {text}")
+        return text
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ValueError(f"{knob}: cannot parse size {text!r}; use e.g. 1GiB, 512MiB or plain bytes")
+    number, unit = match.groups()
+    scale = _UNITS[(unit or "").upper()[:1] if unit and unit.upper() != "B" else ""]
+    return int(float(number) * scale)
+
+
+def default_socket_path() -> str:
+    runtime = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return str(Path(runtime) / "offloadd.sock")
+
+
+@dataclass(kw_only=True)
+class DaemonConfig:
+    socket: str = field(default_factory=default_socket_path)
+    """Path of the unix control socket."""
+    arena_size: int = 1 << 30
+    """Total pinned DRAM (bytes) for all job arenas together; a hard limit."""
+    job_arena_share: float = 0.5
+    """Fraction of the free budget a job gets when its hello names no size (0 < x <= 1)."""
+    swap_dirs: list[str] = field(default_factory=list)
+    """Directories (ideally one per NVMe drive) holding the swap files."""
+    swap_size: int = 64 << 30
+    """Swap budget per swap dir, bytes."""
+    chunk_size: int = 4 << 20
+    """Swap IO chunk, bytes (multiple of 4 KiB); shards are striped across dirs in chunks."""
+    io_engine: IOEngineKind = "auto"
+    """Which IO engine moves chunks between the arena and swap files."""
+    io_queue_depth: int = 32
+    """Swap requests in flight per daemon."""
+    recover: bool = False
+    """At start, restore every job from the last flushed manifest in the swap dirs."""
+    metrics_addr: str | None = None
+    """HOST:PORT for the Prometheus /metrics endpoint; None disables it."""
+    log_level: LogLevel = "info"
+    """Log verbosity."""
+    allowed_uids: list[int] = field(default_factory=lambda: [os.getuid()])
+    """Peer uids allowed to connect (checked with SO_PEERCRED); root is always allowed."""
+    mlock: bool = True
+    """Lock arenas in RAM when RLIMIT_MEMLOCK allows."""
+    optimizer_threads: int = 0
+    """Threads for the CPU optimizer step; 0 = one per core."""
+    watchdog: bool = True
+    """Answer systemd's watchdog (WATCHDOG_USEC) from the event loop."""
+
+    def __post_init__(self) -> None:
+        self.arena_size = parse_size(self.arena_size, knob="arena_size")
+        self.swap_size = parse_size(self.swap_size, knob="swap_size")
+        self.chunk_size = parse_size(self.chunk_size, knob="chunk_size")
+        if self.arena_size < 4096:
+            raise ValueError(f"arena_size must be at least 4KiB, got {self.arena_size} bytes")
+        if not 0 < self.job_arena_share <= 1:
+            raise ValueError(f"job_arena_share must be in (0, 1], got {self.job_arena_share}")
+        if self.chunk_size <= 0 or self.chunk_size % 4096:
+            raise ValueError(f"chunk_size must be a positive multiple of 4KiB, got {self.chunk_size}")
+        if self.io_queue_depth < 1:
+            raise ValueError(f"io_queue_depth must be >= 1, got {self.io_queue_depth}")
+        if self.log_level not in ("debug", "info", "warning", "error"):
+            raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
+        if self.io_engine not in ("auto", "native", "io_uring", "threads", "python"):
+            raise ValueError(
+                f"io_engine must be auto|native|io_uring|threads|python, got {self.io_engine!r}"
+            )
+        if self.metrics_addr is not None:
+            parse_host_port(self.metrics_addr)
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> DaemonConfig:
+        """Load a TOML file whose keys are the field names (``-`` or ``_``); overrides win."""
+        with open(path, "rb") as handle:
+            raw = tomllib.load(handle)
+        raw = raw.get("offloadd", raw)
+        values = {key.replace("-", "_"): value for key, value in raw.items()}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{path}: unknown keys {unknown}; known keys are {sorted(known)}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**values)
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"metrics_addr must be HOST:PORT, got {text!r}")
+    return host or "127.0.0.1", int(port)

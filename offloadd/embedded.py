@@ -1,0 +1,102 @@
+"""A private daemon in a child process: for the demo, the tests and the engine's default."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO
+
+
+class DaemonStartError(RuntimeError):
+    pass
+
+
+class PrivateDaemon:
+    """``offloadd serve`` as a child process on a socket in a private directory."""
+
+    def __init__(self, process: subprocess.Popen[bytes], socket_path: str, workdir: str,
+                 log_path: str, owns_workdir: tempfile.TemporaryDirectory[str] | None) -> None:
+        self.process = process
+        self.socket_path = socket_path
+        self.workdir = workdir
+        self.log_path = log_path
+        self._owned = owns_workdir
+
+    @classmethod
+    def start(cls, workdir: str | os.PathLike[str] | None = None, *,
+              arena_size: int | str = 256 << 20, swap_dirs: list[str] | None = None,
+              extra_args: list[str] | None = None, timeout_s: float = 30.0) -> PrivateDaemon:
+        owned = None
+        if workdir is None:
+            owned = tempfile.TemporaryDirectory(prefix="offloadd-")
+            workdir = owned.name
+        workdir = str(workdir)
+        os.makedirs(workdir, exist_ok=True)
+        socket_path = os.path.join(workdir, "offloadd.sock")
+        args = [sys.executable, "-m", "offloadd", "serve", "--socket", socket_path,
+                "--arena-size", str(arena_size), "--log-level", "info"]
+        for swap_dir in swap_dirs or []:
+            args += ["--swap-dir", str(swap_dir)]
+        args += extra_args or []
+        log_path = os.path.join(workdir, "offloadd.log")
+        with open(log_path, "ab") as log_file:
+            process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log_file)
+        daemon = cls(process, socket_path, workdir, log_path, owned)
+        daemon._wait_ready(timeout_s)
+        return daemon
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        line = _read_line(self.process.stdout, deadline)
+        if not line.startswith("offloadd ready"):
+            self.process.kill()
+            self.process.wait()
+            tail = Path(self.log_path).read_text(errors="replace")[-2000:]
+            raise DaemonStartError(f"private offloadd did not start (got {line!r}):\n{tail}")
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM and wait; returns the exit code (killed after ``timeout_s``)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        if self._owned is not None:
+            self._owned.cleanup()
+            self._owned = None
+        return self.process.returncode
+
+    def __enter__(self) -> PrivateDaemon:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _read_line(stream: IO[bytes], deadline: float) -> str:
+    fd = stream.fileno()
+    data = b""
+    while not data.endswith(b"\n"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+            break
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").strip()

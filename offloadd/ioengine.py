@@ -1,0 +1,516 @@
+"""Asynchronous file IO for the NVMe tier, usable from the daemon's event loop.
+
+Every engine takes (op, fd, offset, buffer) requests, keeps many in flight,
+and resolves one asyncio future per request on the loop thread.  The loop
+itself never blocks on IO:
+
+- ``NativeEngine(kind="io_uring")``: io_uring through raw syscalls; the ring
+  signals an eventfd that the loop watches with ``add_reader``.
+- ``NativeEngine(kind="threads")``: a native pthread pool doing pread/pwrite,
+  same eventfd delivery; for kernels or sandboxes without io_uring.
+- ``ThreadPoolEngine``: os.preadv/os.pwritev in Python threads; works without
+  the compiled module.
+
+Every completion is checked: an errno becomes IOEngineError, and a transfer
+that ends early (end of file, no space) is an error carrying the byte count
+done, never a silent partial success.
+
+Usage: create and use an engine from coroutines running on one event loop
+(it binds to the first loop that submits), and ``await engine.aclose()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import errno
+import fcntl
+import functools
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+try:
+    import offloadd._native as _native
+except ImportError:  # the package must work without its compiled part
+    _native = None
+
+__all__ = [
+    "EngineKind",
+    "IOEngine",
+    "IOEngineError",
+    "NativeEngine",
+    "ThreadPoolEngine",
+    "available_engine_kinds",
+    "is_direct_aligned",
+    "open_engine",
+]
+
+logger = logging.getLogger(__name__)
+
+OpName = Literal["read", "write"]
+FaultOp = Literal["read", "write", "any"]
+EngineKind = Literal["auto", "native", "io_uring", "threads", "python"]
+
+DIRECT_IO_ALIGNMENT = 4096  # bytes; the logical block size of 4Kn drives, so safe on all
+MAX_QUEUE_DEPTH = 4096
+
+
+class IOEngineError(OSError):
+    """A failed or short read/write, with where it happened.
+
+    ``nbytes_done`` is set for short transfers (end of file on a read, no
+    progress on a write) and for errors after partial progress; it is None
+    for requests that failed before moving any data.
+    """
+
+    def __init__(
+        self,
+        error: int,
+        message: str,
+        *,
+        op: OpName,
+        fd: int,
+        offset: int,
+        nbytes: int,
+        nbytes_done: int | None = None,
+        path: str | None = None,
+    ) -> None:
+        super().__init__(error, message)
+        self.op = op
+        self.fd = fd
+        self.path = path
+        self.offset = offset
+        self.nbytes = nbytes
+        self.nbytes_done = nbytes_done
+
+    def __str__(self) -> str:
+        where = self.path if self.path is not None else f"fd {self.fd}"
+        done = "" if self.nbytes_done is None else f", {self.nbytes_done} done"
+        return (
+            f"[Errno {self.errno}] {self.strerror}: {self.op} of {self.nbytes} bytes "
+            f"at offset {self.offset} of {where}{done}"
+        )
+
+
+@dataclass(slots=True)
+class _Request:
+    op: OpName
+    fd: int
+    offset: int
+    view: memoryview  # Hazard: keeps the caller's buffer alive until the kernel is done with it
+    address: int
+    future: asyncio.Future[None]
+    fault_errno: int  # nonzero: injected failure, the file is not touched
+
+
+@dataclass(slots=True)
+class _Fault:
+    countdown: int  # matching requests still to pass before this one fails
+    error: int
+    op: FaultOp
+
+
+@dataclass(slots=True)
+class _Counters:
+    """Plain fields, bumped on the loop thread; exported by stats()."""
+
+    submitted: int = 0
+    completed: int = 0
+    failed: int = 0
+    in_flight: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+def _buffer_address(view: memoryview) -> int:
+    # numpy reads the address of read-only buffers too (ctypes.from_buffer cannot).
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+def _byte_view(buf: Any, *, writable: bool) -> memoryview:
+    try:
+        view = memoryview(buf).cast("B")
+    except TypeError as exc:
+        raise ValueError(f"buf must be a C-contiguous buffer: {exc}") from None
+    if writable and view.readonly:
+        view.release()
+        raise ValueError("buf must be writable for a read (got a read-only buffer)")
+    return view
+
+
+def is_direct_aligned(
+    buf: Any, offset: int, nbytes: int, alignment: int = DIRECT_IO_ALIGNMENT
+) -> bool:
+    """Whether buf's address, offset and nbytes all meet O_DIRECT's alignment."""
+    with memoryview(buf).cast("B") as view:
+        address = _buffer_address(view)
+    return address % alignment == 0 and offset % alignment == 0 and nbytes % alignment == 0
+
+
+def _fd_path(fd: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return None
+
+
+class IOEngine(abc.ABC):
+    """Common request bookkeeping: validation, faults, stats, completion.
+
+    Subclasses implement `_start` (hand a request to the backend) and call
+    `_finish` on the loop thread when it completes.
+    """
+
+    name: str
+
+    def __init__(self) -> None:
+        self._counters = _Counters()
+        self._faults: list[_Fault] = []
+        self._direct_fds: dict[int, bool] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing = False
+        self._drained: asyncio.Future[None] | None = None
+
+    async def read(self, fd: int, offset: int, buf: Any) -> None:
+        """Fill all of buf from fd at offset; a short read raises IOEngineError."""
+        await self.submit("read", fd, offset, buf)
+
+    async def write(self, fd: int, offset: int, buf: Any) -> None:
+        """Write all of buf to fd at offset; a short write raises IOEngineError."""
+        await self.submit("write", fd, offset, buf)
+
+    def submit(self, op: OpName, fd: int, offset: int, buf: Any) -> asyncio.Future[None]:
+        """Start one request and return its future; call from the loop's thread.
+
+        Hazard: cancelling the future does not cancel the IO; the engine
+        keeps the buffer referenced until the kernel has finished with it.
+        """
+        loop = asyncio.get_running_loop()
+        if self._closing:
+            raise RuntimeError(f"{self.name} engine is closed")
+        self._bind_loop(loop)
+        request = self._make_request(loop, op, fd, offset, buf)
+        try:
+            self._start(request)
+        except BaseException:
+            request.view.release()
+            raise
+        self._counters.submitted += 1
+        self._counters.in_flight += 1
+        return request.future
+
+    def inject_fault(self, *, nth: int, errno: int = errno.EIO, op: FaultOp = "any") -> None:
+        """Test hook: the nth matching request from now fails with errno, file untouched."""
+        if nth < 1:
+            raise ValueError(f"nth must be >= 1 (1 = the next request), got {nth}")
+        if errno <= 0:
+            raise ValueError(f"errno must be a positive errno value, got {errno}")
+        if op not in ("read", "write", "any"):
+            raise ValueError(f"op must be 'read', 'write' or 'any', got {op!r}")
+        self._faults.append(_Fault(nth, errno, op))
+
+    def stats(self) -> dict[str, int]:
+        c = self._counters
+        return {
+            "submitted": c.submitted,
+            "completed": c.completed,
+            "failed": c.failed,
+            "in_flight": c.in_flight,
+            "bytes_read": c.bytes_read,
+            "bytes_written": c.bytes_written,
+        }
+
+    def forget_fd(self, fd: int) -> None:
+        """Drop the cached O_DIRECT flag of fd; call before its number is reused."""
+        self._direct_fds.pop(fd, None)
+
+    async def aclose(self) -> None:
+        """Refuse new requests, wait for those in flight, release the backend."""
+        if self._closing:
+            return
+        self._closing = True
+        if self._counters.in_flight:
+            assert self._loop is not None
+            self._drained = self._loop.create_future()
+            await self._drained
+        self._close_backend()
+
+    @abc.abstractmethod
+    def _start(self, request: _Request) -> None: ...
+
+    @abc.abstractmethod
+    def _close_backend(self) -> None: ...
+
+    @abc.abstractmethod
+    def _on_bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The first submit binds the engine to its loop: register with it."""
+
+    def _bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._loop is None:
+            self._loop = loop
+            self._on_bind(loop)
+        elif self._loop is not loop:
+            raise RuntimeError(f"{self.name} engine is bound to another event loop")
+
+    def _make_request(
+        self, loop: asyncio.AbstractEventLoop, op: OpName, fd: int, offset: int, buf: Any
+    ) -> _Request:
+        if op not in ("read", "write"):
+            raise ValueError(f"op must be 'read' or 'write', got {op!r}")
+        if offset < 0:
+            raise ValueError(f"offset must be >= 0, got {offset}")
+        view = _byte_view(buf, writable=op == "read")
+        address = _buffer_address(view)
+        if self._is_direct(fd):
+            self._check_direct_alignment(fd, offset, view.nbytes, address)
+        fault = self._take_fault(op)
+        return _Request(op, fd, offset, view, address, loop.create_future(), fault)
+
+    def _is_direct(self, fd: int) -> bool:
+        direct = self._direct_fds.get(fd)
+        if direct is None:
+            direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT)
+            self._direct_fds[fd] = direct
+        return direct
+
+    @staticmethod
+    def _check_direct_alignment(fd: int, offset: int, nbytes: int, address: int) -> None:
+        a = DIRECT_IO_ALIGNMENT
+        if address % a or offset % a or nbytes % a:
+            raise ValueError(
+                f"fd {fd} is opened with O_DIRECT: buffer address ({address:#x}), offset "
+                f"({offset}) and nbytes ({nbytes}) must all be multiples of {a}"
+            )
+
+    def _take_fault(self, op: OpName) -> int:
+        if not self._faults:
+            return 0
+        hit = 0
+        for fault in self._faults:
+            if fault.op in ("any", op):
+                fault.countdown -= 1
+                if fault.countdown == 0 and not hit:
+                    hit = fault.error
+        self._faults = [f for f in self._faults if f.countdown > 0]
+        return hit
+
+    def _finish(self, request: _Request, error: int, nbytes_done: int) -> None:
+        """Check one completion and resolve its future (loop thread only)."""
+        nbytes = request.view.nbytes
+        request.view.release()  # the kernel is done; let the caller close/resize its buffer
+        exc = self._completion_error(request, nbytes, error, nbytes_done)
+        counters = self._counters
+        counters.in_flight -= 1
+        if exc is not None:
+            counters.failed += 1
+        else:
+            counters.completed += 1
+            if request.op == "read":
+                counters.bytes_read += nbytes
+            else:
+                counters.bytes_written += nbytes
+        if not request.future.done():  # the caller may have cancelled it
+            if exc is not None:
+                request.future.set_exception(exc)
+            else:
+                request.future.set_result(None)
+        if counters.in_flight == 0 and self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+
+    @staticmethod
+    def _completion_error(
+        request: _Request, nbytes: int, error: int, nbytes_done: int
+    ) -> IOEngineError | None:
+        if error == 0 and nbytes_done == nbytes:
+            return None
+        details: dict[str, Any] = {
+            "op": request.op,
+            "fd": request.fd,
+            "offset": request.offset,
+            "nbytes": nbytes,
+            "path": _fd_path(request.fd),
+        }
+        if error:
+            done = nbytes_done if nbytes_done else None
+            return IOEngineError(error, os.strerror(error), nbytes_done=done, **details)
+        what = "end of file" if request.op == "read" else "no progress"
+        return IOEngineError(
+            errno.EIO, f"short {request.op} ({what})", nbytes_done=nbytes_done, **details
+        )
+
+
+def _blocking_transfer(request: _Request) -> tuple[int, int]:
+    """pread/pwrite the whole request in a worker thread; returns (errno, bytes done)."""
+    if request.fault_errno:
+        return request.fault_errno, 0
+    view, done, nbytes = request.view, 0, request.view.nbytes
+    while done < nbytes:
+        try:
+            if request.op == "read":
+                moved = os.preadv(request.fd, [view[done:]], request.offset + done)
+            else:
+                moved = os.pwritev(request.fd, [view[done:]], request.offset + done)
+        except OSError as exc:  # EINTR is already retried by Python (PEP 475)
+            return exc.errno or errno.EIO, done
+        if moved == 0:
+            break
+        done += moved
+    return 0, done
+
+
+class ThreadPoolEngine(IOEngine):
+    """os.preadv/os.pwritev in a thread pool; needs no compiled code."""
+
+    name = "python-threads"
+
+    def __init__(self, *, num_threads: int = 4) -> None:
+        super().__init__()
+        _check_positive("num_threads", num_threads)
+        self._executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=num_threads, thread_name_prefix="offloadd-io"
+        )
+
+    def _on_bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        pass  # workers reach the loop through call_soon_threadsafe; nothing to register
+
+    def _start(self, request: _Request) -> None:
+        self._executor.submit(self._run, request)
+
+    def _run(self, request: _Request) -> None:
+        error, done = _blocking_transfer(request)
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._finish, request, error, done)
+        except RuntimeError:
+            pass  # the loop was closed under us: nobody is left to notify
+
+    def _close_backend(self) -> None:
+        self._executor.shutdown(wait=False)  # drained already: workers are idle and exit
+
+
+class NativeEngine(IOEngine):
+    """io_uring (or a native pthread pool) with eventfd completion delivery."""
+
+    def __init__(
+        self,
+        kind: Literal["io_uring", "threads"] = "io_uring",
+        *,
+        queue_depth: int = 64,
+        num_threads: int = 4,
+    ) -> None:
+        super().__init__()
+        if _native is None:
+            raise RuntimeError("offloadd._native is not built; use ThreadPoolEngine")
+        _check_queue_depth(queue_depth)
+        _check_positive("num_threads", num_threads)
+        self._backend = _native.IoEngine(kind, queue_depth, num_threads)
+        self.kind: str = self._backend.kind
+        self.name = f"native-{self.kind}"
+        self._requests: dict[int, _Request] = {}
+        self._next_tag = 0
+
+    def _on_bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.add_reader(self._backend.event_fd, self._on_completions)
+
+    def _start(self, request: _Request) -> None:
+        tag = self._next_tag
+        self._next_tag += 1
+        op_code = 0 if request.op == "read" else 1
+        self._backend.submit(
+            tag,
+            op_code,
+            request.fd,
+            request.offset,
+            request.address,
+            request.view.nbytes,
+            request.fault_errno,
+        )
+        self._requests[tag] = request
+
+    def _on_completions(self) -> None:
+        for tag, error, nbytes_done in self._backend.reap():
+            self._finish(self._requests.pop(tag), error, nbytes_done)
+
+    def _close_backend(self) -> None:
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.remove_reader(self._backend.event_fd)
+        self._backend.close()
+
+
+def _check_positive(knob: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{knob} must be an int >= 1, got {value!r}")
+
+
+def _check_queue_depth(queue_depth: int) -> None:
+    if not isinstance(queue_depth, int) or not 1 <= queue_depth <= MAX_QUEUE_DEPTH:
+        raise ValueError(
+            f"queue_depth must be an int in [1, {MAX_QUEUE_DEPTH}], got {queue_depth!r}"
+        )
+
+
+@functools.cache
+def _io_uring_refusal() -> str | None:
+    """Why io_uring cannot be used here, or None if it can (probed once)."""
+    if _native is None:
+        return "offloadd._native is not built"
+    try:
+        _native.IoEngine("io_uring", 1, 1).close()
+    except OSError as exc:
+        return f"io_uring unavailable: {exc}"
+    return None
+
+
+def available_engine_kinds() -> list[str]:
+    """Concrete engine kinds that open_engine can create here."""
+    kinds = []
+    if _native is not None:
+        if _io_uring_refusal() is None:
+            kinds.append("io_uring")
+        kinds.append("threads")
+    return [*kinds, "python"]
+
+
+def open_engine(
+    kind: EngineKind = "auto", *, queue_depth: int = 64, num_threads: int = 4
+) -> IOEngine:
+    """Open the best engine for kind.
+
+    "auto"/"native" prefer io_uring, then native threads ("auto" finally falls
+    back to Python threads); "io_uring", "threads" and "python" insist on that
+    engine.  queue_depth bounds io_uring requests in the kernel (more wait in
+    a backlog); num_threads sizes the thread-based engines.
+    """
+    _check_queue_depth(queue_depth)
+    _check_positive("num_threads", num_threads)
+    if kind == "python":
+        engine: IOEngine = ThreadPoolEngine(num_threads=num_threads)
+    elif kind in ("io_uring", "threads"):
+        engine = NativeEngine(kind, queue_depth=queue_depth, num_threads=num_threads)
+    elif kind in ("auto", "native"):
+        engine = _open_best(kind, queue_depth, num_threads)
+    else:
+        raise ValueError(
+            f"kind must be one of 'auto', 'native', 'io_uring', 'threads', 'python'; got {kind!r}"
+        )
+    logger.info("io engine: %s (requested %r)", engine.name, kind)
+    return engine
+
+
+def _open_best(kind: EngineKind, queue_depth: int, num_threads: int) -> IOEngine:
+    refusal = _io_uring_refusal()
+    if refusal is None:
+        return NativeEngine("io_uring", queue_depth=queue_depth, num_threads=num_threads)
+    if _native is not None:
+        logger.info("io engine: %s; using native threads", refusal)
+        return NativeEngine("threads", queue_depth=queue_depth, num_threads=num_threads)
+    if kind == "native":
+        raise RuntimeError("open_engine('native'): offloadd._native is not built")
+    logger.info("io engine: %s; using Python threads", refusal)
+    return ThreadPoolEngine(num_threads=num_threads)
+

@@ -1,0 +1,298 @@
+"""Jobs: a job's arena and shard table, and the operations ranks run on them.
+
+Each operation has a synchronous fast path (everything it needs is already in
+the arena) that answers without creating a task, and an asynchronous slow
+path used only when the swap tier must evict or read first. The daemon's
+per-request cost is therefore a dict lookup and an allocator call, not a
+task switch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Protocol
+
+from offloadd.arena import Arena, align_up
+from offloadd.errors import (
+    InvalidRequestError,
+    LeaseConflictError,
+    NoSwapError,
+    OverBudgetError,
+    UnknownShardError,
+)
+from offloadd.protocol import Placed, check_ids
+from offloadd.shards import (
+    Lease,
+    Residency,
+    Shard,
+    ShardTable,
+    check_mode,
+    check_shard_ids,
+    give_back,
+    grant,
+)
+
+if TYPE_CHECKING:
+    pass
+
+log = logging.getLogger(__name__)
+
+
+class SwapTier(Protocol):
+    """What a job needs from the NVMe tier (offloadd.nvme); absent without --swap-dir."""
+
+    async def make_room(self, table: ShardTable, nbytes: int) -> None: ...
+    async def read_in(self, table: ShardTable, shard: Shard) -> None: ...
+    def note_access(self, table: ShardTable, shard: Shard) -> None: ...
+    def step_begin(self, table: ShardTable, rank: int) -> None: ...
+    def prefetch(self, table: ShardTable, shards: list[Shard], deadline_s: float) -> None: ...
+    async def flush(self, table: ShardTable, tag: str | None) -> int: ...
+    def forget(self, table: ShardTable, shard: Shard) -> None: ...
+
+
+class Job:
+    """One training job: its arena, its shards and the sessions of its ranks."""
+
+    def __init__(self, name: str, arena: Arena, tier: SwapTier | None = None) -> None:
+        self.name = name
+        self.arena = arena
+        self.table = ShardTable(name, arena)
+        self.tier = tier
+        self.num_sessions = 0
+
+    # -- alloc / acquire ------------------------------------------------------------
+
+    def alloc(self, rank: int, ids: list[str], nbytes: list[int], dtypes: list[str],
+              leases: dict[Shard, Lease] | None = None, mode: str | None = None
+              ) -> Placed | Awaitable[Placed]:
+        """Create shards (existing ones must match size and dtype) and optionally lease them."""
+        check_ids(ids, nbytes, dtypes)
+        check_shard_ids(ids)
+        shards = [self._find_or_create(rank, i, n, d) for i, n, d in zip(ids, nbytes, dtypes)]
+        return self._serve(shards, leases, mode)
+
+    def acquire(self, rank: int, ids: list[str], mode: str, leases: dict[Shard, Lease]
+                ) -> Placed | Awaitable[Placed]:
+        check_mode(mode)
+        return self._serve(self.table.lookup(rank, ids), leases, mode)
+
+    def _find_or_create(self, rank: int, shard_id: str, nbytes: int, dtype: str) -> Shard:
+        shard = self.table.shards.get((rank, shard_id))
+        if shard is None:
+            return self.table.create(rank, shard_id, nbytes, dtype)
+        self.table.matches(shard, nbytes, dtype)
+        return shard
+
+    def _serve(self, shards: list[Shard], leases: dict[Shard, Lease] | None, mode: str | None
+               ) -> Placed | Awaitable[Placed]:
+        if leases is not None and mode is not None:
+            self._check_grantable(shards, mode, leases)
+        if all(s.in_arena for s in shards) or self._place_now(shards):
+            return self._lease_and_reply(shards, leases, mode)
+        return self._serve_slow(shards, leases, mode)
+
+    def _check_grantable(self, shards: list[Shard], mode: str, leases: dict[Shard, Lease]
+                         ) -> None:
+        """Fail the whole batch before taking any lease, so a conflict leaks nothing."""
+        seen: set[int] = set()
+        for shard in shards:
+            if mode == "w" and (shard.leased or id(shard) in seen):
+                raise LeaseConflictError(
+                    f"shard {shard.shard_id!r} is already leased; release it before writing",
+                    [shard.shard_id],
+                )
+            if mode == "r" and shard.writer:
+                raise LeaseConflictError(
+                    f"shard {shard.shard_id!r} is leased for writing; release it first",
+                    [shard.shard_id],
+                )
+            seen.add(id(shard))
+
+    def _place_now(self, shards: list[Shard]) -> bool:
+        """Place never-written shards that fit right now; anything needing IO goes slow."""
+        for shard in shards:
+            if shard.in_arena:
+                continue
+            if shard.swap is not None or shard.residency is Residency.READING:
+                return False
+            if not self.table.try_place(shard):
+                if self.tier is None:
+                    self._raise_arena_full(shard)
+                return False
+            shard.residency = Residency.ARENA_DIRTY
+        return True
+
+    def _raise_arena_full(self, shard: Shard) -> None:
+        allocator = self.arena.allocator
+        raise OverBudgetError(
+            f"job {self.name!r} arena is full: shard {shard.shard_id!r} needs "
+            f"{shard.arena_nbytes} bytes, {allocator.free_nbytes} free (largest extent "
+            f"{allocator.largest_free()}) of {self.arena.nbytes}; drop shards, ask for a "
+            "larger arena_nbytes at hello, or start the daemon with --swap-dir",
+            [shard.shard_id],
+        )
+
+    async def _serve_slow(self, shards: list[Shard], leases: dict[Shard, Lease] | None,
+                          mode: str | None) -> Placed:
+        assert self.tier is not None
+        self._check_pinned_fit(shards)
+        for shard in shards:
+            await self._make_resident(shard)
+        # Another request may have taken a conflicting lease while we waited for IO.
+        if leases is not None and mode is not None:
+            self._check_grantable(shards, mode, leases)
+        for shard in shards:
+            if not shard.in_arena:  # evicted again while a later shard was read in
+                await self._make_resident(shard)
+        return self._lease_and_reply(shards, leases, mode)
+
+    def _check_pinned_fit(self, shards: list[Shard]) -> None:
+        need = sum(s.arena_nbytes for s in set(shards))
+        leased = self.table.leased_nbytes()
+        if need + leased > self.arena.nbytes:
+            raise OverBudgetError(
+                f"job {self.name!r}: {need} bytes requested while {leased} bytes are leased, "
+                f"arena is {self.arena.nbytes}; release leases or request fewer shards at once",
+                [s.shard_id for s in shards],
+            )
+
+    async def _make_resident(self, shard: Shard) -> None:
+        assert self.tier is not None
+        while not shard.in_arena:
+            if (shard.rank, shard.shard_id) not in self.table.shards:
+                raise UnknownShardError(f"shard {shard.shard_id!r} was dropped", [shard.shard_id])
+            if shard.residency is Residency.READING or shard.swap is not None:
+                await self.tier.read_in(self.table, shard)
+            elif self.table.try_place(shard):
+                shard.residency = Residency.ARENA_DIRTY
+            else:
+                await self.tier.make_room(self.table, shard.arena_nbytes)
+
+    def _lease_and_reply(self, shards: list[Shard], leases: dict[Shard, Lease] | None,
+                         mode: str | None) -> Placed:
+        table = self.table
+        offsets: list[int] = []
+        for shard in shards:
+            if leases is not None and mode is not None:
+                grant(leases, shard, mode)
+            table.touch(shard)
+            if self.tier is not None:
+                self.tier.note_access(table, shard)
+            offsets.append(shard.offset)  # type: ignore[arg-type]
+        return Placed(
+            0,
+            offsets,
+            [s.nbytes for s in shards],
+            [s.version for s in shards],
+            [s.dtype for s in shards],
+        )
+
+    # -- release / drop -------------------------------------------------------------
+
+    def release(self, rank: int, ids: list[str], dirty: bool, leases: dict[Shard, Lease]
+                ) -> None:
+        for shard in self.table.lookup(rank, ids):
+            give_back(leases, shard, dirty)
+
+    def drop(self, rank: int, ids: list[str]) -> None:
+        shards = self.table.lookup(rank, ids)
+        busy = [s.shard_id for s in shards if s.leased or s.residency is Residency.READING]
+        if busy:
+            raise LeaseConflictError(f"cannot drop leased or in-flight shard(s) {busy[:8]}", busy)
+        for shard in shards:
+            if self.tier is not None:
+                self.tier.forget(self.table, shard)
+            self.table.remove(shard)
+
+    def release_all(self, leases: dict[Shard, Lease]) -> int:
+        """Free every lease of a session that went away; returns how many were held."""
+        count = 0
+        for shard, held in list(leases.items()):
+            if held.mode == "w":
+                # The writer died mid-update: keep its bytes and call them a new
+                # version so write-back persists what the arena now holds.
+                log.warning("event=writer_disconnected job=%s shard=%s", self.name, shard.shard_id)
+            while shard in leases:
+                give_back(leases, shard, dirty=held.mode == "w")
+                count += 1
+        return count
+
+    # -- step / prefetch / flush ----------------------------------------------------
+
+    def prefetch(self, rank: int, ids: list[str], deadline_s: float) -> None:
+        shards = self.table.lookup(rank, ids)
+        if self.tier is not None:
+            self.tier.prefetch(self.table, shards, deadline_s)
+
+    def step_begin(self, rank: int) -> None:
+        if self.tier is not None:
+            self.tier.step_begin(self.table, rank)
+
+    async def flush(self, tag: str | None) -> int:
+        if self.tier is None:
+            raise NoSwapError(
+                "flush persists shards to the swap tier; start the daemon with --swap-dir"
+            )
+        if tag is not None and (not tag or len(tag) > 128 or "/" in tag or tag.startswith(".")):
+            raise InvalidRequestError(f"flush tag must be 1..128 chars without '/', got {tag!r}")
+        return await self.tier.flush(self.table, tag)
+
+    def stats(self) -> dict[str, object]:
+        allocator = self.arena.allocator
+        residency = {state.value: 0 for state in Residency}
+        for shard in self.table.shards.values():
+            residency[shard.residency.value] += 1
+        return {
+            "arena_nbytes": self.arena.nbytes,
+            "arena_used_nbytes": allocator.used_nbytes,
+            "arena_largest_free_nbytes": allocator.largest_free(),
+            "arena_locked": self.arena.locked,
+            "num_shards": len(self.table.shards),
+            "shard_nbytes": sum(s.nbytes for s in self.table.shards.values()),
+            "leased_nbytes": self.table.leased_nbytes(),
+            "residency": residency,
+            "sessions": self.num_sessions,
+        }
+
+
+class JobRegistry:
+    """Every job on the node, and the node-wide DRAM budget they share."""
+
+    def __init__(self, budget_nbytes: int, share: float, *, lock: bool = True) -> None:
+        self.budget_nbytes = budget_nbytes
+        self.share = share
+        self.lock = lock
+        self.jobs: dict[str, Job] = {}
+
+    @property
+    def reserved_nbytes(self) -> int:
+        return sum(job.arena.nbytes for job in self.jobs.values())
+
+    def open(self, name: str, requested_nbytes: int) -> tuple[Job, bool]:
+        """Return the job, creating its arena on first hello; second value: created."""
+        job = self.jobs.get(name)
+        if job is not None:
+            return job, False
+        free = self.budget_nbytes - self.reserved_nbytes
+        nbytes = align_up(requested_nbytes) if requested_nbytes else self._fair_share(free)
+        if nbytes > free or nbytes <= 0:
+            raise OverBudgetError(
+                f"job {name!r} asks for a {requested_nbytes or nbytes}-byte arena but only "
+                f"{free} of the daemon's {self.budget_nbytes}-byte budget is free; ask for less "
+                "or raise --arena-size"
+            )
+        job = Job(name, Arena(name, nbytes, lock=self.lock))
+        self.jobs[name] = job
+        return job, True
+
+    def _fair_share(self, free: int) -> int:
+        return min(align_up(int(free * self.share)), free // 4096 * 4096)
+
+    def close_job(self, name: str) -> None:
+        job = self.jobs.pop(name)
+        job.arena.close()
+
+    def close(self) -> None:
+        for name in list(self.jobs):
+            self.close_job(name)

@@ -1,0 +1,160 @@
+"""Prometheus metrics, counted in plain fields on the hot path and exported at scrape time.
+
+The request path only increments integers in dicts and lists it owns; the
+prometheus-client collector turns them into metric families when /metrics is
+scraped (from the HTTP server's thread). That keeps per-request cost to a
+few hundred nanoseconds and keeps label cardinality bounded: labels are op,
+status, job, swap dir and reason, never shard ids.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS_S = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5, 10.0,
+)
+
+
+class Histogram:
+    """Fixed-bucket histogram counted in a list; exported cumulatively at scrape time."""
+
+    __slots__ = ("bounds", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        running, out = 0, []
+        for bound, count in zip((*self.bounds, float("inf")), self.counts):
+            running += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        return out
+
+
+def histogram_family(name: str, doc: str, labelnames: list[str],
+                     series: Iterable[tuple[list[str], Histogram]]) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, doc, labels=labelnames)
+    for labels, hist in series:
+        family.add_metric(labels, hist.buckets(), hist.total)
+    return family
+
+
+class Counters:
+    """A labelled counter kept as ``dict[label tuple, number]``."""
+
+    def __init__(self, name: str, doc: str, labelnames: list[str]) -> None:
+        self.name, self.doc, self.labelnames = name, doc, labelnames
+        self.values: defaultdict[tuple[str, ...], float] = defaultdict(float)
+
+    def add(self, labels: tuple[str, ...], amount: float = 1.0) -> None:
+        self.values[labels] += amount
+
+    def family(self) -> CounterMetricFamily:
+        family = CounterMetricFamily(self.name, self.doc, labels=self.labelnames)
+        for labels, value in list(self.values.items()):
+            family.add_metric(list(labels), value)
+        return family
+
+
+MetricSource = Callable[[], Iterable[Metric]]
+
+
+class DaemonMetrics:
+    """The daemon's metric state; components register sources for their own families."""
+
+    def __init__(self) -> None:
+        self.requests = Counters(
+            "offloadd_requests", "Control requests handled, by op and status.", ["op", "status"]
+        )
+        self.request_seconds: defaultdict[str, Histogram] = defaultdict(Histogram)
+        self.loop_lag = Histogram((1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0))
+        self.sessions_opened = Counters(
+            "offloadd_sessions_opened", "Sessions opened since start, by outcome.", ["outcome"]
+        )
+        self.bad_frames = Counters(
+            "offloadd_bad_frames", "Frames rejected at the protocol boundary.", ["reason"]
+        )
+        self.sources: list[MetricSource] = []
+
+    def observe_request(self, op: str, status: str, seconds: float) -> None:
+        self.requests.values[(op, status)] += 1
+        self.request_seconds[op].observe(seconds)
+
+    def own_families(self) -> Iterator[Metric]:
+        yield self.requests.family()
+        yield self.sessions_opened.family()
+        yield self.bad_frames.family()
+        yield histogram_family(
+            "offloadd_request_duration_seconds",
+            "Time from decoding a request to queuing its reply.",
+            ["op"],
+            [([op], hist) for op, hist in list(self.request_seconds.items())],
+        )
+        yield histogram_family(
+            "offloadd_event_loop_lag_seconds",
+            "How late the event loop ran a periodic timer (loop health).",
+            [],
+            [([], self.loop_lag)],
+        )
+
+
+class _Collector:
+    def __init__(self, metrics: DaemonMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.metrics.own_families()
+        for source in list(self.metrics.sources):
+            try:
+                yield from source()
+            except Exception:  # a broken source must not take /metrics down
+                log.exception("event=metrics_source_failed source=%r", source)
+
+
+def build_registry(metrics: DaemonMetrics) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(metrics))  # type: ignore[arg-type]
+    return registry
+
+
+def gauge(name: str, doc: str, value: float, labelnames: list[str] | None = None,
+          series: Iterable[tuple[list[str], float]] | None = None) -> GaugeMetricFamily:
+    if labelnames is None:
+        return GaugeMetricFamily(name, doc, value=value)
+    family = GaugeMetricFamily(name, doc, labels=labelnames)
+    for labels, sample in series or ():
+        family.add_metric(labels, sample)
+    return family
+
+
+def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> Any:
+    """Start the /metrics HTTP server on its own thread; returns the server (has .shutdown())."""
+    from prometheus_client import start_http_server
+
+    result = start_http_server(port, addr=host, registry=registry)
+    server = result[0] if isinstance(result, tuple) else result
+    log.info("event=metrics_listening addr=%s:%d", host, server.server_address[1])
+    return server
+
+

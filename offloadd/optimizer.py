@@ -1,0 +1,148 @@
+"""The optimizer service: Adam/AdamW over a unit's shards, in place in the arena.
+
+A rank asks for ``optimizer_step(unit)`` once the unit's reduced gradient is
+in ``{unit}.grad``; the daemon leases ``{unit}.master``, ``.exp_avg``,
+``.exp_avg_sq`` (fp32) and ``.grad`` (fp32 or bf16), runs the fused kernel on
+a worker thread (the loop never blocks), writes the updated parameter into
+``{unit}.param`` in that shard's dtype when it exists, and releases the
+updated shards dirty so the swap tier persists them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+import torch
+
+from offloadd.errors import InvalidRequestError, UnknownShardError
+from offloadd.metrics import Counters, Histogram, histogram_family
+from offloadd.shards import Lease, Shard
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
+
+    from offloadd.jobs import Job
+    from offloadd.protocol import OptimizerStep
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+STATE_SUFFIXES = ("master", "exp_avg", "exp_avg_sq", "grad")
+
+
+def element_count(shard: Shard) -> int:
+    return shard.nbytes // TORCH_DTYPES[shard.dtype].itemsize
+
+
+def check_unit_shards(unit: str, state: list[Shard], param: Shard | None) -> None:
+    """The step's shards must agree on element count and carry the expected dtypes."""
+    master, exp_avg, exp_avg_sq, grad = state
+    for shard in (master, exp_avg, exp_avg_sq):
+        if shard.dtype != "float32":
+            raise InvalidRequestError(
+                f"{shard.shard_id!r} must be float32 for the optimizer step, not {shard.dtype}")
+    if grad.dtype not in ("float32", "bfloat16"):
+        raise InvalidRequestError(f"{grad.shard_id!r} must be float32 or bfloat16")
+    if param is not None and param.dtype not in ("float32", "bfloat16", "float16"):
+        raise InvalidRequestError(f"{param.shard_id!r} must be float32, bfloat16 or float16")
+    numel = element_count(master)
+    for shard in (exp_avg, exp_avg_sq, grad, *((param,) if param else ())):
+        if element_count(shard) != numel:
+            raise InvalidRequestError(
+                f"unit {unit!r}: {shard.shard_id!r} has {element_count(shard)} elements, "
+                f"{master.shard_id!r} has {numel}")
+
+
+class OptimizerService:
+    """Runs optimizer steps for every job on one worker thread (the kernel is multithreaded)."""
+
+    def __init__(self, num_threads: int = 0) -> None:
+        self.num_threads = num_threads or None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offloadd-adam")
+        self.step_seconds = Histogram()
+        self.steps = Counters("offloadd_optimizer_steps", "Optimizer steps run, by status.",
+                              ["status"])
+        self.elements = 0
+
+    async def step(self, job: Job, rank: int, req: OptimizerStep) -> None:
+        if req.step < 1:
+            raise InvalidRequestError(f"optimizer step count must be >= 1, got {req.step}")
+        ids = [f"{req.unit}.{suffix}" for suffix in STATE_SUFFIXES]
+        state = job.table.lookup(rank, ids)
+        param = job.table.shards.get((rank, f"{req.unit}.param"))
+        check_unit_shards(req.unit, state, param)
+        shards = [*state, *((param,) if param else ())]
+        leases: dict[Shard, Lease] = {}
+        placed = job.acquire(rank, [s.shard_id for s in shards], "w", leases)
+        if not hasattr(placed, "offsets"):
+            placed = await placed  # type: ignore[misc]
+        started = time.perf_counter()
+        ok = False
+        try:
+            views = [self._tensor(job, shard) for shard in shards]
+            await asyncio.get_running_loop().run_in_executor(
+                self.executor, self._run, views, req)
+            ok = True
+        finally:
+            self._finish(job, rank, shards, leases, ok, started)
+
+    def _finish(self, job: Job, rank: int, shards: list[Shard], leases: dict[Shard, Lease],
+                ok: bool, started: float) -> None:
+        # The gradient is consumed, not changed; the rest is dirty only if the kernel ran.
+        for shard in shards:
+            if (rank, shard.shard_id) not in job.table.shards:
+                raise UnknownShardError(f"{shard.shard_id!r} vanished during the step")
+            dirty = ok and not shard.shard_id.endswith(".grad")
+            job.release(rank, [shard.shard_id], dirty, leases)
+        self.steps.add(("ok" if ok else "error",))
+        if ok:
+            self.step_seconds.observe(time.perf_counter() - started)
+            self.elements += element_count(shards[0])
+
+    @staticmethod
+    def _tensor(job: Job, shard: Shard) -> torch.Tensor:
+        assert shard.offset is not None
+        view = job.arena.slice(shard.offset, shard.nbytes)
+        return torch.frombuffer(view, dtype=TORCH_DTYPES[shard.dtype])
+
+    def _run(self, views: list[torch.Tensor], req: OptimizerStep) -> None:
+        from offloadd import adam
+
+        master, exp_avg, exp_avg_sq, grad = views[:4]
+        adam.adam_step(
+            master, exp_avg, exp_avg_sq, grad,
+            step=req.step, lr=req.lr, beta1=req.beta1, beta2=req.beta2, eps=req.eps,
+            weight_decay=req.weight_decay, decoupled_weight_decay=req.decoupled_weight_decay,
+            grad_scale=req.grad_scale, param_out=views[4] if len(views) > 4 else None,
+            num_threads=self.num_threads,
+        )
+
+    def families(self) -> list[Metric]:
+        from prometheus_client.core import CounterMetricFamily
+
+        elements = CounterMetricFamily(
+            "offloadd_optimizer_elements", "Parameters updated by the optimizer service.")
+        elements.add_metric([], self.elements)
+        return [
+            self.steps.family(),
+            elements,
+            histogram_family("offloadd_optimizer_step_duration_seconds",
+                             "Wall time of one unit's optimizer step.", [],
+                             [([], self.step_seconds)]),
+        ]
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)

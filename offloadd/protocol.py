@@ -1,0 +1,155 @@
+"""The control protocol: message types and framing, defined once for both sides.
+
+A frame is a 4-byte little-endian payload length followed by a msgpack
+payload encoding one tagged struct. Requests carry a request id (``rid``)
+that the reply echoes, so an asynchronous client can keep many requests in
+flight. Bulk data never crosses the socket: shards live in the shared arena
+and the replies carry arena offsets.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Literal
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<I")
+HEADER_NBYTES = HEADER.size
+MAX_FRAME_NBYTES = 16 << 20
+"""Largest accepted payload; a longer length prefix is a bad frame and closes the connection."""
+
+Mode = Literal["r", "w"]
+DTYPES = ("uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+"""Dtype tags a shard may carry; the tag only describes the bytes, the daemon never converts."""
+
+
+class Request(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    rid: int
+
+
+class Hello(Request, tag="hello"):
+    protocol_version: int
+    job: str
+    rank: int
+    world_size: int
+    local_rank: int = 0
+    device: str = "cpu"
+    arena_nbytes: int = 0  # 0: let the daemon pick a fair share
+
+
+class Alloc(Request, tag="alloc"):
+    ids: list[str]
+    nbytes: list[int]
+    dtypes: list[str]
+
+
+class Acquire(Request, tag="acquire"):
+    ids: list[str]
+    mode: Mode
+    create_nbytes: list[int] | None = None  # create missing shards with these sizes (put)
+    create_dtypes: list[str] | None = None
+
+
+class Release(Request, tag="release"):
+    ids: list[str]
+    dirty: bool
+
+
+class Drop(Request, tag="drop"):
+    ids: list[str]
+
+
+class Prefetch(Request, tag="prefetch"):
+    ids: list[str]
+    deadline_s: float = 0.0  # seconds from now when the shards are needed; 0 = soon
+
+
+class StepBegin(Request, tag="step_begin"):
+    pass
+
+
+class Flush(Request, tag="flush"):
+    tag_name: str | None = None
+
+
+class Stats(Request, tag="stats"):
+    pass
+
+
+class OptimizerStep(Request, tag="optimizer_step"):
+    unit: str
+    step: int
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float = 0.0
+    decoupled_weight_decay: bool = True
+    grad_scale: float = 1.0
+
+
+AnyRequest = (
+    Hello | Alloc | Acquire | Release | Drop | Prefetch | StepBegin | Flush | Stats | OptimizerStep
+)
+
+
+class Reply(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
+    rid: int
+
+
+class HelloOk(Reply, tag="hello_ok"):
+    protocol_version: int
+    arena_nbytes: int
+    session_id: int
+    daemon_pid: int
+
+
+class Placed(Reply, tag="placed"):
+    """Where the requested shards live in the arena (alloc and acquire)."""
+
+    offsets: list[int]
+    nbytes: list[int]
+    versions: list[int]
+    dtypes: list[str]
+
+
+class Ok(Reply, tag="ok"):
+    pass
+
+
+class StatsOk(Reply, tag="stats_ok"):
+    stats: dict[str, object]
+
+
+class ErrorReply(Reply, tag="error"):
+    code: str
+    message: str
+    shard_ids: list[str] = []
+
+
+AnyReply = HelloOk | Placed | Ok | StatsOk | ErrorReply
+
+_request_encoder = msgspec.msgpack.Encoder()
+request_decoder = msgspec.msgpack.Decoder(AnyRequest)
+reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+
+
+def encode_frame(message: msgspec.Struct) -> bytes:
+    """Serialise one message with its length prefix."""
+    payload = _request_encoder.encode(message)
+    return HEADER.pack(len(payload)) + payload
+
+
+def check_length(nbytes: int) -> None:
+    """Reject a length prefix the daemon will never read (raises ValueError)."""
+    if nbytes > MAX_FRAME_NBYTES:
+        raise ValueError(f"frame of {nbytes} bytes exceeds the {MAX_FRAME_NBYTES}-byte limit")
+
+
+def check_ids(ids: list[str], *lists: list | None) -> None:
+    """Batched requests carry parallel lists; they must be the same length (ValueError)."""
+    for other in lists:
+        if other is not None and len(other) != len(ids):
+            raise ValueError(f"{len(ids)} ids but a parallel list of {len(other)} entries")

@@ -1,0 +1,210 @@
+"""The daemon: listens on the unix socket, owns jobs, tiers, metrics and the optimizer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from offloadd import __version__
+from offloadd.config import DaemonConfig, parse_host_port
+from offloadd.jobs import Job, JobRegistry
+from offloadd.metrics import DaemonMetrics, build_registry, gauge, serve_metrics
+from offloadd.optimizer import OptimizerService
+from offloadd.session import Session
+
+log = logging.getLogger(__name__)
+LAG_PERIOD_S = 0.25
+
+
+def adam_kernel() -> str:
+    try:
+        from offloadd import adam
+    except ImportError:
+        return "unavailable"
+    return adam.active_kernel()
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd about readiness/watchdog when run as a Type=notify service."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock, contextlib.suppress(OSError):
+        sock.sendto(message.encode(), address)
+
+
+class Daemon:
+    """One per node. ``await start()`` then ``await wait_closed()``; ``stop()`` from anywhere."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.metrics = DaemonMetrics()
+        self.jobs = JobRegistry(config.arena_size, config.job_arena_share, lock=config.mlock)
+        self.optimizer = OptimizerService(config.optimizer_threads)
+        self.sessions: set[Session] = set()
+        self.swap: Any = None
+        self._session_ids = itertools.count(1)
+        self._server: asyncio.AbstractServer | None = None
+        self._metrics_server: Any = None
+        self._stopped = asyncio.Event()
+        self._background: list[asyncio.Task[None]] = []
+        self.started_at = time.time()
+        self.metrics.sources.append(self._families)
+        self.metrics.sources.append(self.optimizer.families)
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.config.swap_dirs:
+            from offloadd.nvme import SwapSpace
+
+            self.swap = SwapSpace(self.config, self.metrics)
+            await self.swap.open()
+            if self.config.recover:
+                await self.swap.recover(self.jobs)
+        self._server = await self._listen()
+        if self.config.metrics_addr:
+            host, port = parse_host_port(self.config.metrics_addr)
+            self._metrics_server = serve_metrics(build_registry(self.metrics), host, port)
+        self._background.append(asyncio.ensure_future(self._watch_loop_lag()))
+        sd_notify("READY=1")
+
+    async def _listen(self) -> asyncio.AbstractServer:
+        path = self.config.socket
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.exists(path) and not _socket_in_use(path):
+                os.unlink(path)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_unix_server(
+            lambda: Session(self, next(self._session_ids)), path, backlog=512)
+        os.chmod(path, 0o660)
+        return server
+
+    async def wait_closed(self) -> None:
+        await self._stopped.wait()
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def stop(self) -> None:
+        """Close the listener and every session, finish IO, release every arena."""
+        if self._server is not None:
+            self._server.close()
+        for session in list(self.sessions):
+            if session.transport is not None:
+                session.transport.close()
+        await asyncio.sleep(0)
+        for task in self._background:
+            task.cancel()
+        if self.swap is not None:
+            await self.swap.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+        self.optimizer.close()
+        self.jobs.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.config.socket)
+        self._stopped.set()
+
+    def on_job_opened(self, job: Job, created: bool) -> None:
+        if created and self.swap is not None:
+            job.tier = self.swap.tier_for(job)
+
+    # -- health and stats ---------------------------------------------------------
+
+    async def _watch_loop_lag(self) -> None:
+        """Measure how late timers fire; also feeds systemd's watchdog from the loop itself."""
+        loop = asyncio.get_running_loop()
+        watchdog = self.config.watchdog and bool(os.environ.get("WATCHDOG_USEC"))
+        while True:
+            expected = loop.time() + LAG_PERIOD_S
+            await asyncio.sleep(LAG_PERIOD_S)
+            self.metrics.loop_lag.observe(max(0.0, loop.time() - expected))
+            if watchdog:
+                sd_notify("WATCHDOG=1")
+
+    def node_stats(self) -> dict[str, object]:
+        return {
+            "daemon_pid": os.getpid(),
+            "daemon_version": __version__,
+            "uptime_s": time.time() - self.started_at,
+            "budget_nbytes": self.jobs.budget_nbytes,
+            "reserved_nbytes": self.jobs.reserved_nbytes,
+            "num_jobs": len(self.jobs.jobs),
+            "num_sessions": len(self.sessions),
+            "adam_kernel": adam_kernel(),
+            "swap": self.swap.stats() if self.swap is not None else None,
+        }
+
+    def _families(self) -> Iterator[Any]:
+        jobs = list(self.jobs.jobs.values())
+        yield gauge("offloadd_arena_budget_bytes", "The daemon's DRAM budget for all arenas.",
+                    self.jobs.budget_nbytes)
+        per_job = [
+            ("offloadd_arena_capacity_bytes", "Arena size of each job.",
+             lambda j: j.arena.nbytes),
+            ("offloadd_arena_used_bytes", "Arena bytes allocated to shards.",
+             lambda j: j.arena.allocator.used_nbytes),
+            ("offloadd_arena_largest_free_bytes", "Largest free extent (fragmentation).",
+             lambda j: j.arena.allocator.largest_free()),
+            ("offloadd_arena_leased_bytes", "Arena bytes pinned by leases.",
+             lambda j: j.table.leased_nbytes()),
+            ("offloadd_shards", "Shards known per job.", lambda j: len(j.table.shards)),
+        ]
+        for name, doc, read in per_job:
+            yield gauge(name, doc, 0, ["job"], [([j.name], read(j)) for j in jobs])
+        yield gauge("offloadd_sessions", "Connected rank sessions.", len(self.sessions))
+        yield gauge("offloadd_build_info", "Build and active code paths.", 1,
+                    ["version", "adam_kernel"], [([__version__, adam_kernel()], 1)])
+
+
+def _socket_in_use(path: str) -> bool:
+    """A live daemon answers on the path; a stale file from a crash does not."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    raise RuntimeError(f"another daemon is listening on {path}; stop it or pick another --socket")
+
+
+def run(config: DaemonConfig, *, ready_message: bool = True) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the process exit code."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a hard dependency
+        uvloop = None
+    runner = uvloop.run if uvloop is not None else asyncio.run
+    return runner(_main(config, ready_message))  # type: ignore[no-any-return]
+
+
+async def _main(config: DaemonConfig, ready_message: bool) -> int:
+    daemon = Daemon(config)
+    try:
+        await daemon.start()
+    except (OSError, RuntimeError, ValueError) as exc:
+        log.error("event=start_failed error=%r", str(exc))
+        print(f"offloadd: cannot start: {exc}", file=sys.stderr, flush=True)
+        await daemon.stop()
+        return 1
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, daemon.request_stop)
+    if ready_message:
+        print(f"offloadd ready socket={config.socket} pid={os.getpid()} "
+              f"arena_size={config.arena_size}", flush=True)
+    await daemon.wait_closed()
+    log.info("event=stopping sessions=%d", len(daemon.sessions))
+    await daemon.stop()
+    return 0

@@ -1,0 +1,291 @@
+"""One connected rank: framing, authentication, hello, and dispatch of its requests.
+
+A session is an ``asyncio.Protocol`` rather than a stream pair: frames are
+cut out of ``data_received`` and answered inline when the operation needs no
+IO, so a small request costs one decode, one table lookup and one write.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import logging
+import os
+import socket
+import struct
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from offloadd import protocol as p
+from offloadd.errors import (
+    BadFrameError,
+    InternalError,
+    InvalidRequestError,
+    NoSessionError,
+    OffloadError,
+    PermissionDeniedError,
+    VersionMismatchError,
+)
+from offloadd.shards import Lease, Shard
+
+if TYPE_CHECKING:
+    from offloadd.jobs import Job
+    from offloadd.server import Daemon
+
+log = logging.getLogger(__name__)
+_PEERCRED = struct.Struct("3i")
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def peer_credentials(transport: asyncio.BaseTransport) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process on the other end of a unix socket."""
+    sock = transport.get_extra_info("socket")
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return pid, uid, gid
+
+
+def send_with_fd(transport: asyncio.BaseTransport, frame: bytes, fd: int) -> None:
+    """Send ``frame`` with ``fd`` attached (SCM_RIGHTS) on the transport's socket.
+
+    The transport object does not expose sendmsg, so we send on a duplicate of
+    its descriptor. This is safe only because hello is the first reply: the
+    transport has nothing buffered that our frame could overtake.
+    """
+    sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+    try:
+        sock.sendmsg([frame], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
+    finally:
+        sock.setblocking(False)  # the duplicate shares the file status flags with the transport
+        sock.close()
+
+
+class Session(asyncio.Protocol):
+    """Server side of one client connection."""
+
+    def __init__(self, daemon: Daemon, session_id: int) -> None:
+        self.daemon = daemon
+        self.session_id = session_id
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.job: Job | None = None
+        self.rank = -1
+        self.peer_pid = 0
+        self.leases: dict[Shard, Lease] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.closed = False
+        self.handlers: dict[type, Callable[[Any], p.Reply | Awaitable[p.Reply] | None]] = {
+            p.Alloc: self.on_alloc,
+            p.Acquire: self.on_acquire,
+            p.Release: self.on_release,
+            p.Drop: self.on_drop,
+            p.Prefetch: self.on_prefetch,
+            p.StepBegin: self.on_step_begin,
+            p.Flush: self.on_flush,
+            p.Stats: self.on_stats,
+            p.OptimizerStep: self.on_optimizer_step,
+        }
+
+    # -- connection lifecycle -------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        pid, uid, _gid = peer_credentials(transport)
+        self.peer_pid = pid
+        if uid != 0 and uid not in self.daemon.config.allowed_uids:
+            self.daemon.metrics.sessions_opened.add(("denied",))
+            log.warning("event=peer_denied pid=%d uid=%d", pid, uid)
+            self.fail_and_close(0, PermissionDeniedError(
+                f"uid {uid} is not allowed; add it to allowed_uids in the daemon config"))
+            return
+        self.daemon.sessions.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.daemon.sessions.discard(self)
+        for task in self.tasks:
+            task.cancel()
+        if self.job is not None:
+            freed = self.job.release_all(self.leases)
+            self.job.num_sessions -= 1
+            log.info("event=session_closed session=%d job=%s rank=%d leases_freed=%d",
+                     self.session_id, self.job.name, self.rank, freed)
+
+    def fail_and_close(self, rid: int, error: OffloadError) -> None:
+        self.send(p.ErrorReply(rid, error.code.value, error.message, error.shard_ids))
+        if self.transport is not None:
+            self.transport.close()
+
+    def send(self, reply: p.Reply) -> None:
+        if self.transport is not None and not self.closed:
+            payload = _encode(reply)
+            self.transport.write(p.HEADER.pack(len(payload)) + payload)
+
+    # -- framing ------------------------------------------------------------------
+
+    def data_received(self, data: bytes) -> None:
+        buffer = self.buffer
+        buffer += data
+        start = 0
+        end = len(buffer)
+        while end - start >= p.HEADER_NBYTES and not self.closed:
+            (length,) = p.HEADER.unpack_from(buffer, start)
+            if length > p.MAX_FRAME_NBYTES:
+                self.daemon.metrics.bad_frames.add(("oversize",))
+                self.fail_and_close(0, BadFrameError(
+                    f"frame length {length} exceeds {p.MAX_FRAME_NBYTES} bytes; closing"))
+                self.closed = True
+                break
+            stop = start + p.HEADER_NBYTES + length
+            if stop > end:
+                break
+            self.handle_frame(memoryview(buffer)[start + p.HEADER_NBYTES : stop])
+            start = stop
+        del buffer[:start]
+
+    def handle_frame(self, payload: memoryview) -> None:
+        started = time.perf_counter()
+        try:
+            request = p.request_decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.daemon.metrics.bad_frames.add(("decode",))
+            self.send(p.ErrorReply(0, "bad_frame", f"cannot decode request: {exc}"))
+            return
+        finally:
+            payload.release()
+        self.dispatch(request, started)
+
+    # -- dispatch -------------------------------------------------------------------
+
+    def dispatch(self, request: p.Request, started: float) -> None:
+        op = type(request).__struct_config__.tag  # type: ignore[attr-defined]
+        try:
+            if isinstance(request, p.Hello):
+                result: Any = self.on_hello(request)
+            elif self.job is None:
+                raise NoSessionError("send hello before any other request")
+            else:
+                result = self.handlers[type(request)](request)
+        except OffloadError as exc:
+            self.reply_error(request.rid, op, exc, started)
+            return
+        except Exception as exc:  # a daemon bug must cost one request, not the daemon
+            log.exception("event=handler_failed op=%s", op)
+            self.reply_error(request.rid, op, InternalError(f"{op} failed: {exc!r}"), started)
+            return
+        if result is None or isinstance(result, p.Reply):
+            self.reply_ok(request.rid, op, result, started)
+        else:
+            self.spawn(self.finish_async(request.rid, op, result, started))
+
+    def reply_ok(self, rid: int, op: str, reply: p.Reply | None, started: float) -> None:
+        if reply is None:
+            reply = p.Ok(rid)
+        reply.rid = rid
+        self.send(reply)
+        self.daemon.metrics.observe_request(op, "ok", time.perf_counter() - started)
+
+    def reply_error(self, rid: int, op: str, error: OffloadError, started: float) -> None:
+        self.send(p.ErrorReply(rid, error.code.value, error.message, error.shard_ids))
+        self.daemon.metrics.observe_request(op, error.code.value, time.perf_counter() - started)
+
+    async def finish_async(self, rid: int, op: str, pending: Awaitable[p.Reply | None],
+                           started: float) -> None:
+        try:
+            reply = await pending
+        except OffloadError as exc:
+            self.reply_error(rid, op, exc, started)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("event=handler_failed op=%s", op)
+            self.reply_error(rid, op, InternalError(f"{op} failed: {exc!r}"), started)
+        else:
+            self.reply_ok(rid, op, reply, started)
+
+    def spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -- handlers -------------------------------------------------------------------
+
+    def on_hello(self, req: p.Hello) -> None:
+        if self.job is not None:
+            raise InvalidRequestError("hello was already sent on this connection")
+        if req.protocol_version != p.PROTOCOL_VERSION:
+            raise VersionMismatchError(
+                f"client speaks protocol {req.protocol_version}, daemon speaks "
+                f"{p.PROTOCOL_VERSION}; install matching offloadd versions")
+        check_identity(req)
+        job, created = self.daemon.jobs.open(req.job, req.arena_nbytes)
+        self.daemon.on_job_opened(job, created)
+        self.job, self.rank = job, req.rank
+        job.num_sessions += 1
+        self.daemon.metrics.sessions_opened.add(("ok",))
+        reply = p.HelloOk(req.rid, p.PROTOCOL_VERSION, job.arena.nbytes, self.session_id,
+                          os.getpid())
+        payload = _encode(reply)
+        assert self.transport is not None
+        send_with_fd(self.transport, p.HEADER.pack(len(payload)) + payload, job.arena.fd)
+        log.info("event=session_opened session=%d job=%s rank=%d pid=%d arena_nbytes=%d",
+                 self.session_id, req.job, req.rank, self.peer_pid, job.arena.nbytes)
+        return None
+
+    def on_alloc(self, req: p.Alloc) -> p.Reply | Awaitable[p.Reply]:
+        assert self.job is not None
+        return self.job.alloc(self.rank, req.ids, req.nbytes, req.dtypes)
+
+    def on_acquire(self, req: p.Acquire) -> p.Reply | Awaitable[p.Reply]:
+        assert self.job is not None
+        if req.create_nbytes is not None:
+            dtypes = req.create_dtypes or ["uint8"] * len(req.ids)
+            return self.job.alloc(self.rank, req.ids, req.create_nbytes, dtypes,
+                                  self.leases, req.mode)
+        return self.job.acquire(self.rank, req.ids, req.mode, self.leases)
+
+    def on_release(self, req: p.Release) -> None:
+        assert self.job is not None
+        self.job.release(self.rank, req.ids, req.dirty, self.leases)
+
+    def on_drop(self, req: p.Drop) -> None:
+        assert self.job is not None
+        self.job.drop(self.rank, req.ids)
+
+    def on_prefetch(self, req: p.Prefetch) -> None:
+        assert self.job is not None
+        self.job.prefetch(self.rank, req.ids, req.deadline_s)
+
+    def on_step_begin(self, req: p.StepBegin) -> None:
+        assert self.job is not None
+        self.job.step_begin(self.rank)
+
+    async def on_flush(self, req: p.Flush) -> p.Reply:
+        assert self.job is not None
+        persisted = await self.job.flush(req.tag_name)
+        return p.StatsOk(req.rid, {"persisted_shards": persisted})
+
+    def on_stats(self, req: p.Stats) -> p.Reply:
+        assert self.job is not None
+        stats = self.job.stats()
+        stats.update(self.daemon.node_stats())
+        stats["rank"] = self.rank
+        stats["job"] = self.job.name
+        return p.StatsOk(req.rid, stats)
+
+    def on_optimizer_step(self, req: p.OptimizerStep) -> Awaitable[None]:
+        assert self.job is not None
+        return self.daemon.optimizer.step(self.job, self.rank, req)
+
+
+def check_identity(req: p.Hello) -> None:
+    if not req.job or len(req.job) > 128 or "/" in req.job or req.job.startswith("."):
+        raise InvalidRequestError(f"job name must be 1..128 chars without '/', got {req.job!r}")
+    if req.world_size < 1 or not 0 <= req.rank < req.world_size:
+        raise InvalidRequestError(
+            f"need 0 <= rank < world_size, got rank={req.rank} world_size={req.world_size}")
+    if req.local_rank < 0 or req.arena_nbytes < 0:
+        raise InvalidRequestError("local_rank and arena_nbytes must be >= 0")

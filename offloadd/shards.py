@@ -1,0 +1,233 @@
+"""The shard table: what each job's shards are, where they live, who holds them.
+
+A shard is a named, contiguous byte range owned by ``(job, rank, shard_id)``.
+While a shard is in the arena it occupies exactly one allocator range, so a
+rank can view it as one tensor without copying. Leases pin a shard: a leased
+shard is never evicted, moved or dropped.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from offloadd.arena import Arena, align_up
+from offloadd.errors import (
+    InvalidRequestError,
+    LeaseConflictError,
+    NotLeasedError,
+    OverBudgetError,
+    ShardExistsError,
+    UnknownShardError,
+)
+from offloadd.protocol import DTYPES
+
+if TYPE_CHECKING:
+    from offloadd.nvme import SwapPlacement
+
+MAX_ID_LENGTH = 256
+
+
+class Residency(enum.Enum):
+    ARENA_DIRTY = "arena_dirty"  # in the arena only, or newer there than its swap copy
+    ARENA_CLEAN = "arena_clean"  # in the arena and byte-identical to its swap copy ("both")
+    NVME = "nvme"  # on swap only; holds no arena range
+    READING = "reading"  # swap -> arena copy in flight; the arena range is reserved
+    WRITING = "writing"  # arena -> swap write-back in flight; the arena copy stays readable
+
+
+IN_ARENA = frozenset({Residency.ARENA_DIRTY, Residency.ARENA_CLEAN, Residency.WRITING})
+
+
+@dataclass(eq=False)
+class Shard:
+    rank: int
+    shard_id: str
+    nbytes: int
+    dtype: str
+    residency: Residency = Residency.ARENA_DIRTY
+    offset: int | None = None
+    """Arena offset while the shard holds an arena range, else None."""
+    version: int = 0
+    """Bumped on every dirty release; swap copies record the version they hold."""
+    readers: int = 0
+    writer: bool = False
+    last_use: int = 0
+    """Logical clock of the last acquire, for LRU when no access trace is known."""
+    swap: SwapPlacement | None = None
+    """Where the last written swap copy lives (NVMe tier), if any."""
+    io_waiters: list = field(default_factory=list)
+
+    @property
+    def leased(self) -> bool:
+        return self.readers > 0 or self.writer
+
+    @property
+    def in_arena(self) -> bool:
+        return self.residency in IN_ARENA
+
+    @property
+    def arena_nbytes(self) -> int:
+        return align_up(max(self.nbytes, 1))
+
+
+class Lease:
+    """One session's hold on one shard (reads may nest; a write lease is exclusive)."""
+
+    __slots__ = ("mode", "shard", "count")
+
+    def __init__(self, shard: Shard, mode: str) -> None:
+        self.shard = shard
+        self.mode = mode
+        self.count = 0
+
+
+def check_shard_ids(ids: Iterable[str]) -> None:
+    for shard_id in ids:
+        if not shard_id or len(shard_id) > MAX_ID_LENGTH:
+            raise InvalidRequestError(
+                f"shard id must be 1..{MAX_ID_LENGTH} characters, got {shard_id!r:.80}"
+            )
+
+
+def check_new_shard(shard_id: str, nbytes: int, dtype: str) -> None:
+    if nbytes < 0:
+        raise InvalidRequestError(f"shard {shard_id!r}: nbytes must be >= 0, got {nbytes}")
+    if dtype not in DTYPES:
+        raise InvalidRequestError(f"shard {shard_id!r}: dtype {dtype!r} is not one of {DTYPES}")
+
+
+class ShardTable:
+    """All shards of one job, keyed by ``(rank, shard_id)``, inside the job's arena."""
+
+    _clock = itertools.count(1)
+
+    def __init__(self, job: str, arena: Arena) -> None:
+        self.job = job
+        self.arena = arena
+        self.shards: dict[tuple[int, str], Shard] = {}
+
+    def get(self, rank: int, shard_id: str) -> Shard:
+        try:
+            return self.shards[(rank, shard_id)]
+        except KeyError:
+            raise UnknownShardError(
+                f"job {self.job!r} rank {rank} has no shard {shard_id!r}; alloc or put it first",
+                [shard_id],
+            ) from None
+
+    def lookup(self, rank: int, ids: list[str]) -> list[Shard]:
+        missing = [i for i in ids if (rank, i) not in self.shards]
+        if missing:
+            raise UnknownShardError(
+                f"job {self.job!r} rank {rank} has no shard(s) {missing[:8]}"
+                f"{' ...' if len(missing) > 8 else ''}; alloc or put them first",
+                missing,
+            )
+        return [self.shards[(rank, i)] for i in ids]
+
+    def check_fits(self, nbytes: int) -> None:
+        """A single shard larger than the whole arena can never be served."""
+        if align_up(max(nbytes, 1)) > self.arena.nbytes:
+            raise OverBudgetError(
+                f"a shard of {nbytes} bytes exceeds job {self.job!r}'s arena of "
+                f"{self.arena.nbytes} bytes; ask for a larger arena_nbytes at hello or split it"
+            )
+
+    def create(self, rank: int, shard_id: str, nbytes: int, dtype: str) -> Shard:
+        """Register a new shard without arena space yet (the caller places it)."""
+        check_new_shard(shard_id, nbytes, dtype)
+        if (rank, shard_id) in self.shards:
+            raise ShardExistsError(f"shard {shard_id!r} already exists", [shard_id])
+        self.check_fits(nbytes)
+        shard = Shard(rank, shard_id, nbytes, dtype, residency=Residency.NVME)
+        self.shards[(rank, shard_id)] = shard
+        return shard
+
+    def matches(self, shard: Shard, nbytes: int, dtype: str) -> None:
+        if shard.nbytes != nbytes or shard.dtype != dtype:
+            raise ShardExistsError(
+                f"shard {shard.shard_id!r} exists with {shard.nbytes} bytes of {shard.dtype}, "
+                f"not {nbytes} bytes of {dtype}; drop it first to change its size",
+                [shard.shard_id],
+            )
+
+    def try_place(self, shard: Shard) -> bool:
+        """Give ``shard`` an arena range if one is free now (no eviction here)."""
+        offset = self.arena.allocator.alloc(shard.arena_nbytes)
+        if offset is None:
+            return False
+        shard.offset = offset
+        return True
+
+    def unplace(self, shard: Shard) -> None:
+        assert shard.offset is not None and not shard.leased
+        self.arena.allocator.free(shard.offset, shard.arena_nbytes)
+        shard.offset = None
+
+    def remove(self, shard: Shard) -> None:
+        if shard.offset is not None:
+            self.unplace(shard)
+        del self.shards[(shard.rank, shard.shard_id)]
+
+    def touch(self, shard: Shard) -> None:
+        shard.last_use = next(self._clock)
+
+    def resident_nbytes(self) -> int:
+        return self.arena.allocator.used_nbytes
+
+    def leased_nbytes(self) -> int:
+        return sum(s.arena_nbytes for s in self.shards.values() if s.leased)
+
+
+def grant(leases: dict[Shard, Lease], shard: Shard, mode: str) -> None:
+    """Take a read or write lease for one session, or raise LeaseConflictError."""
+    held = leases.get(shard)
+    if mode == "w":
+        if shard.writer or shard.readers:
+            raise LeaseConflictError(
+                f"shard {shard.shard_id!r} is already leased "
+                f"({'for writing' if shard.writer else f'by {shard.readers} reader(s)'}); "
+                "release it before acquiring for writing",
+                [shard.shard_id],
+            )
+        shard.writer = True
+    else:
+        if shard.writer:
+            raise LeaseConflictError(
+                f"shard {shard.shard_id!r} is leased for writing; release it first",
+                [shard.shard_id],
+            )
+        shard.readers += 1
+    if held is None:
+        held = leases[shard] = Lease(shard, mode)
+    held.count += 1
+
+
+def give_back(leases: dict[Shard, Lease], shard: Shard, dirty: bool) -> bool:
+    """Drop one lease; returns True when a write lease was released dirty (a new version)."""
+    held = leases.get(shard)
+    if held is None:
+        raise NotLeasedError(
+            f"shard {shard.shard_id!r} is not leased by this session", [shard.shard_id]
+        )
+    held.count -= 1
+    if held.count == 0:
+        del leases[shard]
+    if held.mode == "w":
+        shard.writer = False
+    else:
+        shard.readers -= 1
+    if held.mode == "w" and dirty:
+        shard.version += 1
+        shard.residency = Residency.ARENA_DIRTY
+        return True
+    return False
+
+
+def check_mode(mode: str) -> None:
+    if mode not in ("r", "w"):
+        raise InvalidRequestError(f"mode must be 'r' or 'w', got {mode!r}")

@@ -1,0 +1,204 @@
+"""Multi-rank test helper: run a function on N real gloo ranks in spawned processes.
+
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (spawn),
+each joins a gloo process group on a free loopback port with the torchrun
+environment variables set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT),
+calls ``fn(rank, world_size, *args)`` and returns the per-rank results in rank
+order. A failure in any rank is re-raised in the parent with that rank's
+traceback; a hang is killed after ``timeout_s``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any],
+               args: tuple[Any, ...], results: Any) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    try:
+        if world_size > 1:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                    rank=rank, world_size=world_size)
+        results.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _to_bytes(value: Any) -> bytes:
+    """Tensors must not cross the queue as shared-memory handles: the sender exits."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
+              timeout_s: float = 240.0) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    procs = [context.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results))
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    try:
+        collected = _collect(results, world_size, timeout_s)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return [collected[rank] for rank in range(world_size)]
+
+
+def _collect(results: Any, world_size: int, timeout_s: float) -> dict[int, Any]:
+    collected: dict[int, Any] = {}
+    while len(collected) < world_size:
+        try:
+            rank, ok, value = results.get(timeout=timeout_s)
+        except queue.Empty:
+            raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(collected))} "
+                               f"gave no result within {timeout_s}s") from None
+        if not ok:
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+        collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
+    return collected
+
+
+# ---------------------------------------------------------------------------
+# a tiny model, deterministic data, and the single-process torch reference
+
+
+class Block(torch.nn.Module):
+    """Pre-norm residual MLP block (the unit class in engine tests)."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc1 = torch.nn.Linear(width, 2 * width + 1)
+        self.fc2 = torch.nn.Linear(2 * width + 1, width)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden + self.fc2(torch.tanh(self.fc1(self.norm(hidden))))
+
+
+class TinyNet(torch.nn.Module):
+    """Input projection, residual blocks, classifier; forward returns the mean loss."""
+
+    def __init__(self, in_features: int = 7, width: int = 13, depth: int = 3,
+                 classes: int = 5) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(in_features, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, classes)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = self.inp(features)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return torch.nn.functional.cross_entropy(self.head(hidden).float(), labels)
+
+
+def make_model(seed: int = 0) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet()
+
+
+def make_batch(step: int, micro: int, rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    features = torch.randn(batch, 7, generator=generator)
+    labels = torch.randint(0, 5, (batch,), generator=generator)
+    return features, labels
+
+
+def base_config(**overrides: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99],
+                                                  "eps": 1e-8, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": 0},
+        "units": {"module_classes": ["Block"]},
+    }
+    config.update(overrides)
+    return config
+
+
+def reference_train(config: dict[str, Any], steps: int, world_size: int,
+                    seed: int = 0) -> dict[str, torch.Tensor]:
+    """Single-process torch.optim.AdamW on the union of every rank's micro-batches."""
+    model = make_model(seed)
+    params = config["optimizer"]["params"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=params["betas"],
+                                  eps=params["eps"], weight_decay=params["weight_decay"])
+    accumulation = config.get("gradient_accumulation_steps", 1)
+    micro_batch = config["train_micro_batch_size_per_gpu"]
+    for step in range(steps):
+        optimizer.zero_grad()
+        for micro in range(accumulation):
+            for rank in range(world_size):
+                loss = model(*make_batch(step, micro, rank, micro_batch))
+                (loss / (accumulation * world_size)).backward()
+        if config.get("gradient_clipping", 0):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), config["gradient_clipping"])
+        optimizer.step()
+    return {name: value.detach().clone() for name, value in model.state_dict().items()}
+
+
+def engine_train(rank: int, world_size: int, config: dict[str, Any], steps: int,
+                 seed: int = 0, cycle: int = 0) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Train through trainer.initialize on this rank; rank 0 gets the fp32 state dict.
+
+    ``cycle`` > 0 repeats the first ``cycle`` steps' data (so the loss can fall).
+    """
+    import trainer
+    from trainer.checkpoint import consolidate_fp32_state_dict
+
+    model = make_model(seed)
+    engine, _, _, _ = trainer.initialize(model=model, model_parameters=model.parameters(),
+                                         config=config)
+    losses = []
+    try:
+        for step in range(steps):
+            for micro in range(engine.gradient_accumulation_steps()):
+                data_step = step % cycle if cycle else step
+                loss = engine(*make_batch(data_step, micro, rank,
+                                          engine.train_micro_batch_size_per_gpu()))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        return consolidate_fp32_state_dict(engine), losses
+    finally:
+        engine.close()
+
+
+def max_relative_error(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    worst = 0.0
+    assert set(ours) == set(reference), (sorted(ours), sorted(reference))
+    for name, expected in reference.items():
+        diff = (ours[name].float() - expected.float()).abs().max().item()
+        worst = max(worst, diff / max(expected.float().abs().max().item(), 1e-12))
+    return worst

@@ -1,0 +1,105 @@
+"""Checkpoint round trip on 2 gloo ranks: 5 steps, save, load into a fresh engine, 5 more
+steps must equal 10 uninterrupted steps bit for bit (including offloaded state)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import base_config, make_batch, make_model, run_ranks
+from test_engine_parity import _shared_daemon
+
+import trainer
+from trainer.checkpoint import consolidate_fp32_state_dict
+
+pytestmark = pytest.mark.slow
+
+
+def _train(engine: Any, rank: int, steps: range) -> None:
+    for step in steps:
+        for micro in range(engine.gradient_accumulation_steps()):
+            engine.backward(engine(*make_batch(step, micro, rank, 4)))
+            engine.step()
+
+
+def _summary(engine: Any) -> dict[str, Any]:
+    return {"state": consolidate_fp32_state_dict(engine), "global_steps": engine.global_steps,
+            "lr": engine.get_lr(), "loss_scale": engine.loss_scale,
+            "adam_steps": engine.optimizer.step_count}
+
+
+def _with_daemon(config: dict[str, Any], socket_path: str, job: str) -> dict[str, Any]:
+    if config["zero_optimization"].get("offload_optimizer", {}).get("device", "none") == "none":
+        return config
+    return {**config, "offloadd": {"socket": socket_path, "job": job, "arena_size": 16 << 20}}
+
+
+def round_trip(rank: int, world: int, configs: list[dict[str, Any]], root: str) -> list[Any]:
+    socket_path, daemon = _shared_daemon(rank, None)
+    results = []
+    try:
+        for index, config in enumerate(configs):
+            save_dir = Path(root) / f"case{index}"
+            engine, _, _, _ = trainer.initialize(
+                model=make_model(0), config=_with_daemon(config, socket_path, f"a{index}"))
+            _train(engine, rank, range(5))
+            engine.save_checkpoint(save_dir, client_state={"epoch": 3})
+            _train(engine, rank, range(5, 10))
+            straight = _summary(engine)
+            engine.close()
+            fresh, _, _, _ = trainer.initialize(
+                model=make_model(1), config=_with_daemon(config, socket_path, f"b{index}"))
+            path, client_state = fresh.load_checkpoint(save_dir)
+            assert path is not None and client_state == {"epoch": 3}
+            _train(fresh, rank, range(5, 10))
+            results.append((straight, _summary(fresh)))
+            fresh.close()
+    finally:
+        dist.barrier()
+        if daemon is not None:
+            daemon.stop()
+    return results
+
+
+CONFIGS = [
+    base_config(zero_optimization={"stage": 3}, gradient_accumulation_steps=2,
+                gradient_clipping=0.3,
+                scheduler={"type": "WarmupDecayLR", "params": {
+                    "warmup_max_lr": 0.01, "warmup_num_steps": 3, "total_num_steps": 12}}),
+    base_config(zero_optimization={"stage": 1}, fp16={"enabled": True,
+                                                      "initial_scale_power": 8}),
+    base_config(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}},
+                gradient_clipping=0.3),
+    base_config(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                   "offload_param": {"device": "cpu"}},
+                bf16={"enabled": True}),
+]
+
+
+def test_checkpoint_round_trip_is_exact() -> None:
+    with tempfile.TemporaryDirectory() as root:
+        results = run_ranks(round_trip, 2, CONFIGS, root)[0]
+        assert (Path(root) / "case0" / "latest").read_text() == "global_step5"
+        assert sorted(p.name for p in (Path(root) / "case0" / "global_step5").iterdir()) == [
+            "meta.json", "rank_00000.pt", "rank_00001.pt"]
+    for config, (straight, resumed) in zip(CONFIGS, results, strict=True):
+        assert straight["global_steps"] == resumed["global_steps"] == 10, config
+        for key in ("lr", "loss_scale", "adam_steps"):
+            assert straight[key] == resumed[key], (key, config)
+        for name, value in straight["state"].items():
+            assert torch.equal(value, resumed["state"][name]), (name, config)
+
+
+def test_load_rejects_other_world_size(tmp_path: Path) -> None:
+    engine, _, _, _ = trainer.initialize(model=make_model(), config=base_config(
+        zero_optimization={"stage": 2}))
+    engine.save_checkpoint(tmp_path, tag="t")
+    meta = tmp_path / "t" / "meta.json"
+    meta.write_text(meta.read_text().replace('"world_size": 1', '"world_size": 4'))
+    with pytest.raises(ValueError, match="world_size=4"):
+        engine.load_checkpoint(tmp_path, tag="t")
+    assert engine.load_checkpoint(tmp_path / "missing") == (None, {})

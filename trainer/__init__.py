@@ -1,0 +1,102 @@
+"""Rank side of offloadd: a ZeRO engine with a DeepSpeed-compatible ``initialize()``.
+
+    engine, optimizer, _, lr_scheduler = trainer.initialize(
+        model=model, model_parameters=model.parameters(), config=cfg)
+    loss = engine(batch)
+    engine.backward(loss)
+    engine.step()
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from trainer.collectives import Collectives
+from trainer.config import EngineConfig, parse_config
+from trainer.engine import Engine
+from trainer.offload import InProcessBackend, StateBackend
+from trainer.optimizer import ZeroOptimizer
+from trainer.scheduler import WarmupLR
+
+__all__ = ["Engine", "EngineConfig", "ZeroOptimizer", "initialize", "parse_config"]
+
+
+def initialize(
+    *,
+    model: nn.Module,
+    model_parameters: Iterable[torch.Tensor] | None = None,
+    config: dict[str, Any] | str | os.PathLike[str] | EngineConfig | None = None,
+    config_params: dict[str, Any] | None = None,
+    optimizer: Any = None,
+    lr_scheduler: Any = None,
+    training_data: Dataset[Any] | None = None,
+    collate_fn: Any = None,
+) -> tuple[Engine, ZeroOptimizer, DataLoader[Any] | None, WarmupLR | None]:
+    """Build the engine; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
+
+    ``model_parameters`` selects the trained parameters; the model's other
+    parameters are frozen (``requires_grad=False``). ``optimizer`` and
+    ``lr_scheduler`` must come from the config (``optimizer``/``scheduler``
+    sections). With ``training_data`` a DataLoader of micro-batches (one
+    distributed shard per rank) is returned.
+    """
+    if optimizer is not None or lr_scheduler is not None:
+        raise ValueError("pass the optimizer and lr scheduler through the config "
+                         "('optimizer' and 'scheduler' sections), not as objects")
+    source = config if config is not None else config_params
+    if source is None:
+        raise ValueError("initialize() needs config= (a dict, a JSON path or an EngineConfig)")
+    parsed = parse_config(source if not isinstance(source, os.PathLike) else Path(source))
+    _check_model(model, model_parameters)
+    collectives = Collectives()
+    parsed.batch_sizes(collectives.world_size)  # fail before any daemon or collective work
+    backend = _build_backend(parsed, collectives, model)
+    try:
+        engine = Engine(model, parsed, collectives=collectives, backend=backend)
+    except BaseException:
+        backend.close()
+        raise
+    loader = _build_loader(training_data, engine, collate_fn) if training_data else None
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _check_model(model: nn.Module, model_parameters: Iterable[torch.Tensor] | None) -> None:
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    params = list(model.parameters())
+    if not params:
+        raise ValueError(f"model {type(model).__name__} has no parameters; nothing to train")
+    if model_parameters is None:
+        return
+    chosen = {id(param) for param in model_parameters}
+    known = {id(param) for param in params}
+    if not chosen <= known:
+        raise ValueError("model_parameters contains tensors that are not parameters of model")
+    for param in params:
+        if id(param) not in chosen:
+            param.requires_grad_(False)
+
+
+def _build_backend(config: EngineConfig, collectives: Collectives,
+                   model: nn.Module) -> StateBackend:
+    if not config.zero_optimization.offloaded:
+        return InProcessBackend()
+    from trainer.daemon_backend import connect_backend
+
+    return connect_backend(config, collectives, model)
+
+
+def _build_loader(data: Dataset[Any], engine: Engine, collate_fn: Any) -> DataLoader[Any]:
+    world = engine.collectives.world_size
+    sampler: DistributedSampler[Any] | None = None
+    if world > 1:
+        sampler = DistributedSampler(data, num_replicas=world, rank=engine.collectives.rank)
+    return DataLoader(data, batch_size=engine.train_micro_batch_size_per_gpu(),
+                      sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn)

@@ -1,0 +1,119 @@
+"""Collectives over torch.distributed, with a world-of-one fallback.
+
+Works under torchrun (process group already initialised, or initialised here
+from the env://) and in a plain single process (no process group: world 1,
+every collective is the identity). torch 2.13's gloo backend supports
+``reduce_scatter_tensor`` and ``all_gather_into_tensor`` on CPU; older gloo
+builds do not, so both fall back to all_reduce + slice / list all_gather when
+the fused op raises ``RuntimeError`` once.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Pending(Protocol):
+    """An in-flight collective; ``wait()`` blocks until its output is valid."""
+
+    def wait(self) -> Any: ...
+
+
+class Done:
+    """A collective that already finished (world of one, or a synchronous fallback)."""
+
+    def wait(self) -> None:
+        return None
+
+
+def _init_from_env() -> None:
+    """Join the env:// process group when launched by torchrun and nobody joined yet."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if launched and dist.is_available() and not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+
+class Collectives:
+    """The data-parallel group: rank, size, and the three collectives ZeRO needs."""
+
+    def __init__(self) -> None:
+        _init_from_env()
+        self.active = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.active else 0
+        self.world_size = dist.get_world_size() if self.active else 1
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank if self.active else 0))
+        self._fused_ops = True
+
+    def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
+        """In-place sum over ranks."""
+        if self.world_size == 1:
+            return Done()
+        work = dist.all_reduce(tensor, async_op=async_op)
+        return work if work is not None else Done()
+
+    def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, *,
+                       async_op: bool = False) -> Pending:
+        """Sum ``flat`` (numel = world * output.numel) over ranks; keep this rank's slice."""
+        if self.world_size == 1:
+            output.copy_(flat)
+            return Done()
+        if self._fused_ops:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    work = dist.reduce_scatter_tensor(output, flat, async_op=async_op)
+                return work if work is not None else Done()
+            except RuntimeError:
+                self._fused_ops = False
+        dist.all_reduce(flat)
+        output.copy_(flat.view(self.world_size, -1)[self.rank])
+        return Done()
+
+    def all_gather(self, flat: torch.Tensor, part: torch.Tensor, *,
+                   async_op: bool = False) -> Pending:
+        """Fill ``flat`` with every rank's ``part`` in rank order."""
+        if self.world_size == 1:
+            flat.copy_(part)
+            return Done()
+        if self._fused_ops:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    work = dist.all_gather_into_tensor(flat, part, async_op=async_op)
+                return work if work is not None else Done()
+            except RuntimeError:
+                self._fused_ops = False
+        dist.all_gather(list(flat.view(self.world_size, -1).unbind(0)), part)
+        return Done()
+
+    def broadcast(self, tensor: torch.Tensor, source_rank: int = 0) -> None:
+        """Overwrite ``tensor`` with ``source_rank``'s copy."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, source_rank)
+
+    def all_gather_object(self, value: Any) -> list[Any]:
+        """Every rank's ``value``, in rank order (small, picklable values only)."""
+        if self.world_size == 1:
+            return [value]
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    def node_leader_value(self, value: Any) -> Any:
+        """The ``value`` passed by local rank 0 of this rank's node."""
+        entries = self.all_gather_object((socket.gethostname(), self.local_rank, value))
+        host = socket.gethostname()
+        for entry_host, entry_local_rank, entry_value in entries:
+            if entry_host == host and entry_local_rank == 0:
+                return entry_value
+        raise RuntimeError(f"no local rank 0 found on host {host} (is LOCAL_RANK set right?)")

@@ -1,0 +1,485 @@
+"""Engine configuration: DeepSpeed key names, parsed into keyword-only dataclasses.
+
+``parse_config(dict | path)`` turns a DeepSpeed-style JSON config into an
+``EngineConfig``. Every section is a frozen keyword-only dataclass whose field
+docstrings give meaning and unit. Parsing is strict:
+
+- unknown keys raise ``ValueError`` listing each one with a did-you-mean;
+- renamed DeepSpeed keys raise ``ValueError`` naming the new key;
+- DeepSpeed keys that mean nothing here (``IGNORED_KEYS``) are accepted and
+  reported once with a ``UserWarning`` so nobody believes they took effect.
+
+Our own sections are ``offloadd`` (daemon connection) and ``units`` (how the
+model is split into flat-parameter units).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import types
+import typing
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+OffloadDevice = Literal["none", "cpu", "nvme"]
+OptimizerType = Literal["Adam", "AdamW"]
+SchedulerType = Literal["WarmupLR", "WarmupDecayLR"]
+WarmupType = Literal["log", "linear"]
+
+# Keys (dotted, relative to the config root) that DeepSpeed understands but
+# that have no effect in this engine; accepted with a warning.
+IGNORED_KEYS: dict[str, str] = {
+    "steps_per_print": "logging cadence is the caller's business",
+    "wall_clock_breakdown": "use the daemon's Prometheus metrics instead",
+    "dump_state": "no DeepSpeed state dump here",
+    "memory_breakdown": "no DeepSpeed memory report here",
+    "prescale_gradients": "gradients are always summed then scaled once in the step",
+    "gradient_predivide_factor": "gradients are always summed then scaled once in the step",
+    "communication_data_type": "gradients are reduced in the training dtype",
+    "zero_allow_untested_optimizer": "only Adam/AdamW are supported",
+    "zero_force_ds_cpu_optimizer": "the daemon always runs the CPU optimizer",
+    "tensorboard": "monitoring backends are not built in",
+    "wandb": "monitoring backends are not built in",
+    "csv_monitor": "monitoring backends are not built in",
+    "comms_logger": "monitoring backends are not built in",
+    "flops_profiler": "no flops profiler here",
+    "activation_checkpointing": "use torch.utils.checkpoint in the model",
+    "aio": "the daemon owns NVMe IO settings (block size, queue depth)",
+    "fp16.auto_cast": "inputs are cast to the training dtype unconditionally",
+    "zero_optimization.contiguous_gradients": "gradients are always contiguous flat buffers",
+    "zero_optimization.reduce_scatter": "stage 2/3 always reduce-scatter",
+    "zero_optimization.reduce_bucket_size": "gradients are reduced per unit, not per bucket",
+    "zero_optimization.allgather_partitions": "partitions are always all-gathered",
+    "zero_optimization.allgather_bucket_size": "parameters are gathered per unit",
+    "zero_optimization.round_robin_gradients": "partitions are contiguous per unit",
+    "zero_optimization.sub_group_size": "the optimizer steps per unit",
+    "zero_optimization.stage3_param_persistence_threshold": "every unit is partitioned",
+    "zero_optimization.stage3_max_reuse_distance": "units are freed after use",
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
+        "use trainer.checkpoint.consolidate_fp32_state_dict"
+    ),
+    "zero_optimization.memory_efficient_linear": "no linear-layer rewrite here",
+    "zero_optimization.ignore_unused_parameters": "unused parameters are always tolerated",
+    "zero_optimization.elastic_checkpoint": "checkpoints need the same world size",
+    "zero_optimization.load_from_fp32_weights": "checkpoints always hold fp32 masters",
+    "zero_optimization.offload_optimizer.pin_memory": "the daemon arena is always pinned",
+    "zero_optimization.offload_optimizer.buffer_count": "the daemon sizes its own buffers",
+    "zero_optimization.offload_optimizer.fast_init": "shards are created from the model",
+    "zero_optimization.offload_optimizer.pipeline_read": "the daemon always pipelines IO",
+    "zero_optimization.offload_optimizer.pipeline_write": "the daemon always pipelines IO",
+    "zero_optimization.offload_optimizer.ratio": "all of the optimizer state is offloaded",
+    "zero_optimization.offload_param.pin_memory": "the daemon arena is always pinned",
+    "zero_optimization.offload_param.buffer_count": "the daemon sizes its own buffers",
+    "zero_optimization.offload_param.buffer_size": "the daemon sizes its own buffers",
+    "zero_optimization.offload_param.max_in_cpu": "offloadd.arena_size bounds DRAM use",
+}
+
+# Old DeepSpeed spellings that silently did nothing in some versions: refused
+# here with the new name, so a typo'd config cannot run without its intent.
+RENAMED_KEYS: dict[str, str] = {
+    "zero_optimization.cpu_offload": "zero_optimization.offload_optimizer.device",
+    "zero_optimization.cpu_offload_params": "zero_optimization.offload_param.device",
+    "zero_optimization.cpu_offload_use_pin_memory": (
+        "zero_optimization.offload_optimizer.pin_memory"
+    ),
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": (
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save"
+    ),
+    "optimizer.params.thread_count": "aio (ignored: the daemon owns IO threads)",
+    "bfloat16": "bf16",
+}
+
+
+@dataclass(kw_only=True, frozen=True)
+class OptimizerConfig:
+    """The ``optimizer`` section, flattened: ``type`` plus ``params``."""
+
+    type: OptimizerType = "AdamW"
+    """Adam or AdamW; both use decoupled weight decay unless ``adam_w_mode`` is false."""
+    lr: float = 1e-3
+    """Learning rate (per step) before any scheduler; must be >= 0."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam moment decay rates, each in [0, 1)."""
+    eps: float = 1e-8
+    """Denominator epsilon added to sqrt(v_hat); must be > 0."""
+    weight_decay: float = 0.0
+    """Weight decay coefficient (dimensionless); must be >= 0."""
+    adam_w_mode: bool = True
+    """True: decoupled decay (torch AdamW). False: L2 added to the gradient (torch Adam)."""
+
+    def __post_init__(self) -> None:
+        _check(self.lr >= 0, "optimizer.params.lr", self.lr, ">= 0")
+        for beta in self.betas:
+            _check(0 <= beta < 1, "optimizer.params.betas", self.betas, "each in [0, 1)")
+        _check(self.eps > 0, "optimizer.params.eps", self.eps, "> 0")
+        _check(self.weight_decay >= 0, "optimizer.params.weight_decay", self.weight_decay, ">= 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class SchedulerConfig:
+    """The ``scheduler`` section, flattened: ``type`` plus ``params`` (DeepSpeed semantics)."""
+
+    type: SchedulerType = "WarmupLR"
+    """WarmupLR (warm up then hold) or WarmupDecayLR (warm up then linear decay to 0)."""
+    warmup_min_lr: float = 0.0
+    """Learning rate at the start of warmup; >= 0."""
+    warmup_max_lr: float = 1e-3
+    """Learning rate at the end of warmup; >= warmup_min_lr."""
+    warmup_num_steps: int = 1000
+    """Optimizer steps of warmup; >= 1 (values below 2 behave as 2, like DeepSpeed)."""
+    warmup_type: WarmupType = "log"
+    """Shape of the warmup curve."""
+    total_num_steps: int | None = None
+    """Optimizer steps until the rate reaches 0 (WarmupDecayLR only, required there)."""
+
+    def __post_init__(self) -> None:
+        _check(self.warmup_min_lr >= 0, "scheduler.params.warmup_min_lr", self.warmup_min_lr,
+               ">= 0")
+        _check(
+            self.warmup_max_lr >= self.warmup_min_lr,
+            "scheduler.params.warmup_max_lr",
+            self.warmup_max_lr,
+            ">= warmup_min_lr",
+        )
+        _check(self.warmup_num_steps >= 1, "scheduler.params.warmup_num_steps",
+               self.warmup_num_steps, ">= 1")
+        if self.type == "WarmupDecayLR":
+            _check(
+                self.total_num_steps is not None and self.total_num_steps >= 1,
+                "scheduler.params.total_num_steps",
+                self.total_num_steps,
+                "an int >= 1 (required by WarmupDecayLR)",
+            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class Bf16Config:
+    """The ``bf16`` section."""
+
+    enabled: bool = False
+    """Train in bfloat16 with fp32 master weights."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class Fp16Config:
+    """The ``fp16`` section: float16 training with (dynamic) loss scaling."""
+
+    enabled: bool = False
+    """Train in float16 with fp32 master weights and loss scaling."""
+    loss_scale: float = 0.0
+    """Static loss scale; 0 selects dynamic loss scaling."""
+    initial_scale_power: int = 16
+    """Dynamic scaling starts at 2**initial_scale_power; in [0, 64]."""
+    loss_scale_window: int = 1000
+    """Overflow-free steps before the dynamic scale doubles; >= 1."""
+    hysteresis: int = 2
+    """Overflows tolerated before the dynamic scale halves; >= 1."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis budget after every overflow-free step."""
+    min_loss_scale: float = 1.0
+    """Floor for the dynamic scale; > 0."""
+
+    def __post_init__(self) -> None:
+        _check(self.loss_scale >= 0, "fp16.loss_scale", self.loss_scale, ">= 0 (0 = dynamic)")
+        _check(0 <= self.initial_scale_power <= 64, "fp16.initial_scale_power",
+               self.initial_scale_power, "[0, 64]")
+        _check(self.loss_scale_window >= 1, "fp16.loss_scale_window",
+               self.loss_scale_window, ">= 1")
+        _check(self.hysteresis >= 1, "fp16.hysteresis", self.hysteresis, ">= 1")
+        _check(self.min_loss_scale > 0, "fp16.min_loss_scale", self.min_loss_scale, "> 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OffloadDeviceConfig:
+    """``zero_optimization.offload_optimizer`` / ``offload_param``."""
+
+    device: OffloadDevice = "none"
+    """none: state stays in the rank; cpu: daemon DRAM arena; nvme: arena + NVMe swap."""
+    nvme_path: str | None = None
+    """Swap directory for device nvme; unset means ``<tmpdir>/offloadd-swap-<job>``."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class ZeroConfig:
+    """The ``zero_optimization`` section."""
+
+    stage: int = 0
+    """0: replicate everything; 1: + partition optimizer state; 2: + grads; 3: + params."""
+    offload_optimizer: OffloadDeviceConfig = field(default_factory=OffloadDeviceConfig)
+    """Where the fp32 master, Adam moments and reduced grads live, and where Adam runs."""
+    offload_param: OffloadDeviceConfig = field(default_factory=OffloadDeviceConfig)
+    """Where each rank's stage-3 parameter partition lives between uses."""
+    overlap_comm: bool = True
+    """Launch gradient reductions asynchronously during backward (else one at a time)."""
+    stage3_prefetch_bucket_size: int = 50_000_000
+    """Parameter elements fetched ahead of use from the daemon during stage 3; >= 0."""
+    stage3_max_live_parameters: int = 1_000_000_000
+    """Upper bound (elements) on prefetched-but-unused parameters; >= 0."""
+
+    def __post_init__(self) -> None:
+        _check(self.stage in (0, 1, 2, 3), "zero_optimization.stage", self.stage, "0, 1, 2 or 3")
+        _check(self.stage3_prefetch_bucket_size >= 0,
+               "zero_optimization.stage3_prefetch_bucket_size",
+               self.stage3_prefetch_bucket_size, ">= 0")
+        _check(self.stage3_max_live_parameters >= 0,
+               "zero_optimization.stage3_max_live_parameters",
+               self.stage3_max_live_parameters, ">= 0")
+        param_device = self.offload_param.device
+        _check(param_device == "none" or self.stage == 3,
+               "zero_optimization.offload_param.device", param_device,
+               "'none' unless zero_optimization.stage is 3")
+        _check(param_device == "none" or self.offload_optimizer.device != "none",
+               "zero_optimization.offload_param.device", param_device,
+               "'none' unless offload_optimizer.device is cpu or nvme too "
+               "(the daemon's optimizer step writes the offloaded parameters)")
+
+    @property
+    def offloaded(self) -> bool:
+        """True when any state goes through the daemon."""
+        return self.offload_optimizer.device != "none"
+
+
+@dataclass(kw_only=True, frozen=True)
+class OffloaddConfig:
+    """The ``offloadd`` section: how ranks reach the per-node daemon."""
+
+    socket: str | None = None
+    """Daemon unix socket; unset + offload requested: local rank 0 starts a private daemon."""
+    job: str | None = None
+    """Job name scoping shards in the daemon; unset: derived from the rendezvous address."""
+    arena_size: int | None = None
+    """Bytes of pinned DRAM arena for this job; unset: sized from the model."""
+    workdir: str | None = None
+    """Directory for the private daemon's socket and files; unset: a fresh temp dir."""
+    connect_timeout_s: float = 120.0
+    """Seconds to wait for the daemon socket to accept connections; > 0."""
+
+    def __post_init__(self) -> None:
+        _check(self.arena_size is None or self.arena_size > 0, "offloadd.arena_size",
+               self.arena_size, "> 0 bytes")
+        _check(self.connect_timeout_s > 0, "offloadd.connect_timeout_s",
+               self.connect_timeout_s, "> 0")
+
+
+@dataclass(kw_only=True, frozen=True)
+class UnitsConfig:
+    """The ``units`` section: how the model is split into flat-parameter units."""
+
+    module_classes: tuple[str, ...] = ()
+    """Class names (e.g. "GPT2Block") whose instances each become one unit."""
+    min_num_params: int = 1_000_000
+    """Without module_classes: a subtree with this many unwrapped params becomes a unit."""
+
+    def __post_init__(self) -> None:
+        _check(self.min_num_params >= 1, "units.min_num_params", self.min_num_params, ">= 1")
+
+
+@dataclass(kw_only=True, frozen=True)
+class BatchSizes:
+    """Resolved batch sizes (samples), consistent with the world size."""
+
+    train_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+
+
+@dataclass(kw_only=True, frozen=True)
+class EngineConfig:
+    """The whole config, DeepSpeed key names at the top level."""
+
+    train_batch_size: int | None = None
+    """Samples per optimizer step over all ranks (= micro * accumulation * world)."""
+    train_micro_batch_size_per_gpu: int | None = None
+    """Samples per forward/backward on one rank."""
+    gradient_accumulation_steps: int | None = None
+    """Micro-batches per optimizer step on one rank."""
+    gradient_clipping: float = 0.0
+    """Clip the global gradient L2 norm to this value; 0 disables."""
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    """Adam/AdamW hyper-parameters."""
+    scheduler: SchedulerConfig | None = None
+    """Learning-rate schedule; None keeps optimizer.params.lr."""
+    bf16: Bf16Config = field(default_factory=Bf16Config)
+    """bfloat16 training."""
+    fp16: Fp16Config = field(default_factory=Fp16Config)
+    """float16 training with loss scaling."""
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    """ZeRO stage and offload placement."""
+    offloadd: OffloaddConfig = field(default_factory=OffloaddConfig)
+    """Daemon connection."""
+    units: UnitsConfig = field(default_factory=UnitsConfig)
+    """Unit (flat parameter) construction."""
+
+    def __post_init__(self) -> None:
+        _check(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping,
+               ">= 0 (0 disables)")
+        _check(not (self.bf16.enabled and self.fp16.enabled), "bf16.enabled", True,
+               "false when fp16.enabled is true (pick one training dtype)")
+        for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                    "gradient_accumulation_steps"):
+            value = getattr(self, key)
+            _check(value is None or value >= 1, key, value, ">= 1")
+
+    @property
+    def dtype_name(self) -> Literal["float32", "bfloat16", "float16"]:
+        """Training dtype as a daemon dtype tag."""
+        if self.bf16.enabled:
+            return "bfloat16"
+        return "float16" if self.fp16.enabled else "float32"
+
+    def batch_sizes(self, world_size: int) -> BatchSizes:
+        """Derive the missing batch keys like DeepSpeed and check consistency."""
+        total, micro, accum = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+                               self.gradient_accumulation_steps)
+        if total is None and micro is None:
+            raise ValueError("config needs train_batch_size or train_micro_batch_size_per_gpu")
+        if total is None:
+            assert micro is not None
+            accum = accum or 1
+            total = micro * accum * world_size
+        elif micro is None:
+            accum = accum or 1
+            micro = _divide(total, accum * world_size, "train_batch_size",
+                            f"gradient_accumulation_steps ({accum}) * world size ({world_size})")
+        elif accum is None:
+            accum = _divide(total, micro * world_size, "train_batch_size",
+                            f"train_micro_batch_size_per_gpu ({micro}) * world size "
+                            f"({world_size})")
+        if total != micro * accum * world_size:
+            raise ValueError(
+                f"train_batch_size ({total}) must equal train_micro_batch_size_per_gpu ({micro})"
+                f" * gradient_accumulation_steps ({accum}) * world size ({world_size})"
+            )
+        return BatchSizes(train_batch_size=total, micro_batch_size=micro,
+                          gradient_accumulation_steps=accum)
+
+
+def _divide(total: int, by: int, key: str, what: str) -> int:
+    if total % by:
+        raise ValueError(f"{key} ({total}) is not divisible by {what}")
+    return total // by
+
+
+def _check(ok: bool, key: str, value: object, accepted: str) -> None:
+    if not ok:
+        raise ValueError(f"config key {key}={value!r} is invalid: accepted {accepted}")
+
+
+# ---------------------------------------------------------------------------
+# parsing
+
+
+def parse_config(source: dict[str, Any] | str | Path | EngineConfig) -> EngineConfig:
+    """Parse a DeepSpeed-style config (dict or JSON file path) into an ``EngineConfig``."""
+    if isinstance(source, EngineConfig):
+        return source
+    if isinstance(source, (str, Path)):
+        with open(source, encoding="utf-8") as handle:
+            source = json.load(handle)
+    if not isinstance(source, dict):
+        raise ValueError(f"config must be a dict or a JSON file path, got {type(source).__name__}")
+    flat = dict(source)
+    for section in ("optimizer", "scheduler"):
+        if isinstance(flat.get(section), dict):
+            flat[section] = _flatten_typed_section(flat[section], section)
+    return _build(EngineConfig, flat, "")
+
+
+def _flatten_typed_section(section: dict[str, Any], name: str) -> dict[str, Any]:
+    unknown = set(section) - {"type", "params"}
+    if unknown:
+        raise ValueError(f"unknown keys in {name}: {sorted(unknown)} (expected type, params)")
+    params = section.get("params") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"config key {name}.params must be an object")
+    _reject_renamed_and_drop_ignored(params, f"{name}.params.")
+    flat = {key: value for key, value in params.items() if key not in ("torch_adam",)}
+    if "type" in section:
+        flat["type"] = section["type"]
+    return flat
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    data = dict(data)
+    _reject_renamed_and_drop_ignored(data, prefix)
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(_unknown_message(unknown, names, prefix))
+    kwargs = {key: _coerce(hints[key], value, prefix + key) for key, value in data.items()}
+    return cls(**kwargs)
+
+
+def _reject_renamed_and_drop_ignored(data: dict[str, Any], prefix: str) -> None:
+    for key in list(data):
+        dotted = prefix + key
+        if dotted in RENAMED_KEYS:
+            raise ValueError(f"config key {dotted} was renamed: use {RENAMED_KEYS[dotted]}")
+        if dotted in IGNORED_KEYS:
+            warnings.warn(f"config key {dotted} is accepted but ignored: {IGNORED_KEYS[dotted]}",
+                          UserWarning, stacklevel=4)
+            del data[key]
+
+
+def _unknown_message(unknown: list[str], names: set[str], prefix: str) -> str:
+    parts = []
+    for key in unknown:
+        guess = difflib.get_close_matches(key, sorted(names), n=1)
+        hint = f" (did you mean {prefix}{guess[0]}?)" if guess else ""
+        parts.append(f"{prefix}{key}{hint}")
+    where = prefix.rstrip(".") or "the top level"
+    return f"unknown config keys in {where}: " + ", ".join(parts)
+
+
+def _coerce(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (Union, types.UnionType):
+        options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        if value is None:
+            return None
+        return _coerce(options[0], value, key)
+    if dataclasses.is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise ValueError(f"config key {key} must be an object, got {value!r}")
+        return _build(typing.cast(type, hint), value, key + ".")
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        _check(value in choices, key, value, "one of " + ", ".join(map(repr, choices)))
+        return value
+    if origin is tuple:
+        return _coerce_tuple(hint, value, key)
+    return _coerce_scalar(hint, value, key)
+
+
+def _coerce_tuple(hint: Any, value: Any, key: str) -> tuple[Any, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"config key {key} must be a list, got {value!r}")
+    args = typing.get_args(hint)
+    if len(args) == 2 and args[1] is Ellipsis:
+        return tuple(_coerce(args[0], item, key) for item in value)
+    _check(len(value) == len(args), key, value, f"a list of {len(args)} values")
+    return tuple(_coerce(arg, item, key) for arg, item in zip(args, value, strict=True))
+
+
+def _coerce_scalar(hint: Any, value: Any, key: str) -> Any:
+    if hint is bool:
+        _check(isinstance(value, bool), key, value, "true or false")
+        return value
+    if hint is int:
+        # DeepSpeed configs often spell counts as 5e8; accept integral floats.
+        integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        _check(integral and not isinstance(value, bool), key, value, "an integer")
+        return int(value)
+    if hint is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, value,
+               "a number")
+        return float(value)
+    if hint is str:
+        _check(isinstance(value, str), key, value, "a string")
+        return value
+    raise TypeError(f"unsupported config field type {hint!r} for {key}")

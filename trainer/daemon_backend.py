@@ -1,0 +1,275 @@
+"""``DaemonBackend``: the offload component over the offloadd client.
+
+A thin adapter: every ``StateBackend`` call is one or two client calls on
+the shards ``u{N}.master``, ``u{N}.exp_avg``, ``u{N}.exp_avg_sq``,
+``u{N}.grad`` and ``u{N}.param`` of this rank (the session scopes ids by job
+and rank). Gradients are accumulated straight into the leased arena memory
+and the optimizer step runs in the daemon (``optimizer_step_async``), which
+also rewrites ``u{N}.param`` in the training dtype.
+
+``connect_backend`` finds the daemon: ``offloadd.socket`` when configured,
+otherwise local rank 0 of each node starts a private daemon
+(``offloadd.embedded.PrivateDaemon``) and shares its socket path with the
+node's other ranks through a collective; the daemon stops when the engine
+closes (or at interpreter exit).
+"""
+
+from __future__ import annotations
+
+import atexit
+import socket
+import tempfile
+import time
+import uuid
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainer.collectives import Collectives
+from trainer.config import EngineConfig
+from trainer.offload import (
+    STATE_KINDS,
+    AdamHyper,
+    StateBackend,
+    StepHandle,
+    UnitSpec,
+    squared_norm,
+)
+
+MIB = 1 << 20
+SHARD_KINDS = (*STATE_KINDS, "grad", "param")
+
+
+class DaemonBackend(StateBackend):
+    """Optimizer state as daemon shards; Adam runs in the daemon."""
+
+    def __init__(self, client: Any, *, collectives: Collectives, private: bool,
+                 private_daemon: Any | None = None) -> None:
+        self.client = client
+        self.collectives = collectives
+        self._private = private
+        """Ranks share a private daemon: all of them meet before its owner stops it."""
+        self._daemon = private_daemon
+        self._dtypes: dict[int, torch.dtype] = {}
+        self.moved_nbytes = 0
+        """Bytes this rank copied into or out of arena leases."""
+        self.wait_s = 0.0
+        """Seconds this rank spent blocked on the daemon (leases, step completion)."""
+
+    @staticmethod
+    def _ids(unit: int, *kinds: str) -> list[str]:
+        return [f"u{unit}.{kind}" for kind in kinds]
+
+    def register(self, spec: UnitSpec, master: torch.Tensor) -> None:
+        self._dtypes[spec.index] = spec.param_dtype
+        param_nbytes = spec.part_numel * spec.param_dtype.itemsize
+        self.client.alloc(self._ids(spec.index, *SHARD_KINDS),
+                          [spec.part_numel * 4] * 4 + [param_nbytes],
+                          ["float32"] * 4 + [_dtype_tag(spec.param_dtype)])
+        zeros = torch.zeros(spec.part_numel, dtype=torch.float32)
+        self.client.put_many(dict(zip(self._ids(spec.index, *SHARD_KINDS), (
+            master, zeros, zeros, zeros, master.to(spec.param_dtype)), strict=True)))
+
+    def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
+                        want_sq_norm: bool) -> torch.Tensor | None:
+        started = time.perf_counter()
+        with self.client.acquire(f"u{unit}.grad", "w") as lease:
+            self.wait_s += time.perf_counter() - started
+            target = lease.tensor(torch.float32)
+            if first:
+                target.copy_(grad)
+            else:
+                target.add_(grad)
+            self.moved_nbytes += target.nbytes
+            return squared_norm(target) if want_sq_norm else None
+
+    def step_async(self, unit: int, *, step: int, hyper: AdamHyper,
+                   grad_scale: float) -> StepHandle:
+        handle = self.client.optimizer_step_async(
+            f"u{unit}", step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
+            eps=hyper.eps, weight_decay=hyper.weight_decay,
+            decoupled_weight_decay=hyper.decoupled_weight_decay, grad_scale=grad_scale)
+        return _TimedHandle(handle, self)
+
+    def read_params(self, unit: int, out: torch.Tensor) -> None:
+        started = time.perf_counter()
+        with self.client.acquire(f"u{unit}.param", "r") as lease:
+            self.wait_s += time.perf_counter() - started
+            out.copy_(lease.tensor(self._dtypes[unit]))
+            self.moved_nbytes += out.nbytes
+
+    def prefetch_params(self, units: list[int]) -> None:
+        if units:
+            self.client.prefetch([f"u{unit}.param" for unit in units])
+
+    def begin_step(self) -> None:
+        self.client.step_begin()
+
+    def get_state(self, unit: int) -> dict[str, torch.Tensor]:
+        with self.client.acquire_many(self._ids(unit, *STATE_KINDS), "r") as leases:
+            return {kind: lease.tensor(torch.float32).clone()
+                    for kind, lease in zip(STATE_KINDS, leases, strict=True)}
+
+    def set_state(self, unit: int, state: dict[str, torch.Tensor]) -> None:
+        param = state.get("param")
+        if param is None:
+            param = state["master"].to(self._dtypes[unit])
+        values = [state[kind] for kind in STATE_KINDS] + [param]
+        self.client.put_many(dict(zip(self._ids(unit, *STATE_KINDS, "param"), values,
+                                      strict=True)))
+
+    def flush(self, tag: str | None) -> None:
+        self.client.flush(tag)
+
+    def stats(self) -> dict[str, Any]:
+        from trainer.client import OffloadError
+
+        rank_side = {"rank_moved_nbytes": self.moved_nbytes, "rank_wait_s": self.wait_s}
+        try:
+            return {**self.client.stats(), **rank_side}
+        except OffloadError as error:  # diagnostics only: never fail training over them
+            return {"stats_error": str(error), **rank_side}
+
+    def close(self) -> None:
+        if self.client.closed:
+            return
+        self.client.close()
+        if self._private:
+            _wait_for_node_peers(self.collectives)
+        if self._daemon is not None:
+            self._daemon.stop()
+            self._daemon = None
+
+
+class _TimedHandle:
+    """A daemon step handle that books its blocking time on the backend."""
+
+    def __init__(self, handle: StepHandle, backend: DaemonBackend) -> None:
+        self._handle = handle
+        self._backend = backend
+
+    def wait(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._handle.wait()
+        finally:
+            self._backend.wait_s += time.perf_counter() - started
+
+
+def _dtype_tag(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16",
+            torch.float16: "float16"}[dtype]
+
+
+def _wait_for_node_peers(collectives: Collectives) -> None:
+    """Let every rank close its client before the private daemon goes away."""
+    if collectives.world_size == 1:
+        return
+    try:
+        dist.monitored_barrier(timeout=timedelta(seconds=60), wait_all_ranks=True)
+    except RuntimeError as error:  # a peer died; stopping the daemon is still right
+        warnings.warn(f"peers did not reach the daemon shutdown barrier: {error}",
+                      RuntimeWarning, stacklevel=2)
+
+
+# ---------------------------------------------------------------------------
+# connecting
+
+
+def _node_world_size(collectives: Collectives) -> int:
+    hosts = collectives.all_gather_object(socket.gethostname())
+    return hosts.count(socket.gethostname())
+
+
+def estimate_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) -> int:
+    """Bytes of daemon shards one rank needs (fp32 master/moments/grad + param copy)."""
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    parts = world_size if config.zero_optimization.stage >= 1 else 1
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype_name]
+    return -(-numel // parts) * (16 + itemsize)
+
+
+def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Collectives) -> int:
+    """Whole working set for ``cpu``; half of it (>= 64 MiB) for ``nvme``: the rest swaps."""
+    node_nbytes = estimate_rank_nbytes(model, config, collectives.world_size)
+    node_nbytes *= _node_world_size(collectives)
+    if config.zero_optimization.offload_optimizer.device == "nvme":
+        wanted = max(64 * MIB, node_nbytes // 2)
+    else:
+        wanted = node_nbytes + node_nbytes // 4 + 32 * MIB
+    return -(-wanted // (2 * MIB)) * 2 * MIB  # whole huge pages: the daemon aligns up
+
+
+def _swap_dirs(config: EngineConfig, job: str) -> list[str]:
+    zero = config.zero_optimization
+    paths = [section.nvme_path for section in (zero.offload_optimizer, zero.offload_param)
+             if section.device == "nvme" and section.nvme_path]
+    wants_nvme = any(section.device == "nvme"
+                     for section in (zero.offload_optimizer, zero.offload_param))
+    if wants_nvme and not paths:
+        default = str(Path(tempfile.gettempdir()) / f"offloadd-swap-{job}")
+        warnings.warn(f"offload device nvme without nvme_path: swapping to {default}",
+                      UserWarning, stacklevel=3)
+        paths = [default]
+    unique = list(dict.fromkeys(paths))
+    for path in unique:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    return unique
+
+
+def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int) -> Any:
+    from offloadd.embedded import PrivateDaemon
+
+    workdir = config.offloadd.workdir or tempfile.mkdtemp(prefix="offloadd-private-")
+    daemon = PrivateDaemon.start(workdir, arena_size=arena_nbytes,
+                                 swap_dirs=_swap_dirs(config, job))
+    atexit.register(daemon.stop)
+    return daemon
+
+
+def _leader_starts_daemon(config: EngineConfig, collectives: Collectives, job: str,
+                          arena_nbytes: int) -> tuple[str, Any]:
+    """Local rank 0 starts the daemon; every rank of the node gets its socket path."""
+    daemon, outcome = None, ""
+    if collectives.local_rank == 0:
+        try:
+            daemon = _start_private_daemon(config, job, arena_nbytes)
+            outcome = "socket:" + daemon.socket_path
+        except Exception as error:  # reported on every rank below, not only here
+            outcome = f"error:{type(error).__name__}: {error}"
+    shared = collectives.node_leader_value(outcome)
+    if shared.startswith("error:"):
+        raise RuntimeError("local rank 0 could not start a private offloadd "
+                           f"(set offloadd.socket to use a running daemon): {shared[6:]}")
+    return shared.removeprefix("socket:"), daemon
+
+
+def connect_backend(config: EngineConfig, collectives: Collectives,
+                    model: nn.Module) -> DaemonBackend:
+    """Connect this rank to its node's daemon (starting a private one when needed)."""
+    from trainer.client import OffloadClient, OffloadError
+
+    job = config.offloadd.job or collectives.all_gather_object(
+        f"train-{uuid.uuid4().hex[:12]}")[0]
+    arena_nbytes = config.offloadd.arena_size or default_arena_nbytes(model, config, collectives)
+    daemon = None
+    socket_path = config.offloadd.socket
+    if socket_path is None:
+        socket_path, daemon = _leader_starts_daemon(config, collectives, job, arena_nbytes)
+    try:
+        client = OffloadClient.connect(
+            socket_path, job=job, rank=collectives.rank, world_size=collectives.world_size,
+            local_rank=collectives.local_rank, arena_nbytes=arena_nbytes,
+            timeout_s=config.offloadd.connect_timeout_s)
+    except (OffloadError, OSError) as error:
+        if daemon is not None:
+            daemon.stop()
+        raise RuntimeError(f"cannot connect to offloadd at {socket_path} "
+                           f"(config key offloadd.socket): {error}") from error
+    return DaemonBackend(client, collectives=collectives, private=config.offloadd.socket is None,
+                         private_daemon=daemon)

@@ -1,0 +1,223 @@
+"""The training engine: DeepSpeed-style ``forward`` / ``backward`` / ``step`` over ZeRO units.
+
+The engine only sequences work. What it delegates:
+
+- ``trainer.partition``: the model split into units with flat parameters;
+- ``trainer.zero``: the stage (parameter placement + gradient reducer);
+- ``trainer.hooks``: per-unit forward/backward callbacks;
+- ``trainer.optimizer``: Adam/AdamW over unit partitions, clipping, skipping;
+- ``trainer.offload``: where the optimizer state lives (rank or daemon);
+- ``trainer.precision``, ``trainer.scheduler``, ``trainer.checkpoint``.
+
+A micro-step is ``loss = engine(batch)``, ``engine.backward(loss)``,
+``engine.step()``; the optimizer only steps at accumulation boundaries.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.collectives import Collectives
+from trainer.config import BatchSizes, EngineConfig
+from trainer.hooks import UnitHooks
+from trainer.offload import StateBackend, UnitSpec
+from trainer.optimizer import ZeroOptimizer
+from trainer.partition import Unit, build_units
+from trainer.precision import Precision
+from trainer.scheduler import WarmupLR, build_scheduler
+from trainer.zero import PrefetchPlanner, ReducedGrad, build_stage
+
+
+class Engine(nn.Module):
+    """Wraps a model for ZeRO data-parallel training (see module docstring)."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig, *, collectives: Collectives,
+                 backend: StateBackend) -> None:
+        super().__init__()
+        self.module = model
+        self.config = config
+        self.collectives = collectives
+        self.backend = backend
+        self.batch: BatchSizes = config.batch_sizes(collectives.world_size)
+        self.precision = Precision(config)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self._inflight: list[tuple[Unit, ReducedGrad]] = []
+        stage = config.zero_optimization.stage
+        num_parts = collectives.world_size if stage >= 1 else 1
+        model.to(self.precision.dtype)
+        self.units = build_units(model, config.units, num_parts=num_parts,
+                                 part_index=collectives.rank if num_parts > 1 else 0)
+        self.placement, self.reducer = build_stage(
+            stage, collectives, self.precision.dtype, backend,
+            offload_params=config.zero_optimization.offload_param.device != "none")
+        self._adopt_parameters()
+        self.optimizer = ZeroOptimizer(backend, config.optimizer, collectives=collectives,
+                                       scaler=self.precision.scaler,
+                                       clip_norm=config.gradient_clipping,
+                                       partitioned=num_parts > 1)
+        self.lr_scheduler: WarmupLR | None = build_scheduler(self.optimizer, config.scheduler)
+        self.prefetch = PrefetchPlanner(config.zero_optimization.stage3_prefetch_bucket_size,
+                                        config.zero_optimization.stage3_max_live_parameters)
+        self._forward_depth = 0
+        self.hooks = UnitHooks(self.units, on_grads_ready=self._on_grads_ready)
+        if self.placement.sharded:
+            self.hooks.install_forward(pre_forward=self._pre_forward,
+                                       post_forward=self._post_forward,
+                                       pre_backward=self._pre_backward)
+
+    # ----------------------------------------------------------------- setup
+
+    def _adopt_parameters(self) -> None:
+        """Rank 0's initial values everywhere, then hand units to backend and placement."""
+        self._broadcast_untracked_state()
+        for unit in self.units:
+            flat = unit.flatten_params(self.precision.dtype)
+            self.collectives.broadcast(flat)
+            spec = UnitSpec(index=unit.index, part_numel=unit.part_numel,
+                            param_dtype=self.precision.dtype)
+            self.backend.register(spec, unit.part_slice(flat).float())
+            self.placement.setup(unit, flat)
+
+    def _broadcast_untracked_state(self) -> None:
+        """Buffers and frozen parameters are replicated as-is from rank 0."""
+        for buffer in self.module.buffers():
+            self.collectives.broadcast(buffer.data)
+        for param in self.module.parameters():
+            if not param.requires_grad:
+                self.collectives.broadcast(param.data)
+
+    # --------------------------------------------------------------- forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model on (floating inputs cast to the training dtype)."""
+        self.backend.begin_step()
+        self._forward_depth = 0  # a forward that raised half-way must not skew the next one
+        return self.module(*self.precision.cast_inputs(args),
+                           **self.precision.cast_inputs(kwargs))
+
+    def _pre_forward(self, unit: Unit) -> None:
+        self.prefetch.record(unit, first_of_pass=self._forward_depth == 0)
+        self._forward_depth += 1
+        self.placement.gather(unit)
+        self.placement_prefetch(unit, backward=False)
+
+    def _post_forward(self, unit: Unit) -> None:
+        self._forward_depth -= 1
+        self.placement.release(unit)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        self.placement.gather(unit)
+        self.placement_prefetch(unit, backward=True)
+
+    def placement_prefetch(self, unit: Unit, *, backward: bool) -> None:
+        source = getattr(self.placement, "source", None)
+        if source is not None:
+            source.prefetch(self.prefetch.upcoming(unit, backward=backward))
+
+    # -------------------------------------------------------------- backward
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-step ends an accumulation window."""
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backpropagate ``loss`` (scaled for accumulation and fp16) and reduce gradients."""
+        if not self.module.training:
+            raise RuntimeError("engine.backward() called in eval mode; call engine.train()")
+        scale = self.precision.scaler.scale / self.batch.gradient_accumulation_steps
+        self.hooks.start_backward()
+        (loss.float() * scale).backward()
+        self.hooks.finish_backward()
+        self._drain_reductions(block=True)
+        return loss
+
+    def _on_grads_ready(self, unit: Unit) -> None:
+        flat_grad = unit.flatten_grads(self.precision.dtype)
+        self.placement.release(unit)
+        overlap = self.config.zero_optimization.overlap_comm
+        reduced = self.reducer.reduce(unit, flat_grad,
+                                      boundary=self.is_gradient_accumulation_boundary(),
+                                      async_op=overlap)
+        if reduced is not None:
+            self._inflight.append((unit, reduced))
+        self._drain_reductions(block=not overlap)
+
+    def _drain_reductions(self, *, block: bool) -> None:
+        """Hand finished reductions to the optimizer, in launch order."""
+        boundary = self.is_gradient_accumulation_boundary()
+        first = (not self.reducer.accumulates_partitions
+                 or self.micro_steps % self.batch.gradient_accumulation_steps == 0)
+        while self._inflight and (block or self._inflight[0][1].done()):
+            unit, reduced = self._inflight.pop(0)
+            self.optimizer.take_grad(unit.index, reduced.wait(), first=first, boundary=boundary)
+
+    # ------------------------------------------------------------------ step
+
+    def step(self) -> None:
+        """End a micro-step; at an accumulation boundary, apply the optimizer step."""
+        if self.is_gradient_accumulation_boundary():
+            applied = self.optimizer.step()
+            for unit in self.units:
+                self.placement.after_step(unit)
+            if applied and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+            self.global_samples += self.batch.train_batch_size
+        self.micro_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are consumed by each backward; kept for DeepSpeed API parity."""
+
+    # ------------------------------------------------------------- accessors
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.last_grad_norm
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_size
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.scaler.scale
+
+    def offload_stats(self) -> dict[str, Any]:
+        """The backend's counters (daemon client stats when offloading)."""
+        return self.backend.stats()
+
+    # ------------------------------------------------------------ checkpoint
+
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: dict[str, Any] | None = None) -> str:
+        from trainer.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state=client_state)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str],
+                        tag: str | None = None) -> tuple[str | None, dict[str, Any]]:
+        from trainer.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, load_dir, tag)
+
+    def close(self) -> None:
+        """Remove hooks and release the backend (daemon connection, private daemon)."""
+        self.hooks.remove()
+        self.backend.close()

@@ -1,0 +1,286 @@
+"""ZeRO stages: where parameters live between uses and how gradients are reduced.
+
+A stage is two small strategies:
+
+- a *placement* (``Replicated`` for stages 0-2, ``Sharded`` for stage 3)
+  says when a unit's full flat parameters exist and how they are refreshed
+  after the optimizer step;
+- a *reducer* (``AllReduceReducer`` for stages 0-1, ``ReduceScatterReducer``
+  for stages 2-3) turns a unit's flat gradient into this rank's reduced
+  gradient partition.
+
+Stage 3 keeps each rank's parameter partition either resident in the rank
+(``ResidentPartitions``) or in the offload backend (``OffloadedPartitions``,
+shard ``u{N}.param``), and all-gathers a unit's full parameters just before
+its forward and again before its backward.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+import torch
+
+from trainer.collectives import Collectives, Pending
+from trainer.offload import StateBackend
+from trainer.partition import Unit
+
+# ---------------------------------------------------------------------------
+# stage-3 parameter partitions
+
+
+class PartitionSource(abc.ABC):
+    """Where a stage-3 rank keeps its parameter partition between gathers."""
+
+    @abc.abstractmethod
+    def load(self, unit: Unit) -> torch.Tensor:
+        """This rank's partition of ``unit`` (training dtype), ready to all-gather."""
+
+    @abc.abstractmethod
+    def refresh(self, unit: Unit) -> None:
+        """Pick up the partition written by the optimizer step."""
+
+    def prefetch(self, units: list[Unit]) -> None:  # noqa: B027 - resident needs no prefetch
+        """Start bringing ``units``' partitions close ahead of use."""
+
+
+class ResidentPartitions(PartitionSource):
+    """Partitions held as tensors in the rank (offload_param device none)."""
+
+    def __init__(self, backend: StateBackend, dtype: torch.dtype) -> None:
+        self.backend = backend
+        self.dtype = dtype
+        self.parts: dict[int, torch.Tensor] = {}
+
+    def keep(self, unit: Unit, part: torch.Tensor) -> None:
+        self.parts[unit.index] = part
+
+    def load(self, unit: Unit) -> torch.Tensor:
+        return self.parts[unit.index]
+
+    def refresh(self, unit: Unit) -> None:
+        self.backend.read_params(unit.index, self.parts[unit.index])
+
+
+class OffloadedPartitions(PartitionSource):
+    """Partitions living in the backend (shard ``u{N}.param``), read at each gather."""
+
+    def __init__(self, backend: StateBackend, dtype: torch.dtype) -> None:
+        self.backend = backend
+        self.dtype = dtype
+
+    def keep(self, unit: Unit, part: torch.Tensor) -> None:
+        """The backend already derived the partition from the master at registration."""
+
+    def load(self, unit: Unit) -> torch.Tensor:
+        part = torch.empty(unit.part_numel, dtype=self.dtype)
+        self.backend.read_params(unit.index, part)
+        return part
+
+    def refresh(self, unit: Unit) -> None:
+        """The optimizer step wrote ``u{N}.param`` in place; nothing to copy."""
+
+    def prefetch(self, units: list[Unit]) -> None:
+        self.backend.prefetch_params([unit.index for unit in units])
+
+
+# ---------------------------------------------------------------------------
+# placements
+
+
+class Placement(abc.ABC):
+    """When full flat parameters exist, and how they follow the optimizer step."""
+
+    sharded: bool = False
+
+    def __init__(self, collectives: Collectives, dtype: torch.dtype) -> None:
+        self.collectives = collectives
+        self.dtype = dtype
+
+    @abc.abstractmethod
+    def setup(self, unit: Unit, flat: torch.Tensor) -> None:
+        """Adopt the initial full flat parameters (identical on every rank)."""
+
+    @abc.abstractmethod
+    def after_step(self, unit: Unit) -> None:
+        """Bring the unit's parameters up to date with the stepped master."""
+
+    def gather(self, unit: Unit) -> None:  # noqa: B027 - replicated params are always there
+        """Materialise the unit's full parameters."""
+
+    def release(self, unit: Unit) -> None:  # noqa: B027 - replicated params are always there
+        """Drop the unit's full parameters."""
+
+
+class Replicated(Placement):
+    """Stages 0-2: every rank keeps the full flat parameters."""
+
+    def __init__(self, collectives: Collectives, dtype: torch.dtype,
+                 backend: StateBackend) -> None:
+        super().__init__(collectives, dtype)
+        self.backend = backend
+
+    def setup(self, unit: Unit, flat: torch.Tensor) -> None:
+        unit.flat = flat
+        unit.point_params_at(flat)
+
+    def after_step(self, unit: Unit) -> None:
+        assert unit.flat is not None
+        if unit.part_numel == unit.padded_numel:
+            self.backend.read_params(unit.index, unit.flat)
+            return
+        part = torch.empty(unit.part_numel, dtype=self.dtype)
+        self.backend.read_params(unit.index, part)
+        self.collectives.all_gather(unit.flat, part)
+
+
+class Sharded(Placement):
+    """Stage 3: a rank keeps only its partition; full parameters exist around use."""
+
+    sharded = True
+
+    def __init__(self, collectives: Collectives, dtype: torch.dtype,
+                 source: ResidentPartitions | OffloadedPartitions) -> None:
+        super().__init__(collectives, dtype)
+        self.source = source
+
+    def setup(self, unit: Unit, flat: torch.Tensor) -> None:
+        self.source.keep(unit, unit.part_slice(flat).clone())
+        unit.flat = None
+        unit.release_params()
+
+    def gather(self, unit: Unit) -> None:
+        if unit.flat is not None:
+            return
+        flat = torch.empty(unit.padded_numel, dtype=self.dtype)
+        self.collectives.all_gather(flat, self.source.load(unit))
+        unit.flat = flat
+        unit.point_params_at(flat)
+
+    def release(self, unit: Unit) -> None:
+        unit.flat = None
+        unit.release_params()
+
+    def after_step(self, unit: Unit) -> None:
+        self.source.refresh(unit)
+
+
+# ---------------------------------------------------------------------------
+# gradient reduction
+
+
+class ReducedGrad:
+    """A unit's gradient reduction in flight; ``wait()`` gives the fp32 partition."""
+
+    def __init__(self, pending: Pending, finish: Callable[[], torch.Tensor]) -> None:
+        self._pending = pending
+        self._finish = finish
+
+    def done(self) -> bool:
+        """True when ``wait()`` would not block."""
+        is_completed = getattr(self._pending, "is_completed", None)
+        return True if is_completed is None else bool(is_completed())
+
+    def wait(self) -> torch.Tensor:
+        self._pending.wait()
+        return self._finish()
+
+
+class Reducer(abc.ABC):
+    """Turns a unit's flat gradient (summed over micro-batches) into this rank's partition."""
+
+    def __init__(self, collectives: Collectives) -> None:
+        self.collectives = collectives
+
+    @abc.abstractmethod
+    def reduce(self, unit: Unit, flat_grad: torch.Tensor, *, boundary: bool,
+               async_op: bool) -> ReducedGrad | None:
+        """Launch the reduction of one micro-batch's gradient; None: nothing to apply yet."""
+
+    @property
+    @abc.abstractmethod
+    def accumulates_partitions(self) -> bool:
+        """True: every micro-batch yields a partition the backend must accumulate."""
+
+
+class AllReduceReducer(Reducer):
+    """Stages 0-1: accumulate full gradients locally, all-reduce once at the boundary."""
+
+    accumulates_partitions = False
+
+    def __init__(self, collectives: Collectives) -> None:
+        super().__init__(collectives)
+        self._local: dict[int, torch.Tensor] = {}
+
+    def reduce(self, unit: Unit, flat_grad: torch.Tensor, *, boundary: bool,
+               async_op: bool) -> ReducedGrad | None:
+        total = self._local.pop(unit.index, None)
+        if total is None:
+            total = flat_grad.to(torch.float32, copy=True)
+        else:
+            total.add_(flat_grad)
+        if not boundary:
+            self._local[unit.index] = total
+            return None
+        pending = self.collectives.all_reduce(total, async_op=async_op)
+        return ReducedGrad(pending, lambda: unit.part_slice(total))
+
+
+class ReduceScatterReducer(Reducer):
+    """Stages 2-3: reduce-scatter every micro-batch; the backend accumulates partitions."""
+
+    accumulates_partitions = True
+
+    def reduce(self, unit: Unit, flat_grad: torch.Tensor, *, boundary: bool,
+               async_op: bool) -> ReducedGrad | None:
+        part = torch.empty(unit.part_numel, dtype=flat_grad.dtype)
+        pending = self.collectives.reduce_scatter(part, flat_grad, async_op=async_op)
+        return ReducedGrad(pending, lambda: part.float())
+
+
+def build_stage(stage: int, collectives: Collectives, dtype: torch.dtype,
+                backend: StateBackend, *, offload_params: bool) -> tuple[Placement, Reducer]:
+    """The placement and reducer of a ZeRO stage."""
+    reducer: Reducer = (ReduceScatterReducer(collectives) if stage >= 2
+                        else AllReduceReducer(collectives))
+    if stage < 3:
+        return Replicated(collectives, dtype, backend), reducer
+    source = (OffloadedPartitions(backend, dtype) if offload_params
+              else ResidentPartitions(backend, dtype))
+    return Sharded(collectives, dtype, source), reducer
+
+
+class PrefetchPlanner:
+    """Remembers the order units ran in the last forward and names the next ones."""
+
+    def __init__(self, bucket_numel: int, max_live_numel: int) -> None:
+        self.budget_numel = min(bucket_numel, max_live_numel)
+        self._order: list[Unit] = []
+        self._recording: list[Unit] = []
+        self._position: dict[int, int] = {}
+
+    def record(self, unit: Unit, *, first_of_pass: bool) -> None:
+        """Note that ``unit`` starts its forward; ``first_of_pass`` closes the last pass."""
+        if first_of_pass and self._recording:
+            self._order, self._recording = self._recording, []
+            self._position = {u.index: i for i, u in enumerate(self._order)}
+        self._recording.append(unit)
+
+    def upcoming(self, unit: Unit, *, backward: bool) -> list[Unit]:
+        """Units expected after ``unit`` (before it, in backward) within the element budget."""
+        position = self._position.get(unit.index)
+        if position is None:
+            return []
+        step = -1 if backward else 1
+        chosen: list[Unit] = []
+        total = 0
+        index = position + step
+        while 0 <= index < len(self._order):
+            candidate = self._order[index]
+            total += candidate.part_numel
+            if total > self.budget_numel:
+                break
+            chosen.append(candidate)
+            index += step
+        return chosen
