@@ -69,6 +69,31 @@ class Allocator:
             self._free_nbytes[offset + need] = size - need
         self.used_nbytes += need
 
+    def reserve(self, offset: int, nbytes: int) -> None:
+        """Mark a known range as used (recovery re-registers what a manifest names)."""
+        need = align_up(max(nbytes, 1))
+        index = bisect.bisect_right(self._free_offsets, offset) - 1
+        if index < 0:
+            raise ValueError(f"range at {offset} is not free")
+        start = self._free_offsets[index]
+        size = self._free_nbytes[start]
+        if offset + need > start + size:
+            raise ValueError(f"range [{offset}, {offset + need}) is not free")
+        self._take(start, size, offset + need - start)
+        if offset > start:
+            self.free(start, offset - start)
+
+    def grow(self, new_capacity: int) -> None:
+        """Extend the managed range (swap files grow in segments)."""
+        if new_capacity % PAGE_NBYTES or new_capacity < self.capacity:
+            raise ValueError(f"cannot grow from {self.capacity} to {new_capacity}")
+        added = new_capacity - self.capacity
+        old = self.capacity
+        self.capacity = new_capacity
+        if added:
+            self.used_nbytes += added
+            self.free(old, added)
+
     def free(self, offset: int, nbytes: int) -> None:
         """Return a range to the free list, merging it with free neighbours."""
         size = align_up(max(nbytes, 1))

@@ -9,9 +9,11 @@ task switch.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Protocol
+import time
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from offloadd.arena import Arena, align_up
 from offloadd.errors import (
@@ -33,9 +35,6 @@ from offloadd.shards import (
     grant,
 )
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger(__name__)
 
 
@@ -45,6 +44,8 @@ class SwapTier(Protocol):
     async def make_room(self, table: ShardTable, nbytes: int) -> None: ...
     async def read_in(self, table: ShardTable, shard: Shard) -> None: ...
     def note_access(self, table: ShardTable, shard: Shard) -> None: ...
+    def after_access(self, table: ShardTable, rank: int) -> None: ...
+    def note_stall(self, rank: int, seconds: float) -> None: ...
     def step_begin(self, table: ShardTable, rank: int) -> None: ...
     def prefetch(self, table: ShardTable, shards: list[Shard], deadline_s: float) -> None: ...
     async def flush(self, table: ShardTable, tag: str | None) -> int: ...
@@ -88,6 +89,8 @@ class Job:
                ) -> Placed | Awaitable[Placed]:
         if leases is not None and mode is not None:
             self._check_grantable(shards, mode, leases)
+        if mode == "w" and any(s.io is not None for s in shards):
+            return self._serve_slow(shards, leases, mode)  # wait for the write-back
         if all(s.in_arena for s in shards) or self._place_now(shards):
             return self._lease_and_reply(shards, leases, mode)
         return self._serve_slow(shards, leases, mode)
@@ -136,16 +139,31 @@ class Job:
     async def _serve_slow(self, shards: list[Shard], leases: dict[Shard, Lease] | None,
                           mode: str | None) -> Placed:
         assert self.tier is not None
-        self._check_pinned_fit(shards)
-        for shard in shards:
-            await self._make_resident(shard)
-        # Another request may have taken a conflicting lease while we waited for IO.
+        started = time.monotonic()
+        unique = list(dict.fromkeys(shards))
+        self._check_pinned_fit(unique)
+        for shard in unique:  # pinned: reading one shard never evicts another of the batch
+            shard.pins += 1
+        try:
+            await self._settle(unique, mode)
+        finally:
+            for shard in unique:
+                shard.pins -= 1
+        # No await from here on: the conflict check and the grant are one atomic step.
         if leases is not None and mode is not None:
             self._check_grantable(shards, mode, leases)
-        for shard in shards:
-            if not shard.in_arena:  # evicted again while a later shard was read in
-                await self._make_resident(shard)
+        self.tier.note_stall(unique[0].rank, time.monotonic() - started)
         return self._lease_and_reply(shards, leases, mode)
+
+    async def _settle(self, shards: list[Shard], mode: str | None) -> None:
+        """Make every shard resident; a writer also waits out write-backs in flight."""
+        while True:
+            await asyncio.gather(*(self._make_resident(s) for s in shards))
+            busy = [s.io for s in shards if s.io is not None and mode == "w"]
+            if busy:
+                await asyncio.wait([asyncio.shield(f) for f in busy])
+            elif all(s.in_arena for s in shards):
+                return
 
     def _check_pinned_fit(self, shards: list[Shard]) -> None:
         need = sum(s.arena_nbytes for s in set(shards))
@@ -180,6 +198,8 @@ class Job:
             if self.tier is not None:
                 self.tier.note_access(table, shard)
             offsets.append(shard.offset)  # type: ignore[arg-type]
+        if self.tier is not None and shards:
+            self.tier.after_access(table, shards[0].rank)
         return Placed(
             0,
             offsets,
@@ -197,9 +217,10 @@ class Job:
 
     def drop(self, rank: int, ids: list[str]) -> None:
         shards = self.table.lookup(rank, ids)
-        busy = [s.shard_id for s in shards if s.leased or s.residency is Residency.READING]
+        busy = [s.shard_id for s in shards if s.leased or s.pins or s.io is not None]
         if busy:
-            raise LeaseConflictError(f"cannot drop leased or in-flight shard(s) {busy[:8]}", busy)
+            raise LeaseConflictError(
+                f"cannot drop leased or in-flight shard(s) {busy[:8]}; release them first", busy)
         for shard in shards:
             if self.tier is not None:
                 self.tier.forget(self.table, shard)
@@ -269,7 +290,8 @@ class JobRegistry:
     def reserved_nbytes(self) -> int:
         return sum(job.arena.nbytes for job in self.jobs.values())
 
-    def open(self, name: str, requested_nbytes: int) -> tuple[Job, bool]:
+    def open(self, name: str, requested_nbytes: int,
+             make_tier: Callable[[], SwapTier] | None = None) -> tuple[Job, bool]:
         """Return the job, creating its arena on first hello; second value: created."""
         job = self.jobs.get(name)
         if job is not None:
@@ -282,7 +304,8 @@ class JobRegistry:
                 f"{free} of the daemon's {self.budget_nbytes}-byte budget is free; ask for less "
                 "or raise --arena-size"
             )
-        job = Job(name, Arena(name, nbytes, lock=self.lock))
+        tier = make_tier() if make_tier is not None else None
+        job = Job(name, Arena(name, nbytes, lock=self.lock), tier)
         self.jobs[name] = job
         return job, True
 

@@ -7,6 +7,7 @@ import contextlib
 import itertools
 import logging
 import os
+import platform
 import signal
 import socket
 import sys
@@ -23,6 +24,9 @@ from offloadd.session import Session
 
 log = logging.getLogger(__name__)
 LAG_PERIOD_S = 0.25
+JOB_LABEL = "train_job"
+"""Label naming the training job on per-job metrics. Not ``job``: Prometheus attaches its
+scrape job as ``job`` and would rename ours to ``exported_job``."""
 
 
 def adam_kernel() -> str:
@@ -117,9 +121,10 @@ class Daemon:
             os.unlink(self.config.socket)
         self._stopped.set()
 
-    def on_job_opened(self, job: Job, created: bool) -> None:
-        if created and self.swap is not None:
-            job.tier = self.swap.tier_for(job)
+    def open_job(self, name: str, arena_nbytes: int) -> Job:
+        make_tier = (lambda: self.swap.tier_for(name)) if self.swap is not None else None
+        job, _created = self.jobs.open(name, arena_nbytes, make_tier)
+        return job
 
     # -- health and stats ---------------------------------------------------------
 
@@ -163,10 +168,16 @@ class Daemon:
             ("offloadd_shards", "Shards known per job.", lambda j: len(j.table.shards)),
         ]
         for name, doc, read in per_job:
-            yield gauge(name, doc, 0, ["job"], [([j.name], read(j)) for j in jobs])
+            yield gauge(name, doc, 0, [JOB_LABEL], [([j.name], read(j)) for j in jobs])
         yield gauge("offloadd_sessions", "Connected rank sessions.", len(self.sessions))
         yield gauge("offloadd_build_info", "Build and active code paths.", 1,
-                    ["version", "adam_kernel"], [([__version__, adam_kernel()], 1)])
+                    ["version", "adam_kernel", "io_engine", "python"],
+                    [([__version__, adam_kernel(), self._io_engine_name(),
+                       platform.python_version()], 1)])
+
+    def _io_engine_name(self) -> str:
+        engine = getattr(self.swap, "engine", None)
+        return str(getattr(engine, "name", "none"))
 
 
 def _socket_in_use(path: str) -> bool:
@@ -202,8 +213,12 @@ async def _main(config: DaemonConfig, ready_message: bool) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, daemon.request_stop)
     if ready_message:
+        metrics = ""
+        if daemon._metrics_server is not None:  # the bound port, also when asked for port 0
+            host, port = daemon._metrics_server.server_address[:2]
+            metrics = f" metrics_addr={host}:{port}"
         print(f"offloadd ready socket={config.socket} pid={os.getpid()} "
-              f"arena_size={config.arena_size}", flush=True)
+              f"arena_size={config.arena_size}{metrics}", flush=True)
     await daemon.wait_closed()
     log.info("event=stopping sessions=%d", len(daemon.sessions))
     await daemon.stop()

@@ -8,10 +8,11 @@ shard is never evicted, moved or dropped.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from offloadd.arena import Arena, align_up
@@ -59,11 +60,20 @@ class Shard:
     """Logical clock of the last acquire, for LRU when no access trace is known."""
     swap: SwapPlacement | None = None
     """Where the last written swap copy lives (NVMe tier), if any."""
-    io_waiters: list = field(default_factory=list)
+    pins: int = 0
+    """Internal holds (IO in flight, a batch being made resident): never evicted while > 0."""
+    io: asyncio.Future[None] | None = None
+    """Completion of the swap read or write in flight, if any."""
+    prefetched: bool = False
+    """Brought in by prefetch and not yet used (for hit/late accounting)."""
 
     @property
     def leased(self) -> bool:
         return self.readers > 0 or self.writer
+
+    @property
+    def evictable(self) -> bool:
+        return self.in_arena and not self.leased and self.pins == 0 and self.io is None
 
     @property
     def in_arena(self) -> bool:

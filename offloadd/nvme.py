@@ -1,0 +1,323 @@
+"""The NVMe tier: swap files per job and drive, chunked checksummed IO, eviction, flush.
+
+Layout on disk, per swap dir (one per drive)::
+
+    <swap_dir>/offloadd/<job>/swap.0          preallocated, grown in segments
+    <swap_dir>/offloadd/<job>/manifest.json   (first swap dir only) the last flush
+
+A shard's swap copy is a list of chunks (``chunk_size`` each) striped over
+the swap dirs, each with an xxh3 checksum verified on every read. Writes
+are copy-on-write: a new version goes to new extents, and the extents the
+last manifest names are freed only after the next manifest replaces it, so
+a crash at any point leaves the last flush intact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import json
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import xxhash
+
+from offloadd.arena import Allocator, align_up
+from offloadd.errors import OverBudgetError, ShardExistsError, SwapIOError
+from offloadd.ioengine import IOEngineError, open_engine
+from offloadd.metrics import Counters, Histogram, gauge, histogram_family
+from offloadd.scheduler import IOQueue, Priority
+
+if TYPE_CHECKING:
+    from offloadd.config import DaemonConfig
+    from offloadd.jobs import JobRegistry
+    from offloadd.metrics import DaemonMetrics
+
+log = logging.getLogger(__name__)
+
+LAYOUT_DIR = "offloadd"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+SEGMENT_NBYTES = 256 << 20
+"""A job's swap file grows by at least this much at a time (one fallocate)."""
+PREFETCH_HORIZON_S = 5.0
+"""How far ahead in predicted time the learned prefetch reads."""
+
+
+@dataclass
+class Chunk:
+    dir_index: int
+    offset: int
+    nbytes: int
+    checksum: int
+
+
+@dataclass(eq=False)
+class SwapPlacement:
+    chunks: list[Chunk]
+    version: int
+    in_manifest: bool = False
+    """Named by the last flushed manifest: must survive until the next flush."""
+
+
+@dataclass(eq=False)
+class SwapDir:
+    index: int
+    path: Path
+    budget_nbytes: int
+    direct: bool = True
+    reserved_nbytes: int = 0
+    read_nbytes: int = 0
+    written_nbytes: int = 0
+
+    @property
+    def root(self) -> Path:
+        return self.path / LAYOUT_DIR
+
+    def prepare(self) -> None:
+        """Create the layout dir and probe O_DIRECT; errors name the dir."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / ".probe"
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as exc:
+            raise OSError(exc.errno, f"swap dir {self.path} is not usable: {exc.strerror}") from exc
+        try:
+            os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+        try:
+            os.close(os.open(probe, os.O_RDWR | getattr(os, "O_DIRECT", 0)))
+        except OSError:
+            self.direct = False
+            log.warning("event=odirect_unsupported dir=%s fallback=buffered", self.path)
+        probe.unlink()
+
+
+class JobFile:
+    """One job's swap file on one swap dir, with an extent allocator inside it."""
+
+    def __init__(self, swap_dir: SwapDir, job: str, *, existing: bool) -> None:
+        self.dir = swap_dir
+        self.path = swap_dir.root / job / "swap.0"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if swap_dir.direct else 0)
+        self.fd = os.open(self.path, flags, 0o600)
+        size = os.fstat(self.fd).st_size if existing else 0
+        if not existing:
+            os.ftruncate(self.fd, 0)
+        self.allocator = Allocator(size // 4096 * 4096)
+        swap_dir.reserved_nbytes += self.allocator.capacity
+        self._grow_lock = asyncio.Lock()
+
+    async def alloc(self, nbytes: int) -> int:
+        offset = self.allocator.alloc(nbytes)
+        while offset is None:
+            async with self._grow_lock:
+                offset = self.allocator.alloc(nbytes)
+                if offset is None:
+                    await self._grow(max(SEGMENT_NBYTES, align_up(nbytes)))
+                    offset = self.allocator.alloc(nbytes)
+        return offset
+
+    async def _grow(self, add: int) -> None:
+        swap_dir = self.dir
+        if swap_dir.reserved_nbytes + add > swap_dir.budget_nbytes:
+            raise OverBudgetError(
+                f"swap dir {swap_dir.path} would exceed its {swap_dir.budget_nbytes}-byte budget "
+                "(--swap-size); raise it, add a --swap-dir, or drop shards")
+        old = self.allocator.capacity
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, os.posix_fallocate, self.fd, old, add)
+        except OSError as exc:
+            reason = "is full" if exc.errno == errno.ENOSPC else f"failed: {exc.strerror}"
+            raise SwapIOError(f"swap dir {swap_dir.path} {reason} (growing {self.path} "
+                              f"by {add} bytes)") from exc
+        swap_dir.reserved_nbytes += add
+        self.allocator.grow(old + add)
+
+    def free(self, chunk: Chunk) -> None:
+        self.allocator.free(chunk.offset, chunk.nbytes)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+@dataclass
+class SwapCounters:
+    io_seconds: dict[str, Histogram] = field(
+        default_factory=lambda: {"read": Histogram(), "write": Histogram()})
+    io_errors: Counters = field(default_factory=lambda: Counters(
+        "offloadd_swap_io_errors", "Swap IO requests that failed.", ["op"]))
+    evictions: Counters = field(default_factory=lambda: Counters(
+        "offloadd_evictions", "Shards evicted from the arena, by reason.", ["reason"]))
+    flushes: Counters = field(default_factory=lambda: Counters(
+        "offloadd_flushes", "Flush requests, by status.", ["status"]))
+    stall_seconds: Counters = field(default_factory=lambda: Counters(
+        "offloadd_rank_stall_seconds", "Time rank requests waited for swap IO.",
+        ["job", "rank"]))
+    writeback_nbytes: int = 0
+    prefetch_issued: int = 0
+    prefetch_hits: int = 0
+    prefetch_late: int = 0
+    prefetch_wasted: int = 0
+    demand_reads: int = 0
+    checksum_failures: int = 0
+
+
+class SwapSpace:
+    """The daemon-wide NVMe tier: swap dirs, the IO engine, and one JobTier per job."""
+
+    def __init__(self, config: DaemonConfig, metrics: DaemonMetrics) -> None:
+        self.config = config
+        self.dirs = [SwapDir(i, Path(p).resolve(), config.swap_size)
+                     for i, p in enumerate(config.swap_dirs)]
+        self.counters = SwapCounters()
+        self.queue = IOQueue(config.io_queue_depth)
+        self.hash_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offloadd-hash")
+        self.engine: Any = None
+        self.tiers: dict[str, Any] = {}
+        metrics.sources.append(self.families)
+
+    async def open(self) -> None:
+        loop = asyncio.get_running_loop()
+        for swap_dir in self.dirs:
+            await loop.run_in_executor(None, swap_dir.prepare)
+        self.engine = open_engine(self.config.io_engine, queue_depth=self.config.io_queue_depth)
+        fault = os.environ.get("OFFLOADD_IO_FAULT")  # test hook: "read:3" fails the 3rd read
+        if fault:
+            op, _, nth = fault.partition(":")
+            self.engine.inject_fault(nth=int(nth or 1), op=op)  # type: ignore[arg-type]
+        log.info("event=swap_ready dirs=%s engine=%s direct=%s", [str(d.path) for d in self.dirs],
+                 getattr(self.engine, "kind", self.engine.name), [d.direct for d in self.dirs])
+
+    def job_dir(self, swap_dir: SwapDir, job: str) -> Path:
+        return swap_dir.root / job
+
+    def tier_for(self, job: str, *, recovering: bool = False) -> Any:
+        if not recovering:
+            stale = [self.job_dir(d, job) for d in self.dirs
+                     if self.job_dir(d, job).exists() and any(self.job_dir(d, job).iterdir())]
+            if stale:
+                raise ShardExistsError(
+                    f"swap files of an earlier job {job!r} exist in {stale[0]}; restart the daemon "
+                    "with --recover to restore them, or reclaim them with `offloadd gc`")
+        from offloadd.tier import JobTier
+
+        files = [JobFile(d, job, existing=recovering) for d in self.dirs]
+        tier = JobTier(self, job, files)
+        self.tiers[job] = tier
+        return tier
+
+    async def recover(self, registry: JobRegistry) -> None:
+        """Re-open every job whose manifest is in the first swap dir."""
+        root = self.dirs[0].root
+        for manifest_path in sorted(root.glob(f"*/{MANIFEST}")):
+            manifest = json.loads(manifest_path.read_text())
+            name = manifest["job"]
+            job, _created = registry.open(
+                name, manifest["arena_nbytes"],
+                make_tier=lambda n=name: self.tier_for(n, recovering=True))  # type: ignore[misc]
+            assert job.tier is not None
+            count = job.tier.load_manifest(job.table, manifest)
+            log.info("event=job_recovered job=%s shards=%d tag=%s", name, count, manifest["tag"])
+
+    async def io(self, op: str, jobfile: JobFile, offset: int, view: memoryview,
+                 priority: Priority) -> None:
+        await self.queue.enter(priority)
+        started = time.perf_counter()
+        try:
+            if op == "read":
+                await self.engine.read(jobfile.fd, offset, view)
+            else:
+                await self.engine.write(jobfile.fd, offset, view)
+        except (IOEngineError, OSError) as exc:
+            self.counters.io_errors.add((op,))
+            raise SwapIOError(f"swap {op} of {len(view)} bytes at {offset} in {jobfile.path} "
+                              f"failed: {exc}") from exc
+        finally:
+            self.queue.leave()
+        self.counters.io_seconds[op].observe(time.perf_counter() - started)
+        if op == "read":
+            jobfile.dir.read_nbytes += len(view)
+        else:
+            jobfile.dir.written_nbytes += len(view)
+
+    async def checksum(self, view: memoryview) -> int:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.hash_pool, xxhash.xxh3_64_intdigest, view)
+
+    def stats(self) -> dict[str, Any]:
+        c = self.counters
+        return {
+            "dirs": [{"path": str(d.path), "direct": d.direct, "reserved_nbytes": d.reserved_nbytes,
+                      "budget_nbytes": d.budget_nbytes, "read_nbytes": d.read_nbytes,
+                      "written_nbytes": d.written_nbytes} for d in self.dirs],
+            "io_in_flight": self.queue.in_flight,
+            "io_seconds": {op: h.total for op, h in c.io_seconds.items()},
+            "engine": getattr(self.engine, "kind", getattr(self.engine, "name", "")),
+            "writeback_nbytes": c.writeback_nbytes, "demand_reads": c.demand_reads,
+            "prefetch_issued": c.prefetch_issued, "prefetch_hits": c.prefetch_hits,
+            "prefetch_late": c.prefetch_late, "prefetch_wasted": c.prefetch_wasted,
+            "checksum_failures": c.checksum_failures,
+            "evictions": {labels[0]: n for labels, n in c.evictions.values.items()},
+            "stall_s": sum(c.stall_seconds.values.values()),
+        }
+
+    def families(self) -> list[Any]:
+        from prometheus_client.core import CounterMetricFamily
+
+        c = self.counters
+        dirs = [str(d.path) for d in self.dirs]
+        out: list[Any] = [
+            gauge("offloadd_swap_capacity_bytes", "Swap budget per dir.", 0, ["dir"],
+                  [([p], d.budget_nbytes) for p, d in zip(dirs, self.dirs)]),
+            gauge("offloadd_swap_used_bytes", "Swap file bytes allocated per dir.", 0, ["dir"],
+                  [([p], d.reserved_nbytes) for p, d in zip(dirs, self.dirs)]),
+            gauge("offloadd_swap_direct_io", "1 if the dir uses O_DIRECT, 0 if buffered.", 0,
+                  ["dir"], [([p], 1.0 if d.direct else 0.0) for p, d in zip(dirs, self.dirs)]),
+            gauge("offloadd_swap_io_in_flight", "Swap IO requests in flight.", self.queue.in_flight),
+            histogram_family("offloadd_swap_io_duration_seconds", "Swap IO request latency.",
+                             ["op"], [([op], h) for op, h in c.io_seconds.items()]),
+            c.io_errors.family(), c.evictions.family(), c.flushes.family(),
+            c.stall_seconds.family(),
+        ]
+        for name, doc, values in (
+            ("offloadd_swap_read_bytes", "Bytes read from swap.", [d.read_nbytes for d in self.dirs]),
+            ("offloadd_swap_written_bytes", "Bytes written to swap.",
+             [d.written_nbytes for d in self.dirs]),
+        ):
+            family = CounterMetricFamily(name, doc, labels=["dir"])
+            for path, value in zip(dirs, values):
+                family.add_metric([path], value)
+            out.append(family)
+        for name, doc, value in (
+            ("offloadd_writeback_bytes", "Dirty bytes written back.", c.writeback_nbytes),
+            ("offloadd_prefetch_issued", "Prefetch reads started.", c.prefetch_issued),
+            ("offloadd_prefetch_hits", "Acquires served by a completed prefetch.", c.prefetch_hits),
+            ("offloadd_prefetch_late", "Acquires that waited on a prefetch in flight.",
+             c.prefetch_late),
+            ("offloadd_prefetch_wasted", "Prefetched shards evicted before use.", c.prefetch_wasted),
+            ("offloadd_demand_reads", "Swap reads started by a blocked request.", c.demand_reads),
+            ("offloadd_checksum_failures", "Swap chunks whose checksum did not match.",
+             c.checksum_failures),
+        ):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], value)
+            out.append(family)
+        return out
+
+    async def close(self) -> None:
+        for tier in self.tiers.values():
+            await tier.close()
+        if self.engine is not None:
+            await self.engine.aclose()
+        self.hash_pool.shutdown(wait=True)

@@ -1,0 +1,152 @@
+"""Scheduling for the swap tier: IO priorities, learned access traces, eviction order.
+
+- ``IOQueue`` admits swap IO with demand reads ahead of prefetches ahead of
+  write-backs, keeping at most ``depth`` requests in flight.
+- ``AccessTrace`` records one rank's acquire order over a step; during the
+  next step it predicts which shards come next and when (seconds from now),
+  which drives both prefetch and furthest-next-use eviction.
+- ``pick_victims`` orders eviction candidates: clean before dirty, furthest
+  next use first, least recently used when no trace knows the shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import enum
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Iterable
+
+from offloadd.shards import Residency, Shard
+
+
+class Priority(enum.IntEnum):
+    DEMAND = 0  # a rank is blocked on this read
+    PREFETCH = 1  # predicted use; worthless if late, harmful if it delays demand
+    WRITEBACK = 2  # eviction or flush of dirty bytes
+
+
+class IOQueue:
+    """A priority gate in front of the IO engine."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.in_flight = 0
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    async def enter(self, priority: Priority) -> None:
+        if self.in_flight < self.depth and not self._waiting:
+            self.in_flight += 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (int(priority), next(self._seq), waiter))
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.leave()  # we were admitted just as we were cancelled
+            raise
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+        while self._waiting and self.in_flight < self.depth:
+            _prio, _seq, waiter = heapq.heappop(self._waiting)
+            if not waiter.done():
+                self.in_flight += 1
+                waiter.set_result(None)
+
+
+class AccessTrace:
+    """One rank's shard order over the previous step, replayed to predict the current one."""
+
+    def __init__(self) -> None:
+        self.previous: list[tuple[Shard, float]] = []
+        self.previous_s = 0.0
+        self.positions: dict[Shard, list[int]] = {}
+        self.current: list[tuple[Shard, float]] = []
+        self.step_started = time.monotonic()
+        self.cursor = 0
+
+    def begin_step(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        if self.current:
+            self.previous = self.current
+            self.previous_s = max(now - self.step_started, self.current[-1][1])
+            self.positions = {}
+            for index, (shard, _t) in enumerate(self.previous):
+                self.positions.setdefault(shard, []).append(index)
+        self.current = []
+        self.step_started = now
+        self.cursor = 0
+
+    def record(self, shard: Shard, now: float) -> None:
+        self.current.append((shard, now - self.step_started))
+        positions = self.positions.get(shard)
+        if positions:
+            index = bisect.bisect_left(positions, self.cursor)
+            if index < len(positions):
+                self.cursor = positions[index] + 1
+
+    @property
+    def known(self) -> bool:
+        return bool(self.previous)
+
+    def _elapsed_at_cursor(self) -> float:
+        return self.previous[self.cursor - 1][1] if self.cursor else 0.0
+
+    def next_use_s(self, shard: Shard) -> float:
+        """Predicted seconds until ``shard`` is used again (inf if the trace never uses it)."""
+        positions = self.positions.get(shard)
+        if not positions:
+            return math.inf
+        here = self._elapsed_at_cursor()
+        index = bisect.bisect_left(positions, self.cursor)
+        if index < len(positions):
+            return self.previous[positions[index]][1] - here
+        return self.previous_s - here + self.previous[positions[0]][1]  # next step
+
+    def upcoming(self, window_nbytes: int, horizon_s: float) -> Iterable[tuple[Shard, float]]:
+        """Shards expected next, in order, within a byte window and a time horizon."""
+        here = self._elapsed_at_cursor()
+        total = 0
+        count = len(self.previous)
+        for step in range(count):
+            index = self.cursor + step
+            wrapped = index >= count
+            shard, at = self.previous[index % count]
+            due = (self.previous_s if wrapped else 0.0) + at - here
+            if due > horizon_s or total >= window_nbytes:
+                return
+            total += shard.arena_nbytes
+            yield shard, due
+
+
+def victim_key(shard: Shard, next_use_s: float) -> tuple[int, float, int]:
+    """Sort key: clean first, then furthest next use, then least recently used."""
+    dirty = 0 if shard.residency is Residency.ARENA_CLEAN else 1
+    return (dirty, -next_use_s, shard.last_use)
+
+
+def pick_victims(candidates: Iterable[tuple[Shard, float]], need_nbytes: int,
+                 not_before_s: float | None = None) -> list[Shard]:
+    """Enough evictable shards to free ``need_nbytes``, in eviction order.
+
+    With ``not_before_s`` (used by prefetch), a shard needed sooner than that is
+    never chosen: evicting it to bring in something needed later is a loss.
+    """
+    ranked = sorted(
+        ((victim_key(shard, next_use), shard) for shard, next_use in candidates
+         if not_before_s is None or next_use > not_before_s),
+        key=lambda item: item[0],
+    )
+    chosen, total = [], 0
+    for _key, shard in ranked:
+        if total >= need_nbytes:
+            break
+        chosen.append(shard)
+        total += shard.arena_nbytes
+    return chosen
