@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
-from offloadd.config import DaemonConfig, parse_size
+from offloadd.config import DaemonConfig, default_socket_path, parse_size
 from offloadd.logs import setup_logging
 
 
@@ -40,6 +41,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=20)
     demo.add_argument("--nbytes", type=_size, default=256 << 20,
                       help="data mode: bytes each client writes")
+
+    status = commands.add_parser("status", help="show the daemon's jobs, arena, swap and IO")
+    status.add_argument("--socket", default=None, help="daemon socket (default: as serve)")
+    status.add_argument("--json", action="store_true", help="print the raw NodeStatus as JSON")
+    status.add_argument("--interval", type=float, default=1.0,
+                        help="seconds between the two samples IO rates are computed from "
+                             "(0: one sample, no rates)")
+
+    gc = commands.add_parser("gc", help="remove swap files of jobs the daemon no longer has")
+    gc.add_argument("--config", help="daemon TOML: takes socket and swap_dirs from it")
+    gc.add_argument("--socket", default=None, help="daemon socket (default: as serve)")
+    gc.add_argument("--swap-dir", action="append", dest="swap_dirs", help="repeatable")
+    gc.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    gc.add_argument("--force", action="store_true",
+                    help="proceed without a daemon to ask: removes EVERY job's swap files")
     return parser
 
 
@@ -71,4 +87,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         from offloadd import demo
 
         return demo.main(mode=args.mode, steps=args.steps, nbytes=args.nbytes)
+    if args.command in ("status", "gc"):
+        return admin_command(args)
     return 2
+
+
+SERVICE_SOCKET = "/run/offloadd/offloadd.sock"
+"""Where the systemd unit and the container put the socket; status and gc look there first."""
+
+
+def admin_command(args: argparse.Namespace) -> int:
+    from offloadd import status
+
+    fallback = SERVICE_SOCKET if os.path.exists(SERVICE_SOCKET) else default_socket_path()
+    if args.command == "status":
+        return status.status_main(args.socket or fallback, as_json=args.json,
+                                  interval_s=args.interval)
+    try:
+        config = DaemonConfig.from_toml(args.config) if args.config else None
+    except (ValueError, OSError) as exc:
+        print(f"offloadd gc: {exc}", file=sys.stderr)
+        return 2
+    socket_path = args.socket or (config.socket if config else fallback)
+    swap_dirs = args.swap_dirs or (config.swap_dirs if config else [])
+    return status.gc_main(swap_dirs, socket_path, dry_run=args.dry_run, force=args.force)

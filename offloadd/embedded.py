@@ -27,6 +27,8 @@ class PrivateDaemon:
         self.workdir = workdir
         self.log_path = log_path
         self._owned = owns_workdir
+        self.ready_line = ""
+        """The daemon's one ready line (``offloadd ready socket=... metrics_addr=...``)."""
 
     @classmethod
     def start(cls, workdir: str | os.PathLike[str] | None = None, *,
@@ -55,11 +57,20 @@ class PrivateDaemon:
         assert self.process.stdout is not None
         deadline = time.monotonic() + timeout_s
         line = _read_line(self.process.stdout, deadline)
+        self.ready_line = line
         if not line.startswith("offloadd ready"):
             self.process.kill()
             self.process.wait()
             tail = Path(self.log_path).read_text(errors="replace")[-2000:]
             raise DaemonStartError(f"private offloadd did not start (got {line!r}):\n{tail}")
+
+    @property
+    def metrics_addr(self) -> str | None:
+        """HOST:PORT of /metrics as bound (``--metrics-addr 127.0.0.1:0`` picks a free port)."""
+        for field in self.ready_line.split():
+            if field.startswith("metrics_addr="):
+                return field.partition("=")[2]
+        return None
 
     @property
     def pid(self) -> int:

@@ -4,7 +4,7 @@ The request path only increments integers in dicts and lists it owns; the
 prometheus-client collector turns them into metric families when /metrics is
 scraped (from the HTTP server's thread). That keeps per-request cost to a
 few hundred nanoseconds and keeps label cardinality bounded: labels are op,
-status, job, swap dir and reason, never shard ids.
+status, train_job, swap dir and reason, never shard ids.
 """
 
 from __future__ import annotations
@@ -24,6 +24,10 @@ from prometheus_client.core import (
 )
 
 log = logging.getLogger(__name__)
+
+JOB_LABEL = "train_job"
+"""Label naming the training job on per-job metrics. Not ``job``: Prometheus attaches its
+scrape job as ``job`` and would rename ours to ``exported_job``."""
 
 LATENCY_BUCKETS_S = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 0.5, 2.5, 10.0,
@@ -46,7 +50,7 @@ class Histogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         running, out = 0, []
-        for bound, count in zip((*self.bounds, float("inf")), self.counts):
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             running += count
             out.append(("+Inf" if bound == float("inf") else repr(bound), running))
         return out

@@ -31,7 +31,7 @@ import xxhash
 from offloadd.arena import Allocator, align_up
 from offloadd.errors import OverBudgetError, ShardExistsError, SwapIOError
 from offloadd.ioengine import IOEngineError, open_engine
-from offloadd.metrics import Counters, Histogram, gauge, histogram_family
+from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
 from offloadd.scheduler import IOQueue, Priority
 
 if TYPE_CHECKING:
@@ -122,26 +122,45 @@ class JobFile:
             async with self._grow_lock:
                 offset = self.allocator.alloc(nbytes)
                 if offset is None:
-                    await self._grow(max(SEGMENT_NBYTES, align_up(nbytes)))
+                    await self._grow(align_up(nbytes))
                     offset = self.allocator.alloc(nbytes)
         return offset
 
-    async def _grow(self, add: int) -> None:
+    async def _grow(self, need: int) -> None:
+        """Grow by a segment, or by less when the budget or the file system is nearly full.
+
+        Segments keep the file in few large extents; but a dir with less than one
+        segment left must still be usable up to its last byte, so the growth
+        shrinks to what the budget allows and, on ENOSPC, to exactly ``need``.
+        """
         swap_dir = self.dir
-        if swap_dir.reserved_nbytes + add > swap_dir.budget_nbytes:
+        room = swap_dir.budget_nbytes - swap_dir.reserved_nbytes
+        if need > room:
             raise OverBudgetError(
                 f"swap dir {swap_dir.path} would exceed its {swap_dir.budget_nbytes}-byte budget "
                 "(--swap-size); raise it, add a --swap-dir, or drop shards")
-        old = self.allocator.capacity
-        loop = asyncio.get_running_loop()
+        add = max(need, min(SEGMENT_NBYTES, room) // 4096 * 4096)
         try:
-            await loop.run_in_executor(None, os.posix_fallocate, self.fd, old, add)
+            await self._fallocate(add)
         except OSError as exc:
-            reason = "is full" if exc.errno == errno.ENOSPC else f"failed: {exc.strerror}"
-            raise SwapIOError(f"swap dir {swap_dir.path} {reason} (growing {self.path} "
-                              f"by {add} bytes)") from exc
+            if exc.errno != errno.ENOSPC or add == need:
+                raise self._grow_error(exc, add) from exc
+            add = need
+            try:
+                await self._fallocate(add)
+            except OSError as retry_exc:
+                raise self._grow_error(retry_exc, add) from retry_exc
         swap_dir.reserved_nbytes += add
-        self.allocator.grow(old + add)
+        self.allocator.grow(self.allocator.capacity + add)
+
+    async def _fallocate(self, add: int) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, os.posix_fallocate, self.fd, self.allocator.capacity, add)
+
+    def _grow_error(self, exc: OSError, add: int) -> SwapIOError:
+        reason = "is full" if exc.errno == errno.ENOSPC else f"failed: {exc.strerror}"
+        return SwapIOError(f"swap dir {self.dir.path} {reason} (growing {self.path} by {add} "
+                           "bytes); free space there, add a --swap-dir, or drop shards")
 
     def free(self, chunk: Chunk) -> None:
         self.allocator.free(chunk.offset, chunk.nbytes)
@@ -163,7 +182,7 @@ class SwapCounters:
         "offloadd_flushes", "Flush requests, by status.", ["status"]))
     stall_seconds: Counters = field(default_factory=lambda: Counters(
         "offloadd_rank_stall_seconds", "Time rank requests waited for swap IO.",
-        ["job", "rank"]))
+        [JOB_LABEL, "rank"]))
     writeback_nbytes: int = 0
     prefetch_issued: int = 0
     prefetch_hits: int = 0

@@ -20,6 +20,7 @@ import torch
 
 from offloadd.errors import InvalidRequestError, UnknownShardError
 from offloadd.metrics import Counters, Histogram, histogram_family
+from offloadd.protocol import Placed
 from offloadd.shards import Lease, Shard
 
 if TYPE_CHECKING:
@@ -87,8 +88,8 @@ class OptimizerService:
         shards = [*state, *((param,) if param else ())]
         leases: dict[Shard, Lease] = {}
         placed = job.acquire(rank, [s.shard_id for s in shards], "w", leases)
-        if not hasattr(placed, "offsets"):
-            placed = await placed  # type: ignore[misc]
+        if not isinstance(placed, Placed):
+            await placed  # the tier had to read some state back from swap first
         started = time.perf_counter()
         ok = False
         try:

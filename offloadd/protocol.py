@@ -14,6 +14,8 @@ from typing import Literal
 
 import msgspec
 
+from offloadd.errors import InvalidRequestError
+
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<I")
 HEADER_NBYTES = HEADER.size
@@ -78,6 +80,10 @@ class Stats(Request, tag="stats"):
     pass
 
 
+class NodeStatus(Request, tag="node_status"):
+    """Admin query: every job's stats and the node's, answered with StatsOk even before hello."""
+
+
 class OptimizerStep(Request, tag="optimizer_step"):
     unit: str
     step: int
@@ -92,6 +98,7 @@ class OptimizerStep(Request, tag="optimizer_step"):
 
 AnyRequest = (
     Hello | Alloc | Acquire | Release | Drop | Prefetch | StepBegin | Flush | Stats | OptimizerStep
+    | NodeStatus
 )
 
 
@@ -131,6 +138,10 @@ class ErrorReply(Reply, tag="error"):
 
 AnyReply = HelloOk | Placed | Ok | StatsOk | ErrorReply
 
+DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
+"""What decoding a hostile payload may raise (msgspec reports bad UTF-8 in a str as
+UnicodeDecodeError, not DecodeError); anything else is a bug."""
+
 _request_encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(AnyRequest)
 reply_decoder = msgspec.msgpack.Decoder(AnyReply)
@@ -149,7 +160,12 @@ def check_length(nbytes: int) -> None:
 
 
 def check_ids(ids: list[str], *lists: list | None) -> None:
-    """Batched requests carry parallel lists; they must be the same length (ValueError)."""
+    """Batched requests carry parallel lists; they must be the same length.
+
+    Raises InvalidRequestError (a ValueError), so the daemon answers ``invalid``, not
+    ``internal``.
+    """
     for other in lists:
         if other is not None and len(other) != len(ids):
-            raise ValueError(f"{len(ids)} ids but a parallel list of {len(other)} entries")
+            raise InvalidRequestError(
+                f"{len(ids)} ids but a parallel list of {len(other)} entries")

@@ -18,15 +18,12 @@ from typing import Any
 from offloadd import __version__
 from offloadd.config import DaemonConfig, parse_host_port
 from offloadd.jobs import Job, JobRegistry
-from offloadd.metrics import DaemonMetrics, build_registry, gauge, serve_metrics
+from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
 from offloadd.optimizer import OptimizerService
 from offloadd.session import Session
 
 log = logging.getLogger(__name__)
 LAG_PERIOD_S = 0.25
-JOB_LABEL = "train_job"
-"""Label naming the training job on per-job metrics. Not ``job``: Prometheus attaches its
-scrape job as ``job`` and would rename ours to ``exported_job``."""
 
 
 def adam_kernel() -> str:
@@ -117,8 +114,11 @@ class Daemon:
             self._metrics_server.shutdown()
         self.optimizer.close()
         self.jobs.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.config.socket)
+        # Only a daemon that listened owns the path: one that failed to start because
+        # another daemon serves there must not delete that daemon's socket.
+        if self._server is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.socket)
         self._stopped.set()
 
     def open_job(self, name: str, arena_nbytes: int) -> Job:
@@ -192,12 +192,9 @@ def _socket_in_use(path: str) -> bool:
 
 def run(config: DaemonConfig, *, ready_message: bool = True) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the process exit code."""
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a hard dependency
-        uvloop = None
-    runner = uvloop.run if uvloop is not None else asyncio.run
-    return runner(_main(config, ready_message))  # type: ignore[no-any-return]
+    import uvloop
+
+    return uvloop.run(_main(config, ready_message))
 
 
 async def _main(config: DaemonConfig, ready_message: bool) -> int:

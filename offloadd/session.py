@@ -114,6 +114,16 @@ class Session(asyncio.Protocol):
             log.info("event=session_closed session=%d job=%s rank=%d leases_freed=%d",
                      self.session_id, self.job.name, self.rank, freed)
 
+    # Backpressure: a client that sends requests but never reads its replies would grow
+    # our write buffer without bound; stop reading from it until it drains them.
+    def pause_writing(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
     def fail_and_close(self, rid: int, error: OffloadError) -> None:
         self.send(p.ErrorReply(rid, error.code.value, error.message, error.shard_ids))
         if self.transport is not None:
@@ -128,43 +138,64 @@ class Session(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         buffer = self.buffer
+        if not buffer:
+            # Fast path: whole frames straight out of ``data``, no copy into the buffer.
+            consumed = self.handle_frames(data)
+            if consumed < len(data) and not self.closed:
+                buffer += memoryview(data)[consumed:]
+            return
         buffer += data
-        start = 0
-        end = len(buffer)
+        with memoryview(buffer) as view:
+            consumed = self.handle_frames(view)
+        del buffer[:consumed]
+
+    def handle_frames(self, data: bytes | memoryview) -> int:
+        """Answer every complete frame in ``data``; returns how many bytes were consumed."""
+        start, end = 0, len(data)
+        unpack_from = p.HEADER.unpack_from
         while end - start >= p.HEADER_NBYTES and not self.closed:
-            (length,) = p.HEADER.unpack_from(buffer, start)
+            (length,) = unpack_from(data, start)
             if length > p.MAX_FRAME_NBYTES:
                 self.daemon.metrics.bad_frames.add(("oversize",))
                 self.fail_and_close(0, BadFrameError(
                     f"frame length {length} exceeds {p.MAX_FRAME_NBYTES} bytes; closing"))
                 self.closed = True
-                break
+                return end
             stop = start + p.HEADER_NBYTES + length
             if stop > end:
                 break
-            self.handle_frame(memoryview(buffer)[start + p.HEADER_NBYTES : stop])
+            self.handle_frame(data[start + p.HEADER_NBYTES : stop])
             start = stop
-        del buffer[:start]
+        return start
 
-    def handle_frame(self, payload: memoryview) -> None:
+    def handle_frame(self, payload: bytes | memoryview) -> None:
         started = time.perf_counter()
         try:
             request = p.request_decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        except p.DECODE_ERRORS as exc:
             self.daemon.metrics.bad_frames.add(("decode",))
             self.send(p.ErrorReply(0, "bad_frame", f"cannot decode request: {exc}"))
             return
         finally:
-            payload.release()
+            if isinstance(payload, memoryview):
+                payload.release()  # the buffer cannot shrink while a view of it lives
         self.dispatch(request, started)
 
     # -- dispatch -------------------------------------------------------------------
 
     def dispatch(self, request: p.Request, started: float) -> None:
-        op = type(request).__struct_config__.tag  # type: ignore[attr-defined]
+        kind = type(request)
+        op = _OP_NAMES.get(kind) or _op_name(kind)
         try:
-            if isinstance(request, p.Hello):
-                result: Any = self.on_hello(request)
+            handler = self.handlers.get(kind) if self.job is not None else None
+            if handler is not None:  # the hot path: a data-plane request of a live session
+                result: Any = handler(request)
+            elif isinstance(request, p.Hello):
+                self.on_hello(request)  # replies itself: the arena fd rides on its reply
+                self.daemon.metrics.observe_request(op, "ok", time.perf_counter() - started)
+                return
+            elif isinstance(request, p.NodeStatus):  # admin query: uid checked at connect
+                result = self.on_node_status(request)
             elif self.job is None:
                 raise NoSessionError("send hello before any other request")
             else:
@@ -184,8 +215,11 @@ class Session(asyncio.Protocol):
     def reply_ok(self, rid: int, op: str, reply: p.Reply | None, started: float) -> None:
         if reply is None:
             reply = p.Ok(rid)
-        reply.rid = rid
-        self.send(reply)
+        else:
+            reply.rid = rid
+        if self.transport is not None and not self.closed:
+            payload = _encode(reply)
+            self.transport.write(p.HEADER.pack(len(payload)) + payload)
         self.daemon.metrics.observe_request(op, "ok", time.perf_counter() - started)
 
     def reply_error(self, rid: int, op: str, error: OffloadError, started: float) -> None:
@@ -221,8 +255,7 @@ class Session(asyncio.Protocol):
                 f"client speaks protocol {req.protocol_version}, daemon speaks "
                 f"{p.PROTOCOL_VERSION}; install matching offloadd versions")
         check_identity(req)
-        job, created = self.daemon.jobs.open(req.job, req.arena_nbytes)
-        self.daemon.on_job_opened(job, created)
+        job = self.daemon.open_job(req.job, req.arena_nbytes)
         self.job, self.rank = job, req.rank
         job.num_sessions += 1
         self.daemon.metrics.sessions_opened.add(("ok",))
@@ -276,9 +309,24 @@ class Session(asyncio.Protocol):
         stats["job"] = self.job.name
         return p.StatsOk(req.rid, stats)
 
+    def on_node_status(self, req: p.NodeStatus) -> p.Reply:
+        jobs = {name: job.stats() for name, job in list(self.daemon.jobs.jobs.items())}
+        swap_dirs = list(self.daemon.config.swap_dirs)
+        return p.StatsOk(req.rid, {"node": self.daemon.node_stats(), "jobs": jobs,
+                                   "swap_dirs": swap_dirs})
+
     def on_optimizer_step(self, req: p.OptimizerStep) -> Awaitable[None]:
         assert self.job is not None
         return self.daemon.optimizer.step(self.job, self.rank, req)
+
+
+_OP_NAMES: dict[type, str] = {}
+
+
+def _op_name(kind: type) -> str:
+    """The wire tag of a request type (the metrics' ``op`` label), cached per type."""
+    name = _OP_NAMES[kind] = kind.__struct_config__.tag  # type: ignore[attr-defined]
+    return name
 
 
 def check_identity(req: p.Hello) -> None:

@@ -16,7 +16,8 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from offloadd.errors import ChecksumError, OverBudgetError, OffloadError
 from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, Chunk, JobFile, SwapPlacement
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 MAX_PREFETCH_TASKS = 16
+T = TypeVar("T")
 
 
 class JobTier:
@@ -112,22 +114,30 @@ class JobTier:
         if shard.io is not None or shard.writer or not shard.in_arena:
             return False
         self._begin_io(shard, Residency.WRITING)
+        await _run_to_completion(self._write_back(table, shard, priority))
+        return True
+
+    async def _write_back(self, table: ShardTable, shard: Shard, priority: Priority) -> None:
         spans = self._chunk_spans(shard)
         self._stripe = (self._stripe + 1) % len(self.files)
         try:
-            chunks = await asyncio.gather(*(
+            results = await _settle_all(
                 self._write_chunk(table, shard, i, start, nbytes, priority)
-                for i, (start, nbytes) in enumerate(spans)))
+                for i, (start, nbytes) in enumerate(spans))
+            chunks = [r for r in results if isinstance(r, Chunk)]
+            if len(chunks) < len(results):
+                for chunk in chunks:  # a partial copy is worthless: give its extents back
+                    self.files[chunk.dir_index].free(chunk)
+                raise _first_error(results)
         except BaseException:
             shard.residency = Residency.ARENA_DIRTY
             self._end_io(shard)
             raise
         self._free_placement(shard.swap)
-        shard.swap = SwapPlacement(list(chunks), shard.version)
+        shard.swap = SwapPlacement(chunks, shard.version)
         shard.residency = Residency.ARENA_CLEAN
         self.space.counters.writeback_nbytes += shard.arena_nbytes
         self._end_io(shard)
-        return True
 
     async def evict(self, table: ShardTable, shard: Shard, priority: Priority) -> None:
         reason = "clean"
@@ -196,14 +206,21 @@ class JobTier:
         if priority is Priority.DEMAND:
             self.space.counters.demand_reads += 1
         self._begin_io(shard, Residency.READING)
+        await _run_to_completion(self._read_in(table, shard, priority, not_before_s))
+
+    async def _read_in(self, table: ShardTable, shard: Shard, priority: Priority,
+                       not_before_s: float | None) -> None:
+        assert shard.swap is not None
         try:
             while not table.try_place(shard):
                 if not await self.make_room(table, shard.arena_nbytes, not_before_s, priority):
                     shard.residency = Residency.NVME
                     return
-            await asyncio.gather(*(
+            results = await _settle_all(
                 self._read_chunk(table, shard, chunk, start, priority)
-                for chunk, (start, _n) in zip(shard.swap.chunks, self._chunk_spans(shard))))
+                for chunk, (start, _n) in zip(shard.swap.chunks, self._chunk_spans(shard)))
+            if any(isinstance(r, BaseException) for r in results):
+                raise _first_error(results)
         except BaseException:
             if shard.offset is not None:
                 table.unplace(shard)
@@ -346,6 +363,41 @@ class JobTier:
             await asyncio.gather(*self.tasks, return_exceptions=True)
         for jobfile in self.files:
             jobfile.close()
+
+
+async def _settle_all(coros: Iterable[Awaitable[T]]) -> list[T | BaseException]:
+    """Run every chunk IO to its end, failed or not, and return results or exceptions.
+
+    Hazard: plain ``gather`` returns at the first failure while sibling chunks are
+    still in flight; the caller would then free an arena range (or swap extent)
+    that the kernel is still reading into or writing from.
+    """
+    return await asyncio.gather(*coros, return_exceptions=True)
+
+
+def _first_error(results: list[Any]) -> BaseException:
+    errors = [r for r in results if isinstance(r, BaseException)]
+    # An OffloadError says more to the client than a cancellation of its sibling.
+    return next((e for e in errors if isinstance(e, OffloadError)), errors[0])
+
+
+async def _run_to_completion(transition: Awaitable[None]) -> None:
+    """Run a residency transition in its own task that the caller cannot cancel.
+
+    Hazard: a transition owns IO in flight on arena memory. If a rank dies
+    mid-acquire, its session's task is cancelled; were the transition cancelled
+    with it, it would unplace an arena range the kernel is still filling. The
+    caller still sees its cancellation at once; the transition finishes on its own
+    and leaves the shard in a consistent state.
+    """
+    task = asyncio.ensure_future(transition)
+    task.add_done_callback(_consume_orphan_result)
+    await asyncio.shield(task)
+
+
+def _consume_orphan_result(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved; whoever awaited it (if anyone) got it already
 
 
 def write_atomically(path: Path, data: bytes) -> None:

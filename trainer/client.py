@@ -118,11 +118,12 @@ class ShardLease:
 
     @property
     def released(self) -> bool:
-        return self._view is None
+        """Given back, or its client closed (the daemon dropped the lease with the session)."""
+        return self._view is None or self._owner.closed
 
     @property
     def view(self) -> memoryview:
-        if self._view is None:
+        if self._view is None or self._owner.closed:
             raise ReleasedLeaseError(f"lease on {self.shard_id!r} was released; acquire it again")
         return self._view
 
@@ -143,7 +144,7 @@ class ShardLease:
 
     def release(self, dirty: bool | None = None) -> None:
         """Give the lease back; a write lease is committed (dirty) unless told otherwise."""
-        if self._view is None:
+        if self.released:
             return
         self._owner._release([self], self.mode == "w" if dirty is None else dirty)
 
@@ -157,7 +158,8 @@ class ShardLease:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        await self._owner._release_async([self], self.mode == "w" and exc[0] is None)
+        if not self.released:  # released inside the block already: nothing to give back
+            await self._owner._release_async([self], self.mode == "w" and exc[0] is None)
 
 
 class LeaseGroup(Sequence[ShardLease]):
@@ -200,7 +202,12 @@ def _hello_request(job: str, rank: int, world_size: int, local_rank: int,
 
 def handshake(sock: socket.socket, hello: p.Hello) -> tuple[p.HelloOk, int]:
     """Send hello on a blocking socket; return the reply and the arena fd it carried."""
-    sock.sendall(_frame(hello))
+    try:
+        sock.sendall(_frame(hello))
+    except OSError:
+        # A daemon that refuses us (uid not allowed) answers at connect and closes; our
+        # send can then fail with EPIPE, but its typed error is still ours to read.
+        pass
     header = _recv_exact_with_fd(sock, p.HEADER_NBYTES)
     (length,) = p.HEADER.unpack(header[0])
     payload = _recv_exact(sock, length)
@@ -271,6 +278,7 @@ class _ClientBase:
         self.daemon_pid = hello.daemon_pid
         self.arena = arena
         self._next_rid = 0
+        self.closed = False
 
     def _rid(self) -> int:
         self._next_rid += 1
@@ -351,7 +359,8 @@ class OffloadClient(_ClientBase):
                 (length,) = p.HEADER.unpack_from(buffer)
                 end = p.HEADER_NBYTES + length
                 if len(buffer) >= end:
-                    reply = p.reply_decoder.decode(memoryview(buffer)[p.HEADER_NBYTES:end])
+                    with memoryview(buffer) as view:
+                        reply = p.reply_decoder.decode(view[p.HEADER_NBYTES:end])
                     del buffer[:end]
                     return reply
             try:
@@ -360,14 +369,22 @@ class OffloadClient(_ClientBase):
                 raise DaemonUnavailableError(f"lost the daemon: {exc}") from exc
             if not chunk:
                 raise DaemonUnavailableError("the daemon closed the connection")
+            if not buffer and len(chunk) >= p.HEADER_NBYTES:
+                # The common case: the chunk is exactly one reply; decode it in place.
+                (length,) = p.HEADER.unpack_from(chunk)
+                if len(chunk) == p.HEADER_NBYTES + length:
+                    return p.reply_decoder.decode(memoryview(chunk)[p.HEADER_NBYTES:])
             buffer += chunk
 
     def _wait_reply(self, rid: int) -> p.Reply:
         with self._lock:
-            while rid not in self._inbox:
+            reply = self._inbox.pop(rid, None)
+            while reply is None:
                 reply = self._read_frame()
-                self._inbox[reply.rid] = reply
-            return _check_reply(self._inbox.pop(rid))
+                if reply.rid != rid:  # another caller's reply (optimizer steps in flight)
+                    self._inbox[reply.rid] = reply
+                    reply = None
+            return _check_reply(reply)
 
     def _call(self, request: p.Request) -> p.Reply:
         with self._lock:
@@ -544,15 +561,19 @@ class AsyncOffloadClient(_ClientBase):
 
     async def acquire_many(self, ids: Iterable[str], mode: str = "r") -> LeaseGroup:
         id_list = list(ids)
+        return await self._acquire(p.Acquire(0, id_list, mode))  # type: ignore[arg-type]
+
+    async def _acquire(self, request: p.Acquire) -> LeaseGroup:
         # The request is on the wire once _send returns; if we are cancelled while
         # waiting, the daemon may still grant the leases, so give them back then.
-        waiter = self._send(p.Acquire(0, id_list, mode))  # type: ignore[arg-type]
+        ids = request.ids
+        waiter = self._send(request)
         try:
             reply = _check_reply(await asyncio.shield(waiter))
         except asyncio.CancelledError:
-            waiter.add_done_callback(lambda f: self._release_orphans(id_list, f))
+            waiter.add_done_callback(lambda f: self._release_orphans(ids, f))
             raise
-        return LeaseGroup(self, self._leases(id_list, mode, reply), mode)
+        return LeaseGroup(self, self._leases(ids, request.mode, reply), request.mode)
 
     def _release_orphans(self, ids: list[str], waiter: asyncio.Future[p.Reply]) -> None:
         if not waiter.cancelled() and isinstance(waiter.exception() or waiter.result(), p.Placed):
@@ -577,9 +598,8 @@ class AsyncOffloadClient(_ClientBase):
 
     async def put(self, shard_id: str, data: Any) -> None:
         src, dtype = as_bytes(data)
-        reply = await self._call(p.Acquire(0, [shard_id], "w", [src.nbytes], [dtype]))
-        lease = self._leases([shard_id], "w", reply)[0]
-        async with lease:
+        group = await self._acquire(p.Acquire(0, [shard_id], "w", [src.nbytes], [dtype]))
+        async with group[0] as lease:
             lease.view[:] = src
 
     async def get(self, shard_id: str) -> bytes:
@@ -612,6 +632,9 @@ class AsyncOffloadClient(_ClientBase):
                                             decoupled_weight_decay, grad_scale))
 
     async def close(self) -> None:
+        self.closed = True
+        if self._failure is None:  # requests after close fail at once instead of hanging
+            self._failure = DaemonUnavailableError("client is closed")
         self._pump.cancel()
         self._writer.close()
         try:

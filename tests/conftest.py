@@ -1,0 +1,180 @@
+"""Shared fixtures: a real ``offloadd serve`` process on a temp socket, clients, raw sockets.
+
+The ``daemon`` fixture is one daemon per test module (starting one costs ~2 s); every
+test gets its own job name (``job``) so tests never share shards. Tests that need a
+daemon with a special configuration start their own with ``start_daemon``.
+Asyncio tests take ``run_async``, which runs a coroutine under the default loop and under
+uvloop (the fixture is parametrized) with a timeout.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import itertools
+import os
+import re
+import socket
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
+
+import pytest
+import uvloop
+
+from offloadd import protocol as p
+from offloadd.embedded import PrivateDaemon
+from trainer.client import OffloadClient
+
+T = TypeVar("T")
+JOB_ARENA_NBYTES = 4 << 20
+"""Arena each test job asks for; small, so one module's jobs fit the daemon's budget."""
+ASYNC_TIMEOUT_S = 30.0
+_job_counter = itertools.count()
+
+
+def start_daemon(workdir: os.PathLike[str] | str | None, *, arena_size: int | str = "256MiB",
+                 extra_args: list[str] | None = None) -> PrivateDaemon:
+    """``offloadd serve`` with Prometheus on a free port (see ``PrivateDaemon.metrics_addr``)."""
+    args = ["--metrics-addr", "127.0.0.1:0", *(extra_args or [])]
+    return PrivateDaemon.start(workdir, arena_size=arena_size, extra_args=args)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateDaemon]:
+    instance = start_daemon(tmp_path_factory.mktemp("offloadd"))
+    yield instance
+    alive = instance.process.poll() is None
+    code = instance.stop()
+    assert alive, f"the daemon died during the module; log: {instance.log_path}"
+    assert code == 0
+
+
+@pytest.fixture
+def job(request: pytest.FixtureRequest) -> str:
+    """A job name no other test uses."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", request.node.name)[:100]
+    return f"{name}-{next(_job_counter)}"
+
+
+@pytest.fixture
+def connect(daemon: PrivateDaemon, job: str) -> Iterator[Callable[..., OffloadClient]]:
+    """Open blocking clients on the module daemon (default: this test's job, rank 0)."""
+    clients: list[OffloadClient] = []
+
+    def open_client(job_name: str | None = None, rank: int = 0, world_size: int = 1,
+                    arena_nbytes: int = JOB_ARENA_NBYTES) -> OffloadClient:
+        client = OffloadClient.connect(daemon.socket_path, job=job_name or job, rank=rank,
+                                       world_size=world_size, arena_nbytes=arena_nbytes,
+                                       timeout_s=10)
+        clients.append(client)
+        return client
+
+    yield open_client
+    for client in clients:
+        client.close()
+
+
+@pytest.fixture
+def witness(daemon: PrivateDaemon) -> Iterator[Callable[[], None]]:
+    """A second, concurrent session on another job; calling it checks that it still works."""
+    client = OffloadClient.connect(daemon.socket_path, job=f"witness-{next(_job_counter)}",
+                                   arena_nbytes=JOB_ARENA_NBYTES, timeout_s=10)
+    rounds = itertools.count()
+    client.put("w", b"before")
+
+    def check() -> None:
+        assert daemon.process.poll() is None, "the daemon died"
+        payload = os.urandom(4096 + next(rounds))
+        client.put(f"w{len(payload)}", payload)
+        assert client.get(f"w{len(payload)}") == payload
+        assert client.get("w") == b"before"
+        assert client.stats()["leased_nbytes"] == 0
+
+    check()
+    yield check
+    client.close()
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run_async(request: pytest.FixtureRequest) -> Callable[[Awaitable[T]], T]:
+    """Run a coroutine to completion on a fresh loop of the parametrized kind, with a timeout."""
+
+    def run(coro: Awaitable[T], timeout_s: float = ASYNC_TIMEOUT_S) -> T:
+        async def bounded() -> T:
+            loop = asyncio.get_running_loop()
+            assert isinstance(loop, uvloop.Loop) == (request.param == "uvloop")
+            return await asyncio.wait_for(coro, timeout_s)
+
+        if request.param == "uvloop":
+            return uvloop.run(bounded())
+        return asyncio.run(bounded())
+
+    return run
+
+
+# -- raw protocol helpers (for bad input the client library would never send) ------------
+
+
+def raw_socket(path: str, timeout_s: float = 10.0) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    sock.connect(path)
+    return sock
+
+
+def read_reply(sock: socket.socket) -> tuple[p.Reply | None, list[int]]:
+    """One reply frame and any fds that came with it; (None, []) when the daemon closed."""
+    header, fds = _recv_with_fds(sock, p.HEADER_NBYTES)
+    if len(header) < p.HEADER_NBYTES:
+        return None, fds
+    (length,) = p.HEADER.unpack(header)
+    payload, more = _recv_with_fds(sock, length)
+    assert len(payload) == length, "the daemon cut a reply short"
+    return p.reply_decoder.decode(payload), fds + more
+
+
+def _recv_with_fds(sock: socket.socket, nbytes: int) -> tuple[bytes, list[int]]:
+    data, fds = b"", array.array("i")
+    while len(data) < nbytes:
+        chunk, ancdata, _flags, _addr = sock.recvmsg(nbytes - len(data),
+                                                     socket.CMSG_SPACE(4 * fds.itemsize))
+        for level, kind, cdata in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(cdata[: len(cdata) - len(cdata) % fds.itemsize])
+        if not chunk:
+            break
+        data += chunk
+    return data, list(fds)
+
+
+def is_closed(sock: socket.socket) -> bool:
+    """True when the daemon has closed its end (EOF), False if it is silent but open."""
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def hello(sock: socket.socket, job: str, *, rank: int = 0, world_size: int = 1,
+          version: int = p.PROTOCOL_VERSION, arena_nbytes: int = JOB_ARENA_NBYTES,
+          rid: int = 1) -> p.Reply:
+    """Send hello and return the reply; an arena fd that came with it is closed."""
+    sock.sendall(p.encode_frame(p.Hello(rid, version, job, rank, world_size, 0, "cpu",
+                                        arena_nbytes)))
+    reply, fds = read_reply(sock)
+    for fd in fds:
+        os.close(fd)
+    assert reply is not None, "the daemon closed the connection during hello"
+    return reply
+
+
+def call(sock: socket.socket, request: p.Request) -> p.Reply | None:
+    sock.sendall(p.encode_frame(request))
+    return read_reply(sock)[0]
+
+
+def error_code(reply: Any) -> str:
+    assert isinstance(reply, p.ErrorReply), f"expected an error reply, got {reply!r}"
+    return reply.code

@@ -1,0 +1,103 @@
+"""Prometheus /metrics of the real daemon, scraped over HTTP and parsed like Prometheus does."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import JOB_ARENA_NBYTES
+from offloadd.embedded import PrivateDaemon
+from offloadd.errors import UnknownShardError
+from offloadd.server import JOB_LABEL
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(daemon: PrivateDaemon) -> Samples:
+    """Every sample of /metrics, keyed by (sample name, sorted labels)."""
+    assert daemon.metrics_addr, "the daemon was started without --metrics-addr"
+    with urllib.request.urlopen(f"http://{daemon.metrics_addr}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        text = reply.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_follow_real_traffic(daemon: PrivateDaemon, connect, job: str) -> None:
+    before = scrape(daemon)
+    client = connect()
+    other = connect(f"{job}-b")
+    client.put("a", b"x" * 10_000)  # 3 pages
+    with client.acquire_many(["a"], "r"):
+        client.stats()
+    try:
+        client.acquire("missing")
+    except UnknownShardError:
+        pass
+    during = scrape(daemon)
+    job_label = {JOB_LABEL: job}
+
+    assert value(during, "offloadd_arena_capacity_bytes", **job_label) == JOB_ARENA_NBYTES
+    assert value(during, "offloadd_arena_used_bytes", **job_label) == 3 * 4096
+    assert value(during, "offloadd_arena_largest_free_bytes", **job_label) == (
+        JOB_ARENA_NBYTES - 3 * 4096)
+    assert value(during, "offloadd_shards", **job_label) == 1
+    assert value(during, "offloadd_sessions") == value(before, "offloadd_sessions") + 2
+    assert value(during, "offloadd_sessions_opened_total", outcome="ok") == (
+        value(before, "offloadd_sessions_opened_total", outcome="ok") + 2)
+    requests = "offloadd_requests_total"
+    for op, status, count in [("acquire", "ok", 2), ("release", "ok", 2), ("stats", "ok", 1),
+                              ("acquire", "unknown_shard", 1)]:
+        assert value(during, requests, op=op, status=status) == (
+            value(before, requests, op=op, status=status) + count), (op, status)
+    durations = "offloadd_request_duration_seconds_count"
+    assert value(during, durations, op="acquire") == value(before, durations, op="acquire") + 3
+    assert value(during, "offloadd_request_duration_seconds_sum", op="acquire") > value(
+        before, "offloadd_request_duration_seconds_sum", op="acquire")
+    assert value(during, "offloadd_request_duration_seconds_bucket", op="acquire",
+                 le="+Inf") == value(during, durations, op="acquire")
+
+    client.drop("a")
+    other.close()
+    after = scrape(daemon)
+    assert value(after, "offloadd_arena_used_bytes", **job_label) == 0
+    assert value(after, "offloadd_arena_largest_free_bytes", **job_label) == JOB_ARENA_NBYTES
+    assert value(after, "offloadd_requests_total", op="drop", status="ok") == (
+        value(before, "offloadd_requests_total", op="drop", status="ok") + 1)
+
+
+def test_event_loop_lag_is_sampled_continuously(daemon: PrivateDaemon) -> None:
+    name = "offloadd_event_loop_lag_seconds_count"
+    first = value(scrape(daemon), name)
+    deadline = time.monotonic() + 30
+    while value(scrape(daemon), name) <= first:
+        assert time.monotonic() < deadline, "no event-loop lag sample in 30 s"
+        time.sleep(0.1)
+    samples = scrape(daemon)
+    assert value(samples, "offloadd_event_loop_lag_seconds_bucket", le="+Inf") == value(
+        samples, name)
+
+
+def test_bad_frames_are_counted_by_reason(daemon: PrivateDaemon) -> None:
+    from conftest import raw_socket, read_reply
+    from offloadd import protocol as p
+
+    before = scrape(daemon)
+    sock = raw_socket(daemon.socket_path)
+    sock.sendall(p.HEADER.pack(3) + b"\xc1\xc1\xc1")
+    read_reply(sock)
+    sock.sendall(p.HEADER.pack(p.MAX_FRAME_NBYTES + 1))
+    read_reply(sock)
+    after = scrape(daemon)
+    for reason in ("decode", "oversize"):
+        assert value(after, "offloadd_bad_frames_total", reason=reason) == (
+            value(before, "offloadd_bad_frames_total", reason=reason) + 1)
