@@ -12,7 +12,7 @@ daemon. The proof has two parts:
   and B sees it at once through its own mapping.
 - cost: A fills the shard through its view and releases it; B acquires it, reads every
   byte through its view (a sum) and releases. That is compared with the same fill and
-  sum on private memory plus one 1 GiB memcpy (torch ``copy_``): the view path's cost
+  sum on a private memfd plus one 1 GiB memcpy (torch ``copy_``): the view path's cost
   above fill + sum, divided by one memcpy, is ``copies_equivalent`` (0 = zero copy).
   ``ratio_vs_memcpy`` is the hand-off itself (acquire + release in both processes)
   divided by one memcpy of the same bytes.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import statistics
 import struct
@@ -96,6 +97,16 @@ def frame_number(address: int) -> int | None:
         return None
     present, frame = entry >> 63, entry & ((1 << 55) - 1)
     return frame if present and frame else None
+
+
+def shmem_tensor(numel: int) -> torch.Tensor:
+    fd = os.memfd_create("host-path-baseline", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, numel * 4)
+        buffer = mmap.mmap(fd, numel * 4, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    return torch.frombuffer(buffer, dtype=torch.float32)
 
 
 def ask(reader: subprocess.Popen[str], **command: Any) -> dict[str, Any]:
@@ -171,8 +182,9 @@ def main() -> None:
             view_seconds = statistics.median(view_totals)
             handoff_seconds = statistics.median(handoffs[1:]) + statistics.median(reader_handoffs)
 
-            source = torch.empty(numel, dtype=torch.float32)
-            target = torch.empty(numel, dtype=torch.float32)
+            # Baseline buffers are shared memory like the arena (4 KiB shmem pages, no THP),
+            # so the comparison counts copies, not page sizes.
+            source, target = shmem_tensor(numel), shmem_tensor(numel)
             source.fill_(1.0)
             target.copy_(source)  # touch every page before timing
             fill_seconds = median_seconds(lambda: source.fill_(2.0), args.repeats)
