@@ -111,6 +111,9 @@ def torch_optimizer(problem: Problem, mixed: bool, **flavour: bool) -> Callable[
 
 
 def deepspeed_cpuadam(problem: Problem) -> Callable[[], None]:
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no GPU probing; its op JIT-builds here
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     param = problem.torch_param

@@ -190,7 +190,6 @@ def main() -> None:
             fill_seconds = median_seconds(lambda: source.fill_(2.0), args.repeats)
             sum_seconds = median_seconds(lambda: float(source.sum()), args.repeats)
             memcpy_seconds = median_seconds(lambda: target.copy_(source), args.repeats)
-            del source, target
             assert reader.stdin is not None
             reader.stdin.close()  # the reader's loop ends
             reader.wait(30)

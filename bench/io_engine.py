@@ -3,16 +3,19 @@
     python bench/io_engine.py [--dir /var/tmp] [--size-mib 1024] [--bs-kib 1024] [--qd 16]
                               [--runs 3]
 
-For every engine kind available here ("io_uring", "threads", "python") and
-for fio (ioengine=io_uring, else libaio), each run writes the whole file
-sequentially with `qd` requests of `bs` bytes in flight, then reads it back,
-all with O_DIRECT on one preallocated file, on uvloop when installed.  Thread-based engines get one
-thread per queue slot so every contender has the same requests in flight.
+For every engine kind available here ("io_uring", "threads", "python"), for
+fio (ioengine=io_uring, else libaio) and for DeepSpeed's aio op when
+``import deepspeed`` works and its libaio op builds (DS_ACCELERATOR=cpu),
+each run writes the whole file sequentially with `qd` requests of `bs` bytes
+in flight, then reads it back, all with O_DIRECT on one preallocated file, on
+uvloop when installed.  Thread-based engines get one thread per queue slot
+so every contender has the same requests in flight.
 Figures are medians over runs.  If the file system refuses O_DIRECT (tmpfs),
 the run falls back to buffered IO and says so in a note.
 
 The last line printed is one JSON object: per-engine GB/s, fio's GB/s, and
-ratio_vs_fio_read / ratio_vs_fio_write (ours / fio) for the best engine.
+ratio_vs_fio_read / ratio_vs_fio_write (ours / fio) for the best engine, and
+ratio_vs_deepspeed_aio_read / _write (ours / DeepSpeed aio) when it ran.
 """
 
 from __future__ import annotations
@@ -110,6 +113,35 @@ async def bench_engine(kind: str, fd: int, buffer: memoryview, args: Any) -> dic
     return {op: statistics.median(values) for op, values in rates.items()}
 
 
+def bench_deepspeed_aio(path: Path, args: Any, notes: list[str]) -> dict[str, float] | None:
+    """DeepSpeed's libaio engine (``deepspeed.ops.aio``, what its NVMe offload uses) on the
+    same file: one whole-file request split into ``bs`` blocks, ``qd`` in flight, O_DIRECT."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import torch
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        aio = AsyncIOBuilder().load(verbose=False)
+    except Exception as exc:  # ImportError, or its JIT op build failing (libaio-dev missing)
+        notes.append(f"DeepSpeed aio skipped: {type(exc).__name__}: {exc}".splitlines()[0])
+        return None
+    handle = aio.aio_handle(args.bs_kib * 1024, args.qd, False, True, 1)
+    nbytes = args.size_mib * MIB
+    buffer = handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+    buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+    calls = {"write": handle.sync_pwrite, "read": handle.sync_pread}
+    rates: dict[str, list[float]] = {"write": [], "read": []}
+    try:
+        for _ in range(args.runs):
+            for op, call in calls.items():
+                start = time.perf_counter()
+                call(buffer, str(path), 0)
+                rates[op].append(nbytes / (time.perf_counter() - start) / 1e9)
+    finally:
+        handle.free_cpu_locked_tensor(buffer)
+    return {op: statistics.median(values) for op, values in rates.items()}
+
+
 def fio_pass(path: Path, rw: str, ioengine_name: str, direct: bool, args: Any) -> float:
     command = [
         "fio",
@@ -152,12 +184,15 @@ def report(
     direct: bool,
     args: Any,
     notes: list[str],
+    deepspeed: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     print(f"{'contender':<20}{'write GB/s':>12}{'read GB/s':>12}")
     for name, rates in engines.items():
         print(f"{name:<20}{rates['write']:>12.3f}{rates['read']:>12.3f}")
     if fio is not None:
         print(f"{'fio ' + fio['ioengine']:<20}{fio['write']:>12.3f}{fio['read']:>12.3f}")
+    if deepspeed is not None:
+        print(f"{'deepspeed aio':<20}{deepspeed['write']:>12.3f}{deepspeed['read']:>12.3f}")
     for note in notes:
         print(f"note: {note}")
     best = max(engines, key=lambda name: engines[name]["read"] + engines[name]["write"])
@@ -178,6 +213,11 @@ def report(
         result["fio_ioengine"] = fio["ioengine"]
         result["ratio_vs_fio_read"] = round(engines[best]["read"] / fio["read"], 3)
         result["ratio_vs_fio_write"] = round(engines[best]["write"] / fio["write"], 3)
+    if deepspeed is not None:
+        result["deepspeed_aio_gb_per_s"] = {op: round(deepspeed[op], 3) for op in ("read", "write")}
+        result["ratio_vs_deepspeed_aio_read"] = round(engines[best]["read"] / deepspeed["read"], 3)
+        result["ratio_vs_deepspeed_aio_write"] = round(
+            engines[best]["write"] / deepspeed["write"], 3)
     if notes:
         result["notes"] = notes
     return result
@@ -204,7 +244,8 @@ def main() -> None:
             buffer.close()
             os.close(fd)
         fio = bench_fio(path, direct, args, notes)
-    print(json.dumps(report(engines, fio, direct, args, notes)))
+        deepspeed = bench_deepspeed_aio(path, args, notes) if direct else None
+    print(json.dumps(report(engines, fio, direct, args, notes, deepspeed)))
 
 
 if __name__ == "__main__":

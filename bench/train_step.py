@@ -1,19 +1,32 @@
 """Training step time: our ZeRO-3 with params + optimizer offloaded through offloadd vs peers.
 
-Measured in one run, 2 gloo ranks each, same model (offloadd.demo_train.TinyGPT)
-and same data:
+Measured in one run, 2 gloo ranks each, same model (offloadd.demo_train.TinyGPT,
+fp32), same data, same config (offloadd.demo_train.demo_config: clip 1.0, AdamW,
+WarmupLR):
 
-- ``torch``: plain data parallel, every rank holds everything, torch.optim.AdamW
-  (fused CPU implementation when available), gradients all-reduced per step;
+- ``torch``: plain DistributedDataParallel, every rank holds everything,
+  torch.optim.AdamW (default CPU implementation), nothing offloaded;
 - ``ours``: trainer.initialize with ZeRO-3, offload_param + offload_optimizer on
   nvme (cpu when the daemon has no NVMe tier) via a private daemon;
-- ``deepspeed``: DeepSpeed ZeRO-3 with the same offload config, when
-  ``import deepspeed`` works (DS_ACCELERATOR=cpu), else reported as missing.
+- ``deepspeed``: DeepSpeed ZeRO-3 with the same offload config (its nvme_path in
+  the same temporary directory), DS_ACCELERATOR=cpu,
+  ``deepspeed.init_distributed(dist_backend="gloo")`` with torchrun's
+  environment variables; skipped with a note when ``import deepspeed`` fails.
 
-    python bench/train_step.py [--steps 12] [--warmup 2]
+    python bench/train_step.py [--steps 12] [--warmup 2] [--rounds 2]
+    OFFLOADD_BENCH_DEVICE=cpu python bench/train_step.py   # force the offload device
 
-The last line is JSON with ``ratio_vs_torch_step`` = torch median / ours
-median (> 1: ours faster) and ``ratio_vs_deepspeed`` (or null with a note).
+Contenders run once per round, in rotated order (other load on the host moves
+all of them alike); a step's time is that of its slowest rank, and each figure
+is the median over all rounds' timed steps.
+
+The last line is JSON with ``ratio_vs_torch_step`` = torch median / ours median
+and ``ratio_vs_deepspeed`` = DeepSpeed median / ours median (> 1: ours faster),
+tokens/s of each, and ``io_hidden_fraction`` = 1 - (seconds rank 0 was blocked on
+the daemon) / (daemon optimizer + NVMe IO seconds) over the timed steps, from
+the daemon's stats (null with a note when the daemon reports no such time).
+NVMe IO seconds are summed per request, so with several requests in flight they
+exceed wall time; ``rank0_blocked_on_daemon_s_per_step`` is the plain figure.
 """
 
 from __future__ import annotations
@@ -36,9 +49,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from offloadd.demo_train import TinyGPT, demo_config, synthetic_batch
+from offloadd.demo_train import MICRO_BATCH, SEQ_LEN, TinyGPT, demo_config, synthetic_batch
 
 WORLD = 2
+
+
+def offload_device() -> str:
+    """``OFFLOADD_BENCH_DEVICE`` (cpu|nvme), else nvme when the daemon has its NVMe tier."""
+    wanted = os.environ.get("OFFLOADD_BENCH_DEVICE", "auto")
+    if wanted != "auto":
+        return wanted
+    return "nvme" if importlib.util.find_spec("offloadd.nvme") else "cpu"
 
 
 def _init(rank: int, port: int) -> None:
@@ -49,9 +70,12 @@ def _init(rank: int, port: int) -> None:
                             world_size=WORLD)
 
 
-def _timed_steps(step_fn: Any, rank: int, steps: int, warmup: int) -> list[float]:
+def _timed_steps(step_fn: Any, rank: int, steps: int, warmup: int,
+                 on_timed_start: Any = None) -> list[float]:
     times = []
     for step in range(warmup + steps):
+        if step == warmup and on_timed_start is not None:
+            on_timed_start()
         dist.barrier()
         started = time.perf_counter()
         step_fn(synthetic_batch(step, rank))
@@ -82,33 +106,45 @@ def ours_rank(rank: int, port: int, steps: int, warmup: int, workdir: str) -> di
 
     _init(rank, port)
     torch.manual_seed(0)
-    device = "nvme" if importlib.util.find_spec("offloadd.nvme") else "cpu"
+    device = offload_device()
     config = demo_config(os.path.join(workdir, "swap"), device)
     config["offloadd"] = {"workdir": os.path.join(workdir, "daemon")}
     engine, _, _, _ = trainer.initialize(model=TinyGPT(), config=config)
+    before: dict[str, Any] = {}
 
     def step(ids: torch.Tensor) -> None:
         engine.backward(engine(ids))
         engine.step()
 
     try:
-        times = _timed_steps(step, rank, steps, warmup)
-        return {"times": times, "stats": engine.offload_stats(), "device": device}
+        times = _timed_steps(step, rank, steps, warmup,
+                             on_timed_start=lambda: before.update(engine.offload_stats()))
+        engine.backend.wait_steps()  # the last step's Adam belongs to the timed window
+        after = engine.offload_stats()
+        return {"times": times, "stats": after, "stats_delta": stats_delta(before, after),
+                "device": device}
     finally:
         engine.close()
 
 
 def deepspeed_rank(rank: int, port: int, steps: int, warmup: int,
                    workdir: str) -> dict[str, Any]:
-    """DeepSpeed ZeRO-3 with the same offload config."""
+    """DeepSpeed ZeRO-3 with the same offload config, launched like torchrun would."""
+    import warnings
+
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(WORLD),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    warnings.simplefilter("ignore", FutureWarning)  # DeepSpeed calls deprecated c10d names
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // WORLD))
     import deepspeed
 
-    _init(rank, port)
+    deepspeed.init_distributed(dist_backend="gloo", distributed_port=port, verbose=False)
     torch.manual_seed(0)
-    device = "nvme" if importlib.util.find_spec("offloadd.nvme") else "cpu"
-    config = demo_config(os.path.join(workdir, f"ds-swap{rank}"), device)
+    device = offload_device()
+    config = demo_config(os.path.join(workdir, "ds-swap"), device)
     config.pop("units")
+    config["steps_per_print"] = 10**9
     engine, _, _, _ = deepspeed.initialize(model=TinyGPT(), config=config,
                                            model_parameters=None)
 
@@ -116,7 +152,24 @@ def deepspeed_rank(rank: int, port: int, steps: int, warmup: int,
         engine.backward(engine(ids))
         engine.step()
 
-    return {"times": _timed_steps(step, rank, steps, warmup)}
+    return {"times": _timed_steps(step, rank, steps, warmup), "device": device}
+
+
+def _numbers(stats: Any, prefix: str = "") -> dict[str, float]:
+    """Flattened numeric leaves of a stats dict (``swap.io_seconds.read`` ...)."""
+    out: dict[str, float] = {}
+    if isinstance(stats, dict):
+        for key, value in stats.items():
+            out.update(_numbers(value, f"{prefix}{key}."))
+    elif isinstance(stats, (int, float)) and not isinstance(stats, bool):
+        out[prefix[:-1]] = float(stats)
+    return out
+
+
+def stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, float]:
+    """What the counters moved by over the timed steps."""
+    old = _numbers(before)
+    return {key: value - old.get(key, 0.0) for key, value in _numbers(after).items()}
 
 
 def _rank_main(rank: int, fn_name: str, port: int, steps: int, warmup: int, workdir: str,
@@ -140,7 +193,7 @@ def _free_port() -> int:
 def run(fn_name: str, steps: int, warmup: int) -> dict[str, Any]:
     context = mp.get_context("spawn")
     results = context.Queue()
-    with tempfile.TemporaryDirectory(prefix="bench-train-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="bench-train-", dir="/var/tmp") as workdir:
         port = _free_port()
         procs = [context.Process(target=_rank_main, args=(rank, fn_name, port, steps, warmup,
                                                           workdir, results))
@@ -155,52 +208,101 @@ def run(fn_name: str, steps: int, warmup: int) -> dict[str, Any]:
         raise RuntimeError(f"{fn_name}: {errors[0]}")
     outcome = outcomes[0]
     # a step is as slow as its slowest rank
-    outcome["median_s"] = statistics.median(
-        max(pair) for pair in zip(outcomes[0]["times"], outcomes[1]["times"], strict=True))
+    outcome["step_times"] = [max(pair) for pair in zip(outcomes[0]["times"], outcomes[1]["times"],
+                                                       strict=True)]
     return outcome
 
 
-def io_hidden_fraction(stats: dict[str, Any], measured_s: float) -> tuple[float | None, str]:
-    """1 - (rank time blocked on the daemon) / (daemon IO time), if the daemon reports IO time."""
-    io_s = sum(float(value) for key, value in stats.items()
-               if isinstance(value, (int, float)) and not isinstance(value, bool)
-               and any(word in key for word in ("io", "swap", "read", "write"))
-               and (key.endswith("_s") or key.endswith("seconds")) and key != "rank_wait_s")
-    wait_s = float(stats.get("rank_wait_s", 0.0))
-    if io_s <= 0:
-        return None, (f"not derivable: daemon stats report no IO time; rank 0 was blocked on "
-                      f"the daemon {wait_s:.3f} s over {measured_s:.3f} s of steps")
-    return max(0.0, 1.0 - wait_s / io_s), f"daemon IO {io_s:.3f} s, rank blocked {wait_s:.3f} s"
+# Daemon-side work the rank could have waited for: the optimizer service's step time and
+# the NVMe tier's read/write time (flattened stats keys, whichever the daemon reports).
+DAEMON_WORK_KEYS = ("optimizer.step_s", "optimizer.seconds", "optimizer_step_s",
+                    "swap.io_seconds.read", "swap.io_seconds.write")
+
+
+def io_hidden_fraction(delta: dict[str, float]) -> tuple[float | None, str]:
+    """1 - (rank time blocked on the daemon) / (daemon IO + optimizer time), timed steps only."""
+    work = {key: delta[key] for key in DAEMON_WORK_KEYS if key in delta}
+    work_s = sum(work.values())
+    wait_s = delta.get("rank_wait_s", 0.0)
+    if work_s <= 0:
+        return None, (f"not derivable: the daemon's stats report no optimizer/IO time "
+                      f"(looked for {', '.join(DAEMON_WORK_KEYS)}); rank 0 was blocked on the "
+                      f"daemon {wait_s:.3f} s")
+    parts = ", ".join(f"{key} {value:.3f} s" for key, value in work.items())
+    return max(0.0, 1.0 - wait_s / work_s), f"daemon work {work_s:.3f} s ({parts}), " \
+        f"rank 0 blocked {wait_s:.3f} s"
+
+
+CONTENDERS = {"torch": "torch_rank", "ours": "ours_rank", "deepspeed": "deepspeed_rank"}
+
+
+def measure(names: list[str], rounds: int, steps: int, warmup: int,
+            notes: list[str]) -> dict[str, dict[str, Any]]:
+    """Every contender once per round, order rotated (neighbours on the host add noise)."""
+    results: dict[str, dict[str, Any]] = {}
+    for round_index in range(rounds):
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            if name in results and "error" in results[name]:
+                continue
+            try:
+                outcome = run(CONTENDERS[name], steps, warmup)
+            except RuntimeError as error:
+                results[name] = {"error": str(error)}
+                notes.append(f"{name} failed: {str(error)[:2000]}")
+                continue
+            merged = results.setdefault(name, {"step_times": []})
+            merged["step_times"] += outcome.pop("step_times")
+            merged.update(outcome)
+    for result in results.values():
+        if "step_times" in result:
+            result["median_s"] = statistics.median(result["step_times"])
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    torch_result = run("torch_rank", args.steps, args.warmup)
-    ours = run("ours_rank", args.steps, args.warmup)
-    print(f"model: TinyGPT {sum(p.numel() for p in TinyGPT().parameters())} params, "
-          f"{WORLD} ranks, gloo, {args.steps} timed steps after {args.warmup} warmup")
-    print(f"torch DDP + AdamW (no offload): median step {torch_result['median_s'] * 1e3:.1f} ms")
-    print(f"ours ZeRO-3 offload {ours['device']}: median step {ours['median_s'] * 1e3:.1f} ms")
-    hidden, note = io_hidden_fraction(ours["stats"], sum(ours["times"]))
-    print(f"IO hidden: {note}")
-    ratio_ds, ds_note = None, "deepspeed not importable here"
+    notes: list[str] = []
+    names = ["torch", "ours"]
     if importlib.util.find_spec("deepspeed") is not None:
-        try:
-            deepspeed_result = run("deepspeed_rank", args.steps, args.warmup)
-            ratio_ds = deepspeed_result["median_s"] / ours["median_s"]
-            ds_note = f"deepspeed median step {deepspeed_result['median_s'] * 1e3:.1f} ms"
-        except RuntimeError as error:
-            ds_note = f"deepspeed failed: {error}"
-    print(ds_note)
-    print(json.dumps({
-        "ours_median_step_s": ours["median_s"], "torch_median_step_s": torch_result["median_s"],
-        "ratio_vs_torch_step": torch_result["median_s"] / ours["median_s"],
-        "ratio_vs_deepspeed": ratio_ds, "deepspeed_note": ds_note,
-        "offload_device": ours["device"], "io_hidden_fraction": hidden,
-    }))
+        names.append("deepspeed")
+    else:
+        notes.append("deepspeed not importable here (pip install deepspeed; DS_ACCELERATOR=cpu)")
+    results = measure(names, args.rounds, args.steps, args.warmup, notes)
+    tokens_per_step = MICRO_BATCH * SEQ_LEN * WORLD
+    print(f"model: TinyGPT {sum(p.numel() for p in TinyGPT().parameters())} params, "
+          f"{WORLD} ranks, gloo, {args.rounds} rounds x {args.steps} timed steps "
+          f"after {args.warmup} warmup, {tokens_per_step} tokens/step")
+    summary: dict[str, Any] = {"bench": "train_step", "tokens_per_step": tokens_per_step}
+    for name, result in results.items():
+        if "median_s" in result:
+            label = f"{name} ({result.get('device', 'no offload')})"
+            print(f"{label:<22} median step {result['median_s'] * 1e3:8.1f} ms  "
+                  f"{tokens_per_step / result['median_s']:9.0f} tokens/s")
+            summary[f"{name}_median_step_s"] = round(result["median_s"], 5)
+            summary[f"{name}_tokens_per_s"] = round(tokens_per_step / result["median_s"], 1)
+    ours = results.get("ours", {})
+    if "median_s" not in ours:
+        print(json.dumps({**summary, "notes": notes}))
+        raise SystemExit(1)
+    for peer, key in (("torch", "ratio_vs_torch_step"), ("deepspeed", "ratio_vs_deepspeed")):
+        peer_s = results.get(peer, {}).get("median_s")
+        summary[key] = round(peer_s / ours["median_s"], 3) if peer_s else None
+    summary["offload_device"] = ours["device"]
+    summary["deepspeed_offload_device"] = results.get("deepspeed", {}).get("device")
+    hidden, note = io_hidden_fraction(ours["stats_delta"])
+    print(f"IO hidden: {note}")
+    summary["io_hidden_fraction"] = None if hidden is None else round(hidden, 3)
+    summary["io_hidden_note"] = note
+    summary["rank0_blocked_on_daemon_s_per_step"] = round(
+        ours["stats_delta"].get("rank_wait_s", 0.0) / args.steps, 5)
+    if notes:
+        summary["notes"] = notes
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

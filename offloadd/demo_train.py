@@ -107,12 +107,11 @@ def demo_config(swap_dir: str, device: str) -> dict[str, Any]:
 
 
 def _moved_nbytes(stats: dict[str, Any]) -> int:
-    """Rank<->arena bytes plus any daemon read/write/swap byte counters."""
+    """Rank<->arena bytes plus the NVMe tier's read and written bytes (node-wide)."""
     total = int(stats.get("rank_moved_nbytes", 0))
-    for key, value in stats.items():
-        is_io = any(word in key for word in ("read", "write", "swap_in", "swap_out"))
-        if is_io and key.endswith("bytes") and isinstance(value, (int, float)):
-            total += int(value)
+    swap = stats.get("swap") or {}
+    for swap_dir in swap.get("dirs", []):
+        total += int(swap_dir.get("read_nbytes", 0)) + int(swap_dir.get("written_nbytes", 0))
     return total
 
 

@@ -70,8 +70,35 @@ class Job:
         """Create shards (existing ones must match size and dtype) and optionally lease them."""
         check_ids(ids, nbytes, dtypes)
         check_shard_ids(ids)
+        known = len(self.table.shards)
         shards = [self._find_or_create(rank, i, n, d) for i, n, d in zip(ids, nbytes, dtypes)]
-        return self._serve(shards, leases, mode)
+        if len(self.table.shards) == known:
+            return self._serve(shards, leases, mode)
+        created = [s for s in shards if s.swap is None and s.offset is None]
+        try:
+            result = self._serve(shards, leases, mode)
+        except Exception:
+            self._forget_unwritten(created)
+            raise
+        if isinstance(result, Placed):
+            return result
+        return self._undo_on_failure(result, created)
+
+    async def _undo_on_failure(self, pending: Awaitable[Placed], created: list[Shard]) -> Placed:
+        try:
+            return await pending
+        except BaseException:
+            self._forget_unwritten(created)
+            raise
+
+    def _forget_unwritten(self, created: list[Shard]) -> None:
+        """A shard created by a request that failed never held bytes: do not keep it,
+        or a later read would return whatever the arena held at its offset."""
+        for shard in created:
+            alive = self.table.shards.get((shard.rank, shard.shard_id)) is shard
+            if alive and not shard.leased and not shard.pins and shard.io is None \
+                    and shard.swap is None and shard.version == 0:
+                self.table.remove(shard)
 
     def acquire(self, rank: int, ids: list[str], mode: str, leases: dict[Shard, Lease]
                 ) -> Placed | Awaitable[Placed]:

@@ -287,6 +287,7 @@ class SwapSpace:
             "prefetch_issued": c.prefetch_issued, "prefetch_hits": c.prefetch_hits,
             "prefetch_late": c.prefetch_late, "prefetch_wasted": c.prefetch_wasted,
             "checksum_failures": c.checksum_failures,
+            "io_errors": {labels[0]: n for labels, n in c.io_errors.values.items()},
             "evictions": {labels[0]: n for labels, n in c.evictions.values.items()},
             "stall_s": sum(c.stall_seconds.values.values()),
         }

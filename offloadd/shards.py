@@ -190,7 +190,8 @@ class ShardTable:
         return self.arena.allocator.used_nbytes
 
     def leased_nbytes(self) -> int:
-        return sum(s.arena_nbytes for s in self.shards.values() if s.leased)
+        # list() snapshots in one C call: /metrics scrapes run on another thread.
+        return sum(s.arena_nbytes for s in list(self.shards.values()) if s.leased)
 
 
 def grant(leases: dict[Shard, Lease], shard: Shard, mode: str) -> None:

@@ -15,20 +15,29 @@ import logging
 import math
 import os
 import time
-from pathlib import Path
 from collections.abc import Awaitable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from offloadd.errors import ChecksumError, OverBudgetError, OffloadError
-from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, Chunk, JobFile, SwapPlacement
+from offloadd.errors import ChecksumError, OffloadError, OverBudgetError
+from offloadd.nvme import (
+    MANIFEST,
+    MANIFEST_FORMAT,
+    PREFETCH_HORIZON_S,
+    Chunk,
+    JobFile,
+    SwapPlacement,
+)
 from offloadd.scheduler import AccessTrace, Priority, pick_victims
-from offloadd.shards import Residency, Shard, ShardTable
+from offloadd.shards import IN_ARENA, Residency, Shard, ShardTable
 
 if TYPE_CHECKING:
     from offloadd.nvme import SwapSpace
 
 log = logging.getLogger(__name__)
 MAX_PREFETCH_TASKS = 16
+PREFETCH_ROOM_RETRIES = 4
+"""Times a prefetch waits for write-backs to free room before it gives up."""
 T = TypeVar("T")
 
 
@@ -46,6 +55,11 @@ class JobTier:
         self.deferred: list[SwapPlacement] = []
         self.prefetching: set[Shard] = set()
         self.tasks: set[asyncio.Task[None]] = set()
+        self.cleaning: dict[Shard, asyncio.Task[None]] = {}
+        """Background write-backs in flight, started by make_room (write-behind)."""
+        self.cleaned: set[Shard] = set()
+        """Shards the write-behind cleaned, for the eviction reason label."""
+        self.background_error: OffloadError | None = None
         self._stripe = 0
 
     # -- chunks -------------------------------------------------------------------
@@ -139,19 +153,16 @@ class JobTier:
         self.space.counters.writeback_nbytes += shard.arena_nbytes
         self._end_io(shard)
 
-    async def evict(self, table: ShardTable, shard: Shard, priority: Priority) -> None:
-        reason = "clean"
-        if shard.residency is Residency.ARENA_DIRTY:
-            if not await self.write_back(table, shard, priority):
-                return
-            reason = "writeback"
-        if not shard.evictable or shard.residency is not Residency.ARENA_CLEAN:
-            return  # leased or dirtied again while we wrote it back
+    def evict(self, table: ShardTable, shard: Shard) -> None:
+        """ARENA_CLEAN -> NVME: give the arena range back; the swap copy is current."""
+        assert shard.evictable and shard.residency is Residency.ARENA_CLEAN
         table.unplace(shard)
         shard.residency = Residency.NVME
         if shard.prefetched:
             shard.prefetched = False
             self.space.counters.prefetch_wasted += 1
+        reason = "writeback" if shard in self.cleaned else "clean"
+        self.cleaned.discard(shard)
         self.space.counters.evictions.add((reason,))
 
     def next_use_s(self, shard: Shard) -> float:
@@ -161,46 +172,131 @@ class JobTier:
     async def make_room(self, table: ShardTable, nbytes: int,
                         not_before_s: float | None = None,
                         priority: Priority = Priority.DEMAND) -> bool:
-        """Evict until one free extent of ``nbytes`` exists; waits on IO in flight if needed.
+        """Evict clean shards until one free extent of ``nbytes`` exists.
 
-        Returns False only for a prefetch (``not_before_s`` set) that would have to
-        evict something needed sooner. Raises OverBudgetError when leases and pins
-        hold so much of the arena that waiting cannot help.
+        Dirty shards are never written back on the caller's time: ``_clean`` starts
+        write-backs of the next victims in the background, and this waits for
+        them. Returns False only for a prefetch (``not_before_s`` set) that would
+        have to wait or evict something needed sooner. Raises OverBudgetError when
+        leases and pins hold so much of the arena that waiting cannot help, and
+        the error of a failed background write-back to the caller waiting on it.
         """
         need = max(nbytes, 1)
         allocator = table.arena.allocator
-        while True:
-            async with self.room_lock:
-                if allocator.largest_free() >= need:
-                    return True
-                candidates = [(s, self.next_use_s(s)) for s in table.shards.values()
-                              if s.evictable]
-                victims = pick_victims(candidates, need - allocator.free_nbytes
-                                       if allocator.free_nbytes < need else need, not_before_s)
-                if victims:
-                    await asyncio.gather(*(self.evict(table, v, priority) for v in victims))
-                    continue
+        if allocator.largest_free() >= need:
+            return True
+        # One request at a time scans and waits; the others queue on the lock instead
+        # of all waking on every completed write-back and rescanning the table.
+        async with self.room_lock:
+            while allocator.largest_free() < need:
+                shortfall = need - allocator.free_nbytes if allocator.free_nbytes < need else need
+                candidates, progress = self._scan(table)
+                clean = [(s, t) for s, t in candidates if s.residency is Residency.ARENA_CLEAN]
+                victims = pick_victims(clean, shortfall, not_before_s)
+                for victim in victims:
+                    self.evict(table, victim)
+                if victims or allocator.largest_free() >= need:
+                    continue  # room now, or freed ranges that may need more to merge
+                if (self.background_error is not None and not self.cleaning
+                        and not_before_s is None):
+                    self._raise_background_error()  # no write-back left that could help
+                self._clean(table, candidates, shortfall, not_before_s)
                 if not_before_s is not None:
                     return False
-                progress = [s.io for s in table.shards.values() if s.io is not None
-                            and (s.residency is Residency.WRITING or s.offset is not None)]
-            if not progress:
-                raise OverBudgetError(
-                    f"job {self.job!r}: no evictable shard can make room for {need} bytes "
-                    f"(arena {table.arena.nbytes}, leased {table.leased_nbytes()}); release "
-                    "leases or acquire fewer shards at once")
-            await asyncio.wait([asyncio.shield(f) for f in progress],
-                               return_when=asyncio.FIRST_COMPLETED)
+                progress += self.cleaning.values()
+                if not progress:
+                    raise OverBudgetError(
+                        f"job {self.job!r}: no evictable shard can make room for {need} bytes "
+                        f"(arena {table.arena.nbytes}, leased {table.leased_nbytes()}); "
+                        "release leases or acquire fewer shards at once")
+                # Nothing we wait on needs this lock: write-backs and reads into placed
+                # ranges finish on their own, so holding it cannot deadlock.
+                await asyncio.wait([asyncio.shield(f) for f in progress],
+                                   return_when=asyncio.FIRST_COMPLETED)
+        return True
+
+    def _scan(self, table: ShardTable
+              ) -> tuple[list[tuple[Shard, float]], list[asyncio.Future[Any]]]:
+        """One pass over the table: eviction candidates, and IO whose end may free room.
+
+        A write-behind shard is waited on through its task, not its ``io`` future:
+        the task is done only after it recorded its error for us to raise.
+        """
+        candidates: list[tuple[Shard, float]] = []
+        progress: list[asyncio.Future[Any]] = []
+        cleaning = self.cleaning
+        for shard in table.shards.values():
+            io = shard.io
+            if io is None:
+                if shard.residency in IN_ARENA and not shard.pins and not shard.leased:
+                    candidates.append((shard, self.next_use_s(shard)))
+            elif shard not in cleaning and (shard.offset is not None
+                                            or shard.residency is Residency.WRITING):
+                progress.append(io)
+        return candidates, progress
+
+    def _clean(self, table: ShardTable, candidates: list[tuple[Shard, float]], shortfall: int,
+               not_before_s: float | None) -> None:
+        """Write back the next dirty victims in the background (write-behind).
+
+        Keeps up to ``write_behind_nbytes`` (beyond the shortfall) clean or being
+        cleaned, so that a stream of writers finds clean victims and the drive
+        sees many writes in flight instead of one per request.
+        """
+        if self.background_error is not None:
+            return  # report the failure before retrying: a full drive must not spin
+        in_flight = sum(s.arena_nbytes for s in self.cleaning)
+        ready = in_flight + sum(s.arena_nbytes for s, _t in candidates
+                                if s.residency is Residency.ARENA_CLEAN)
+        target = shortfall + self.write_behind_nbytes(table)
+        if ready >= target:
+            return
+        dirty = [(s, t) for s, t in candidates
+                 if s.residency is Residency.ARENA_DIRTY and s not in self.cleaning]
+        for shard in pick_victims(dirty, target - ready, not_before_s):
+            task = asyncio.ensure_future(self._clean_one(table, shard))
+            self.cleaning[shard] = task
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+    def write_behind_nbytes(self, table: ShardTable) -> int:
+        return min(table.arena.nbytes // 4, self.space.queue.depth * self.chunk_nbytes)
+
+    async def _clean_one(self, table: ShardTable, shard: Shard) -> None:
+        try:
+            if await self.write_back(table, shard, Priority.WRITEBACK):
+                self.cleaned.add(shard)
+        except OffloadError as exc:
+            log.warning("event=writeback_failed job=%s shard=%s error=%r",
+                        self.job, shard.shard_id, exc.message)
+            self.background_error = exc
+        finally:
+            del self.cleaning[shard]
+
+    def _raise_background_error(self) -> None:
+        """Hand a failed write-back to one request that needs room it cannot get.
+
+        The shard stays dirty (nothing is lost) and a later request retries it.
+        Raised only once no write-back is in flight, so a request whose room came
+        from another write-back is not failed for a shard it never asked about.
+        """
+        error, self.background_error = self.background_error, None
+        if error is not None:
+            raise error
 
     async def read_in(self, table: ShardTable, shard: Shard,
                       priority: Priority = Priority.DEMAND, not_before_s: float | None = None
                       ) -> None:
         """Bring a swapped-out shard back into the arena, verifying every chunk."""
+        late = False
         while shard.io is not None and not shard.in_arena:
             if priority is Priority.DEMAND and shard in self.prefetching:
                 self.space.counters.prefetch_late += 1
                 self.prefetching.discard(shard)
+                late = True
             await asyncio.shield(shard.io)
+        if late:
+            shard.prefetched = False  # counted as late, not again as a hit
         if shard.in_arena or shard.swap is None:
             return
         if priority is Priority.DEMAND:
@@ -212,10 +308,17 @@ class JobTier:
                        not_before_s: float | None) -> None:
         assert shard.swap is not None
         try:
+            retries = PREFETCH_ROOM_RETRIES
             while not table.try_place(shard):
-                if not await self.make_room(table, shard.arena_nbytes, not_before_s, priority):
-                    shard.residency = Residency.NVME
+                if await self.make_room(table, shard.arena_nbytes, not_before_s, priority):
+                    continue
+                if not self.cleaning or not retries:
+                    shard.residency = Residency.NVME  # room only by evicting sooner needs
                     return
+                # make_room started write-backs of dirty victims for us: worth the wait.
+                retries -= 1
+                await asyncio.wait(list(self.cleaning.values()),
+                                   return_when=asyncio.FIRST_COMPLETED)
             results = await _settle_all(
                 self._read_chunk(table, shard, chunk, start, priority)
                 for chunk, (start, _n) in zip(shard.swap.chunks, self._chunk_spans(shard)))
@@ -230,6 +333,8 @@ class JobTier:
             self._end_io(shard)
         shard.residency = Residency.ARENA_CLEAN
         shard.prefetched = priority is Priority.PREFETCH
+        if shard.prefetched:
+            table.touch(shard)  # about to be used: not the LRU victim of the next prefetch
 
     # -- learned and explicit prefetch ------------------------------------------------
 
@@ -355,6 +460,7 @@ class JobTier:
         self._free_placement(shard.swap)
         shard.swap = None
         self.prefetching.discard(shard)
+        self.cleaned.discard(shard)
 
     async def close(self) -> None:
         for task in list(self.tasks):

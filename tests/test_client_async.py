@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-
 from conftest import JOB_ARENA_NBYTES
+
 from offloadd.embedded import PrivateDaemon
 from offloadd.errors import (
     DaemonUnavailableError,

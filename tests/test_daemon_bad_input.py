@@ -11,9 +11,6 @@ import textwrap
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-
 from conftest import (
     JOB_ARENA_NBYTES,
     call,
@@ -23,6 +20,9 @@ from conftest import (
     raw_socket,
     read_reply,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from offloadd import protocol as p
 from offloadd.embedded import PrivateDaemon
 from offloadd.errors import (

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 import urllib.request
 
+from conftest import JOB_ARENA_NBYTES
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import JOB_ARENA_NBYTES
 from offloadd.embedded import PrivateDaemon
 from offloadd.errors import UnknownShardError
 from offloadd.server import JOB_LABEL
@@ -89,6 +89,7 @@ def test_event_loop_lag_is_sampled_continuously(daemon: PrivateDaemon) -> None:
 
 def test_bad_frames_are_counted_by_reason(daemon: PrivateDaemon) -> None:
     from conftest import raw_socket, read_reply
+
     from offloadd import protocol as p
 
     before = scrape(daemon)

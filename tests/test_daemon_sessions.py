@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import (
     JOB_ARENA_NBYTES,
     call,
@@ -23,12 +22,12 @@ from conftest import (
     read_reply,
     start_daemon,
 )
+
 from offloadd import protocol as p
 from offloadd.config import DaemonConfig, parse_size
 from offloadd.embedded import PrivateDaemon
 from offloadd.errors import (
     DaemonUnavailableError,
-    InvalidRequestError,
     OverBudgetError,
     PermissionDeniedError,
 )

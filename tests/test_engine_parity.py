@@ -40,6 +40,10 @@ def parity_cases(device: str) -> list[dict[str, Any]]:
         cases.append(base_config(zero_optimization=_zero(stage, device)))
         cases.append(base_config(zero_optimization=_zero(stage, device),
                                  gradient_accumulation_steps=2, gradient_clipping=0.3))
+    # Stage 3 freeing every unit after its forward: backward re-gathers with prefetch.
+    regather = {**_zero(3, device), "stage3_max_reuse_distance": 0,
+                "stage3_prefetch_bucket_size": 1000}
+    cases.append(base_config(zero_optimization=regather, gradient_accumulation_steps=2))
     return cases
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from offloadd.embedded import PrivateDaemon
-from offloadd.errors import ChecksumError, OverBudgetError, SwapIOError
+from offloadd.errors import ChecksumError, OverBudgetError, SwapIOError, UnknownShardError
 from trainer.client import OffloadClient
 
 MIB = 1 << 20
@@ -147,6 +147,9 @@ def fill_until_refused(shards: Shards, error: type[Exception], limit: int = 40) 
 def check_survives_full_swap(daemon: PrivateDaemon, shards: Shards) -> None:
     """After the refusal: alive, resident shards readable, and a drop makes room again."""
     assert daemon.process.poll() is None
+    refused = f"s{len(shards.digests)}"
+    with pytest.raises(UnknownShardError):  # the failed put left no half-made shard behind
+        shards.client.get(refused)
     last = list(shards.digests)[-(ARENA_NBYTES // SHARD_NBYTES):]
     for shard_id in last:  # the newest shards are still in the arena
         shards.check(shard_id)
@@ -250,20 +253,41 @@ def test_read_error_in_one_chunk_of_a_striped_shard(swap_root: Path, io_fault) -
         assert client.stats()["residency"]["reading"] == 0
 
 
-def test_write_error_fails_only_the_request_that_needed_room(swap_root: Path, io_fault) -> None:  # type: ignore[no-untyped-def]
-    io_fault("write:2")
+def test_write_error_fails_the_request_that_needed_its_room(swap_root: Path, io_fault) -> None:  # type: ignore[no-untyped-def]
+    io_fault("write:1")
     with running(swap_root, [swap_root / "nvme0"]) as (_daemon, client):
         shards = Shards(client)
-        for index in range(5):
-            shards.put(f"s{index}")  # s4 evicts s0: write 1
-        with pytest.raises(SwapIOError) as failed:
-            shards.put("s5")  # evicting s1 hits write 2: EIO
-        assert "write" in failed.value.message
-        stats = client.stats()
-        assert stats["leased_nbytes"] == 0 and stats["residency"]["writing"] == 0
-        shards.put("s5")  # retried: s1 is written back now
+        shards.put("small")
+        shards.put("big", ARENA_NBYTES - SHARD_NBYTES)  # the arena is full, all dirty
+        with client.acquire("big"):  # only "small" can make room, and its write fails
+            with pytest.raises(SwapIOError) as failed:
+                shards.put("next")
+            assert "swap write" in failed.value.message
+            stats = client.stats()
+            assert stats["residency"]["writing"] == 0 and stats["residency"]["arena_dirty"] == 2
+        assert swap_stats(client)["io_errors"] == {"write": 1}
+        shards.put("next")  # the fault was transient: the retry writes "small" back
         shards.check_all()
-        assert swap_stats(client)["evictions"]["writeback"] >= 2
+        assert client.stats()["leased_nbytes"] == 0
+
+
+def test_failed_background_write_back_loses_nothing(swap_root: Path, io_fault) -> None:  # type: ignore[no-untyped-def]
+    """A write-behind failure is retried later; requests whose room came from other
+    write-backs do not fail for it, and the shard's bytes stay in the arena until then."""
+    io_fault("write:3")
+    with running(swap_root, [swap_root / "nvme0"]) as (_daemon, client):
+        shards = Shards(client)
+        for index in range(12):
+            with contextlib.suppress(SwapIOError):  # whichever request meets it, if any
+                shards.put(f"s{index}")
+        assert swap_stats(client)["io_errors"] == {"write": 1}
+        for index in range(12):
+            if f"s{index}" not in shards.digests:
+                shards.put(f"s{index}")
+        shards.check_all()
+        client.flush("after-fault")  # every dirty shard reaches swap now
+        assert client.stats()["residency"]["arena_dirty"] == 0
+        shards.check_all()
 
 
 # -- corruption --------------------------------------------------------------------

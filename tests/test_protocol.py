@@ -6,6 +6,8 @@ No daemon here: the decoder is fuzzed with hypothesis, and the session's frame c
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -152,7 +154,7 @@ def session_on_fake_transport() -> tuple[Session, FakeTransport]:
 
 def chunked(data: bytes, cuts: list[int]) -> list[bytes]:
     points = sorted({c % (len(data) + 1) for c in cuts} | {0, len(data)})
-    return [data[a:b] for a, b in zip(points, points[1:])]
+    return [data[a:b] for a, b in itertools.pairwise(points)]
 
 
 GARBAGE_FRAME = p.HEADER.pack(5) + b"\xc1\xc1\xc1\xc1\xc1"  # 0xc1 is never valid msgpack

@@ -152,14 +152,17 @@ class ShardLease:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release(dirty=None if exc[0] is None else False)
+        # A write lease commits even when the block raised: the arena *is* the
+        # shard's storage, so calling partial bytes clean would let eviction
+        # silently mix them with an older swap copy.
+        self.release()
 
     async def __aenter__(self) -> ShardLease:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         if not self.released:  # released inside the block already: nothing to give back
-            await self._owner._release_async([self], self.mode == "w" and exc[0] is None)
+            await self._owner._release_async([self], self.mode == "w")
 
 
 class LeaseGroup(Sequence[ShardLease]):
@@ -183,7 +186,7 @@ class LeaseGroup(Sequence[ShardLease]):
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.release(dirty=None if exc[0] is None else False)
+        self.release()  # a write lease commits even on error (see ShardLease.__exit__)
 
     async def __aenter__(self) -> LeaseGroup:
         return self
@@ -191,7 +194,7 @@ class LeaseGroup(Sequence[ShardLease]):
     async def __aexit__(self, *exc: object) -> None:
         live = [lease for lease in self.leases if not lease.released]
         if live:
-            await self._owner._release_async(live, self.mode == "w" and exc[0] is None)
+            await self._owner._release_async(live, self.mode == "w")
 
 
 def _hello_request(job: str, rank: int, world_size: int, local_rank: int,
@@ -576,9 +579,10 @@ class AsyncOffloadClient(_ClientBase):
         return LeaseGroup(self, self._leases(ids, request.mode, reply), request.mode)
 
     def _release_orphans(self, ids: list[str], waiter: asyncio.Future[p.Reply]) -> None:
-        if not waiter.cancelled() and isinstance(waiter.exception() or waiter.result(), p.Placed):
-            if self._failure is None:
-                self._send(p.Release(0, ids, False))
+        granted = not waiter.cancelled() and isinstance(
+            waiter.exception() or waiter.result(), p.Placed)
+        if granted and self._failure is None:
+            self._send(p.Release(0, ids, False))
 
     async def acquire(self, shard_id: str, mode: str = "r") -> ShardLease:
         return (await self.acquire_many([shard_id], mode))[0]

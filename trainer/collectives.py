@@ -49,6 +49,11 @@ class Collectives:
         self.world_size = dist.get_world_size() if self.active else 1
         self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank if self.active else 0))
         self._fused_ops = True
+        # gloo's reduce_scatter_tensor does a synchronous copy at issue and then runs
+        # slower than an all-reduce of the same tensor (measured: 2.5 ms issue + 6.6 ms
+        # wait vs 0.5 + 4.6 ms on 4.9 MB, 2 ranks), so on gloo partitions are slices of
+        # an in-place all-reduce.
+        self.reduce_by_all_reduce = self.active and dist.get_backend() == "gloo"
 
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
         """In-place sum over ranks."""
@@ -56,6 +61,21 @@ class Collectives:
             return Done()
         work = dist.all_reduce(tensor, async_op=async_op)
         return work if work is not None else Done()
+
+    def reduce_scatter_partition(self, flat: torch.Tensor, *,
+                                 async_op: bool = False) -> tuple[Pending, torch.Tensor]:
+        """Sum ``flat`` over ranks; this rank's slice of the sum, valid after ``wait()``.
+
+        ``flat`` is scratch: on gloo it is reduced in place and the slice is a view of it.
+        """
+        part_numel = flat.numel() // self.world_size
+        if self.world_size == 1:
+            return Done(), flat
+        if self.reduce_by_all_reduce:
+            return self.all_reduce(flat, async_op=async_op), flat.narrow(
+                0, self.rank * part_numel, part_numel)
+        part = torch.empty(part_numel, dtype=flat.dtype)
+        return self.reduce_scatter(part, flat, async_op=async_op), part
 
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, *,
                        async_op: bool = False) -> Pending:

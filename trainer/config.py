@@ -58,7 +58,6 @@ IGNORED_KEYS: dict[str, str] = {
     "zero_optimization.round_robin_gradients": "partitions are contiguous per unit",
     "zero_optimization.sub_group_size": "the optimizer steps per unit",
     "zero_optimization.stage3_param_persistence_threshold": "every unit is partitioned",
-    "zero_optimization.stage3_max_reuse_distance": "units are freed after use",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
         "use trainer.checkpoint.consolidate_fp32_state_dict"
     ),
@@ -219,6 +218,9 @@ class ZeroConfig:
     """Parameter elements fetched ahead of use from the daemon during stage 3; >= 0."""
     stage3_max_live_parameters: int = 1_000_000_000
     """Upper bound (elements) on prefetched-but-unused parameters; >= 0."""
+    stage3_max_reuse_distance: int = 1_000_000_000
+    """A unit whose next use (its backward) comes within this many gathered elements stays
+    gathered after its forward instead of being freed and gathered again; >= 0."""
 
     def __post_init__(self) -> None:
         _check(self.stage in (0, 1, 2, 3), "zero_optimization.stage", self.stage, "0, 1, 2 or 3")
@@ -228,6 +230,9 @@ class ZeroConfig:
         _check(self.stage3_max_live_parameters >= 0,
                "zero_optimization.stage3_max_live_parameters",
                self.stage3_max_live_parameters, ">= 0")
+        _check(self.stage3_max_reuse_distance >= 0,
+               "zero_optimization.stage3_max_reuse_distance",
+               self.stage3_max_reuse_distance, ">= 0")
         param_device = self.offload_param.device
         _check(param_device == "none" or self.stage == 3,
                "zero_optimization.offload_param.device", param_device,

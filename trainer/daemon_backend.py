@@ -22,6 +22,7 @@ import tempfile
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,10 @@ from trainer.offload import (
 )
 
 MIB = 1 << 20
+MAX_INFLIGHT_STEPS = 2
+"""Optimizer steps one rank keeps queued in the daemon. Each pins its unit's five shards
+(20 B/param) in the arena until it runs, so an unbounded queue can fill a small NVMe-backed
+arena with leases nothing can evict; two keep the daemon's worker busy back to back."""
 SHARD_KINDS = (*STATE_KINDS, "grad", "param")
 
 
@@ -49,13 +54,22 @@ class DaemonBackend(StateBackend):
     """Optimizer state as daemon shards; Adam runs in the daemon."""
 
     def __init__(self, client: Any, *, collectives: Collectives, private: bool,
-                 private_daemon: Any | None = None) -> None:
+                 private_daemon: Any | None = None, swaps: bool = False) -> None:
         self.client = client
+        self.swaps = swaps
+        """The state may live on NVMe: prefetch hints are worth their round trip."""
         self.collectives = collectives
         self._private = private
         """Ranks share a private daemon: all of them meet before its owner stops it."""
         self._daemon = private_daemon
-        self._dtypes: dict[int, torch.dtype] = {}
+        self._specs: dict[int, UnitSpec] = {}
+        self._names: dict[int, tuple[str, str, str]] = {}
+        """Per unit: the step's unit name, the grad shard id, the param shard id."""
+        self._steps: dict[int, StepHandle] = {}
+        """Optimizer steps in flight, by unit; waited for at the unit's next use."""
+        self.max_inflight_steps = MAX_INFLIGHT_STEPS
+        self._dropped_grads: set[int] = set()
+        """Units whose ``u{N}.grad`` shard was dropped after its step (NVMe only)."""
         self.moved_nbytes = 0
         """Bytes this rank copied into or out of arena leases."""
         self.wait_s = 0.0
@@ -66,7 +80,9 @@ class DaemonBackend(StateBackend):
         return [f"u{unit}.{kind}" for kind in kinds]
 
     def register(self, spec: UnitSpec, master: torch.Tensor) -> None:
-        self._dtypes[spec.index] = spec.param_dtype
+        self._specs[spec.index] = spec
+        self._names[spec.index] = (f"u{spec.index}", f"u{spec.index}.grad",
+                                   f"u{spec.index}.param")
         param_nbytes = spec.part_numel * spec.param_dtype.itemsize
         self.client.alloc(self._ids(spec.index, *SHARD_KINDS),
                           [spec.part_numel * 4] * 4 + [param_nbytes],
@@ -75,11 +91,51 @@ class DaemonBackend(StateBackend):
         self.client.put_many(dict(zip(self._ids(spec.index, *SHARD_KINDS), (
             master, zeros, zeros, zeros, master.to(spec.param_dtype)), strict=True)))
 
+    def part_numel(self, unit: int) -> int:
+        return self._specs[unit].part_numel
+
+    def param_dtype(self, unit: int) -> torch.dtype:
+        return self._specs[unit].param_dtype
+
+    def _settle(self, unit: int) -> None:
+        """Wait for the unit's optimizer step, if one is in flight: its shards are leased."""
+        handle = self._steps.pop(unit, None)
+        if handle is not None:
+            handle.wait()
+            if self.swaps:
+                # The step consumed the gradient and the next window overwrites it: dropping
+                # it frees arena room now and spares the NVMe tier a write-back and a read-in.
+                self.client.drop(self._names[unit][1])
+                self._dropped_grads.add(unit)
+
+    def wait_steps(self) -> None:
+        failure: BaseException | None = None
+        for unit in list(self._steps):
+            try:
+                self._settle(unit)
+            except BaseException as error:  # wait for the rest before re-raising
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+    def _acquire(self, shard_id: str, mode: str) -> Any:
+        started = time.perf_counter()
+        lease = self.client.acquire(shard_id, mode)
+        self.wait_s += time.perf_counter() - started
+        return lease
+
     def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
                         want_sq_norm: bool) -> torch.Tensor | None:
-        started = time.perf_counter()
-        with self.client.acquire(f"u{unit}.grad", "w") as lease:
+        self._settle(unit)
+        if unit in self._dropped_grads:
+            assert first, "a gradient window starts with first=True after each step"
+            started = time.perf_counter()
+            self.client.put(self._names[unit][1], grad)  # re-creates the shard
             self.wait_s += time.perf_counter() - started
+            self._dropped_grads.discard(unit)
+            self.moved_nbytes += grad.nbytes
+            return squared_norm(grad) if want_sq_norm else None
+        with self._acquire(self._names[unit][1], "w") as lease:
             target = lease.tensor(torch.float32)
             if first:
                 target.copy_(grad)
@@ -90,40 +146,55 @@ class DaemonBackend(StateBackend):
 
     def step_async(self, unit: int, *, step: int, hyper: AdamHyper,
                    grad_scale: float) -> StepHandle:
-        handle = self.client.optimizer_step_async(
-            f"u{unit}", step=step, lr=hyper.lr, beta1=hyper.beta1, beta2=hyper.beta2,
-            eps=hyper.eps, weight_decay=hyper.weight_decay,
-            decoupled_weight_decay=hyper.decoupled_weight_decay, grad_scale=grad_scale)
-        return _TimedHandle(handle, self)
+        """Start the step; it is waited for at the unit's next use (or ``wait_steps``)."""
+        self._settle(unit)
+        if len(self._steps) >= self.max_inflight_steps:
+            self._settle(next(iter(self._steps)))  # the oldest: steps finish in order
+        handle = _TimedHandle(self.client.optimizer_step_async(
+            self._names[unit][0], step=step, lr=hyper.lr, beta1=hyper.beta1,
+            beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
+            decoupled_weight_decay=hyper.decoupled_weight_decay, grad_scale=grad_scale), self)
+        self._steps[unit] = handle
+        return handle
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:
-        started = time.perf_counter()
-        with self.client.acquire(f"u{unit}.param", "r") as lease:
-            self.wait_s += time.perf_counter() - started
-            out.copy_(lease.tensor(self._dtypes[unit]))
+        self._settle(unit)
+        with self._acquire(self._names[unit][2], "r") as lease:
+            out.copy_(lease.tensor(self._specs[unit].param_dtype))
             self.moved_nbytes += out.nbytes
 
+    def lease_params(self, unit: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """A read lease on ``u{N}.param``: collectives read the arena directly (no copy)."""
+        self._settle(unit)
+        lease = self._acquire(self._names[unit][2], "r")
+        self.moved_nbytes += lease.nbytes
+        return lease.tensor(self._specs[unit].param_dtype), lease.release
+
     def prefetch_params(self, units: list[int]) -> None:
-        if units:
-            self.client.prefetch([f"u{unit}.param" for unit in units])
+        if self.swaps and units:
+            self.client.prefetch([self._names[unit][2] for unit in units])
 
     def begin_step(self) -> None:
-        self.client.step_begin()
+        if self.swaps:  # the access order only steers the NVMe tier's prefetch
+            self.client.step_begin()
 
     def get_state(self, unit: int) -> dict[str, torch.Tensor]:
+        self._settle(unit)
         with self.client.acquire_many(self._ids(unit, *STATE_KINDS), "r") as leases:
             return {kind: lease.tensor(torch.float32).clone()
                     for kind, lease in zip(STATE_KINDS, leases, strict=True)}
 
     def set_state(self, unit: int, state: dict[str, torch.Tensor]) -> None:
+        self._settle(unit)
         param = state.get("param")
         if param is None:
-            param = state["master"].to(self._dtypes[unit])
+            param = state["master"].to(self._specs[unit].param_dtype)
         values = [state[kind] for kind in STATE_KINDS] + [param]
         self.client.put_many(dict(zip(self._ids(unit, *STATE_KINDS, "param"), values,
                                       strict=True)))
 
     def flush(self, tag: str | None) -> None:
+        self.wait_steps()
         self.client.flush(tag)
 
     def stats(self) -> dict[str, Any]:
@@ -138,12 +209,19 @@ class DaemonBackend(StateBackend):
     def close(self) -> None:
         if self.client.closed:
             return
+        failure: BaseException | None = None
+        try:
+            self.wait_steps()
+        except BaseException as error:  # still release the connection and the daemon
+            failure = error
         self.client.close()
         if self._private:
             _wait_for_node_peers(self.collectives)
         if self._daemon is not None:
             self._daemon.stop()
             self._daemon = None
+        if failure is not None:
+            raise failure
 
 
 class _TimedHandle:
@@ -271,5 +349,7 @@ def connect_backend(config: EngineConfig, collectives: Collectives,
             daemon.stop()
         raise RuntimeError(f"cannot connect to offloadd at {socket_path} "
                            f"(config key offloadd.socket): {error}") from error
+    zero = config.zero_optimization
+    swaps = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
     return DaemonBackend(client, collectives=collectives, private=config.offloadd.socket is None,
-                         private_daemon=daemon)
+                         private_daemon=daemon, swaps=swaps)

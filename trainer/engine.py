@@ -53,9 +53,11 @@ class Engine(nn.Module):
         model.to(self.precision.dtype)
         self.units = build_units(model, config.units, num_parts=num_parts,
                                  part_index=collectives.rank if num_parts > 1 else 0)
+        zero = config.zero_optimization
         self.placement, self.reducer = build_stage(
             stage, collectives, self.precision.dtype, backend,
-            offload_params=config.zero_optimization.offload_param.device != "none")
+            offload_params=zero.offload_param.device != "none",
+            max_live_numel=zero.stage3_max_live_parameters)
         self._adopt_parameters()
         self.optimizer = ZeroOptimizer(backend, config.optimizer, collectives=collectives,
                                        scaler=self.precision.scaler,
@@ -105,20 +107,31 @@ class Engine(nn.Module):
         self.prefetch.record(unit, first_of_pass=self._forward_depth == 0)
         self._forward_depth += 1
         self.placement.gather(unit)
-        self.placement_prefetch(unit, backward=False)
+        self._prefetch_after(unit, backward=False)
 
     def _post_forward(self, unit: Unit) -> None:
         self._forward_depth -= 1
-        self.placement.release(unit)
+        self.prefetch.record_end(unit)
+        # Within the reuse distance the unit stays gathered for its backward (DeepSpeed's
+        # stage3_max_reuse_distance); an unknown distance (first pass) frees it.
+        distance = self.prefetch.reuse_distance(unit)
+        keep = (torch.is_grad_enabled() and self.module.training and distance is not None
+                and distance <= self.config.zero_optimization.stage3_max_reuse_distance)
+        if not keep:
+            self.placement.release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
         self.placement.gather(unit)
-        self.placement_prefetch(unit, backward=True)
+        self._prefetch_after(unit, backward=True)
 
-    def placement_prefetch(self, unit: Unit, *, backward: bool) -> None:
-        source = getattr(self.placement, "source", None)
-        if source is not None:
-            source.prefetch(self.prefetch.upcoming(unit, backward=backward))
+    def _prefetch_after(self, unit: Unit, *, backward: bool) -> None:
+        """Start the next units' all-gathers (and daemon reads) in execution order."""
+        upcoming = self.prefetch.following(unit, backward=backward)
+        if upcoming:
+            self.placement.prefetch(upcoming, self.prefetch.budget_numel)
+            source = getattr(self.placement, "source", None)
+            if source is not None:
+                source.prefetch(self.prefetch.upcoming(unit, backward=backward))
 
     # -------------------------------------------------------------- backward
 

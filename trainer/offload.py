@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -86,6 +87,23 @@ class StateBackend(abc.ABC):
     def read_params(self, unit: int, out: torch.Tensor) -> None:
         """Copy the unit's parameter partition (training dtype) into ``out``."""
 
+    def lease_params(self, unit: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """The unit's parameter partition to read from (valid until the callback runs)."""
+        part = torch.empty(self.part_numel(unit), dtype=self.param_dtype(unit))
+        self.read_params(unit, part)
+        return part, _no_release
+
+    @abc.abstractmethod
+    def part_numel(self, unit: int) -> int:
+        """Elements of the unit's partition."""
+
+    @abc.abstractmethod
+    def param_dtype(self, unit: int) -> torch.dtype:
+        """The unit's training dtype."""
+
+    def wait_steps(self) -> None:  # noqa: B027 - synchronous backends have nothing pending
+        """Wait for every optimizer step in flight (re-raising the first failure)."""
+
     def prefetch_params(self, units: list[int]) -> None:  # noqa: B027 - optional hint
         """Hint that ``read_params`` will soon be called for ``units``."""
 
@@ -109,6 +127,10 @@ class StateBackend(abc.ABC):
 
     def close(self) -> None:  # noqa: B027 - nothing to release in-process
         """Release the backend's resources."""
+
+
+def _no_release() -> None:
+    return None
 
 
 def adam_update(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
@@ -168,6 +190,12 @@ class InProcessBackend(StateBackend):
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:
         out.copy_(self._units[unit].master)
+
+    def part_numel(self, unit: int) -> int:
+        return self._units[unit].spec.part_numel
+
+    def param_dtype(self, unit: int) -> torch.dtype:
+        return self._units[unit].spec.param_dtype
 
     def get_state(self, unit: int) -> dict[str, torch.Tensor]:
         state = self._units[unit]

@@ -47,7 +47,6 @@ class ZeroOptimizer:
         self.last_grad_norm: float | None = None
         self._sq_norms: list[torch.Tensor] = []
         self._ready: list[int] = []
-        self._handles: list[StepHandle] = []
 
     @property
     def eager(self) -> bool:
@@ -71,14 +70,17 @@ class ZeroOptimizer:
             self._sq_norms.append(sq_norm)
         self._ready.append(unit)
         if self.eager:
-            self._handles.append(self._start(unit, self._base_grad_scale()))
+            self._start(unit, self._base_grad_scale())
 
     def step(self) -> bool:
-        """Finish the step over every unit handed over; False when skipped on overflow."""
+        """Start the step of every unit handed over; False when skipped on overflow.
+
+        Steps run on in the backend: each is waited for at its unit's next use
+        (``StateBackend`` orders every access to a unit after its step).
+        """
         applied = True
         if not self.eager:
             applied = self._step_all_with_norm()
-        self._wait_all()
         self._ready.clear()
         self.scaler.update(not applied)
         if applied:
@@ -95,7 +97,9 @@ class ZeroOptimizer:
         grad_scale = self._base_grad_scale()
         if self.clip_norm > 0:
             grad_scale *= min(1.0, self.clip_norm / (norm + 1e-6))
-        self._handles = [self._start(unit, grad_scale) for unit in self._ready]
+        # Forward order: the next forward needs the lowest units first.
+        for unit in sorted(self._ready):
+            self._start(unit, grad_scale)
         return True
 
     def _global_grad_norm(self) -> float:
@@ -113,17 +117,6 @@ class ZeroOptimizer:
     def _start(self, unit: int, grad_scale: float) -> StepHandle:
         return self.backend.step_async(unit, step=self.step_count + 1, hyper=self.hyper(),
                                        grad_scale=grad_scale)
-
-    def _wait_all(self) -> None:
-        handles, self._handles = self._handles, []
-        failure: BaseException | None = None
-        for handle in handles:
-            try:
-                handle.wait()
-            except BaseException as error:  # wait for the rest before re-raising
-                failure = failure or error
-        if failure is not None:
-            raise failure
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the backend and are overwritten each window; nothing to do."""

@@ -18,11 +18,12 @@ its forward and again before its backward.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 
 from trainer.collectives import Collectives, Pending
+from trainer.gather import FullParams, PartitionLoader, ReleasePartition
 from trainer.offload import StateBackend
 from trainer.partition import Unit
 
@@ -30,19 +31,24 @@ from trainer.partition import Unit
 # stage-3 parameter partitions
 
 
-class PartitionSource(abc.ABC):
+class PartitionSource(PartitionLoader, abc.ABC):
     """Where a stage-3 rank keeps its parameter partition between gathers."""
 
     @abc.abstractmethod
-    def load(self, unit: Unit) -> torch.Tensor:
-        """This rank's partition of ``unit`` (training dtype), ready to all-gather."""
+    def lease(self, unit: Unit) -> tuple[torch.Tensor, ReleasePartition]:
+        """This rank's partition of ``unit`` (training dtype) to all-gather from, and the
+        callback that gives it back once the all-gather is done."""
 
     @abc.abstractmethod
     def refresh(self, unit: Unit) -> None:
-        """Pick up the partition written by the optimizer step."""
+        """The optimizer step rewrote the partition; pick it up (lazily) before next use."""
 
-    def prefetch(self, units: list[Unit]) -> None:  # noqa: B027 - resident needs no prefetch
+    def prefetch(self, units: list[Unit]) -> None:
         """Start bringing ``units``' partitions close ahead of use."""
+
+
+def _nothing_to_release() -> None:
+    return None
 
 
 class ResidentPartitions(PartitionSource):
@@ -52,19 +58,25 @@ class ResidentPartitions(PartitionSource):
         self.backend = backend
         self.dtype = dtype
         self.parts: dict[int, torch.Tensor] = {}
+        self._stale: set[int] = set()
 
     def keep(self, unit: Unit, part: torch.Tensor) -> None:
         self.parts[unit.index] = part
 
-    def load(self, unit: Unit) -> torch.Tensor:
-        return self.parts[unit.index]
+    def lease(self, unit: Unit) -> tuple[torch.Tensor, ReleasePartition]:
+        part = self.parts[unit.index]
+        if unit.index in self._stale:
+            # Read at first use, not in step(): a daemon step can still be running.
+            self._stale.discard(unit.index)
+            self.backend.read_params(unit.index, part)
+        return part, _nothing_to_release
 
     def refresh(self, unit: Unit) -> None:
-        self.backend.read_params(unit.index, self.parts[unit.index])
+        self._stale.add(unit.index)
 
 
 class OffloadedPartitions(PartitionSource):
-    """Partitions living in the backend (shard ``u{N}.param``), read at each gather."""
+    """Partitions living in the backend (shard ``u{N}.param``), all-gathered in place."""
 
     def __init__(self, backend: StateBackend, dtype: torch.dtype) -> None:
         self.backend = backend
@@ -73,13 +85,11 @@ class OffloadedPartitions(PartitionSource):
     def keep(self, unit: Unit, part: torch.Tensor) -> None:
         """The backend already derived the partition from the master at registration."""
 
-    def load(self, unit: Unit) -> torch.Tensor:
-        part = torch.empty(unit.part_numel, dtype=self.dtype)
-        self.backend.read_params(unit.index, part)
-        return part
+    def lease(self, unit: Unit) -> tuple[torch.Tensor, ReleasePartition]:
+        return self.backend.lease_params(unit.index)
 
     def refresh(self, unit: Unit) -> None:
-        """The optimizer step wrote ``u{N}.param`` in place; nothing to copy."""
+        """The optimizer step writes ``u{N}.param`` in place; nothing to copy."""
 
     def prefetch(self, units: list[Unit]) -> None:
         self.backend.prefetch_params([unit.index for unit in units])
@@ -112,6 +122,9 @@ class Placement(abc.ABC):
     def release(self, unit: Unit) -> None:  # noqa: B027 - replicated params are always there
         """Drop the unit's full parameters."""
 
+    def prefetch(self, upcoming: Iterable[Unit], budget_numel: int) -> None:  # noqa: B027
+        """Start gathering ``upcoming`` units ahead of use (replicated: always there)."""
+
 
 class Replicated(Placement):
     """Stages 0-2: every rank keeps the full flat parameters."""
@@ -141,28 +154,28 @@ class Sharded(Placement):
     sharded = True
 
     def __init__(self, collectives: Collectives, dtype: torch.dtype,
-                 source: ResidentPartitions | OffloadedPartitions) -> None:
+                 source: ResidentPartitions | OffloadedPartitions, *,
+                 max_live_numel: int) -> None:
         super().__init__(collectives, dtype)
         self.source = source
+        self.full = FullParams(collectives, source, dtype, max_live_numel=max_live_numel)
 
     def setup(self, unit: Unit, flat: torch.Tensor) -> None:
         self.source.keep(unit, unit.part_slice(flat).clone())
         unit.flat = None
-        unit.release_params()
+        self.full.adopt(unit)
 
     def gather(self, unit: Unit) -> None:
-        if unit.flat is not None:
-            return
-        flat = torch.empty(unit.padded_numel, dtype=self.dtype)
-        self.collectives.all_gather(flat, self.source.load(unit))
-        unit.flat = flat
-        unit.point_params_at(flat)
+        self.full.gather(unit)
+
+    def prefetch(self, upcoming: Iterable[Unit], budget_numel: int) -> None:
+        self.full.prefetch(upcoming, budget_numel)
 
     def release(self, unit: Unit) -> None:
-        unit.flat = None
-        unit.release_params()
+        self.full.free(unit)
 
     def after_step(self, unit: Unit) -> None:
+        self.full.free(unit)  # gathered before this step: stale now
         self.source.refresh(unit)
 
 
@@ -234,13 +247,13 @@ class ReduceScatterReducer(Reducer):
 
     def reduce(self, unit: Unit, flat_grad: torch.Tensor, *, boundary: bool,
                async_op: bool) -> ReducedGrad | None:
-        part = torch.empty(unit.part_numel, dtype=flat_grad.dtype)
-        pending = self.collectives.reduce_scatter(part, flat_grad, async_op=async_op)
+        pending, part = self.collectives.reduce_scatter_partition(flat_grad, async_op=async_op)
         return ReducedGrad(pending, lambda: part.float())
 
 
 def build_stage(stage: int, collectives: Collectives, dtype: torch.dtype,
-                backend: StateBackend, *, offload_params: bool) -> tuple[Placement, Reducer]:
+                backend: StateBackend, *, offload_params: bool,
+                max_live_numel: int) -> tuple[Placement, Reducer]:
     """The placement and reducer of a ZeRO stage."""
     reducer: Reducer = (ReduceScatterReducer(collectives) if stage >= 2
                         else AllReduceReducer(collectives))
@@ -248,39 +261,68 @@ def build_stage(stage: int, collectives: Collectives, dtype: torch.dtype,
         return Replicated(collectives, dtype, backend), reducer
     source = (OffloadedPartitions(backend, dtype) if offload_params
               else ResidentPartitions(backend, dtype))
-    return Sharded(collectives, dtype, source), reducer
+    return Sharded(collectives, dtype, source, max_live_numel=max_live_numel), reducer
 
 
 class PrefetchPlanner:
-    """Remembers the order units ran in the last forward and names the next ones."""
+    """Remembers the order units ran in the last forward and names the next ones.
+
+    It also measures each unit's *reuse distance*: the elements of the units
+    whose forward starts after this unit's forward ends, counted twice (their
+    forward and their backward run before this unit's backward).
+    """
 
     def __init__(self, bucket_numel: int, max_live_numel: int) -> None:
         self.budget_numel = min(bucket_numel, max_live_numel)
         self._order: list[Unit] = []
-        self._recording: list[Unit] = []
         self._position: dict[int, int] = {}
+        self._distance: dict[int, int] = {}
+        self._ahead: list[list[Unit]] = []
+        self._behind: list[list[Unit]] = []
+        self._recording: list[Unit] = []
+        self._ends: dict[int, int] = {}
 
     def record(self, unit: Unit, *, first_of_pass: bool) -> None:
         """Note that ``unit`` starts its forward; ``first_of_pass`` closes the last pass."""
         if first_of_pass and self._recording:
-            self._order, self._recording = self._recording, []
-            self._position = {u.index: i for i, u in enumerate(self._order)}
+            self._freeze()
         self._recording.append(unit)
 
-    def upcoming(self, unit: Unit, *, backward: bool) -> list[Unit]:
-        """Units expected after ``unit`` (before it, in backward) within the element budget."""
+    def record_end(self, unit: Unit) -> None:
+        """Note that ``unit``'s forward ended."""
+        self._ends[unit.index] = len(self._recording)
+
+    def _freeze(self) -> None:
+        order, ends = self._recording, self._ends
+        after = [0] * (len(order) + 1)
+        for index in range(len(order) - 1, -1, -1):
+            after[index] = after[index + 1] + order[index].padded_numel
+        self._order = order
+        self._position = {u.index: i for i, u in enumerate(order)}
+        self._distance = {u.index: 2 * after[ends.get(u.index, 0)] for u in order}
+        # Built once per pass so the per-unit hooks allocate nothing.
+        self._ahead = [order[i + 1:] for i in range(len(order))]
+        self._behind = [order[i - 1::-1] if i else [] for i in range(len(order))]
+        self._recording, self._ends = [], {}
+
+    def reuse_distance(self, unit: Unit) -> int | None:
+        """Elements gathered between the unit's forward and its backward (None: unknown)."""
+        return self._distance.get(unit.index)
+
+    def following(self, unit: Unit, *, backward: bool) -> list[Unit]:
+        """Units expected after ``unit`` (before it, in backward), nearest first."""
         position = self._position.get(unit.index)
         if position is None:
             return []
-        step = -1 if backward else 1
+        return self._behind[position] if backward else self._ahead[position]
+
+    def upcoming(self, unit: Unit, *, backward: bool) -> list[Unit]:
+        """``following`` cut at the element budget (daemon prefetch hints)."""
         chosen: list[Unit] = []
         total = 0
-        index = position + step
-        while 0 <= index < len(self._order):
-            candidate = self._order[index]
+        for candidate in self.following(unit, backward=backward):
             total += candidate.part_numel
             if total > self.budget_numel:
                 break
             chosen.append(candidate)
-            index += step
         return chosen

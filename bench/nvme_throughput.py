@@ -1,0 +1,309 @@
+"""Swap-out / swap-in throughput through the daemon vs fio and DeepSpeed's aio, same file system.
+
+    python bench/nvme_throughput.py [--dir /var/tmp] [--size-mib 1024] [--arena-mib 256]
+                                    [--runs 3] [--window 16] [--no-deepspeed]
+
+Every contender moves ``size`` bytes with O_DIRECT in blocks of the daemon's
+``chunk_size`` (4 MiB) with the daemon's ``io_queue_depth`` (32) requests
+allowed in flight, into a fresh temp dir under ``--dir``; figures are medians
+of ``--runs`` runs, each on fresh files; daemon and fio runs alternate.
+
+- offloadd write: an asyncio client writes ``arena + size`` bytes of 4 MiB shards
+  (alloc, then acquire "w" / fill the lease / release, ``--window`` in flight)
+  into a daemon whose arena holds ``arena``, then flushes. Timed from the first
+  put to the end of the flush; GB/s counts the bytes the daemon wrote to its
+  swap files (``arena + size``: everything ends on swap) over that time.
+  Includes the client's copy into the arena, checksums, the daemon's
+  write-back scheduling and the flush's fdatasync.
+- offloadd read: the client then acquires the ``size`` bytes of shards that were
+  evicted (oldest first, ``--window`` acquires in flight, each released at once).
+  GB/s counts the bytes the daemon read from swap; includes checksum checks.
+- fio: ``--direct=1 --rw=write`` then ``--rw=read``, ``--bs=4m --iodepth=32
+  --size=SIZE --ioengine=io_uring`` on one file; bandwidth from its JSON.
+- DeepSpeed aio (when ``import deepspeed`` works): ``aio_handle(4 MiB, 32)``
+  ``sync_pwrite`` / ``sync_pread`` of one pinned ``size``-byte tensor to one file
+  (its best case: no per-shard files, no swapper bookkeeping).
+
+The last line is one JSON object: GB/s of each contender and
+``ratio_vs_fio_read`` / ``ratio_vs_fio_write`` (offloadd / fio, > 1 is better).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from offloadd.config import DaemonConfig
+from offloadd.embedded import PrivateDaemon
+from trainer.client import AsyncOffloadClient
+
+MIB = 1 << 20
+DEFAULTS = DaemonConfig()
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", default="/var/tmp", help="file system to test (a temp dir in it)")
+    parser.add_argument("--size-mib", type=int, default=1024, help="bytes moved beyond the arena")
+    parser.add_argument("--arena-mib", type=int, default=256, help="the daemon's arena")
+    parser.add_argument("--runs", type=int, default=3, help="runs per contender (median)")
+    parser.add_argument("--window", type=int, default=16,
+                        help="client puts/acquires in flight against the daemon")
+    parser.add_argument("--io-engine", default="auto", help="daemon --io-engine")
+    parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's aio")
+    return parser.parse_args()
+
+
+# -- offloadd ----------------------------------------------------------------------------
+
+
+async def windowed(count: int, window: int, one: Any) -> None:
+    """Run ``one(index)`` for every index with at most ``window`` in flight."""
+    next_index = 0
+
+    async def lane() -> None:
+        nonlocal next_index
+        while next_index < count:
+            index = next_index
+            next_index += 1
+            await one(index)
+
+    await asyncio.gather(*(lane() for _ in range(window)))
+
+
+async def daemon_pass(socket_path: str, args: argparse.Namespace) -> dict[str, float]:
+    chunk = DEFAULTS.chunk_size
+    arena = args.arena_mib * MIB
+    total_shards = (arena + args.size_mib * MIB) // chunk
+    read_shards = args.size_mib * MIB // chunk
+    source = bytearray(os.urandom(chunk))
+    client = await AsyncOffloadClient.connect(socket_path, job="bench", arena_nbytes=arena)
+    try:
+        before = swap_totals(await client.stats())
+
+        async def put(index: int) -> None:
+            # One copy into the arena, as a rank filling its lease would make.
+            await client.alloc(f"s{index}", chunk)
+            async with await client.acquire(f"s{index}", "w") as lease:
+                lease.view[:] = source
+                lease.view[:8] = index.to_bytes(8, "little")  # every shard distinct
+
+        started = time.perf_counter()
+        await windowed(total_shards, args.window, put)
+        await client.flush("bench")
+        write_s = time.perf_counter() - started
+        middle = swap_totals(await client.stats())
+
+        async def acquire(index: int) -> None:
+            async with await client.acquire(f"s{index}", "r"):
+                pass
+
+        started = time.perf_counter()
+        await windowed(read_shards, args.window, acquire)
+        read_s = time.perf_counter() - started
+        after = swap_totals(await client.stats())
+        await check_sample(client, source, [0, read_shards // 2, read_shards - 1])
+    finally:
+        await client.close()
+    written = middle["written"] - before["written"]
+    read = after["read"] - middle["read"]
+    assert written >= total_shards * chunk, f"only {written} bytes reached swap"
+    assert read >= read_shards * chunk, f"only {read} bytes came from swap"
+    return {"write": written / write_s / 1e9, "read": read / read_s / 1e9}
+
+
+async def check_sample(client: AsyncOffloadClient, source: bytearray, indices: list[int]) -> None:
+    for index in indices:
+        expected = bytearray(source)
+        expected[:8] = index.to_bytes(8, "little")
+        got = await client.get(f"s{index}")
+        assert hashlib.sha256(got).digest() == hashlib.sha256(expected).digest(), index
+
+
+def swap_totals(stats: dict[str, Any]) -> dict[str, int]:
+    dirs = stats["swap"]["dirs"]
+    return {"written": sum(d["written_nbytes"] for d in dirs),
+            "read": sum(d["read_nbytes"] for d in dirs)}
+
+
+def daemon_run(workdir: Path, index: int, args: argparse.Namespace
+               ) -> tuple[dict[str, float], bool]:
+    try:
+        import uvloop
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    root = workdir / f"daemon{index}"
+    daemon = PrivateDaemon.start(root / "run", arena_size=args.arena_mib * MIB,
+                                 swap_dirs=[str(root / "swap")],
+                                 extra_args=["--io-engine", args.io_engine])
+    try:
+        result = run(daemon_pass(daemon.socket_path, args))
+        return result, o_direct_used(daemon)
+    finally:
+        daemon.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def o_direct_used(daemon: PrivateDaemon) -> bool:
+    log = Path(daemon.log_path).read_text()
+    return "direct=[True]" in log
+
+
+# -- fio ---------------------------------------------------------------------------------
+
+
+def fio_pass(path: Path, rw: str, args: argparse.Namespace) -> float:
+    command = ["fio", "--name=bench", f"--filename={path}", f"--rw={rw}",
+               f"--bs={DEFAULTS.chunk_size // 1024}k", f"--iodepth={DEFAULTS.io_queue_depth}",
+               "--direct=1", "--ioengine=io_uring", f"--size={args.size_mib}m",
+               "--output-format=json"]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    job = json.loads(done.stdout)["jobs"][0]
+    return float(job[rw]["bw_bytes"]) / 1e9
+
+
+def fio_run(workdir: Path, index: int, args: argparse.Namespace) -> dict[str, float]:
+    path = workdir / f"fio{index}.bin"  # a fresh file per run, as the daemon gets
+    try:
+        return {op: fio_pass(path, op, args) for op in ("write", "read")}
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def bench_interleaved(workdir: Path, args: argparse.Namespace, notes: list[str]
+                      ) -> tuple[dict[str, float], dict[str, float] | None, bool]:
+    """Alternate daemon and fio runs so that drift of the drive (or of a virtual
+    disk's host cache) hits both alike; medians per contender."""
+    use_fio = shutil.which("fio") is not None
+    if not use_fio:
+        notes.append("fio not installed (apt-get install -y fio); ratios skipped")
+    ours: dict[str, list[float]] = {"write": [], "read": []}
+    fio: dict[str, list[float]] = {"write": [], "read": []}
+    direct = True
+    for index in range(args.runs):
+        result, used_direct = daemon_run(workdir, index, args)
+        direct = direct and used_direct
+        for op in ours:
+            ours[op].append(result[op])
+        if use_fio:
+            try:
+                for op, rate in fio_run(workdir, index, args).items():
+                    fio[op].append(rate)
+            except (subprocess.CalledProcessError, KeyError, ValueError) as exc:
+                notes.append(f"fio failed: {str(exc).splitlines()[0]}")
+                use_fio = False
+    print(f"runs (GB/s, write/read): offloadd {runs_text(ours)}; fio {runs_text(fio)}")
+    median = {op: statistics.median(v) for op, v in ours.items()}
+    fio_median = {op: statistics.median(v) for op, v in fio.items()} if use_fio else None
+    return median, fio_median, direct
+
+
+def runs_text(rates: dict[str, list[float]]) -> str:
+    return " ".join(f"{w:.2f}/{r:.2f}" for w, r in zip(rates["write"], rates["read"]))
+
+
+# -- DeepSpeed aio -----------------------------------------------------------------------
+
+
+def bench_deepspeed(workdir: Path, args: argparse.Namespace, notes: list[str]
+                    ) -> dict[str, float] | None:
+    """Run in a child process: importing deepspeed is slow and pulls in its own threads."""
+    code = f"""
+import json, os, statistics, sys, time, torch
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from deepspeed.ops.op_builder import AsyncIOBuilder
+aio = AsyncIOBuilder().load(verbose=False)
+nbytes = {args.size_mib * MIB}
+handle = aio.aio_handle({DEFAULTS.chunk_size}, {DEFAULTS.io_queue_depth}, False, True, 1)
+buffer = handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
+buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
+rates = {{"write": [], "read": []}}
+for run in range({args.runs}):
+    path = os.path.join({str(workdir)!r}, f"ds{{run}}.bin")
+    started = time.perf_counter(); handle.sync_pwrite(buffer, path)
+    rates["write"].append(nbytes / (time.perf_counter() - started) / 1e9)
+    started = time.perf_counter(); handle.sync_pread(buffer, path)
+    rates["read"].append(nbytes / (time.perf_counter() - started) / 1e9)
+    os.unlink(path)
+print(json.dumps({{op: statistics.median(v) for op, v in rates.items()}}))
+"""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=900)
+    if done.returncode != 0:
+        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        notes.append(f"DeepSpeed aio skipped: {reason[:200]}")
+        return None
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def deepspeed_importable(notes: list[str]) -> bool:
+    try:
+        import deepspeed  # noqa: F401
+    except Exception as exc:  # any import failure means: not measurable here
+        notes.append(f"DeepSpeed aio skipped: import deepspeed failed: {exc!r:.200}")
+        return False
+    return True
+
+
+# -- report ------------------------------------------------------------------------------
+
+
+def main() -> None:
+    args = parse_args()
+    notes: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="offloadd-nvme-bench-", dir=args.dir) as tmp:
+        workdir = Path(tmp)
+        ours, fio, direct = bench_interleaved(workdir, args, notes)
+        if not direct:
+            notes.append(f"{args.dir} refuses O_DIRECT: the daemon ran buffered")
+        deepspeed = None
+        if args.no_deepspeed:
+            notes.append("DeepSpeed aio skipped (--no-deepspeed)")
+        elif deepspeed_importable(notes):
+            deepspeed = bench_deepspeed(workdir, args, notes)
+    contenders = {"offloadd": ours, "fio io_uring": fio, "deepspeed aio": deepspeed}
+    print(f"{args.size_mib} MiB, bs {DEFAULTS.chunk_size // MIB} MiB, qd "
+          f"{DEFAULTS.io_queue_depth}, arena {args.arena_mib} MiB, window {args.window}, "
+          f"median of {args.runs}, dir {args.dir}")
+    print(f"{'contender':<16}{'write GB/s':>12}{'read GB/s':>12}")
+    for name, rates in contenders.items():
+        if rates is not None:
+            print(f"{name:<16}{rates['write']:>12.3f}{rates['read']:>12.3f}")
+    for note in notes:
+        print(f"note: {note}")
+    result: dict[str, Any] = {
+        "bench": "nvme_throughput", "size_mib": args.size_mib, "arena_mib": args.arena_mib,
+        "chunk_mib": DEFAULTS.chunk_size // MIB, "qd": DEFAULTS.io_queue_depth,
+        "window": args.window, "runs": args.runs, "direct": direct,
+        "offloadd_gb_per_s": {op: round(v, 3) for op, v in ours.items()},
+    }
+    if fio is not None:
+        result["fio_gb_per_s"] = {op: round(v, 3) for op, v in fio.items()}
+        result["ratio_vs_fio_read"] = round(ours["read"] / fio["read"], 3)
+        result["ratio_vs_fio_write"] = round(ours["write"] / fio["write"], 3)
+    if deepspeed is not None:
+        result["deepspeed_aio_gb_per_s"] = {op: round(v, 3) for op, v in deepspeed.items()}
+        result["ratio_vs_deepspeed_read"] = round(ours["read"] / deepspeed["read"], 3)
+        result["ratio_vs_deepspeed_write"] = round(ours["write"] / deepspeed["write"], 3)
+    if notes:
+        result["notes"] = notes
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""Stage-3 full parameters: one persistent buffer per unit, async all-gathers, prefetch.
+
+Each unit owns one flat buffer of ``padded_numel`` elements for its whole
+life. Freeing it shrinks its storage to zero bytes; gathering grows the same
+storage back and all-gathers into it. Keeping the storage *object* matters:
+autograd saves views of parameters (``weight.t()`` inside ``F.linear``) that
+reference the storage the parameter had during forward, so a backward that
+re-gathers into a *new* buffer would read the old one (kept alive, so no
+memory is freed), and one that reuses a pooled buffer would read another
+unit's values.
+
+Gathers are deterministic on every rank (they depend only on the recorded
+unit order and the config), because gloo pairs collectives by issue order.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+
+import torch
+
+from trainer.collectives import Collectives, Pending
+from trainer.partition import Unit
+
+ReleasePartition = Callable[[], None]
+
+
+class GatherState(enum.Enum):
+    FREE = "free"
+    """Storage is zero bytes; the parameters are empty tensors."""
+    GATHERING = "gathering"
+    """An all-gather writes the buffer; the partition it reads is still leased."""
+    READY = "ready"
+    """The buffer holds the full parameters and the parameters view it."""
+
+
+class PartitionLoader:
+    """What the gatherer needs from a partition source (see ``trainer.zero``)."""
+
+    def lease(self, unit: Unit) -> tuple[torch.Tensor, ReleasePartition]:
+        """This rank's partition to all-gather from, and how to give it back afterwards."""
+        raise NotImplementedError
+
+
+class _UnitBuffer:
+    __slots__ = ("flat", "nbytes", "pending", "release_part", "state", "storage", "unit")
+
+    def __init__(self, unit: Unit, dtype: torch.dtype) -> None:
+        self.unit = unit
+        self.flat = torch.empty(unit.padded_numel, dtype=dtype)
+        self.storage = self.flat.untyped_storage()
+        self.nbytes = self.storage.nbytes()
+        self.storage.resize_(0)
+        self.state = GatherState.FREE
+        self.pending: Pending | None = None
+        self.release_part: ReleasePartition | None = None
+
+
+class FullParams:
+    """Gathers, prefetches and frees the units' full parameters."""
+
+    def __init__(self, collectives: Collectives, loader: PartitionLoader, dtype: torch.dtype,
+                 *, max_live_numel: int, max_inflight: int = 2) -> None:
+        self.collectives = collectives
+        self.loader = loader
+        self.dtype = dtype
+        self.max_live_numel = max_live_numel
+        """Elements gathered or being gathered, at most (the unit in use is always allowed)."""
+        self.max_inflight = max_inflight
+        """Prefetched all-gathers in flight at once (DeepSpeed hard-codes 2)."""
+        self._buffers: dict[int, _UnitBuffer] = {}
+        self.live_numel = 0
+        self.num_gathers = 0
+        self.num_prefetched = 0
+
+    def adopt(self, unit: Unit) -> None:
+        unit.release_params()
+        self._buffers[unit.index] = _UnitBuffer(unit, self.dtype)
+
+    def state(self, unit: Unit) -> GatherState:
+        return self._buffers[unit.index].state
+
+    def gather(self, unit: Unit) -> None:
+        """Make the unit's full parameters valid (waits for its all-gather)."""
+        buffer = self._buffers[unit.index]
+        if buffer.state is GatherState.FREE:
+            self._start(buffer)
+        if buffer.state is GatherState.GATHERING:
+            self._finish(buffer)
+
+    def prefetch(self, upcoming: Iterable[Unit], budget_numel: int) -> None:
+        """Start all-gathers for the first free units of ``upcoming`` within the budgets."""
+        inflight = sum(1 for b in self._buffers.values() if b.state is GatherState.GATHERING)
+        spent = 0
+        for unit in upcoming:
+            buffer = self._buffers[unit.index]
+            if buffer.state is not GatherState.FREE:
+                continue
+            spent += unit.padded_numel
+            if (inflight >= self.max_inflight or spent > budget_numel
+                    or self.live_numel + unit.padded_numel > self.max_live_numel):
+                return
+            self._start(buffer)
+            self.num_prefetched += 1
+            inflight += 1
+
+    def free(self, unit: Unit) -> None:
+        """Drop the full parameters (after any all-gather into them completes)."""
+        buffer = self._buffers[unit.index]
+        if buffer.state is GatherState.GATHERING:
+            self._finish(buffer)
+        if buffer.state is GatherState.READY:
+            unit.release_params()
+            buffer.storage.resize_(0)
+            buffer.state = GatherState.FREE
+            self.live_numel -= unit.padded_numel
+
+    def free_all(self) -> None:
+        for buffer in self._buffers.values():
+            self.free(buffer.unit)
+
+    def _start(self, buffer: _UnitBuffer) -> None:
+        buffer.storage.resize_(buffer.nbytes)
+        part, buffer.release_part = self.loader.lease(buffer.unit)
+        buffer.pending = self.collectives.all_gather(buffer.flat, part, async_op=True)
+        buffer.state = GatherState.GATHERING
+        self.live_numel += buffer.unit.padded_numel
+        self.num_gathers += 1
+
+    def _finish(self, buffer: _UnitBuffer) -> None:
+        assert buffer.pending is not None and buffer.release_part is not None
+        pending, release_part = buffer.pending, buffer.release_part
+        buffer.pending = buffer.release_part = None
+        try:
+            pending.wait()
+        finally:
+            release_part()
+        buffer.unit.point_params_at(buffer.flat)
+        buffer.state = GatherState.READY
