@@ -30,6 +30,7 @@ from offloadd.shards import (
     Shard,
     ShardTable,
     check_mode,
+    check_new_shard,
     check_shard_ids,
     give_back,
     grant,
@@ -67,14 +68,19 @@ class Job:
     def alloc(self, rank: int, ids: list[str], nbytes: list[int], dtypes: list[str],
               leases: dict[Shard, Lease] | None = None, mode: str | None = None
               ) -> Placed | Awaitable[Placed]:
-        """Create shards (existing ones must match size and dtype) and optionally lease them."""
+        """Create shards (existing ones must match size and dtype) and optionally lease them.
+
+        The whole batch is validated before anything is created, so a bad entry
+        leaves the table as it was. Without a lease nothing has to be resident:
+        shards that do not fit now are placed when first acquired.
+        """
         check_ids(ids, nbytes, dtypes)
         check_shard_ids(ids)
-        known = len(self.table.shards)
+        fresh = self._validate_batch(rank, ids, nbytes, dtypes)
         shards = [self._find_or_create(rank, i, n, d) for i, n, d in zip(ids, nbytes, dtypes)]
-        if len(self.table.shards) == known:
-            return self._serve(shards, leases, mode)
-        created = [s for s in shards if s.swap is None and s.offset is None]
+        created = [s for s in dict.fromkeys(shards) if s.shard_id in fresh]
+        if mode is None:
+            return self._place_what_fits(shards, created)
         try:
             result = self._serve(shards, leases, mode)
         except Exception:
@@ -83,6 +89,44 @@ class Job:
         if isinstance(result, Placed):
             return result
         return self._undo_on_failure(result, created)
+
+    def _validate_batch(self, rank: int, ids: list[str], nbytes: list[int], dtypes: list[str]
+                        ) -> set[str]:
+        """Raise for any entry that cannot be created; returns the ids that are new."""
+        fresh: dict[str, tuple[int, str]] = {}
+        for shard_id, size, dtype in zip(ids, nbytes, dtypes):
+            existing = self.table.shards.get((rank, shard_id))
+            if existing is not None:
+                self.table.matches(existing, size, dtype)
+                continue
+            check_new_shard(shard_id, size, dtype)
+            self.table.check_fits(size)
+            if fresh.setdefault(shard_id, (size, dtype)) != (size, dtype):
+                raise InvalidRequestError(
+                    f"shard {shard_id!r} appears twice in one alloc with different sizes",
+                    [shard_id])
+        return set(fresh)
+
+    def _place_what_fits(self, shards: list[Shard], created: list[Shard]) -> Placed:
+        """Give new shards arena space where it is free now; -1 marks 'placed on first use'.
+
+        Without a swap tier there is no later: a shard that does not fit fails the batch.
+        """
+        for shard in shards:
+            if shard.in_arena or shard.swap is not None or shard.io is not None:
+                continue
+            if self.table.try_place(shard):
+                shard.residency = Residency.ARENA_DIRTY
+            elif self.tier is None:
+                self._forget_unwritten(created)
+                self._raise_arena_full(shard)
+        return Placed(
+            0,
+            [s.offset if s.in_arena and s.offset is not None else -1 for s in shards],
+            [s.nbytes for s in shards],
+            [s.version for s in shards],
+            [s.dtype for s in shards],
+        )
 
     async def _undo_on_failure(self, pending: Awaitable[Placed], created: list[Shard]) -> Placed:
         try:

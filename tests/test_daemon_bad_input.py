@@ -216,8 +216,6 @@ def test_filling_the_arena_is_over_budget_and_drop_makes_room(connect, witness) 
     witness()
 
 
-@pytest.mark.xfail(strict=True, reason="jobs.Job.alloc is not atomic: a batch that fails "
-                   "part-way keeps the shards it created (reported to the jobs.py owner)")
 def test_a_failed_batched_alloc_creates_no_shards(connect) -> None:
     client = connect()
     with pytest.raises(OverBudgetError):
