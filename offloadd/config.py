@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
+
+import tomllib
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 IOEngineKind = Literal["auto", "native", "io_uring", "threads", "python"]
@@ -25,7 +26,8 @@ def parse_size(text: str | int, *, knob: str = "size") -> int:
         return text
     match = _SIZE_RE.match(str(text))
     if not match:
-        raise ValueError(f"{knob}: cannot parse size {text!r}; use e.g. 1GiB, 512MiB or plain bytes")
+        raise ValueError(
+            f"{knob}: cannot parse size {text!r}; use e.g. 1GiB, 512MiB or plain bytes")
     number, unit = match.groups()
     scale = _UNITS[(unit or "").upper()[:1] if unit and unit.upper() != "B" else ""]
     return int(float(number) * scale)
@@ -78,7 +80,8 @@ class DaemonConfig:
         if not 0 < self.job_arena_share <= 1:
             raise ValueError(f"job_arena_share must be in (0, 1], got {self.job_arena_share}")
         if self.chunk_size <= 0 or self.chunk_size % 4096:
-            raise ValueError(f"chunk_size must be a positive multiple of 4KiB, got {self.chunk_size}")
+            raise ValueError(
+                f"chunk_size must be a positive multiple of 4KiB, got {self.chunk_size}")
         if self.io_queue_depth < 1:
             raise ValueError(f"io_queue_depth must be >= 1, got {self.io_queue_depth}")
         if self.log_level not in ("debug", "info", "warning", "error"):

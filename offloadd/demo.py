@@ -78,7 +78,8 @@ def run_data_demo(nbytes: int = 256 << 20) -> dict:
             PrivateDaemon.start(workdir, arena_size=arena_nbytes) as daemon:
         context = mp.get_context("spawn")
         results: mp.Queue = context.Queue()
-        procs = [context.Process(target=_client, args=(daemon.socket_path, rank, nbytes, arena_nbytes,
+        procs = [context.Process(target=_client,
+                                 args=(daemon.socket_path, rank, nbytes, arena_nbytes,
                                                    results))
                  for rank in range(2)]
         for proc in procs:

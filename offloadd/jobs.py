@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 from offloadd.arena import Arena, align_up
 from offloadd.errors import (
@@ -51,6 +51,7 @@ class SwapTier(Protocol):
     def prefetch(self, table: ShardTable, shards: list[Shard], deadline_s: float) -> None: ...
     async def flush(self, table: ShardTable, tag: str | None) -> int: ...
     def forget(self, table: ShardTable, shard: Shard) -> None: ...
+    def load_manifest(self, table: ShardTable, manifest: dict[str, Any]) -> int: ...
 
 
 class Job:

@@ -49,7 +49,7 @@ class Histogram:
         self.total += value
 
     def buckets(self) -> list[tuple[str, float]]:
-        running, out = 0, []
+        running, out = 0.0, []
         for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
             running += count
             out.append(("+Inf" if bound == float("inf") else repr(bound), running))
@@ -138,7 +138,7 @@ class _Collector:
 
 def build_registry(metrics: DaemonMetrics) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(metrics))  # type: ignore[arg-type]
+    registry.register(_Collector(metrics))
     return registry
 
 

@@ -214,7 +214,7 @@ class SwapSpace:
         fault = os.environ.get("OFFLOADD_IO_FAULT")  # test hook: "read:3" fails the 3rd read
         if fault:
             op, _, nth = fault.partition(":")
-            self.engine.inject_fault(nth=int(nth or 1), op=op)  # type: ignore[arg-type]
+            self.engine.inject_fault(nth=int(nth or 1), op=op)
         log.info("event=swap_ready dirs=%s engine=%s direct=%s", [str(d.path) for d in self.dirs],
                  getattr(self.engine, "kind", self.engine.name), [d.direct for d in self.dirs])
 
@@ -304,14 +304,16 @@ class SwapSpace:
                   [([p], d.reserved_nbytes) for p, d in zip(dirs, self.dirs)]),
             gauge("offloadd_swap_direct_io", "1 if the dir uses O_DIRECT, 0 if buffered.", 0,
                   ["dir"], [([p], 1.0 if d.direct else 0.0) for p, d in zip(dirs, self.dirs)]),
-            gauge("offloadd_swap_io_in_flight", "Swap IO requests in flight.", self.queue.in_flight),
+            gauge("offloadd_swap_io_in_flight", "Swap IO requests in flight.",
+                  self.queue.in_flight),
             histogram_family("offloadd_swap_io_duration_seconds", "Swap IO request latency.",
                              ["op"], [([op], h) for op, h in c.io_seconds.items()]),
             c.io_errors.family(), c.evictions.family(), c.flushes.family(),
             c.stall_seconds.family(),
         ]
         for name, doc, values in (
-            ("offloadd_swap_read_bytes", "Bytes read from swap.", [d.read_nbytes for d in self.dirs]),
+            ("offloadd_swap_read_bytes", "Bytes read from swap.",
+             [d.read_nbytes for d in self.dirs]),
             ("offloadd_swap_written_bytes", "Bytes written to swap.",
              [d.written_nbytes for d in self.dirs]),
         ):
@@ -325,7 +327,8 @@ class SwapSpace:
             ("offloadd_prefetch_hits", "Acquires served by a completed prefetch.", c.prefetch_hits),
             ("offloadd_prefetch_late", "Acquires that waited on a prefetch in flight.",
              c.prefetch_late),
-            ("offloadd_prefetch_wasted", "Prefetched shards evicted before use.", c.prefetch_wasted),
+            ("offloadd_prefetch_wasted", "Prefetched shards evicted before use.",
+             c.prefetch_wasted),
             ("offloadd_demand_reads", "Swap reads started by a blocked request.", c.demand_reads),
             ("offloadd_checksum_failures", "Swap chunks whose checksum did not match.",
              c.checksum_failures),

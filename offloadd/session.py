@@ -77,7 +77,7 @@ class Session(asyncio.Protocol):
         self.leases: dict[Shard, Lease] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.closed = False
-        self.handlers: dict[type, Callable[[Any], p.Reply | Awaitable[p.Reply] | None]] = {
+        self.handlers: dict[type, Callable[[Any], Any]] = {
             p.Alloc: self.on_alloc,
             p.Acquire: self.on_acquire,
             p.Release: self.on_release,

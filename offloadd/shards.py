@@ -87,7 +87,7 @@ class Shard:
 class Lease:
     """One session's hold on one shard (reads may nest; a write lease is exclusive)."""
 
-    __slots__ = ("mode", "shard", "count")
+    __slots__ = ("count", "mode", "shard")
 
     def __init__(self, shard: Shard, mode: str) -> None:
         self.shard = shard
