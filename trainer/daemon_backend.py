@@ -44,9 +44,9 @@ from trainer.offload import (
 
 MIB = 1 << 20
 MAX_INFLIGHT_STEPS = 2
-"""Optimizer steps one rank keeps queued in the daemon. Each pins its unit's five shards
-(20 B/param) in the arena until it runs, so an unbounded queue can fill a small NVMe-backed
-arena with leases nothing can evict; two keep the daemon's worker busy back to back."""
+"""Optimizer steps one rank keeps queued in the daemon when it swaps to NVMe. Each pins its
+unit's five shards (20 B/param) in the arena until it runs, so an unbounded queue can fill a
+small arena with leases nothing can evict; two keep the daemon's worker busy back to back."""
 SHARD_KINDS = (*STATE_KINDS, "grad", "param")
 
 
@@ -67,8 +67,10 @@ class DaemonBackend(StateBackend):
         """Per unit: the step's unit name, the grad shard id, the param shard id."""
         self._steps: dict[int, StepHandle] = {}
         """Optimizer steps in flight, by unit; waited for at the unit's next use."""
-        self.max_inflight_steps = MAX_INFLIGHT_STEPS
+        self.max_inflight_steps = MAX_INFLIGHT_STEPS if swaps else 1 << 30
+        """Without NVMe the whole working set is resident: nothing to bound."""
         self._dropped_grads: set[int] = set()
+        self.grad_drops_refused = 0
         """Units whose ``u{N}.grad`` shard was dropped after its step (NVMe only)."""
         self.moved_nbytes = 0
         """Bytes this rank copied into or out of arena leases."""
@@ -103,10 +105,20 @@ class DaemonBackend(StateBackend):
         if handle is not None:
             handle.wait()
             if self.swaps:
-                # The step consumed the gradient and the next window overwrites it: dropping
-                # it frees arena room now and spares the NVMe tier a write-back and a read-in.
-                self.client.drop(self._names[unit][1])
-                self._dropped_grads.add(unit)
+                self._drop_grad(unit)
+
+    def _drop_grad(self, unit: int) -> None:
+        """The step consumed the gradient and the next window overwrites it: dropping it
+        frees arena room now and spares the NVMe tier a read-in of dead bytes. Best effort:
+        the tier refuses while it is still writing the shard back."""
+        from trainer.client import OffloadError
+
+        try:
+            self.client.drop(self._names[unit][1])
+        except OffloadError:
+            self.grad_drops_refused += 1
+            return
+        self._dropped_grads.add(unit)
 
     def wait_steps(self) -> None:
         failure: BaseException | None = None
@@ -200,7 +212,8 @@ class DaemonBackend(StateBackend):
     def stats(self) -> dict[str, Any]:
         from trainer.client import OffloadError
 
-        rank_side = {"rank_moved_nbytes": self.moved_nbytes, "rank_wait_s": self.wait_s}
+        rank_side = {"rank_moved_nbytes": self.moved_nbytes, "rank_wait_s": self.wait_s,
+                     "rank_grad_drops_refused": self.grad_drops_refused}
         try:
             return {**self.client.stats(), **rank_side}
         except OffloadError as error:  # diagnostics only: never fail training over them

@@ -3,7 +3,8 @@
 The engine only sequences work. What it delegates:
 
 - ``trainer.partition``: the model split into units with flat parameters;
-- ``trainer.zero``: the stage (parameter placement + gradient reducer);
+- ``trainer.zero``: the stage (parameter placement + gradient reducer), with
+  ``trainer.gather`` for stage 3's async, prefetched all-gathers;
 - ``trainer.hooks``: per-unit forward/backward callbacks;
 - ``trainer.optimizer``: Adam/AdamW over unit partitions, clipping, skipping;
 - ``trainer.offload``: where the optimizer state lives (rank or daemon);

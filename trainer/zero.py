@@ -11,8 +11,12 @@ A stage is two small strategies:
 
 Stage 3 keeps each rank's parameter partition either resident in the rank
 (``ResidentPartitions``) or in the offload backend (``OffloadedPartitions``,
-shard ``u{N}.param``), and all-gathers a unit's full parameters just before
-its forward and again before its backward.
+shard ``u{N}.param``, all-gathered straight from the arena lease). Full
+parameters live in ``trainer.gather.FullParams``: all-gathered asynchronously
+ahead of use in forward order (reverse order in backward) by
+``PrefetchPlanner``'s recorded trace, kept from forward to backward when the
+unit's reuse distance allows it (``stage3_max_reuse_distance``), and freed
+after the unit's gradients are reduced.
 """
 
 from __future__ import annotations
