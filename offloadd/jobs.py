@@ -287,13 +287,37 @@ class Job:
         for shard in self.table.lookup(rank, ids):
             give_back(leases, shard, dirty)
 
-    def drop(self, rank: int, ids: list[str]) -> None:
+    def drop(self, rank: int, ids: list[str]) -> Awaitable[None] | None:
+        """Forget shards and free their arena and swap space; waits out IO in flight."""
         shards = self.table.lookup(rank, ids)
-        busy = [s.shard_id for s in shards if s.leased or s.pins or s.io is not None]
-        if busy:
+        leased = [s.shard_id for s in shards if s.leased]
+        if leased:
             raise LeaseConflictError(
-                f"cannot drop leased or in-flight shard(s) {busy[:8]}; release them first", busy)
-        for shard in shards:
+                f"cannot drop leased shard(s) {leased[:8]}; release them first", leased)
+        if any(s.pins or s.io is not None for s in shards):
+            return self._drop_after_io(rank, ids)
+        self._remove(shards)
+        return None
+
+    async def _drop_after_io(self, rank: int, ids: list[str]) -> None:
+        while True:
+            shards = self.table.lookup(rank, ids)
+            busy = [s.io for s in shards if s.io is not None]
+            if busy:
+                await asyncio.wait([asyncio.shield(f) for f in busy])
+            elif any(s.pins for s in shards):
+                await asyncio.sleep(0.001)  # a batch is settling these; it unpins promptly
+            else:
+                break
+        leased = [s.shard_id for s in shards if s.leased]
+        if leased:
+            raise LeaseConflictError(
+                f"shard(s) {leased[:8]} were leased while their IO finished; release them first",
+                leased)
+        self._remove(shards)
+
+    def _remove(self, shards: list[Shard]) -> None:
+        for shard in dict.fromkeys(shards):
             if self.tier is not None:
                 self.tier.forget(self.table, shard)
             self.table.remove(shard)

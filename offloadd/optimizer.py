@@ -77,6 +77,11 @@ class OptimizerService:
         self.steps = Counters("offloadd_optimizer_steps", "Optimizer steps run, by status.",
                               ["status"])
         self.elements = 0
+        self._worker_slot: asyncio.Semaphore | None = None
+
+    def stats(self) -> dict[str, float]:
+        return {"steps": sum(self.steps.values.values()), "step_s": self.step_seconds.total,
+                "elements": self.elements}
 
     async def step(self, job: Job, rank: int, req: OptimizerStep) -> None:
         if req.step < 1:
@@ -86,8 +91,23 @@ class OptimizerService:
         param = job.table.shards.get((rank, f"{req.unit}.param"))
         check_unit_shards(req.unit, state, param)
         shards = [*state, *((param,) if param else ())]
+        ids = [shard.shard_id for shard in shards]
+        # Leases are taken only when the worker is free: a queue of waiting steps
+        # holding write leases would pin their whole state in the arena and starve
+        # the swap tier. Queued steps ask for a prefetch instead.
+        job.prefetch(rank, ids, 0.0)
+        async with self._slot():
+            await self._run_leased(job, rank, shards, ids, req)
+
+    def _slot(self) -> asyncio.Semaphore:
+        if self._worker_slot is None:
+            self._worker_slot = asyncio.Semaphore(1)
+        return self._worker_slot
+
+    async def _run_leased(self, job: Job, rank: int, shards: list[Shard], ids: list[str],
+                          req: OptimizerStep) -> None:
         leases: dict[Shard, Lease] = {}
-        placed = job.acquire(rank, [s.shard_id for s in shards], "w", leases)
+        placed = job.acquire(rank, ids, "w", leases)
         if not isinstance(placed, Placed):
             await placed  # the tier had to read some state back from swap first
         started = time.perf_counter()

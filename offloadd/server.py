@@ -150,6 +150,7 @@ class Daemon:
             "num_sessions": len(self.sessions),
             "adam_kernel": adam_kernel(),
             "swap": self.swap.stats() if self.swap is not None else None,
+            "optimizer": self.optimizer.stats(),
         }
 
     def _families(self) -> Iterator[Any]:

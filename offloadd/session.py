@@ -284,9 +284,9 @@ class Session(asyncio.Protocol):
         assert self.job is not None
         self.job.release(self.rank, req.ids, req.dirty, self.leases)
 
-    def on_drop(self, req: p.Drop) -> None:
+    def on_drop(self, req: p.Drop) -> Awaitable[None] | None:
         assert self.job is not None
-        self.job.drop(self.rank, req.ids)
+        return self.job.drop(self.rank, req.ids)
 
     def on_prefetch(self, req: p.Prefetch) -> None:
         assert self.job is not None

@@ -86,8 +86,8 @@ def run_worker(socket_path: str, rank: int) -> dict[str, int]:
         for shard_id in rng.sample(sorted(digests), len(digests) // 8):
             write(shard_id, len(client.get(shard_id)))  # a new version of the same size
         second = check_all()
-        stats = client.stats()
-        assert stats["leased_nbytes"] == 0
+    # leased_nbytes is job-wide: the other rank may still hold leases here, so it is
+    # checked by the parent once both ranks are done.
     return {"shards": len(sizes), "nbytes": sum(sizes), "checked": first + second}
 
 
