@@ -94,8 +94,8 @@ class OptimizerService:
         ids = [shard.shard_id for shard in shards]
         # Leases are taken only when the worker is free: a queue of waiting steps
         # holding write leases would pin their whole state in the arena and starve
-        # the swap tier. Queued steps ask for a prefetch instead.
-        job.prefetch(rank, ids, 0.0)
+        # the swap tier. (Prefetching queued steps' state was measured to hurt: it
+        # evicts parameters the forward needs sooner.)
         async with self._slot():
             await self._run_leased(job, rank, shards, ids, req)
 
