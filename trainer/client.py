@@ -63,10 +63,10 @@ def as_bytes(data: Any) -> tuple[memoryview, str]:
         if tag is None:
             raise ValueError(f"unsupported tensor dtype {data.dtype}; use one of {p.DTYPES}")
         flat = data.detach().contiguous().reshape(-1).view(torch.uint8)
-        return memoryview(flat.numpy()), tag
+        return flat.numpy().data, tag
     if isinstance(data, np.ndarray):
         tag = str(data.dtype) if str(data.dtype) in p.DTYPES else "uint8"
-        return memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8)), tag
+        return np.ascontiguousarray(data).reshape(-1).view(np.uint8).data, tag
     view = memoryview(data)
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view, "uint8"
 
@@ -171,7 +171,7 @@ class LeaseGroup(Sequence[ShardLease]):
     def __init__(self, owner: Any, leases: list[ShardLease], mode: str) -> None:
         self._owner, self.leases, self.mode = owner, leases, mode
 
-    def __getitem__(self, index):  # type: ignore[no-untyped-def, override]
+    def __getitem__(self, index):
         return self.leases[index]
 
     def __len__(self) -> int:
