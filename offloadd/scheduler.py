@@ -60,16 +60,26 @@ class IOQueue:
                 waiter.set_result(None)
 
 
+MAX_CURSOR_SKIP = 16
+"""Trace entries one record may skip; a step's async optimizer steps (two units of five
+shards in flight) can land on either side of step_begin."""
+
+
 class AccessTrace:
     """One rank's shard order over the previous step, replayed to predict the current one."""
 
     def __init__(self) -> None:
         self.previous: list[tuple[Shard, float]] = []
         self.previous_s = 0.0
-        self.positions: dict[Shard, list[int]] = {}
+        self.positions: dict[str, list[int]] = {}
+        """Indices into ``previous`` by shard id, not by object: a shard dropped and
+        re-created within the step (the engine drops consumed gradients) is the same
+        shard to the trace, so its next use stays known instead of looking unused."""
         self.current: list[tuple[Shard, float]] = []
         self.step_started = time.monotonic()
         self.cursor = 0
+        self.misses = 0
+        """Consecutive records whose learned position lay too far past the cursor."""
 
     def begin_step(self, now: float | None = None) -> None:
         now = time.monotonic() if now is None else now
@@ -78,18 +88,30 @@ class AccessTrace:
             self.previous_s = max(now - self.step_started, self.current[-1][1])
             self.positions = {}
             for index, (shard, _t) in enumerate(self.previous):
-                self.positions.setdefault(shard, []).append(index)
+                self.positions.setdefault(shard.shard_id, []).append(index)
         self.current = []
         self.step_started = now
         self.cursor = 0
+        self.misses = 0
 
     def record(self, shard: Shard, now: float) -> None:
         self.current.append((shard, now - self.step_started))
-        positions = self.positions.get(shard)
-        if positions:
-            index = bisect.bisect_left(positions, self.cursor)
-            if index < len(positions):
-                self.cursor = positions[index] + 1
+        positions = self.positions.get(shard.shard_id)
+        if not positions:
+            return
+        index = bisect.bisect_left(positions, self.cursor)
+        if index == len(positions):
+            return
+        target = positions[index]
+        # An access out of its learned place (an async optimizer step that ran before
+        # step_begin this time, after it last time) must not drag the cursor far ahead:
+        # every prediction after it would be off by most of a step. Far matches count
+        # as misses; only a run of them (the order really changed) moves the cursor.
+        if target - self.cursor > MAX_CURSOR_SKIP and self.misses < MAX_CURSOR_SKIP:
+            self.misses += 1
+            return
+        self.misses = 0
+        self.cursor = target + 1
 
     @property
     def known(self) -> bool:
@@ -100,7 +122,7 @@ class AccessTrace:
 
     def next_use_s(self, shard: Shard) -> float:
         """Predicted seconds until ``shard`` is used again (inf if the trace never uses it)."""
-        positions = self.positions.get(shard)
+        positions = self.positions.get(shard.shard_id)
         if not positions:
             return math.inf
         here = self._elapsed_at_cursor()

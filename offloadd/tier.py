@@ -191,8 +191,9 @@ class JobTier:
             while allocator.largest_free() < need:
                 shortfall = need - allocator.free_nbytes if allocator.free_nbytes < need else need
                 candidates, progress = self._scan(table)
+                floor = _clean_floor(candidates, not_before_s)
                 clean = [(s, t) for s, t in candidates if s.residency is Residency.ARENA_CLEAN]
-                victims = pick_victims(clean, shortfall, not_before_s)
+                victims = _pick_clean(clean, shortfall, floor)
                 for victim in victims:
                     self.evict(table, victim)
                 if victims or allocator.largest_free() >= need:
@@ -200,10 +201,15 @@ class JobTier:
                 if (self.background_error is not None and not self.cleaning
                         and not_before_s is None):
                     self._raise_background_error()  # no write-back left that could help
-                self._clean(table, candidates, shortfall, not_before_s)
+                self._clean(table, candidates, shortfall, not_before_s, floor)
                 if not_before_s is not None:
                     return False
                 progress += self.cleaning.values()
+                if not progress and floor is not None:
+                    # No write-back can help: a clean shard needed soon is the only room.
+                    for victim in pick_victims(clean, shortfall):
+                        self.evict(table, victim)
+                    continue
                 if not progress:
                     raise OverBudgetError(
                         f"job {self.job!r}: no evictable shard can make room for {need} bytes "
@@ -236,7 +242,7 @@ class JobTier:
         return candidates, progress
 
     def _clean(self, table: ShardTable, candidates: list[tuple[Shard, float]], shortfall: int,
-               not_before_s: float | None) -> None:
+               not_before_s: float | None, floor: float | None = None) -> None:
         """Write back the next dirty victims in the background (write-behind).
 
         Keeps up to ``write_behind_nbytes`` (beyond the shortfall) clean or being
@@ -246,8 +252,9 @@ class JobTier:
         if self.background_error is not None:
             return  # report the failure before retrying: a full drive must not spin
         in_flight = sum(s.arena_nbytes for s in self.cleaning)
-        ready = in_flight + sum(s.arena_nbytes for s, _t in candidates
-                                if s.residency is Residency.ARENA_CLEAN)
+        ready = in_flight + sum(s.arena_nbytes for s, t in candidates
+                                if s.residency is Residency.ARENA_CLEAN
+                                and (floor is None or t >= floor))
         target = shortfall + self.write_behind_nbytes(table)
         if ready >= target:
             return
@@ -469,6 +476,31 @@ class JobTier:
             await asyncio.gather(*self.tasks, return_exceptions=True)
         for jobfile in self.files:
             jobfile.close()
+
+
+def _clean_floor(candidates: list[tuple[Shard, float]], not_before_s: float | None
+                 ) -> float | None:
+    """Soonest next use a clean victim may have, or None for any.
+
+    Clean-first alone evicts a clean shard needed in milliseconds (a prefetched
+    one, a parameter the backward reads again) ahead of dirty state needed only at
+    the next step's optimizer, so the clean one is read back in the same step. A
+    clean shard needed sooner than the furthest-needed dirty candidate is kept:
+    writing that dirty one back (in the background) is the cheaper room.
+    A prefetch keeps its own bound (``not_before_s``).
+    """
+    if not_before_s is not None:
+        return not_before_s
+    dirty = [t for s, t in candidates if s.residency is Residency.ARENA_DIRTY]
+    return max(dirty) if dirty else None
+
+
+def _pick_clean(clean: list[tuple[Shard, float]], shortfall: int, floor: float | None
+                ) -> list[Shard]:
+    if floor is None:
+        return pick_victims(clean, shortfall)
+    # >= : with no trace yet every next use is inf, and clean-first still applies.
+    return pick_victims([(s, t) for s, t in clean if t >= floor], shortfall)
 
 
 async def _settle_all(coros: Iterable[Awaitable[T]]) -> list[T | BaseException]:

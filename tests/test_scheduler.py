@@ -217,3 +217,19 @@ def test_pick_victims_never_evicts_what_is_needed_before_the_prefetch() -> None:
     assert ids(pick_victims(candidates, 2 * MIB, not_before_s=5.0)) == ["later"]
     assert pick_victims(candidates, MIB, not_before_s=20.0) == []
     assert ids(pick_victims(candidates, 2 * MIB)) == ["later", "soon"]
+
+
+def test_access_trace_knows_a_re_created_shard_by_its_id() -> None:
+    a, b = make_shard("a"), make_shard("b")
+    trace = trained_trace([a, b])  # a@0 b@1, step 2 s
+    trace.record(a, now=2.0)
+    b_again = make_shard("b")  # dropped and re-created: a new object, the same shard
+    assert trace.next_use_s(b_again) == pytest.approx(1.0)
+
+
+def test_access_trace_cursor_ignores_one_far_out_of_place_access() -> None:
+    shards = [make_shard(f"s{i}") for i in range(40)]
+    trace = trained_trace(shards)  # s0@0 .. s39@39, step 40 s
+    trace.record(shards[0], now=40.0)
+    trace.record(shards[39], now=40.1)  # e.g. an async step landing early this time
+    assert trace.next_use_s(shards[1]) == pytest.approx(1.0)  # the cursor stayed at s0
