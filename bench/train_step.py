@@ -49,7 +49,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from offloadd.demo_train import MICRO_BATCH, SEQ_LEN, TinyGPT, demo_config, synthetic_batch
+from offloadd.demo_train import (
+    MICRO_BATCH,
+    SEQ_LEN,
+    TinyGPT,
+    demo_config,
+    half_working_set_nbytes,
+    synthetic_batch,
+)
 
 WORLD = 2
 
@@ -97,11 +104,39 @@ def torch_rank(rank: int, port: int, steps: int, warmup: int, workdir: str) -> d
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
 
-    return {"times": _timed_steps(step, rank, steps, warmup)}
+    times = _timed_steps(step, rank, steps, warmup)
+    return {"times": times, "pss_nbytes": proportional_rss_nbytes()}
 
 
 def ours_rank(rank: int, port: int, steps: int, warmup: int, workdir: str) -> dict[str, Any]:
-    """ZeRO-3 with parameters and optimizer state in the daemon."""
+    """ZeRO-3 with parameters and optimizer state in the daemon (engine's default arena)."""
+    return _ours(rank, port, steps, warmup, workdir, arena_nbytes=None)
+
+
+def ours_half_rank(rank: int, port: int, steps: int, warmup: int,
+                   workdir: str) -> dict[str, Any]:
+    """The same with the arena capped at half the working set: half the state swaps."""
+    numel = sum(p.numel() for p in TinyGPT().parameters())
+    return _ours(rank, port, steps, warmup, workdir,
+                 arena_nbytes=half_working_set_nbytes(numel))
+
+
+def proportional_rss_nbytes(pid: int | None = None) -> int:
+    """Pss of a process: shared arena pages are split between the processes mapping them,
+    so summing it over the ranks and the daemon gives the node's real DRAM footprint."""
+    path = f"/proc/{pid or 'self'}/smaps_rollup"
+    try:
+        with open(path) as handle:
+            for line in handle:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _ours(rank: int, port: int, steps: int, warmup: int, workdir: str,
+          arena_nbytes: int | None) -> dict[str, Any]:
     import trainer
 
     _init(rank, port)
@@ -109,6 +144,8 @@ def ours_rank(rank: int, port: int, steps: int, warmup: int, workdir: str) -> di
     device = offload_device()
     config = demo_config(os.path.join(workdir, "swap"), device)
     config["offloadd"] = {"workdir": os.path.join(workdir, "daemon")}
+    if arena_nbytes is not None:
+        config["offloadd"]["arena_size"] = arena_nbytes
     engine, _, _, _ = trainer.initialize(model=TinyGPT(), config=config)
     before: dict[str, Any] = {}
 
@@ -121,8 +158,12 @@ def ours_rank(rank: int, port: int, steps: int, warmup: int, workdir: str) -> di
                              on_timed_start=lambda: before.update(engine.offload_stats()))
         engine.backend.wait_steps()  # the last step's Adam belongs to the timed window
         after = engine.offload_stats()
+        pss = proportional_rss_nbytes()
+        daemon_pid = after.get("daemon_pid")
+        if rank == 0 and daemon_pid:  # one daemon serves the node's ranks: count it once
+            pss += proportional_rss_nbytes(int(daemon_pid))
         return {"times": times, "stats": after, "stats_delta": stats_delta(before, after),
-                "device": device}
+                "device": device, "pss_nbytes": pss}
     finally:
         engine.close()
 
@@ -152,7 +193,8 @@ def deepspeed_rank(rank: int, port: int, steps: int, warmup: int,
         engine.backward(engine(ids))
         engine.step()
 
-    return {"times": _timed_steps(step, rank, steps, warmup), "device": device}
+    times = _timed_steps(step, rank, steps, warmup)
+    return {"times": times, "device": device, "pss_nbytes": proportional_rss_nbytes()}
 
 
 def _numbers(stats: Any, prefix: str = "") -> dict[str, float]:
@@ -207,6 +249,7 @@ def run(fn_name: str, steps: int, warmup: int) -> dict[str, Any]:
     if errors:
         raise RuntimeError(f"{fn_name}: {errors[0]}")
     outcome = outcomes[0]
+    outcome["node_pss_nbytes"] = sum(o.get("pss_nbytes", 0) for o in outcomes.values())
     # a step is as slow as its slowest rank
     outcome["step_times"] = [max(pair) for pair in zip(outcomes[0]["times"], outcomes[1]["times"],
                                                        strict=True)]
@@ -233,7 +276,8 @@ def io_hidden_fraction(delta: dict[str, float]) -> tuple[float | None, str]:
         f"rank 0 blocked {wait_s:.3f} s"
 
 
-CONTENDERS = {"torch": "torch_rank", "ours": "ours_rank", "deepspeed": "deepspeed_rank"}
+CONTENDERS = {"torch": "torch_rank", "ours": "ours_rank", "ours_half": "ours_half_rank",
+              "deepspeed": "deepspeed_rank"}
 
 
 def measure(names: list[str], rounds: int, steps: int, warmup: int,
@@ -267,7 +311,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     notes: list[str] = []
-    names = ["torch", "ours"]
+    names = ["torch", "ours", "ours_half"]
     if importlib.util.find_spec("deepspeed") is not None:
         names.append("deepspeed")
     else:
@@ -284,6 +328,7 @@ def main() -> None:
             print(f"{label:<22} median step {result['median_s'] * 1e3:8.1f} ms  "
                   f"{tokens_per_step / result['median_s']:9.0f} tokens/s")
             summary[f"{name}_median_step_s"] = round(result["median_s"], 5)
+            summary[f"{name}_node_pss_MiB"] = round(result.get("node_pss_nbytes", 0) / 2**20, 1)
             summary[f"{name}_tokens_per_s"] = round(tokens_per_step / result["median_s"], 1)
     ours = results.get("ours", {})
     if "median_s" not in ours:
@@ -292,9 +337,18 @@ def main() -> None:
     for peer, key in (("torch", "ratio_vs_torch_step"), ("deepspeed", "ratio_vs_deepspeed")):
         peer_s = results.get(peer, {}).get("median_s")
         summary[key] = round(peer_s / ours["median_s"], 3) if peer_s else None
+    half_s = results.get("ours_half", {}).get("median_s")
+    deepspeed_s = results.get("deepspeed", {}).get("median_s")
+    summary["ratio_vs_deepspeed_half_arena"] = (
+        round(deepspeed_s / half_s, 3) if half_s and deepspeed_s else None)
+    torch_s = results.get("torch", {}).get("median_s")
+    summary["ratio_vs_torch_step_half_arena"] = (
+        round(torch_s / half_s, 3) if half_s and torch_s else None)
     summary["offload_device"] = ours["device"]
     summary["deepspeed_offload_device"] = results.get("deepspeed", {}).get("device")
-    hidden, note = io_hidden_fraction(ours["stats_delta"])
+    # IO happens where the arena is smaller than the working set: measure it there.
+    swapping = results.get("ours_half", {})
+    hidden, note = io_hidden_fraction(swapping.get("stats_delta") or ours["stats_delta"])
     print(f"IO hidden: {note}")
     summary["io_hidden_fraction"] = None if hidden is None else round(hidden, 3)
     summary["io_hidden_note"] = note

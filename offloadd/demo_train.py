@@ -89,6 +89,11 @@ def synthetic_batch(step: int, rank: int) -> torch.Tensor:
     return torch.cat(ids, dim=1)
 
 
+def half_working_set_nbytes(num_params: int) -> int:
+    """Half of 20 bytes per parameter (fp32 param, grad, master and both moments)."""
+    return max(64 << 20, (num_params * 10) // (2 << 20) * (2 << 20))
+
+
 def demo_config(swap_dir: str, device: str) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
@@ -158,7 +163,11 @@ def _demo_rank(rank: int, world_size: int, port: int, steps: int, workdir: str,
         num_params = sum(p.numel() for p in model.parameters())
         device = "nvme" if importlib.util.find_spec("offloadd.nvme") else "cpu"
         config = demo_config(os.path.join(workdir, "swap"), device)
-        config["offloadd"] = {"workdir": os.path.join(workdir, "daemon")}
+        # Half of the working set (fp32 param, grad, master, exp_avg, exp_avg_sq) on
+        # purpose: the engine's default would hold it all in DRAM here, and the demo
+        # is meant to show the NVMe tier at work.
+        config["offloadd"] = {"workdir": os.path.join(workdir, "daemon"),
+                              "arena_size": half_working_set_nbytes(num_params)}
         engine, _, _, _ = trainer.initialize(model=model, config=config)
         try:
             outcome = _train(engine, rank, steps)
