@@ -15,7 +15,9 @@ import itertools
 import os
 import re
 import socket
+import tempfile
 from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -178,3 +180,11 @@ def call(sock: socket.socket, request: p.Request) -> p.Reply | None:
 def error_code(reply: Any) -> str:
     assert isinstance(reply, p.ErrorReply), f"expected an error reply, got {reply!r}"
     return reply.code
+
+
+@pytest.fixture
+def swap_root() -> Iterator[Path]:
+    """A temp dir for swap files on /var/tmp (a disk file system with O_DIRECT) when present."""
+    parent = "/var/tmp" if os.path.isdir("/var/tmp") else None
+    with tempfile.TemporaryDirectory(prefix="offloadd-test-", dir=parent) as root:
+        yield Path(root)

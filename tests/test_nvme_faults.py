@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,13 +34,6 @@ ARENA_NBYTES = 16 * MIB
 SHARD_NBYTES = 4 * MIB
 JOB = "faults"
 
-
-@pytest.fixture
-def swap_root() -> Iterator[Path]:
-    """A temp dir on /var/tmp (ext4 with O_DIRECT here), else on the default temp dir."""
-    parent = "/var/tmp" if os.path.isdir("/var/tmp") else None
-    with tempfile.TemporaryDirectory(prefix="offloadd-test-", dir=parent) as root:
-        yield Path(root)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,12 +26,6 @@ MIB = 1 << 20
 ARENA_NBYTES = 16 * MIB
 JOB = "recovery"
 
-
-@pytest.fixture
-def swap_root() -> Iterator[Path]:
-    parent = "/var/tmp" if os.path.isdir("/var/tmp") else None
-    with tempfile.TemporaryDirectory(prefix="offloadd-test-", dir=parent) as root:
-        yield Path(root)
 
 
 def swap_dirs(root: Path) -> list[str]:
