@@ -86,8 +86,7 @@ class OptimizerService:
     async def step(self, job: Job, rank: int, req: OptimizerStep) -> None:
         if req.step < 1:
             raise InvalidRequestError(f"optimizer step count must be >= 1, got {req.step}")
-        ids = [f"{req.unit}.{suffix}" for suffix in STATE_SUFFIXES]
-        state = job.table.lookup(rank, ids)
+        state = job.table.lookup(rank, [f"{req.unit}.{suffix}" for suffix in STATE_SUFFIXES])
         param = job.table.shards.get((rank, f"{req.unit}.param"))
         check_unit_shards(req.unit, state, param)
         shards = [*state, *((param,) if param else ())]
