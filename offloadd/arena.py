@@ -16,6 +16,8 @@ import os
 import resource
 from dataclasses import dataclass
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 PAGE_NBYTES = 4096
@@ -142,8 +144,15 @@ def _mlock(address: int, nbytes: int) -> bool:
 
 
 def buffer_address(buffer: mmap.mmap | memoryview) -> int:
-    """Address of a writable buffer's first byte (for IO engines and CUDA registration)."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    """Address of a buffer's first byte (for IO engines and CUDA registration); 0 if empty.
+
+    numpy reads the address of read-only buffers too (ctypes.from_buffer cannot).
+    """
+    view = memoryview(buffer)
+    try:
+        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+    finally:
+        view.release()
 
 
 class Arena:

@@ -32,7 +32,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
-import numpy as np
+from offloadd.arena import buffer_address
 
 try:
     import offloadd._native as _native
@@ -127,11 +127,6 @@ class _Counters:
     bytes_written: int = 0
 
 
-def _buffer_address(view: memoryview) -> int:
-    # numpy reads the address of read-only buffers too (ctypes.from_buffer cannot).
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
-
-
 def _byte_view(buf: Any, *, writable: bool) -> memoryview:
     try:
         view = memoryview(buf).cast("B")
@@ -148,7 +143,7 @@ def is_direct_aligned(
 ) -> bool:
     """Whether buf's address, offset and nbytes all meet O_DIRECT's alignment."""
     with memoryview(buf).cast("B") as view:
-        address = _buffer_address(view)
+        address = buffer_address(view)
     return address % alignment == 0 and offset % alignment == 0 and nbytes % alignment == 0
 
 
@@ -265,7 +260,7 @@ class IOEngine(abc.ABC):
         if offset < 0:
             raise ValueError(f"offset must be >= 0, got {offset}")
         view = _byte_view(buf, writable=op == "read")
-        address = _buffer_address(view)
+        address = buffer_address(view)
         if self._is_direct(fd):
             self._check_direct_alignment(fd, offset, view.nbytes, address)
         fault = self._take_fault(op)
