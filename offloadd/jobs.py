@@ -29,6 +29,7 @@ from offloadd.shards import (
     Residency,
     Shard,
     ShardTable,
+    check_grantable,
     check_mode,
     check_new_shard,
     check_shard_ids,
@@ -160,29 +161,12 @@ class Job:
     def _serve(self, shards: list[Shard], leases: dict[Shard, Lease] | None, mode: str | None
                ) -> Placed | Awaitable[Placed]:
         if leases is not None and mode is not None:
-            self._check_grantable(shards, mode, leases)
+            check_grantable(shards, mode)
         if mode == "w" and any(s.io is not None for s in shards):
             return self._serve_slow(shards, leases, mode)  # wait for the write-back
         if all(s.in_arena for s in shards) or self._place_now(shards):
             return self._lease_and_reply(shards, leases, mode)
         return self._serve_slow(shards, leases, mode)
-
-    def _check_grantable(self, shards: list[Shard], mode: str, leases: dict[Shard, Lease]
-                         ) -> None:
-        """Fail the whole batch before taking any lease, so a conflict leaks nothing."""
-        seen: set[int] = set()
-        for shard in shards:
-            if mode == "w" and (shard.leased or id(shard) in seen):
-                raise LeaseConflictError(
-                    f"shard {shard.shard_id!r} is already leased; release it before writing",
-                    [shard.shard_id],
-                )
-            if mode == "r" and shard.writer:
-                raise LeaseConflictError(
-                    f"shard {shard.shard_id!r} is leased for writing; release it first",
-                    [shard.shard_id],
-                )
-            seen.add(id(shard))
 
     def _place_now(self, shards: list[Shard]) -> bool:
         """Place never-written shards that fit right now; anything needing IO goes slow."""
@@ -223,7 +207,7 @@ class Job:
                 shard.pins -= 1
         # No await from here on: the conflict check and the grant are one atomic step.
         if leases is not None and mode is not None:
-            self._check_grantable(shards, mode, leases)
+            check_grantable(shards, mode)
         self.tier.note_stall(unique[0].rank, time.monotonic() - started)
         return self._lease_and_reply(shards, leases, mode)
 

@@ -194,25 +194,39 @@ class ShardTable:
         return sum(s.arena_nbytes for s in list(self.shards.values()) if s.leased)
 
 
-def grant(leases: dict[Shard, Lease], shard: Shard, mode: str) -> None:
-    """Take a read or write lease for one session, or raise LeaseConflictError."""
-    held = leases.get(shard)
-    if mode == "w":
-        if shard.writer or shard.readers:
+def check_grantable(shards: list[Shard], mode: str) -> None:
+    """Raise LeaseConflictError if any lease of the batch cannot be granted.
+
+    Checked for the whole batch before any lease is taken, so a conflict leaks
+    nothing; ``grant`` then only records.
+    """
+    seen: set[int] = set()
+    for shard in shards:
+        if mode == "w" and (shard.leased or id(shard) in seen):
+            holder = "for writing" if shard.writer else f"by {shard.readers} reader(s)"
             raise LeaseConflictError(
                 f"shard {shard.shard_id!r} is already leased "
-                f"({'for writing' if shard.writer else f'by {shard.readers} reader(s)'}); "
+                f"({holder if shard.leased else 'twice in this batch'}); "
                 "release it before acquiring for writing",
                 [shard.shard_id],
             )
-        shard.writer = True
-    else:
-        if shard.writer:
+        if mode == "r" and shard.writer:
             raise LeaseConflictError(
                 f"shard {shard.shard_id!r} is leased for writing; release it first",
                 [shard.shard_id],
             )
+        seen.add(id(shard))
+
+
+def grant(leases: dict[Shard, Lease], shard: Shard, mode: str) -> None:
+    """Record a lease that ``check_grantable`` allowed."""
+    if mode == "w":
+        assert not shard.leased, f"write lease on busy shard {shard.shard_id!r}"
+        shard.writer = True
+    else:
+        assert not shard.writer, f"read lease on written shard {shard.shard_id!r}"
         shard.readers += 1
+    held = leases.get(shard)
     if held is None:
         held = leases[shard] = Lease(shard, mode)
     held.count += 1
