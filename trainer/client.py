@@ -29,6 +29,7 @@ from offloadd.errors import (
     UnknownShardError,
     error_from_code,
 )
+from offloadd.optimizer import TORCH_DTYPES
 
 __all__ = [
     "AsyncOffloadClient",
@@ -41,12 +42,8 @@ __all__ = [
     "UnknownShardError",
 ]
 
-TORCH_DTYPE_TAGS = {
-    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-    torch.float64: "float64", torch.uint8: "uint8", torch.int8: "int8",
-    torch.int32: "int32", torch.int64: "int64",
-}
-TAG_TORCH_DTYPES = {tag: dtype for dtype, tag in TORCH_DTYPE_TAGS.items()}
+TAG_TORCH_DTYPES = TORCH_DTYPES  # the daemon's own tag -> torch dtype table
+TORCH_DTYPE_TAGS = {dtype: tag for tag, dtype in TAG_TORCH_DTYPES.items()}
 _encode = msgspec.msgpack.Encoder().encode
 
 
