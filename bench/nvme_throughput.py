@@ -8,8 +8,9 @@ Every contender moves ``size`` bytes with O_DIRECT in blocks of the daemon's
 allowed in flight, into a fresh temp dir under ``--dir``; figures are medians
 of ``--runs`` runs, each on fresh files; daemon and fio runs alternate.
 
-- offloadd write: an asyncio client writes ``arena + size`` bytes of 4 MiB shards
-  (alloc, then acquire "w" / fill the lease / release, ``--window`` in flight)
+- offloadd write: an asyncio client registers ``arena + size`` bytes of 4 MiB
+  shards in one ``alloc`` (as the ZeRO engine does at initialize), then writes
+  them (acquire "w" / fill the lease / release, ``--window`` in flight)
   into a daemon whose arena holds ``arena``, then flushes. Timed from the first
   put to the end of the flush; GB/s counts the bytes the daemon wrote to its
   swap files (``arena + size``: everything ends on swap) over that time.
@@ -93,9 +94,12 @@ async def daemon_pass(socket_path: str, args: argparse.Namespace) -> dict[str, f
     try:
         before = swap_totals(await client.stats())
 
+        # Registered up front in one call, as the ZeRO engine registers its shards
+        # at initialize(): the daemon then knows the job outgrows its arena.
+        await client.alloc([f"s{i}" for i in range(total_shards)], [chunk] * total_shards)
+
         async def put(index: int) -> None:
             # One copy into the arena, as a rank filling its lease would make.
-            await client.alloc(f"s{index}", chunk)
             async with await client.acquire(f"s{index}", "w") as lease:
                 lease.view[:] = source
                 lease.view[:8] = index.to_bytes(8, "little")  # every shard distinct

@@ -49,6 +49,7 @@ class SwapTier(Protocol):
     def after_access(self, table: ShardTable, rank: int) -> None: ...
     def note_stall(self, rank: int, seconds: float) -> None: ...
     def step_begin(self, table: ShardTable, rank: int) -> None: ...
+    def note_dirty(self, table: ShardTable, nbytes: int) -> None: ...
     def prefetch(self, table: ShardTable, shards: list[Shard], deadline_s: float) -> None: ...
     async def flush(self, table: ShardTable, tag: str | None) -> int: ...
     def forget(self, table: ShardTable, shard: Shard) -> None: ...
@@ -117,9 +118,7 @@ class Job:
         for shard in shards:
             if shard.in_arena or shard.swap is not None or shard.io is not None:
                 continue
-            if self.table.try_place(shard):
-                shard.residency = Residency.ARENA_DIRTY
-            elif self.tier is None:
+            if not self.table.place_unwritten(shard) and self.tier is None:
                 self._forget_unwritten(created)
                 self._raise_arena_full(shard)
         return Placed(
@@ -175,11 +174,10 @@ class Job:
                 continue
             if shard.swap is not None or shard.residency is Residency.READING:
                 return False
-            if not self.table.try_place(shard):
+            if not self.table.place_unwritten(shard):
                 if self.tier is None:
                     self._raise_arena_full(shard)
                 return False
-            shard.residency = Residency.ARENA_DIRTY
         return True
 
     def _raise_arena_full(self, shard: Shard) -> None:
@@ -238,9 +236,7 @@ class Job:
                 raise UnknownShardError(f"shard {shard.shard_id!r} was dropped", [shard.shard_id])
             if shard.residency is Residency.READING or shard.swap is not None:
                 await self.tier.read_in(self.table, shard)
-            elif self.table.try_place(shard):
-                shard.residency = Residency.ARENA_DIRTY
-            else:
+            elif not self.table.place_unwritten(shard):
                 await self.tier.make_room(self.table, shard.arena_nbytes)
 
     def _lease_and_reply(self, shards: list[Shard], leases: dict[Shard, Lease] | None,
@@ -268,8 +264,12 @@ class Job:
 
     def release(self, rank: int, ids: list[str], dirty: bool, leases: dict[Shard, Lease]
                 ) -> None:
+        dirtied = 0
         for shard in self.table.lookup(rank, ids):
-            give_back(leases, shard, dirty)
+            if give_back(leases, shard, dirty):
+                dirtied += shard.arena_nbytes
+        if dirtied and self.tier is not None:
+            self.tier.note_dirty(self.table, dirtied)
 
     def drop(self, rank: int, ids: list[str]) -> Awaitable[None] | None:
         """Forget shards and free their arena and swap space; waits out IO in flight."""

@@ -119,6 +119,8 @@ class ShardTable:
         self.job = job
         self.arena = arena
         self.shards: dict[tuple[int, str], Shard] = {}
+        self.total_nbytes = 0
+        """Arena bytes every shard of the job would need at once, resident or not."""
 
     def get(self, rank: int, shard_id: str) -> Shard:
         try:
@@ -155,6 +157,7 @@ class ShardTable:
         self.check_fits(nbytes)
         shard = Shard(rank, shard_id, nbytes, dtype, residency=Residency.NVME)
         self.shards[(rank, shard_id)] = shard
+        self.total_nbytes += shard.arena_nbytes
         return shard
 
     def matches(self, shard: Shard, nbytes: int, dtype: str) -> None:
@@ -173,6 +176,15 @@ class ShardTable:
         shard.offset = offset
         return True
 
+    def place_unwritten(self, shard: Shard) -> bool:
+        """Place a shard that has no swap copy: never written, so its bytes are
+        undefined until a writer releases it. It is clean (nothing to write back);
+        its first dirty release makes it ARENA_DIRTY."""
+        if not self.try_place(shard):
+            return False
+        shard.residency = Residency.ARENA_CLEAN
+        return True
+
     def unplace(self, shard: Shard) -> None:
         assert shard.offset is not None and not shard.leased
         self.arena.allocator.free(shard.offset, shard.arena_nbytes)
@@ -182,9 +194,14 @@ class ShardTable:
         if shard.offset is not None:
             self.unplace(shard)
         del self.shards[(shard.rank, shard.shard_id)]
+        self.total_nbytes -= shard.arena_nbytes
 
     def touch(self, shard: Shard) -> None:
         shard.last_use = next(self._clock)
+
+    def overcommitted(self) -> bool:
+        """True when the job's shards cannot all be resident: eviction is certain."""
+        return self.total_nbytes > self.arena.nbytes
 
     def resident_nbytes(self) -> int:
         return self.arena.allocator.used_nbytes

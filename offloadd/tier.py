@@ -60,6 +60,8 @@ class JobTier:
         self.cleaned: set[Shard] = set()
         """Shards the write-behind cleaned, for the eviction reason label."""
         self.background_error: OffloadError | None = None
+        self.dirtied_nbytes = 0
+        """Bytes released dirty since the last background write-back pass."""
         self._stripe = 0
 
     # -- chunks -------------------------------------------------------------------
@@ -258,16 +260,49 @@ class JobTier:
         target = shortfall + self.write_behind_nbytes(table)
         if ready >= target:
             return
-        dirty = [(s, t) for s, t in candidates
-                 if s.residency is Residency.ARENA_DIRTY and s not in self.cleaning]
-        for shard in pick_victims(dirty, target - ready, not_before_s):
-            task = asyncio.ensure_future(self._clean_one(table, shard))
-            self.cleaning[shard] = task
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+        for shard in pick_victims(self._dirty(candidates), target - ready, not_before_s):
+            self._start_cleaning(table, shard)
+
+    def _dirty(self, candidates: list[tuple[Shard, float]]) -> list[tuple[Shard, float]]:
+        return [(s, t) for s, t in candidates
+                if s.residency is Residency.ARENA_DIRTY and s not in self.cleaning]
+
+    def _start_cleaning(self, table: ShardTable, shard: Shard) -> None:
+        task = asyncio.ensure_future(self._clean_one(table, shard))
+        self.cleaning[shard] = task
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
 
     def write_behind_nbytes(self, table: ShardTable) -> int:
         return min(table.arena.nbytes // 4, self.space.queue.depth * self.chunk_nbytes)
+
+    def note_dirty(self, table: ShardTable, nbytes: int) -> None:
+        """A writer released ``nbytes`` of new versions: maybe start background write-back.
+
+        Like the kernel's dirty_background threshold: once the job's shards outgrow
+        its arena, eviction is certain and every dirty shard not needed again soon
+        will have to be written, so it is written while the drive has room rather
+        than when a request is waiting for its arena range. Scans of the table are
+        batched (one per ``write_behind_nbytes / 4`` dirtied) to keep releases cheap.
+        """
+        self.dirtied_nbytes += nbytes
+        if self.dirtied_nbytes >= self.write_behind_nbytes(table) // 4:
+            self._clean_background(table)
+
+    def _clean_background(self, table: ShardTable) -> None:
+        self.dirtied_nbytes = 0
+        if not table.overcommitted() or self.background_error is not None:
+            return
+        room = self.write_behind_nbytes(table) - sum(s.arena_nbytes for s in self.cleaning)
+        if room <= 0:
+            return
+        candidates, _ = self._scan(table)
+        dirty = self._dirty(candidates)
+        # The dirty shards needed soonest stay dirty: they may be written again
+        # before they are ever evicted, and a write-back of them would be wasted.
+        excess = sum(s.arena_nbytes for s, _t in dirty) - table.arena.nbytes // 4
+        for shard in pick_victims(dirty, min(room, excess)):
+            self._start_cleaning(table, shard)
 
     async def _clean_one(self, table: ShardTable, shard: Shard) -> None:
         try:
@@ -279,6 +314,8 @@ class JobTier:
             self.background_error = exc
         finally:
             del self.cleaning[shard]
+        if not self.cleaning and self.dirtied_nbytes:
+            self._clean_background(table)  # releases arrived while the drive was busy
 
     def _raise_background_error(self) -> None:
         """Hand a failed write-back to one request that needs room it cannot get.
@@ -428,11 +465,14 @@ class JobTier:
         return self.files[0].path.parent / MANIFEST
 
     def _manifest(self, table: ShardTable, tag: str | None) -> bytes:
+        # A never-written shard (version 0, no swap copy) is listed without chunks:
+        # it exists after recovery, its bytes undefined as before.
         shards = [
             {"rank": s.rank, "id": s.shard_id, "nbytes": s.nbytes, "dtype": s.dtype,
-             "version": s.swap.version,
-             "chunks": [[c.dir_index, c.offset, c.nbytes, c.checksum] for c in s.swap.chunks]}
-            for s in table.shards.values() if s.swap is not None
+             "version": s.swap.version if s.swap else 0,
+             "chunks": [[c.dir_index, c.offset, c.nbytes, c.checksum]
+                        for c in (s.swap.chunks if s.swap else [])]}
+            for s in table.shards.values() if s.swap is not None or s.version == 0
         ]
         return json.dumps({
             "format": MANIFEST_FORMAT, "job": self.job, "tag": tag, "created": time.time(),
@@ -459,7 +499,8 @@ class JobTier:
             chunks = [Chunk(*c) for c in entry["chunks"]]
             for chunk in chunks:
                 self.files[chunk.dir_index].allocator.reserve(chunk.offset, chunk.nbytes)
-            shard.swap = SwapPlacement(chunks, entry["version"], in_manifest=True)
+            if chunks:  # none: never written, placed on first use
+                shard.swap = SwapPlacement(chunks, entry["version"], in_manifest=True)
             shard.version = entry["version"]
         return len(manifest["shards"])
 

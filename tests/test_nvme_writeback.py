@@ -1,0 +1,103 @@
+"""When the swap tier writes: background write-back of a job that outgrows its arena,
+none for a job that fits, and none ever for shards that were never written.
+
+Each test runs its own daemon, so the daemon-wide swap counters are this test's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+from offloadd.embedded import PrivateDaemon
+from trainer.client import OffloadClient
+
+MIB = 1 << 20
+ARENA_NBYTES = 32 * MIB
+SHARD_NBYTES = 4 * MIB
+JOB = "writeback"
+
+
+def start(tmp_path: Path, name: str = "d", *extra: str) -> PrivateDaemon:
+    return PrivateDaemon.start(tmp_path / name, arena_size=2 * ARENA_NBYTES,
+                               swap_dirs=[str(tmp_path / "swap")], extra_args=list(extra))
+
+
+def connect(daemon: PrivateDaemon) -> OffloadClient:
+    return OffloadClient.connect(daemon.socket_path, job=JOB, arena_nbytes=ARENA_NBYTES)
+
+
+def swap_stats(client: OffloadClient) -> dict:
+    return client.stats()["swap"]
+
+
+def written(client: OffloadClient) -> int:
+    return sum(d["written_nbytes"] for d in swap_stats(client)["dirs"])
+
+
+def write_shards(client: OffloadClient, ids: list[str]) -> dict[str, bytes]:
+    payloads = {}
+    for shard_id in ids:
+        payloads[shard_id] = os.urandom(SHARD_NBYTES)
+        with client.acquire(shard_id, "w") as lease:
+            lease.view[:] = payloads[shard_id]
+    return payloads
+
+
+def test_a_job_outgrowing_its_arena_writes_back_before_the_arena_fills(tmp_path: Path) -> None:
+    with start(tmp_path) as daemon, connect(daemon) as client:
+        ids = [f"s{i}" for i in range(2 * ARENA_NBYTES // SHARD_NBYTES)]
+        client.alloc(ids, SHARD_NBYTES)  # twice the arena: eviction is certain
+        # Three quarters of the arena: room is never short, so make_room never runs.
+        payloads = write_shards(client, ids[:6])
+        deadline = time.monotonic() + 30
+        while written(client) == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = swap_stats(client)
+        assert written(client) > 0, stats
+        assert stats["evictions"] == {}, "the write-back was not forced by a full arena"
+        # The dirty shards needed soonest stay dirty: only the excess over a quarter
+        # of the arena is written back early.
+        assert written(client) <= 6 * SHARD_NBYTES - ARENA_NBYTES // 4
+        for shard_id, payload in payloads.items():
+            assert client.get(shard_id) == payload
+
+
+def test_a_job_that_fits_its_arena_writes_nothing_until_flush(tmp_path: Path) -> None:
+    with start(tmp_path) as daemon, connect(daemon) as client:
+        ids = [f"s{i}" for i in range(ARENA_NBYTES // SHARD_NBYTES)]
+        client.alloc(ids, SHARD_NBYTES)  # exactly the arena
+        write_shards(client, ids)
+        time.sleep(0.5)  # time enough for a background write-back to show
+        assert written(client) == 0
+        client.flush("fits")
+        assert written(client) == ARENA_NBYTES
+
+
+def test_never_written_shards_are_evicted_without_io_and_survive_recovery(
+        tmp_path: Path) -> None:
+    blank = [f"blank{i}" for i in range(ARENA_NBYTES // SHARD_NBYTES)]
+    used = [f"used{i}" for i in range(ARENA_NBYTES // SHARD_NBYTES)]
+    with start(tmp_path) as daemon, connect(daemon) as client:
+        client.alloc(blank, SHARD_NBYTES)  # fills the arena; never written
+        client.alloc(used, SHARD_NBYTES)
+        payloads = write_shards(client, used)  # room for these evicts every blank one
+        assert client.stats()["residency"]["nvme"] >= len(blank)
+        client.flush("blanks")
+        # Only the written shards ever reached swap, each once.
+        assert written(client) == len(used) * SHARD_NBYTES
+        manifest = json.loads(next((tmp_path / "swap").rglob("manifest.json")).read_text())
+        chunks = {entry["id"]: entry["chunks"] for entry in manifest["shards"]}
+        assert all(chunks[i] == [] for i in blank)
+        assert all(chunks[i] for i in used)
+        with client.acquire(blank[0]) as lease:  # placed again on first use
+            assert len(lease.view) == SHARD_NBYTES
+    with start(tmp_path, "again", "--recover") as daemon, connect(daemon) as client:
+        assert client.stats()["num_shards"] == len(blank) + len(used)
+        for shard_id, payload in payloads.items():
+            assert client.get(shard_id) == payload
+        with client.acquire(blank[-1], "w") as lease:
+            lease.view[:] = b"\x01" * SHARD_NBYTES
+        assert client.get(blank[-1]) == b"\x01" * SHARD_NBYTES
