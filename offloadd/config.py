@@ -56,6 +56,10 @@ class DaemonConfig:
     """Which IO engine moves chunks between the arena and swap files."""
     io_queue_depth: int = 32
     """Swap requests in flight per daemon."""
+    hash_threads: int | None = None
+    """Threads that checksum swap chunks; 0 hashes on the event loop (~0.1-0.3 ms per
+    4 MiB chunk, cheaper than a thread hand-off where cores are few). None: 0 on
+    machines with at most 4 cores, else one per 4 cores (at most 8)."""
     recover: bool = False
     """At start, restore every job from the last flushed manifest in the swap dirs."""
     metrics_addr: str | None = None
@@ -84,6 +88,9 @@ class DaemonConfig:
                 f"chunk_size must be a positive multiple of 4KiB, got {self.chunk_size}")
         if self.io_queue_depth < 1:
             raise ValueError(f"io_queue_depth must be >= 1, got {self.io_queue_depth}")
+        if self.hash_threads is not None and self.hash_threads < 0:
+            raise ValueError(f"hash_threads must be >= 0 (0: on the event loop), "
+                             f"got {self.hash_threads}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
         if self.io_engine not in ("auto", "native", "io_uring", "threads", "python"):
@@ -92,6 +99,12 @@ class DaemonConfig:
             )
         if self.metrics_addr is not None:
             parse_host_port(self.metrics_addr)
+
+    def resolved_hash_threads(self) -> int:
+        if self.hash_threads is not None:
+            return self.hash_threads
+        cores = os.cpu_count() or 1
+        return 0 if cores <= 4 else min(8, cores // 4)
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides: Any) -> DaemonConfig:

@@ -201,7 +201,9 @@ class SwapSpace:
                      for i, p in enumerate(config.swap_dirs)]
         self.counters = SwapCounters()
         self.queue = IOQueue(config.io_queue_depth)
-        self.hash_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offloadd-hash")
+        threads = config.resolved_hash_threads()
+        self.hash_pool = (ThreadPoolExecutor(threads, thread_name_prefix="offloadd-hash")
+                          if threads else None)
         self.engine: Any = None
         self.tiers: dict[str, Any] = {}
         metrics.sources.append(self.families)
@@ -271,6 +273,8 @@ class SwapSpace:
             jobfile.dir.written_nbytes += len(view)
 
     async def checksum(self, view: memoryview) -> int:
+        if self.hash_pool is None:
+            return xxhash.xxh3_64_intdigest(view)
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.hash_pool, xxhash.xxh3_64_intdigest, view)
 
@@ -343,4 +347,5 @@ class SwapSpace:
             await tier.close()
         if self.engine is not None:
             await self.engine.aclose()
-        self.hash_pool.shutdown(wait=True)
+        if self.hash_pool is not None:
+            self.hash_pool.shutdown(wait=True)

@@ -283,6 +283,15 @@ def test_toml_config_takes_the_same_keys_as_the_flags_and_flags_win(tmp_path: Pa
         assert process.wait(30) == 0
 
 
+@pytest.mark.parametrize("knob, value", [
+    ("chunk_size", 1000), ("io_queue_depth", 0), ("hash_threads", -1),
+    ("job_arena_share", 1.5), ("io_engine", "spdk"), ("metrics_addr", "nohost"),
+])
+def test_a_bad_config_value_is_refused_naming_the_key(knob: str, value: object) -> None:
+    with pytest.raises(ValueError, match=knob):
+        DaemonConfig(**{knob: value})  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("text, nbytes", [
     ("1GiB", 1 << 30), ("512MiB", 512 << 20), ("4096", 4096), ("64KiB", 64 << 10),
     (" 2 MiB ", 2 << 20), ("3G", 3 << 30), ("100B", 100), (123, 123),

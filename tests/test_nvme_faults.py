@@ -285,9 +285,13 @@ def test_failed_background_write_back_loses_nothing(swap_root: Path, io_fault) -
 # -- corruption --------------------------------------------------------------------
 
 
-def test_flipped_byte_in_a_swap_file_is_a_checksum_error(swap_root: Path) -> None:
+@pytest.mark.parametrize("hash_threads", [0, 2], ids=["hash-on-loop", "hash-threads"])
+def test_flipped_byte_in_a_swap_file_is_a_checksum_error(swap_root: Path,
+                                                         hash_threads: int) -> None:
     dirs = [swap_root / "nvme0", swap_root / "nvme1"]
-    with running(swap_root, dirs) as (daemon, client):
+    config = swap_root / "offloadd.toml"
+    config.write_text(f"hash_threads = {hash_threads}\n")
+    with running(swap_root, dirs, ["--config", str(config)]) as (daemon, client):
         shards = Shards(client)
         for index in range(3):
             shards.put(f"s{index}", SHARD_NBYTES * 2 - 4096 * index - 3)
