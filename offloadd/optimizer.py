@@ -11,19 +11,19 @@ updated shards dirty so the swap tier persists them.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-import torch
-
 from offloadd.errors import InvalidRequestError, UnknownShardError
 from offloadd.metrics import Counters, Histogram, histogram_family
-from offloadd.protocol import Placed
+from offloadd.protocol import DTYPE_ITEMSIZE, DTYPES, Placed
 from offloadd.shards import Lease, Shard
 
 if TYPE_CHECKING:
+    import torch
     from prometheus_client.core import Metric
 
     from offloadd.jobs import Job
@@ -31,21 +31,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TORCH_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-    "uint8": torch.uint8,
-    "int8": torch.int8,
-    "int32": torch.int32,
-    "int64": torch.int64,
-}
+
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Shard dtype tag -> torch dtype. Imports torch, which the daemon does only at its
+    first optimizer step (a swap-only daemon starts in a fraction of the time)."""
+    import torch
+
+    return {tag: getattr(torch, tag) for tag in DTYPES}
+
+
 STATE_SUFFIXES = ("master", "exp_avg", "exp_avg_sq", "grad")
 
 
 def element_count(shard: Shard) -> int:
-    return shard.nbytes // TORCH_DTYPES[shard.dtype].itemsize
+    return shard.nbytes // DTYPE_ITEMSIZE[shard.dtype]
 
 
 def check_unit_shards(unit: str, state: list[Shard], param: Shard | None) -> None:
@@ -112,9 +112,8 @@ class OptimizerService:
         started = time.perf_counter()
         ok = False
         try:
-            views = [self._tensor(job, shard) for shard in shards]
             await asyncio.get_running_loop().run_in_executor(
-                self.executor, self._run, views, req)
+                self.executor, self._run, job, shards, req)
             ok = True
         finally:
             self._finish(job, rank, shards, leases, ok, started)
@@ -134,13 +133,17 @@ class OptimizerService:
 
     @staticmethod
     def _tensor(job: Job, shard: Shard) -> torch.Tensor:
+        import torch
+
         assert shard.offset is not None
         view = job.arena.slice(shard.offset, shard.nbytes)
-        return torch.frombuffer(view, dtype=TORCH_DTYPES[shard.dtype])
+        return torch.frombuffer(view, dtype=torch_dtypes()[shard.dtype])
 
-    def _run(self, views: list[torch.Tensor], req: OptimizerStep) -> None:
+    def _run(self, job: Job, shards: list[Shard], req: OptimizerStep) -> None:
+        """On the worker thread (torch is imported here, off the event loop)."""
         from offloadd import adam
 
+        views = [self._tensor(job, shard) for shard in shards]
         master, exp_avg, exp_avg_sq, grad = views[:4]
         adam.adam_step(
             master, exp_avg, exp_avg_sq, grad,

@@ -23,7 +23,10 @@ MAX_FRAME_NBYTES = 16 << 20
 """Largest accepted payload; a longer length prefix is a bad frame and closes the connection."""
 
 Mode = Literal["r", "w"]
-DTYPES = ("uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64")
+DTYPE_ITEMSIZE = {"uint8": 1, "int8": 1, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
+                  "float32": 4, "float64": 8}
+"""Element dtypes a shard may carry (torch's names), with their sizes in bytes."""
+DTYPES = tuple(DTYPE_ITEMSIZE)
 """Dtype tags a shard may carry; the tag only describes the bytes, the daemon never converts."""
 
 

@@ -27,11 +27,13 @@ LAG_PERIOD_S = 0.25
 
 
 def adam_kernel() -> str:
+    """The kernel optimizer steps use (adam.active_kernel), read from the native module:
+    importing offloadd.adam would import torch, which waits for the first step."""
     try:
-        from offloadd import adam
+        from offloadd import _native
     except ImportError:
-        return "unavailable"
-    return adam.active_kernel()
+        return "torch"
+    return next(iter(_native.adam_kernels()), "torch")
 
 
 def sd_notify(message: str) -> None:

@@ -259,6 +259,27 @@ def ready_line(process: subprocess.Popen[str]) -> str:
     return process.stdout.readline().strip()
 
 
+def _maps_torch(pid: int) -> bool:
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+
+
+def test_the_daemon_loads_torch_only_for_its_first_optimizer_step(tmp_path: Path) -> None:
+    import torch
+
+    with PrivateDaemon.start(tmp_path / "d", arena_size="16MiB",
+                             extra_args=["--metrics-addr", "127.0.0.1:0"]) as daemon, \
+            OffloadClient.connect(daemon.socket_path, job="lazy") as client:
+        state = torch.full((64,), 2.0)
+        client.put_many({f"u.{name}": state for name in ("master", "exp_avg", "exp_avg_sq",
+                                                          "grad")})
+        assert client.get("u.grad") == state.numpy().tobytes()
+        assert client.stats()["adam_kernel"] in ("avx512", "avx2", "scalar", "torch")
+        assert not _maps_torch(daemon.process.pid)  # serving shards needs no torch
+        client.optimizer_step("u", step=1, lr=0.1)
+        assert client.get("u.master") != state.numpy().tobytes()
+        assert _maps_torch(daemon.process.pid)
+
+
 def test_toml_config_takes_the_same_keys_as_the_flags_and_flags_win(tmp_path: Path) -> None:
     socket_path = tmp_path / "toml.sock"
     config = tmp_path / "offloadd.toml"
