@@ -6,7 +6,8 @@
 Every contender moves ``size`` bytes with O_DIRECT in blocks of the daemon's
 ``chunk_size`` (4 MiB) with the daemon's ``io_queue_depth`` (32) requests
 allowed in flight, into a fresh temp dir under ``--dir``; figures are medians
-of ``--runs`` runs, each on fresh files; daemon and fio runs alternate.
+of ``--runs`` rounds, each on fresh files; every round runs each contender once,
+in an order rotated from round to round (the host's drift hits all alike).
 
 - offloadd write: an asyncio client registers ``arena + size`` bytes of 4 MiB
   shards in one ``alloc`` (as the ZeRO engine does at initialize), then writes
@@ -22,11 +23,13 @@ of ``--runs`` runs, each on fresh files; daemon and fio runs alternate.
 - fio: ``--direct=1 --rw=write`` then ``--rw=read``, ``--bs=4m --iodepth=32
   --size=SIZE --ioengine=io_uring`` on one file; bandwidth from its JSON.
 - DeepSpeed aio (when ``import deepspeed`` works): ``aio_handle(4 MiB, 32)``
-  ``sync_pwrite`` / ``sync_pread`` of one pinned ``size``-byte tensor to one file
-  (its best case: no per-shard files, no swapper bookkeeping).
+  ``sync_pwrite`` / ``sync_pread`` of one pinned ``size``-byte tensor to one fresh
+  file per round, from one child process kept across rounds (its best case: no
+  per-shard files, no swapper bookkeeping, no checksums).
 
 The last line is one JSON object: GB/s of each contender and
-``ratio_vs_fio_read`` / ``ratio_vs_fio_write`` (offloadd / fio, > 1 is better).
+``ratio_vs_fio_read`` / ``ratio_vs_fio_write`` / ``ratio_vs_deepspeed_read`` /
+``ratio_vs_deepspeed_write`` (offloadd / peer, > 1 is better).
 """
 
 from __future__ import annotations
@@ -188,80 +191,123 @@ def fio_run(workdir: Path, index: int, args: argparse.Namespace) -> dict[str, fl
             path.unlink()
 
 
-def bench_interleaved(workdir: Path, args: argparse.Namespace, notes: list[str]
-                      ) -> tuple[dict[str, float], dict[str, float] | None, bool]:
-    """Alternate daemon and fio runs so that drift of the drive (or of a virtual
-    disk's host cache) hits both alike; medians per contender."""
-    use_fio = shutil.which("fio") is not None
-    if not use_fio:
-        notes.append("fio not installed (apt-get install -y fio); ratios skipped")
-    ours: dict[str, list[float]] = {"write": [], "read": []}
-    fio: dict[str, list[float]] = {"write": [], "read": []}
-    direct = True
-    for index in range(args.runs):
-        result, used_direct = daemon_run(workdir, index, args)
-        direct = direct and used_direct
-        for op in ours:
-            ours[op].append(result[op])
-        if use_fio:
-            try:
-                for op, rate in fio_run(workdir, index, args).items():
-                    fio[op].append(rate)
-            except (subprocess.CalledProcessError, KeyError, ValueError) as exc:
-                notes.append(f"fio failed: {str(exc).splitlines()[0]}")
-                use_fio = False
-    print(f"runs (GB/s, write/read): offloadd {runs_text(ours)}; fio {runs_text(fio)}")
-    median = {op: statistics.median(v) for op, v in ours.items()}
-    fio_median = {op: statistics.median(v) for op, v in fio.items()} if use_fio else None
-    return median, fio_median, direct
+class DeepSpeedAio:
+    """DeepSpeed's aio handle in a child process (importing deepspeed is slow and starts
+    its own threads), kept alive across rounds: one pinned ``size``-byte tensor, and per
+    round one fresh file written with ``sync_pwrite`` and read with ``sync_pread``."""
 
-
-def runs_text(rates: dict[str, list[float]]) -> str:
-    return " ".join(f"{w:.2f}/{r:.2f}" for w, r in zip(rates["write"], rates["read"]))
-
-
-# -- DeepSpeed aio -----------------------------------------------------------------------
-
-
-def bench_deepspeed(workdir: Path, args: argparse.Namespace, notes: list[str]
-                    ) -> dict[str, float] | None:
-    """Run in a child process: importing deepspeed is slow and pulls in its own threads."""
-    code = f"""
-import json, os, statistics, sys, time, torch
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    CODE = """
+import json, os, sys, time, torch
 from deepspeed.ops.op_builder import AsyncIOBuilder
 aio = AsyncIOBuilder().load(verbose=False)
-nbytes = {args.size_mib * MIB}
-handle = aio.aio_handle({DEFAULTS.chunk_size}, {DEFAULTS.io_queue_depth}, False, True, 1)
+nbytes, chunk, qd = (int(a) for a in sys.argv[1:4])
+handle = aio.aio_handle(chunk, qd, False, True, 1)
 buffer = handle.new_cpu_locked_tensor(nbytes, torch.empty(0, dtype=torch.uint8))
 buffer.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8))
-rates = {{"write": [], "read": []}}
-for run in range({args.runs}):
-    path = os.path.join({str(workdir)!r}, f"ds{{run}}.bin")
+print("ready", flush=True)
+for line in sys.stdin:
+    path = line.strip()
     started = time.perf_counter(); handle.sync_pwrite(buffer, path)
-    rates["write"].append(nbytes / (time.perf_counter() - started) / 1e9)
+    write = nbytes / (time.perf_counter() - started) / 1e9
     started = time.perf_counter(); handle.sync_pread(buffer, path)
-    rates["read"].append(nbytes / (time.perf_counter() - started) / 1e9)
+    read = nbytes / (time.perf_counter() - started) / 1e9
     os.unlink(path)
-print(json.dumps({{op: statistics.median(v) for op, v in rates.items()}}))
+    print(json.dumps({"write": write, "read": read}), flush=True)
 """
-    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          timeout=900)
-    if done.returncode != 0:
-        reason = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        notes.append(f"DeepSpeed aio skipped: {reason[:200]}")
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", self.CODE, str(args.size_mib * MIB),
+             str(DEFAULTS.chunk_size), str(DEFAULTS.io_queue_depth)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env)
+        self._expect("ready")
+
+    def _expect(self, prefix: str) -> str:
+        """The child's next line starting with ``prefix`` (DeepSpeed logs to stdout too)."""
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            if line.startswith(prefix):
+                return line
+        self.process.kill()
+        _out, err = self.process.communicate()
+        raise RuntimeError((err.strip().splitlines() or ["no output"])[-1][:200])
+
+    def run(self, path: Path) -> dict[str, float]:
+        assert self.process.stdin is not None
+        self.process.stdin.write(f"{path}\n")
+        self.process.stdin.flush()
+        return dict(json.loads(self._expect("{")))
+
+    def close(self) -> None:
+        if self.process.stdin is not None:
+            self.process.stdin.close()
+        self.process.wait(60)
+
+
+def start_deepspeed(args: argparse.Namespace, notes: list[str]) -> DeepSpeedAio | None:
+    if args.no_deepspeed:
+        notes.append("DeepSpeed aio skipped (--no-deepspeed)")
         return None
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
-
-
-def deepspeed_importable(notes: list[str]) -> bool:
     try:
         import deepspeed  # noqa: F401
     except Exception as exc:  # any import failure means: not measurable here
         notes.append(f"DeepSpeed aio skipped: import deepspeed failed: {exc!r:.200}")
-        return False
-    return True
+        return None
+    try:
+        return DeepSpeedAio(args)
+    except RuntimeError as exc:
+        notes.append(f"DeepSpeed aio skipped: {exc}")
+        return None
+
+
+def bench_rounds(workdir: Path, args: argparse.Namespace, notes: list[str]
+                 ) -> tuple[dict[str, dict[str, float]], bool]:
+    """One run of every contender per round, in an order rotated each round, so that
+    drift of the drive (or of a virtual disk's host cache) hits all alike; medians."""
+    contenders: dict[str, Any] = {"offloadd": None}
+    if shutil.which("fio") is not None:
+        contenders["fio io_uring"] = None
+    else:
+        notes.append("fio not installed (apt-get install -y fio); fio ratios skipped")
+    deepspeed = start_deepspeed(args, notes)
+    if deepspeed is not None:
+        contenders["deepspeed aio"] = deepspeed
+    rates: dict[str, dict[str, list[float]]] = {
+        name: {"write": [], "read": []} for name in contenders}
+    direct = True
+    try:
+        for index in range(args.runs):
+            names = list(contenders)
+            names = names[index % len(names):] + names[:index % len(names)]
+            for name in names:
+                if name == "offloadd":
+                    result, used_direct = daemon_run(workdir, index, args)
+                    direct = direct and used_direct
+                elif name == "fio io_uring":
+                    try:
+                        result = fio_run(workdir, index, args)
+                    except (subprocess.CalledProcessError, KeyError, ValueError) as exc:
+                        notes.append(f"fio failed: {str(exc).splitlines()[0]}; fio skipped")
+                        del contenders[name], rates[name]
+                        continue
+                else:
+                    result = deepspeed.run(workdir / f"ds{index}.bin")  # type: ignore[union-attr]
+                for op in ("write", "read"):
+                    rates[name][op].append(result[op])
+    finally:
+        if deepspeed is not None:
+            deepspeed.close()
+    for name, runs in rates.items():
+        print(f"runs of {name} (GB/s, write/read): {runs_text(runs)}")
+    medians = {name: {op: statistics.median(v) for op, v in runs.items()}
+               for name, runs in rates.items()}
+    return medians, direct
+
+
+def runs_text(rates: dict[str, list[float]]) -> str:
+    return " ".join(f"{w:.2f}/{r:.2f}" for w, r in zip(rates["write"], rates["read"]))
 
 
 # -- report ------------------------------------------------------------------------------
@@ -271,39 +317,30 @@ def main() -> None:
     args = parse_args()
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="offloadd-nvme-bench-", dir=args.dir) as tmp:
-        workdir = Path(tmp)
-        ours, fio, direct = bench_interleaved(workdir, args, notes)
-        if not direct:
-            notes.append(f"{args.dir} refuses O_DIRECT: the daemon ran buffered")
-        deepspeed = None
-        if args.no_deepspeed:
-            notes.append("DeepSpeed aio skipped (--no-deepspeed)")
-        elif deepspeed_importable(notes):
-            deepspeed = bench_deepspeed(workdir, args, notes)
-    contenders = {"offloadd": ours, "fio io_uring": fio, "deepspeed aio": deepspeed}
+        medians, direct = bench_rounds(Path(tmp), args, notes)
+    if not direct:
+        notes.append(f"{args.dir} refuses O_DIRECT: the daemon ran buffered")
     print(f"{args.size_mib} MiB, bs {DEFAULTS.chunk_size // MIB} MiB, qd "
           f"{DEFAULTS.io_queue_depth}, arena {args.arena_mib} MiB, window {args.window}, "
           f"median of {args.runs}, dir {args.dir}")
     print(f"{'contender':<16}{'write GB/s':>12}{'read GB/s':>12}")
-    for name, rates in contenders.items():
-        if rates is not None:
-            print(f"{name:<16}{rates['write']:>12.3f}{rates['read']:>12.3f}")
+    for name, rates in medians.items():
+        print(f"{name:<16}{rates['write']:>12.3f}{rates['read']:>12.3f}")
     for note in notes:
         print(f"note: {note}")
+    ours = medians["offloadd"]
     result: dict[str, Any] = {
         "bench": "nvme_throughput", "size_mib": args.size_mib, "arena_mib": args.arena_mib,
         "chunk_mib": DEFAULTS.chunk_size // MIB, "qd": DEFAULTS.io_queue_depth,
         "window": args.window, "runs": args.runs, "direct": direct,
         "offloadd_gb_per_s": {op: round(v, 3) for op, v in ours.items()},
     }
-    if fio is not None:
-        result["fio_gb_per_s"] = {op: round(v, 3) for op, v in fio.items()}
-        result["ratio_vs_fio_read"] = round(ours["read"] / fio["read"], 3)
-        result["ratio_vs_fio_write"] = round(ours["write"] / fio["write"], 3)
-    if deepspeed is not None:
-        result["deepspeed_aio_gb_per_s"] = {op: round(v, 3) for op, v in deepspeed.items()}
-        result["ratio_vs_deepspeed_read"] = round(ours["read"] / deepspeed["read"], 3)
-        result["ratio_vs_deepspeed_write"] = round(ours["write"] / deepspeed["write"], 3)
+    for name, key, peer in (("fio io_uring", "fio", "fio"),
+                            ("deepspeed aio", "deepspeed_aio", "deepspeed")):
+        if name in medians:
+            result[f"{key}_gb_per_s"] = {op: round(v, 3) for op, v in medians[name].items()}
+            for op in ("read", "write"):
+                result[f"ratio_vs_{peer}_{op}"] = round(ours[op] / medians[name][op], 3)
     if notes:
         result["notes"] = notes
     print(json.dumps(result))
