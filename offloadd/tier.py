@@ -443,13 +443,11 @@ class JobTier:
             return written
 
     async def _flush(self, table: ShardTable, tag: str | None) -> int:
-        busy = [s.io for s in table.shards.values() if s.io is not None]
-        if busy:
-            await asyncio.wait([asyncio.shield(f) for f in busy])
-        dirty = [s for s in table.shards.values()
-                 if s.residency is Residency.ARENA_DIRTY and not s.writer]
-        results = await asyncio.gather(*(self.write_back(table, s, Priority.WRITEBACK)
-                                         for s in dirty))
+        # Dirty shards are written while the IO in flight (write-behind, reads)
+        # finishes; a shard whose IO left it dirty (a failed write-back) goes after.
+        busy = [s for s in table.shards.values() if s.io is not None]
+        results = await self._write_back_dirty(table, busy)
+        results += await self._write_back_dirty(table, [])
         loop = asyncio.get_running_loop()
         for jobfile in self.files:
             await loop.run_in_executor(None, os.fdatasync, jobfile.fd)
@@ -460,6 +458,16 @@ class JobTier:
         if skipped:
             log.warning("event=flush_skipped_writers job=%s shards=%s", self.job, skipped[:8])
         return sum(1 for ok in results if ok)
+
+    async def _write_back_dirty(self, table: ShardTable, busy: list[Shard]) -> list[bool]:
+        """Write back every dirty shard not held by a writer, while ``busy`` IO ends."""
+        dirty = [s for s in table.shards.values()
+                 if s.residency is Residency.ARENA_DIRTY and not s.writer and s.io is None]
+        writes = asyncio.gather(*(self.write_back(table, s, Priority.WRITEBACK) for s in dirty))
+        waits = [asyncio.shield(s.io) for s in busy if s.io is not None]
+        if waits:
+            await asyncio.wait(waits)
+        return list(await writes)
 
     def manifest_path(self) -> Path:
         return self.files[0].path.parent / MANIFEST
