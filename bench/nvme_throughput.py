@@ -1,7 +1,7 @@
 """Swap-out / swap-in throughput through the daemon vs fio and DeepSpeed's aio, same file system.
 
     python bench/nvme_throughput.py [--dir /var/tmp] [--size-mib 1024] [--arena-mib 256]
-                                    [--runs 3] [--window 16] [--no-deepspeed]
+                                    [--runs 7] [--window 16] [--no-deepspeed]
 
 Every contender moves ``size`` bytes with O_DIRECT in blocks of the daemon's
 ``chunk_size`` (4 MiB) with the daemon's ``io_queue_depth`` (32) requests
@@ -29,7 +29,9 @@ in an order rotated from round to round (the host's drift hits all alike).
 
 The last line is one JSON object: GB/s of each contender and
 ``ratio_vs_fio_read`` / ``ratio_vs_fio_write`` / ``ratio_vs_deepspeed_read`` /
-``ratio_vs_deepspeed_write`` (offloadd / peer, > 1 is better).
+``ratio_vs_deepspeed_write`` (offloadd / peer, > 1 is better): the median over
+rounds of the ratio within each round (paired, so drift of the host's disk
+between rounds cancels), not the ratio of the medians.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dir", default="/var/tmp", help="file system to test (a temp dir in it)")
     parser.add_argument("--size-mib", type=int, default=1024, help="bytes moved beyond the arena")
     parser.add_argument("--arena-mib", type=int, default=256, help="the daemon's arena")
-    parser.add_argument("--runs", type=int, default=3, help="runs per contender (median)")
+    parser.add_argument("--runs", type=int, default=7, help="rounds (median)")
     parser.add_argument("--window", type=int, default=16,
                         help="client puts/acquires in flight against the daemon")
     parser.add_argument("--io-engine", default="auto", help="daemon --io-engine")
@@ -263,7 +265,7 @@ def start_deepspeed(args: argparse.Namespace, notes: list[str]) -> DeepSpeedAio 
 
 
 def bench_rounds(workdir: Path, args: argparse.Namespace, notes: list[str]
-                 ) -> tuple[dict[str, dict[str, float]], bool]:
+                 ) -> tuple[dict[str, dict[str, list[float]]], bool]:
     """One run of every contender per round, in an order rotated each round, so that
     drift of the drive (or of a virtual disk's host cache) hits all alike; medians."""
     contenders: dict[str, Any] = {"offloadd": None}
@@ -301,9 +303,13 @@ def bench_rounds(workdir: Path, args: argparse.Namespace, notes: list[str]
             deepspeed.close()
     for name, runs in rates.items():
         print(f"runs of {name} (GB/s, write/read): {runs_text(runs)}")
-    medians = {name: {op: statistics.median(v) for op, v in runs.items()}
-               for name, runs in rates.items()}
-    return medians, direct
+    return rates, direct
+
+
+def paired_ratio(ours: list[float], peer: list[float]) -> float:
+    """Median over rounds of ours / peer in the same round: runs seconds apart share
+    the host's state, so the pairs cancel most of a shared disk's drift."""
+    return statistics.median(o / p for o, p in zip(ours, peer))
 
 
 def runs_text(rates: dict[str, list[float]]) -> str:
@@ -317,15 +323,17 @@ def main() -> None:
     args = parse_args()
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="offloadd-nvme-bench-", dir=args.dir) as tmp:
-        medians, direct = bench_rounds(Path(tmp), args, notes)
+        rates, direct = bench_rounds(Path(tmp), args, notes)
+    medians = {name: {op: statistics.median(v) for op, v in runs.items()}
+               for name, runs in rates.items()}
     if not direct:
         notes.append(f"{args.dir} refuses O_DIRECT: the daemon ran buffered")
     print(f"{args.size_mib} MiB, bs {DEFAULTS.chunk_size // MIB} MiB, qd "
           f"{DEFAULTS.io_queue_depth}, arena {args.arena_mib} MiB, window {args.window}, "
           f"median of {args.runs}, dir {args.dir}")
     print(f"{'contender':<16}{'write GB/s':>12}{'read GB/s':>12}")
-    for name, rates in medians.items():
-        print(f"{name:<16}{rates['write']:>12.3f}{rates['read']:>12.3f}")
+    for name, median in medians.items():
+        print(f"{name:<16}{median['write']:>12.3f}{median['read']:>12.3f}")
     for note in notes:
         print(f"note: {note}")
     ours = medians["offloadd"]
@@ -340,7 +348,8 @@ def main() -> None:
         if name in medians:
             result[f"{key}_gb_per_s"] = {op: round(v, 3) for op, v in medians[name].items()}
             for op in ("read", "write"):
-                result[f"ratio_vs_{peer}_{op}"] = round(ours[op] / medians[name][op], 3)
+                result[f"ratio_vs_{peer}_{op}"] = round(
+                    paired_ratio(rates["offloadd"][op], rates[name][op]), 3)
     if notes:
         result["notes"] = notes
     print(json.dumps(result))
