@@ -17,6 +17,8 @@ in an order rotated from round to round (the host's drift hits all alike).
   swap files (``arena + size``: everything ends on swap) over that time.
   Includes the client's copy into the arena, checksums, the daemon's
   write-back scheduling and the flush's fdatasync.
+  The arena is hugetlb when the host has 2 MiB pages reserved (``sysctl
+  vm.nr_hugepages``; the JSON's ``arena_hugepages`` says which), else 4 KiB shmem.
 - offloadd read: the client then acquires the ``size`` bytes of shards that were
   evicted (oldest first, ``--window`` acquires in flight, each released at once).
   GB/s counts the bytes the daemon read from swap; includes checksum checks.
@@ -89,7 +91,7 @@ async def windowed(count: int, window: int, one: Any) -> None:
     await asyncio.gather(*(lane() for _ in range(window)))
 
 
-async def daemon_pass(socket_path: str, args: argparse.Namespace) -> dict[str, float]:
+async def daemon_pass(socket_path: str, args: argparse.Namespace) -> dict[str, Any]:
     chunk = DEFAULTS.chunk_size
     arena = args.arena_mib * MIB
     total_shards = (arena + args.size_mib * MIB) // chunk
@@ -97,7 +99,8 @@ async def daemon_pass(socket_path: str, args: argparse.Namespace) -> dict[str, f
     source = bytearray(os.urandom(chunk))
     client = await AsyncOffloadClient.connect(socket_path, job="bench", arena_nbytes=arena)
     try:
-        before = swap_totals(await client.stats())
+        before_stats = await client.stats()
+        before = swap_totals(before_stats)
 
         # Registered up front in one call, as the ZeRO engine registers its shards
         # at initialize(): the daemon then knows the job outgrows its arena.
@@ -130,7 +133,8 @@ async def daemon_pass(socket_path: str, args: argparse.Namespace) -> dict[str, f
     read = after["read"] - middle["read"]
     assert written >= total_shards * chunk, f"only {written} bytes reached swap"
     assert read >= read_shards * chunk, f"only {read} bytes came from swap"
-    return {"write": written / write_s / 1e9, "read": read / read_s / 1e9}
+    return {"write": written / write_s / 1e9, "read": read / read_s / 1e9,
+            "hugepages": before_stats["arena_hugepages"]}
 
 
 async def check_sample(client: AsyncOffloadClient, source: bytearray, indices: list[int]) -> None:
@@ -147,8 +151,8 @@ def swap_totals(stats: dict[str, Any]) -> dict[str, int]:
             "read": sum(d["read_nbytes"] for d in dirs)}
 
 
-def daemon_run(workdir: Path, index: int, args: argparse.Namespace
-               ) -> tuple[dict[str, float], bool]:
+def daemon_run(workdir: Path, index: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One daemon pass; adds "direct": whether the daemon's swap IO was O_DIRECT."""
     try:
         import uvloop
         run = uvloop.run
@@ -159,8 +163,7 @@ def daemon_run(workdir: Path, index: int, args: argparse.Namespace
                                  swap_dirs=[str(root / "swap")],
                                  extra_args=["--io-engine", args.io_engine])
     try:
-        result = run(daemon_pass(daemon.socket_path, args))
-        return result, o_direct_used(daemon)
+        return {**run(daemon_pass(daemon.socket_path, args)), "direct": o_direct_used(daemon)}
     finally:
         daemon.stop()
         shutil.rmtree(root, ignore_errors=True)
@@ -265,7 +268,7 @@ def start_deepspeed(args: argparse.Namespace, notes: list[str]) -> DeepSpeedAio 
 
 
 def bench_rounds(workdir: Path, args: argparse.Namespace, notes: list[str]
-                 ) -> tuple[dict[str, dict[str, list[float]]], bool]:
+                 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, bool]]:
     """One run of every contender per round, in an order rotated each round, so that
     drift of the drive (or of a virtual disk's host cache) hits all alike; medians."""
     contenders: dict[str, Any] = {"offloadd": None}
@@ -278,15 +281,15 @@ def bench_rounds(workdir: Path, args: argparse.Namespace, notes: list[str]
         contenders["deepspeed aio"] = deepspeed
     rates: dict[str, dict[str, list[float]]] = {
         name: {"write": [], "read": []} for name in contenders}
-    direct = True
+    arena = {"direct": True, "hugepages": True}  # held in every daemon run
     try:
         for index in range(args.runs):
             names = list(contenders)
             names = names[index % len(names):] + names[:index % len(names)]
             for name in names:
                 if name == "offloadd":
-                    result, used_direct = daemon_run(workdir, index, args)
-                    direct = direct and used_direct
+                    result = daemon_run(workdir, index, args)
+                    arena = {key: held and result[key] for key, held in arena.items()}
                 elif name == "fio io_uring":
                     try:
                         result = fio_run(workdir, index, args)
@@ -303,7 +306,7 @@ def bench_rounds(workdir: Path, args: argparse.Namespace, notes: list[str]
             deepspeed.close()
     for name, runs in rates.items():
         print(f"runs of {name} (GB/s, write/read): {runs_text(runs)}")
-    return rates, direct
+    return rates, arena
 
 
 def paired_ratio(ours: list[float], peer: list[float]) -> float:
@@ -323,10 +326,13 @@ def main() -> None:
     args = parse_args()
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="offloadd-nvme-bench-", dir=args.dir) as tmp:
-        rates, direct = bench_rounds(Path(tmp), args, notes)
+        rates, arena = bench_rounds(Path(tmp), args, notes)
     medians = {name: {op: statistics.median(v) for op, v in runs.items()}
                for name, runs in rates.items()}
-    if not direct:
+    if not arena["hugepages"]:
+        notes.append("the daemon's arena used 4 KiB pages: reserve 2 MiB huge pages "
+                     f"(sysctl vm.nr_hugepages={args.arena_mib // 2 + 8}) for a hugetlb arena")
+    if not arena["direct"]:
         notes.append(f"{args.dir} refuses O_DIRECT: the daemon ran buffered")
     print(f"{args.size_mib} MiB, bs {DEFAULTS.chunk_size // MIB} MiB, qd "
           f"{DEFAULTS.io_queue_depth}, arena {args.arena_mib} MiB, window {args.window}, "
@@ -340,7 +346,8 @@ def main() -> None:
     result: dict[str, Any] = {
         "bench": "nvme_throughput", "size_mib": args.size_mib, "arena_mib": args.arena_mib,
         "chunk_mib": DEFAULTS.chunk_size // MIB, "qd": DEFAULTS.io_queue_depth,
-        "window": args.window, "runs": args.runs, "direct": direct,
+        "window": args.window, "runs": args.runs, "direct": arena["direct"],
+        "arena_hugepages": arena["hugepages"],
         "offloadd_gb_per_s": {op: round(v, 3) for op, v in ours.items()},
     }
     for name, key, peer in (("fio io_uring", "fio", "fio"),

@@ -4,6 +4,11 @@ The region is a memfd, fully backed before first use (fallocate + populate)
 so that no rank ever takes a SIGBUS on a lazily backed page, and mlock'ed
 where RLIMIT_MEMLOCK allows. Ranks map the same fd (passed with SCM_RIGHTS),
 so an arena offset names the same bytes in every process of the job.
+
+Where the operator reserved huge pages (``vm.nr_hugepages``) the memfd is a
+hugetlb one: O_DIRECT swap IO into 2 MiB pages needs a fraction of the block
+segments that scattered 4 KiB shmem pages need (measured on a virtio disk: reads
+2.3x, writes 1.6x faster; see bench/README.md), and page tables shrink 512x.
 """
 
 from __future__ import annotations
@@ -15,12 +20,17 @@ import mmap
 import os
 import resource
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+
+from offloadd.errors import OverBudgetError
 
 log = logging.getLogger(__name__)
 
 PAGE_NBYTES = 4096
+HUGE_PAGE_NBYTES = 2 << 20
+HugePages = Literal["auto", "on", "off"]
 _libc = ctypes.CDLL(None, use_errno=True)
 _mlock_warned = False
 
@@ -143,6 +153,33 @@ def _mlock(address: int, nbytes: int) -> bool:
     return True
 
 
+def _huge_memfd(name: str, nbytes: int, mode: HugePages, max_nbytes: int | None
+                ) -> tuple[int, int, bool]:
+    """A fully backed hugetlb memfd of ``nbytes`` rounded up to 2 MiB: (fd, size, True),
+    or (-1, 0, False) where "auto" finds no room for it."""
+    if mode == "off":
+        return -1, 0, False
+    size = align_up(nbytes, HUGE_PAGE_NBYTES)
+    if mode == "auto" and max_nbytes is not None and size > max_nbytes:
+        return -1, 0, False
+    fd = -1
+    try:
+        fd = os.memfd_create(f"offloadd:{name}", os.MFD_CLOEXEC | os.MFD_HUGETLB)
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)  # takes the pages from the pool now, or ENOSPC
+    except OSError as exc:
+        if fd >= 0:
+            os.close(fd)
+        if mode == "on":
+            raise OverBudgetError(
+                f"arena of {size} bytes for job {name!r} needs {size // HUGE_PAGE_NBYTES} free "
+                f"2 MiB huge pages ({exc.strerror}); reserve them (sysctl vm.nr_hugepages) or "
+                "set arena_hugepages = \"auto\"") from None
+        log.debug("event=hugepages_unavailable job=%s nbytes=%d error=%r", name, size, exc)
+        return -1, 0, False
+    return fd, size, True
+
+
 def buffer_address(buffer: mmap.mmap | memoryview) -> int:
     """Address of a buffer's first byte (for IO engines and CUDA registration); 0 if empty.
 
@@ -156,16 +193,25 @@ def buffer_address(buffer: mmap.mmap | memoryview) -> int:
 
 
 class Arena:
-    """A job's shared-memory region: memfd + mapping + allocator."""
+    """A job's shared-memory region: memfd + mapping + allocator.
 
-    def __init__(self, name: str, nbytes: int, *, lock: bool = True) -> None:
-        self.nbytes = align_up(nbytes)
-        self.fd = os.memfd_create(f"offloadd:{name}", os.MFD_CLOEXEC)
+    ``hugepages``: "auto" uses 2 MiB hugetlb pages when the reserved pool holds the
+    whole arena (and its rounding up to 2 MiB stays within ``max_nbytes``), "on"
+    insists (OverBudgetError naming the sysctl otherwise), "off" never does.
+    """
+
+    def __init__(self, name: str, nbytes: int, *, lock: bool = True,
+                 hugepages: HugePages = "off", max_nbytes: int | None = None) -> None:
+        self.fd, self.nbytes, self.hugepages = _huge_memfd(name, nbytes, hugepages, max_nbytes)
+        if self.fd < 0:
+            self.nbytes = align_up(nbytes)
+            self.fd = os.memfd_create(f"offloadd:{name}", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(self.fd, self.nbytes)
-            # Backing every page now turns a later out-of-memory into a clear error
-            # here instead of a SIGBUS inside some rank's tensor write.
-            os.posix_fallocate(self.fd, 0, self.nbytes)
+            if not self.hugepages:
+                os.ftruncate(self.fd, self.nbytes)
+                # Backing every page now turns a later out-of-memory into a clear error
+                # here instead of a SIGBUS inside some rank's tensor write.
+                os.posix_fallocate(self.fd, 0, self.nbytes)
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self.map = mmap.mmap(self.fd, self.nbytes, flags=flags)
         except BaseException:

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--metrics-addr", help="HOST:PORT for Prometheus /metrics")
     serve.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     serve.add_argument("--io-engine", choices=["auto", "native", "io_uring", "threads", "python"])
+    serve.add_argument("--arena-hugepages", choices=["auto", "on", "off"],
+                       help="2 MiB hugetlb pages for arenas (auto: when reserved)")
     serve.add_argument("--recover", action="store_true", default=None,
                        help="restore jobs from the last flushed manifests in the swap dirs")
 
@@ -64,6 +66,7 @@ def serve_config(args: argparse.Namespace) -> DaemonConfig:
         "socket": args.socket, "arena_size": args.arena_size, "swap_dirs": args.swap_dirs,
         "swap_size": args.swap_size, "metrics_addr": args.metrics_addr,
         "log_level": args.log_level, "io_engine": args.io_engine, "recover": args.recover,
+        "arena_hugepages": args.arena_hugepages,
     }
     if args.config:
         return DaemonConfig.from_toml(args.config, **overrides)

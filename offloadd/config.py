@@ -7,9 +7,12 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import tomllib
+
+if TYPE_CHECKING:
+    from offloadd.arena import HugePages
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 IOEngineKind = Literal["auto", "native", "io_uring", "threads", "python"]
@@ -70,6 +73,9 @@ class DaemonConfig:
     """Peer uids allowed to connect (checked with SO_PEERCRED); root is always allowed."""
     mlock: bool = True
     """Lock arenas in RAM when RLIMIT_MEMLOCK allows."""
+    arena_hugepages: HugePages = "auto"
+    """Back arenas with 2 MiB hugetlb pages: "auto" when the reserved pool
+    (vm.nr_hugepages) holds the arena, "on" insists (a hello fails otherwise), "off"."""
     optimizer_threads: int = 0
     """Threads for the CPU optimizer step; 0 = one per core."""
     watchdog: bool = True
@@ -91,6 +97,9 @@ class DaemonConfig:
         if self.hash_threads is not None and self.hash_threads < 0:
             raise ValueError(f"hash_threads must be >= 0 (0: on the event loop), "
                              f"got {self.hash_threads}")
+        if self.arena_hugepages not in ("auto", "on", "off"):
+            raise ValueError(
+                f"arena_hugepages must be auto|on|off, got {self.arena_hugepages!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
         if self.io_engine not in ("auto", "native", "io_uring", "threads", "python"):

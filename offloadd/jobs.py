@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from offloadd.arena import Arena, align_up
+from offloadd.arena import Arena, HugePages, align_up
 from offloadd.errors import (
     InvalidRequestError,
     LeaseConflictError,
@@ -349,6 +349,7 @@ class Job:
             "arena_used_nbytes": allocator.used_nbytes,
             "arena_largest_free_nbytes": allocator.largest_free(),
             "arena_locked": self.arena.locked,
+            "arena_hugepages": self.arena.hugepages,
             "num_shards": len(self.table.shards),
             "shard_nbytes": sum(s.nbytes for s in self.table.shards.values()),
             "leased_nbytes": self.table.leased_nbytes(),
@@ -360,10 +361,12 @@ class Job:
 class JobRegistry:
     """Every job on the node, and the node-wide DRAM budget they share."""
 
-    def __init__(self, budget_nbytes: int, share: float, *, lock: bool = True) -> None:
+    def __init__(self, budget_nbytes: int, share: float, *, lock: bool = True,
+                 hugepages: HugePages = "off") -> None:
         self.budget_nbytes = budget_nbytes
         self.share = share
         self.lock = lock
+        self.hugepages = hugepages
         self.jobs: dict[str, Job] = {}
 
     @property
@@ -384,8 +387,13 @@ class JobRegistry:
                 f"{free} of the daemon's {self.budget_nbytes}-byte budget is free; ask for less "
                 "or raise --arena-size"
             )
-        tier = make_tier() if make_tier is not None else None
-        job = Job(name, Arena(name, nbytes, lock=self.lock), tier)
+        arena = Arena(name, nbytes, lock=self.lock, hugepages=self.hugepages, max_nbytes=free)
+        try:
+            tier = make_tier() if make_tier is not None else None
+        except BaseException:
+            arena.close()
+            raise
+        job = Job(name, arena, tier)
         self.jobs[name] = job
         return job, True
 

@@ -53,7 +53,8 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.metrics = DaemonMetrics()
-        self.jobs = JobRegistry(config.arena_size, config.job_arena_share, lock=config.mlock)
+        self.jobs = JobRegistry(config.arena_size, config.job_arena_share, lock=config.mlock,
+                                hugepages=config.arena_hugepages)
         self.optimizer = OptimizerService(config.optimizer_threads)
         self.sessions: set[Session] = set()
         self.swap: Any = None

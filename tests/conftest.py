@@ -188,3 +188,36 @@ def swap_root() -> Iterator[Path]:
     parent = "/var/tmp" if os.path.isdir("/var/tmp") else None
     with tempfile.TemporaryDirectory(prefix="offloadd-test-", dir=parent) as root:
         yield Path(root)
+
+
+# -- huge pages --------------------------------------------------------------------------
+
+NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
+
+
+def free_huge_pages() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("HugePages_Free:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.fixture
+def huge_pages() -> Iterator[Callable[[int], None]]:
+    """``reserve(n)``: make sure ``n`` 2 MiB huge pages are free, growing the pool (as
+    root) for this test and restoring it after; skips where that is not possible."""
+    original = int(NR_HUGEPAGES.read_text()) if NR_HUGEPAGES.exists() else None
+
+    def reserve(count: int) -> None:
+        missing = count - free_huge_pages()
+        if missing <= 0:
+            return
+        if original is None or not os.access(NR_HUGEPAGES, os.W_OK):
+            pytest.skip(f"needs {count} free 2 MiB huge pages (sysctl vm.nr_hugepages) or root")
+        NR_HUGEPAGES.write_text(str(int(NR_HUGEPAGES.read_text()) + missing))
+        if free_huge_pages() < count:
+            pytest.skip(f"the kernel could not find {count} free 2 MiB pages")
+
+    yield reserve
+    if original is not None and os.access(NR_HUGEPAGES, os.W_OK):
+        NR_HUGEPAGES.write_text(str(original))

@@ -11,6 +11,7 @@ import os
 import resource
 
 import pytest
+from conftest import free_huge_pages
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -22,7 +23,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from offloadd.arena import PAGE_NBYTES, Allocator, Arena, Extent, align_up
+from offloadd.arena import HUGE_PAGE_NBYTES, PAGE_NBYTES, Allocator, Arena, Extent, align_up
+from offloadd.errors import OverBudgetError
 
 PAGE = PAGE_NBYTES
 
@@ -213,3 +215,67 @@ def test_arena_is_mlocked_when_the_limit_allows() -> None:
         arena.close()
     if arena.locked:
         assert locked_kib() - before < nbytes // 1024  # munlock'ed on close
+
+
+# -- huge pages --------------------------------------------------------------------------
+
+HUGE = HUGE_PAGE_NBYTES
+
+
+def kernel_page_kib(address: int) -> int:
+    """KernelPageSize of the mapping that contains ``address`` (from /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "KernelPageSize:":
+                return int(line.split()[1])
+    raise AssertionError(f"no mapping contains {address:#x}")
+
+
+def test_a_hugetlb_arena_is_whole_2mib_pages_shared_through_its_fd(huge_pages) -> None:
+    huge_pages(2)
+    arena = Arena("huge", HUGE + 1, lock=False, hugepages="on")
+    other = mmap.mmap(arena.fd, arena.nbytes, flags=mmap.MAP_SHARED)
+    try:
+        assert arena.hugepages and arena.nbytes == 2 * HUGE
+        assert os.readlink(f"/proc/self/fd/{arena.fd}").startswith("/memfd:offloadd:huge")
+        assert kernel_page_kib(arena.address) == HUGE // 1024
+        arena.slice(HUGE + 7, 5)[:] = b"hello"
+        assert other[HUGE + 7 : HUGE + 12] == b"hello"
+        assert arena.allocator.capacity == arena.nbytes
+    finally:
+        other.close()
+        arena.close()
+
+
+def test_auto_keeps_4k_pages_when_rounding_up_would_exceed_the_budget(huge_pages) -> None:
+    huge_pages(1)
+    arena = Arena("tight", HUGE - PAGE, lock=False, hugepages="auto", max_nbytes=HUGE - PAGE)
+    try:
+        assert not arena.hugepages and arena.nbytes == HUGE - PAGE
+        assert kernel_page_kib(arena.address) == PAGE // 1024
+    finally:
+        arena.close()
+
+
+def short_pool_nbytes() -> int:
+    """An arena one 2 MiB page bigger than the free pool (skip if the pool is large)."""
+    free = free_huge_pages()
+    if free > 64:
+        pytest.skip(f"{free} free huge pages: too many to exhaust in a test")
+    return (free + 1) * HUGE
+
+
+def test_without_enough_huge_pages_auto_falls_back_and_on_names_the_sysctl() -> None:
+    nbytes = short_pool_nbytes()
+    arena = Arena("fallback", nbytes, lock=False, hugepages="auto")
+    try:
+        assert not arena.hugepages and arena.nbytes == nbytes
+    finally:
+        arena.close()
+    with pytest.raises(OverBudgetError, match=r"vm\.nr_hugepages"):
+        Arena("insist", nbytes, lock=False, hugepages="on")

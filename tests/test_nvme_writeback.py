@@ -11,7 +11,12 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+from conftest import free_huge_pages
+
+from offloadd.arena import HUGE_PAGE_NBYTES
 from offloadd.embedded import PrivateDaemon
+from offloadd.errors import OverBudgetError
 from trainer.client import OffloadClient
 
 MIB = 1 << 20
@@ -101,3 +106,34 @@ def test_never_written_shards_are_evicted_without_io_and_survive_recovery(
         with client.acquire(blank[-1], "w") as lease:
             lease.view[:] = b"\x01" * SHARD_NBYTES
         assert client.get(blank[-1]) == b"\x01" * SHARD_NBYTES
+
+
+# -- a hugetlb arena -----------------------------------------------------------------------
+
+
+def test_a_hugetlb_arena_serves_and_swaps_like_any_other(tmp_path: Path, huge_pages) -> None:
+    huge_pages(ARENA_NBYTES // HUGE_PAGE_NBYTES)
+    with start(tmp_path, "d", "--arena-hugepages", "on") as daemon, connect(daemon) as client:
+        stats = client.stats()
+        assert stats["arena_hugepages"] and stats["arena_nbytes"] == ARENA_NBYTES
+        ids = [f"s{i}" for i in range(2 * ARENA_NBYTES // SHARD_NBYTES)]
+        client.alloc(ids, SHARD_NBYTES)
+        payloads = write_shards(client, ids)  # twice the arena: half goes to swap
+        for shard_id in ids:
+            assert client.get(shard_id) == payloads[shard_id]
+        assert written(client) >= ARENA_NBYTES
+
+
+def test_arena_hugepages_on_without_the_pages_fails_the_hello_not_the_daemon(
+        tmp_path: Path) -> None:
+    free = free_huge_pages()
+    if free > 64:
+        pytest.skip(f"{free} free huge pages: too many to exhaust in a test")
+    nbytes = (free + 1) * HUGE_PAGE_NBYTES
+    with PrivateDaemon.start(tmp_path / "d", arena_size=nbytes + ARENA_NBYTES,
+                             extra_args=["--arena-hugepages", "on"]) as daemon:
+        with pytest.raises(OverBudgetError, match=r"vm\.nr_hugepages"):
+            OffloadClient.connect(daemon.socket_path, job="greedy", arena_nbytes=nbytes)
+        assert daemon.process.poll() is None
+        with pytest.raises(OverBudgetError):  # nothing half-made was left behind
+            OffloadClient.connect(daemon.socket_path, job="greedy", arena_nbytes=nbytes)
