@@ -121,18 +121,23 @@ def ours_half_rank(rank: int, port: int, steps: int, warmup: int,
                  arena_nbytes=half_working_set_nbytes(numel))
 
 
-def proportional_rss_nbytes(pid: int | None = None) -> int:
+def proportional_rss_nbytes(pid: int | None = None, *, hugetlb: bool = False) -> int:
     """Pss of a process: shared arena pages are split between the processes mapping them,
-    so summing it over the ranks and the daemon gives the node's real DRAM footprint."""
+    so summing it over the ranks and the daemon gives the node's real DRAM footprint.
+
+    Pss leaves hugetlb pages out; ``hugetlb`` adds the ones the process maps (asked of
+    the daemon only, which maps every arena: counted once per node)."""
     path = f"/proc/{pid or 'self'}/smaps_rollup"
+    fields = ("Pss:", "Shared_Hugetlb:", "Private_Hugetlb:") if hugetlb else ("Pss:",)
+    total = 0
     try:
         with open(path) as handle:
             for line in handle:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith(fields):
+                    total += int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 0
+    return total
 
 
 def _ours(rank: int, port: int, steps: int, warmup: int, workdir: str,
@@ -161,7 +166,7 @@ def _ours(rank: int, port: int, steps: int, warmup: int, workdir: str,
         pss = proportional_rss_nbytes()
         daemon_pid = after.get("daemon_pid")
         if rank == 0 and daemon_pid:  # one daemon serves the node's ranks: count it once
-            pss += proportional_rss_nbytes(int(daemon_pid))
+            pss += proportional_rss_nbytes(int(daemon_pid), hugetlb=True)
         return {"times": times, "stats": after, "stats_delta": stats_delta(before, after),
                 "device": device, "pss_nbytes": pss}
     finally:
