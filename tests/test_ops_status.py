@@ -81,6 +81,7 @@ def test_status_table(daemon: PrivateDaemon, client: OffloadClient) -> None:
     assert header.split()[:3] == ["JOB", "SESSIONS", "SHARDS"]
     row = next(line for line in lines if line.startswith("live "))
     assert row.split()[1:3] == ["1", "1"]
+    assert row.split()[-1] == ("2M" if client.stats()["arena_hugepages"] else "4K")
     swap = next(line for line in lines if line.startswith(daemon_swap(daemon)))
     assert swap.endswith("B/s"), swap  # IO rates from two samples
     assert any("prefetch: issued=" in line for line in lines)
