@@ -160,7 +160,12 @@ def _huge_memfd(name: str, nbytes: int, mode: HugePages, max_nbytes: int | None
     if mode == "off":
         return -1, 0, False
     size = align_up(nbytes, HUGE_PAGE_NBYTES)
-    if mode == "auto" and max_nbytes is not None and size > max_nbytes:
+    if max_nbytes is not None and size > max_nbytes:
+        if mode == "on":
+            raise OverBudgetError(
+                f"arena of {nbytes} bytes for job {name!r} rounds up to {size} bytes of 2 MiB "
+                f"pages, more than the {max_nbytes} bytes of budget left; ask for a multiple "
+                "of 2 MiB or raise arena_size")
         return -1, 0, False
     fd = -1
     try:

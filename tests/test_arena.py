@@ -262,6 +262,11 @@ def test_auto_keeps_4k_pages_when_rounding_up_would_exceed_the_budget(huge_pages
         arena.close()
 
 
+def test_on_refuses_an_arena_that_rounding_to_2mib_pushes_over_the_budget() -> None:
+    with pytest.raises(OverBudgetError, match="multiple of 2 MiB"):
+        Arena("tight", HUGE - PAGE, lock=False, hugepages="on", max_nbytes=HUGE - PAGE)
+
+
 def short_pool_nbytes() -> int:
     """An arena one 2 MiB page bigger than the free pool (skip if the pool is large)."""
     free = free_huge_pages()
