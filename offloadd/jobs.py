@@ -54,6 +54,7 @@ class SwapTier(Protocol):
     async def flush(self, table: ShardTable, tag: str | None) -> int: ...
     def forget(self, table: ShardTable, shard: Shard) -> None: ...
     def load_manifest(self, table: ShardTable, manifest: dict[str, Any]) -> int: ...
+    def usage(self) -> tuple[int, int]: ...
 
 
 class Job:
@@ -339,8 +340,13 @@ class Job:
             raise InvalidRequestError(f"flush tag must be 1..128 chars without '/', got {tag!r}")
         return await self.tier.flush(self.table, tag)
 
+    def swap_usage(self) -> tuple[int, int]:
+        """(swap bytes holding the job's chunks, bytes of its swap files); 0s without swap."""
+        return self.tier.usage() if self.tier is not None else (0, 0)
+
     def stats(self) -> dict[str, object]:
         allocator = self.arena.allocator
+        swap_used, swap_reserved = self.swap_usage()
         residency = {state.value: 0 for state in Residency}
         for shard in self.table.shards.values():
             residency[shard.residency.value] += 1
@@ -354,6 +360,8 @@ class Job:
             "shard_nbytes": sum(s.nbytes for s in self.table.shards.values()),
             "leased_nbytes": self.table.leased_nbytes(),
             "residency": residency,
+            "swap_used_nbytes": swap_used,
+            "swap_reserved_nbytes": swap_reserved,
             "sessions": self.num_sessions,
         }
 

@@ -170,6 +170,8 @@ class Daemon:
             ("offloadd_arena_leased_bytes", "Arena bytes pinned by leases.",
              lambda j: j.table.leased_nbytes()),
             ("offloadd_shards", "Shards known per job.", lambda j: len(j.table.shards)),
+            ("offloadd_job_swap_used_bytes", "Swap bytes holding each job's chunks (all dirs).",
+             lambda j: j.swap_usage()[0]),
         ]
         for name, doc, read in per_job:
             yield gauge(name, doc, 0, [JOB_LABEL], [([j.name], read(j)) for j in jobs])

@@ -113,7 +113,7 @@ def _percent(part: float, whole: float) -> str:
 
 
 JOB_COLUMNS = ["JOB", "SESSIONS", "SHARDS", "ON NVME", "ARENA USED", "UTIL", "LARGEST FREE",
-               "LEASED", "PAGES"]
+               "LEASED", "PAGES", "SWAP USED"]
 
 
 def job_row(name: str, stats: dict[str, Any]) -> list[str]:
@@ -129,6 +129,7 @@ def job_row(name: str, stats: dict[str, Any]) -> list[str]:
         format_nbytes(_number(stats, "arena_largest_free_nbytes")),
         format_nbytes(_number(stats, "leased_nbytes")),
         "2M" if stats.get("arena_hugepages") else "4K",
+        format_nbytes(_number(stats, "swap_used_nbytes")),
     ]
 
 

@@ -167,6 +167,11 @@ class JobTier:
         self.cleaned.discard(shard)
         self.space.counters.evictions.add((reason,))
 
+    def usage(self) -> tuple[int, int]:
+        """(bytes of swap extents holding this job's chunks, bytes of its swap files)."""
+        return (sum(f.allocator.used_nbytes for f in self.files),
+                sum(f.allocator.capacity for f in self.files))
+
     def next_use_s(self, shard: Shard) -> float:
         trace = self.traces.get(shard.rank)
         return trace.next_use_s(shard) if trace is not None and trace.known else math.inf

@@ -137,3 +137,30 @@ def test_arena_hugepages_on_without_the_pages_fails_the_hello_not_the_daemon(
         assert daemon.process.poll() is None
         with pytest.raises(OverBudgetError):  # nothing half-made was left behind
             OffloadClient.connect(daemon.socket_path, job="greedy", arena_nbytes=nbytes)
+
+
+# -- swap usage per job ----------------------------------------------------------------------
+
+
+def test_swap_usage_is_reported_per_job(tmp_path: Path) -> None:
+    with start(tmp_path) as daemon, connect(daemon) as big, \
+            OffloadClient.connect(daemon.socket_path, job="small",
+                                  arena_nbytes=ARENA_NBYTES) as small:
+        big_ids = [f"b{i}" for i in range(3 * ARENA_NBYTES // SHARD_NBYTES)]
+        big.alloc(big_ids, SHARD_NBYTES)
+        write_shards(big, big_ids)
+        small.alloc(["only"], SHARD_NBYTES)
+        write_shards(small, ["only"])
+        big.flush("big")
+        small.flush("small")
+        big_stats, small_stats = big.stats(), small.stats()
+        # Every shard of each job has a swap copy after its flush, and nothing more
+        # (no flush came before these, so no old copy is kept).
+        assert big_stats["swap_used_nbytes"] == len(big_ids) * SHARD_NBYTES
+        assert small_stats["swap_used_nbytes"] == SHARD_NBYTES
+        swap_files = {job: sum(f.stat().st_size for f in (tmp_path / "swap").rglob("swap.*")
+                               if f.parent.name == job) for job in (JOB, "small")}
+        assert big_stats["swap_reserved_nbytes"] == swap_files[JOB]
+        assert small_stats["swap_reserved_nbytes"] == swap_files["small"]
+        # The dir's total is the sum of its jobs' files.
+        assert big_stats["swap"]["dirs"][0]["reserved_nbytes"] == sum(swap_files.values())

@@ -55,6 +55,7 @@ CORE_METRICS: dict[str, tuple[str, frozenset[str]]] = {
 SWAP_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "offloadd_swap_capacity_bytes": ("gauge", frozenset({"dir"})),
     "offloadd_swap_used_bytes": ("gauge", frozenset({"dir"})),
+    "offloadd_job_swap_used_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_swap_read_bytes_total": ("counter", frozenset({"dir"})),
     "offloadd_swap_written_bytes_total": ("counter", frozenset({"dir"})),
     "offloadd_swap_io_duration_seconds": ("histogram", frozenset({"op"})),

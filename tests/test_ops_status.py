@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import torch
 
 from offloadd import protocol as p
 from offloadd.embedded import PrivateDaemon
+from offloadd.status import format_nbytes
 from trainer.client import OffloadClient
 
 
@@ -81,7 +83,11 @@ def test_status_table(daemon: PrivateDaemon, client: OffloadClient) -> None:
     assert header.split()[:3] == ["JOB", "SESSIONS", "SHARDS"]
     row = next(line for line in lines if line.startswith("live "))
     assert row.split()[1:3] == ["1", "1"]
-    assert row.split()[-1] == ("2M" if client.stats()["arena_hugepages"] else "4K")
+    stats = client.stats()
+    pages = "2M" if stats["arena_hugepages"] else "4K"
+    match = re.search(r"\s(2M|4K)\s+(\S+ \S+)$", row)
+    assert match is not None, row
+    assert match.groups() == (pages, format_nbytes(stats["swap_used_nbytes"])), row
     swap = next(line for line in lines if line.startswith(daemon_swap(daemon)))
     assert swap.endswith("B/s"), swap  # IO rates from two samples
     assert any("prefetch: issued=" in line for line in lines)
