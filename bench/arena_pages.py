@@ -35,7 +35,7 @@ from typing import Any
 from io_engine import open_test_file, run_loop, sequential_pass
 
 from offloadd import ioengine
-from offloadd.arena import HUGE_PAGE_NBYTES, Arena
+from offloadd.arena import HUGE_PAGE_NBYTES, Arena, free_huge_pages
 from offloadd.errors import OverBudgetError
 
 MIB = 1 << 20
@@ -107,8 +107,7 @@ def one_pass(kind: str, fd: int, args: argparse.Namespace, test_path: Path) -> d
 def reserve_hugepages(count: int, notes: list[str]) -> int | None:
     """Grow the pool so ``count`` pages are free; returns the size to restore, or None."""
     original = int(NR_HUGEPAGES.read_text())
-    free = int(next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
-                    if line.startswith("HugePages_Free:")))
+    free = free_huge_pages()
     if free >= count:
         return None
     try:

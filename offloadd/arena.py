@@ -153,6 +153,18 @@ def _mlock(address: int, nbytes: int) -> bool:
     return True
 
 
+def free_huge_pages() -> int:
+    """Free 2 MiB pages in the kernel's reserved hugetlb pool (0 where there is none)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("HugePages_Free:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
 def _huge_memfd(name: str, nbytes: int, mode: HugePages, max_nbytes: int | None
                 ) -> tuple[int, int, bool]:
     """A fully backed hugetlb memfd of ``nbytes`` rounded up to 2 MiB: (fd, size, True),

@@ -264,7 +264,7 @@ class JobTier:
         """
         if self.background_error is not None:
             return  # report the failure before retrying: a full drive must not spin
-        in_flight = sum(s.arena_nbytes for s in self.cleaning)
+        in_flight = self._cleaning_nbytes()
         ready = in_flight + sum(s.arena_nbytes for s, t in candidates
                                 if s.residency is Residency.ARENA_CLEAN
                                 and (floor is None or t >= floor))
@@ -283,6 +283,10 @@ class JobTier:
         self.cleaning[shard] = task
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+
+    def _cleaning_nbytes(self) -> int:
+        """Arena bytes of the background write-backs in flight."""
+        return sum(s.arena_nbytes for s in self.cleaning)
 
     def write_behind_nbytes(self, table: ShardTable) -> int:
         return min(table.arena.nbytes // 4, self.space.queue.depth * self.chunk_nbytes)
@@ -304,7 +308,7 @@ class JobTier:
         self.dirtied_nbytes = 0
         if not table.overcommitted() or self.background_error is not None:
             return
-        room = self.write_behind_nbytes(table) - sum(s.arena_nbytes for s in self.cleaning)
+        room = self.write_behind_nbytes(table) - self._cleaning_nbytes()
         if room <= 0:
             return
         candidates, _ = self._scan(table)

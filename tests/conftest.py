@@ -24,6 +24,7 @@ import pytest
 import uvloop
 
 from offloadd import protocol as p
+from offloadd.arena import free_huge_pages
 from offloadd.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
@@ -193,13 +194,6 @@ def swap_root() -> Iterator[Path]:
 # -- huge pages --------------------------------------------------------------------------
 
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
-
-
-def free_huge_pages() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("HugePages_Free:"):
-            return int(line.split()[1])
-    return 0
 
 
 @pytest.fixture

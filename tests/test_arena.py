@@ -11,7 +11,6 @@ import os
 import resource
 
 import pytest
-from conftest import free_huge_pages
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -23,7 +22,15 @@ from hypothesis.stateful import (
     rule,
 )
 
-from offloadd.arena import HUGE_PAGE_NBYTES, PAGE_NBYTES, Allocator, Arena, Extent, align_up
+from offloadd.arena import (
+    HUGE_PAGE_NBYTES,
+    PAGE_NBYTES,
+    Allocator,
+    Arena,
+    Extent,
+    align_up,
+    free_huge_pages,
+)
 from offloadd.errors import OverBudgetError
 
 PAGE = PAGE_NBYTES

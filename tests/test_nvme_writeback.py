@@ -12,9 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import free_huge_pages
 
-from offloadd.arena import HUGE_PAGE_NBYTES
+from offloadd.arena import HUGE_PAGE_NBYTES, free_huge_pages
 from offloadd.embedded import PrivateDaemon
 from offloadd.errors import OverBudgetError
 from trainer.client import OffloadClient
