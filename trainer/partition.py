@@ -2,7 +2,12 @@
 
 The model is split into *units*: unit 0 is the root module, units 1..N are
 submodules chosen by class name (``units.module_classes``, e.g. transformer
-blocks) or by FSDP-style size-based auto-wrap (``units.min_num_params``).
+blocks), by FSDP-style size-based auto-wrap (``units.min_num_params``), or by
+default the model's repeated blocks: HF ``_no_split_modules`` (``GPT2Block``,
+``LlamaDecoderLayer``), else the classes repeated inside a ``ModuleList`` /
+``Sequential``, else size-based with ``DEFAULT_MIN_NUM_PARAMS``. A container
+without a forward of its own (``ModuleList``, ``ModuleDict``) never becomes a
+unit: its hooks would never fire and its parameters would never be gathered.
 A unit owns the trainable parameters of its subtree that no nested unit owns;
 a parameter shared between units (tied embeddings) belongs to the root unit,
 which stays gathered for the whole forward.
@@ -90,13 +95,22 @@ class Unit:
             slot.param.data = empty
 
 
+DEFAULT_MIN_NUM_PARAMS = 1_000_000
+"""Size-based auto-wrap threshold when the model has no recognisable repeated block."""
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+"""Modules that are never called: a unit rooted there would never be gathered."""
+
+
 def find_unit_modules(model: nn.Module, config: UnitsConfig) -> list[tuple[str, nn.Module]]:
     """Root first, then unit submodules in module-traversal order."""
     if config.module_classes:
         chosen = _modules_by_class(model, config.module_classes)
-    else:
+    elif config.min_num_params is not None:
         chosen = set()
         _auto_wrap(model, config.min_num_params, chosen, is_root=True)
+    else:
+        chosen = _default_blocks(model)
     units = [("", model)]
     units += [(name, module) for name, module in model.named_modules()
               if module is not model and id(module) in chosen]
@@ -115,13 +129,44 @@ def _modules_by_class(model: nn.Module, class_names: tuple[str, ...]) -> set[int
             if module is not model and type(module).__name__ in class_names}
 
 
+def block_classes(model: nn.Module) -> tuple[str, ...]:
+    """The model's repeated block classes: HF ``_no_split_modules``, else the classes that
+    occur at least twice among the children of one ModuleList/Sequential (with params)."""
+    present = {type(module).__name__ for module in model.modules()}
+    declared = tuple(name for name in getattr(model, "_no_split_modules", None) or ()
+                     if name in present)
+    if declared:
+        return declared
+    repeated: dict[str, None] = {}
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        counts: dict[str, int] = {}
+        for child in module.children():
+            if any(True for _ in child.parameters()):
+                name = type(child).__name__
+                counts[name] = counts.get(name, 0) + 1
+        repeated.update((name, None) for name, count in counts.items() if count >= 2)
+    return tuple(repeated)
+
+
+def _default_blocks(model: nn.Module) -> set[int]:
+    classes = block_classes(model)
+    if classes:
+        return {id(module) for module in model.modules()
+                if module is not model and type(module).__name__ in classes}
+    chosen: set[int] = set()
+    _auto_wrap(model, DEFAULT_MIN_NUM_PARAMS, chosen, is_root=True)
+    return chosen
+
+
 def _auto_wrap(module: nn.Module, min_num_params: int, chosen: set[int], *,
                is_root: bool) -> int:
     """FSDP-style post-order wrap; returns the subtree's param count not yet wrapped."""
     unwrapped = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
     for child in module.children():
         unwrapped += _auto_wrap(child, min_num_params, chosen, is_root=False)
-    if not is_root and unwrapped >= min_num_params:
+    if not is_root and not isinstance(module, _CONTAINERS) and unwrapped >= min_num_params:
         chosen.add(id(module))
         return 0
     return unwrapped
