@@ -20,12 +20,14 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainer.collectives import Collectives
 from trainer.config import EngineConfig, parse_config
+from trainer.distributed import init_distributed
 from trainer.engine import Engine
 from trainer.offload import InProcessBackend, StateBackend
 from trainer.optimizer import ZeroOptimizer
 from trainer.scheduler import WarmupLR
 
-__all__ = ["Engine", "EngineConfig", "ZeroOptimizer", "initialize", "parse_config"]
+__all__ = ["Engine", "EngineConfig", "ZeroOptimizer", "init_distributed", "initialize",
+           "parse_config"]
 
 
 def initialize(
@@ -55,6 +57,7 @@ def initialize(
         raise ValueError("initialize() needs config= (a dict, a JSON path or an EngineConfig)")
     parsed = parse_config(source if not isinstance(source, os.PathLike) else Path(source))
     _check_model(model, model_parameters)
+    init_distributed()
     collectives = Collectives()
     parsed.batch_sizes(collectives.world_size)  # fail before any daemon or collective work
     backend = _build_backend(parsed, collectives, model)

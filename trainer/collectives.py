@@ -1,8 +1,8 @@
 """Collectives over torch.distributed, with a world-of-one fallback.
 
-Works under torchrun (process group already initialised, or initialised here
-from the env://) and in a plain single process (no process group: world 1,
-every collective is the identity). torch 2.13's gloo backend supports
+Works under torchrun (the process group is initialised by
+``trainer.init_distributed``, which ``initialize`` calls) and without any
+process group (world 1, every collective is the identity). torch 2.13's gloo backend supports
 ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` on CPU; older gloo
 builds do not, so both fall back to all_reduce + slice / list all_gather when
 the fused op raises ``RuntimeError`` once.
@@ -32,18 +32,10 @@ class Done:
         return None
 
 
-def _init_from_env() -> None:
-    """Join the env:// process group when launched by torchrun and nobody joined yet."""
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if launched and dist.is_available() and not dist.is_initialized():
-        dist.init_process_group("gloo")
-
-
 class Collectives:
     """The data-parallel group: rank, size, and the three collectives ZeRO needs."""
 
     def __init__(self) -> None:
-        _init_from_env()
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
