@@ -29,6 +29,7 @@ from trainer.offload import StateBackend, UnitSpec
 from trainer.optimizer import ZeroOptimizer
 from trainer.partition import Unit, build_units
 from trainer.precision import Precision
+from trainer.reduce_order import ReduceOrder
 from trainer.scheduler import WarmupLR, build_scheduler
 from trainer.zero import PrefetchPlanner, ReducedGrad, build_stage
 
@@ -58,7 +59,8 @@ class Engine(nn.Module):
         self.placement, self.reducer = build_stage(
             stage, collectives, self.precision.dtype, backend,
             offload_params=zero.offload_param.device != "none",
-            max_live_numel=zero.stage3_max_live_parameters)
+            max_live_numel=zero.stage3_max_live_parameters,
+            reduce_collectives=collectives.separate_group() if stage == 3 else None)
         self._adopt_parameters()
         self.optimizer = ZeroOptimizer(backend, config.optimizer, collectives=collectives,
                                        scaler=self.precision.scaler,
@@ -68,6 +70,7 @@ class Engine(nn.Module):
         self.prefetch = PrefetchPlanner(config.zero_optimization.stage3_prefetch_bucket_size,
                                         config.zero_optimization.stage3_max_live_parameters)
         self._forward_depth = 0
+        self.reduce_order = ReduceOrder(self.units)
         self.hooks = UnitHooks(self.units, on_grads_ready=self._on_grads_ready)
         if self.placement.sharded:
             self.hooks.install_forward(pre_forward=self._pre_forward,
@@ -146,14 +149,20 @@ class Engine(nn.Module):
             raise RuntimeError("engine.backward() called in eval mode; call engine.train()")
         scale = self.precision.scaler.scale / self.batch.gradient_accumulation_steps
         self.hooks.start_backward()
+        self.reduce_order.start()
         (loss.float() * scale).backward()
         self.hooks.finish_backward()
+        assert self.reduce_order.complete
         self._drain_reductions(block=True)
         return loss
 
     def _on_grads_ready(self, unit: Unit) -> None:
         flat_grad = unit.flatten_grads(self.precision.dtype)
         self.placement.release(unit)
+        for due_unit, due_grad in self.reduce_order.ready(unit, flat_grad):
+            self._reduce(due_unit, due_grad)
+
+    def _reduce(self, unit: Unit, flat_grad: torch.Tensor) -> None:
         overlap = self.config.zero_optimization.overlap_comm
         reduced = self.reducer.reduce(unit, flat_grad,
                                       boundary=self.is_gradient_accumulation_boundary(),

@@ -8,7 +8,8 @@
 - a post-backward hook: ``register_post_accumulate_grad_hook`` counts the
   unit's parameters whose gradient is final; the last one triggers the
   unit's gradient reduction. Units with unused parameters never reach the
-  count and are finished by ``finish_backward`` in unit order.
+  count and are finished by ``finish_backward`` in unit order (the engine's
+  ``ReduceOrder`` then launches reductions in one order on every rank).
 """
 
 from __future__ import annotations
