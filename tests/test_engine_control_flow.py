@@ -118,3 +118,35 @@ def test_unused_parameters_reduce_in_one_order_on_every_rank() -> None:
     for stage, state in zip(stages, results, strict=True):
         assert max_relative_error(state, expected) < 1e-5, stage
         assert torch.equal(state["blocks.0.unused"], expected["blocks.0.unused"])
+
+
+def train_skipping(rank: int, world: int, skip_from_step: int) -> tuple[str, str]:
+    """Rank 1 skips block 1 from ``skip_from_step`` on; the outcome as (error type, text)."""
+    engine, _, _, _ = trainer.initialize(model=make_model(), config=config(3))
+    try:
+        for step in range(STEPS):
+            skip = 1 if rank == 1 and step >= skip_from_step else -1
+            loss = engine(*batch(step, rank), skip=skip)
+            engine.backward(loss)
+            engine.step()
+        return "", ""
+    except Exception as error:  # the outcome is the result under test
+        return type(error).__name__, str(error)
+    finally:
+        engine.close()
+
+
+def test_unit_skipped_in_the_first_step_fails_on_every_rank() -> None:
+    outcomes = run_ranks(train_skipping, 2, 0, timeout_s=120)
+    for kind, text in outcomes:
+        assert kind == "TraceDivergenceError", text
+        assert "unit 2 (blocks.1)" in text and "LayerDrop" in text
+
+
+def test_unit_skipped_later_fails_on_the_rank_that_diverged() -> None:
+    # Rank 0 then waits on a gather rank 1 never issues; it fails once rank 1's process
+    # group goes away (under torchrun the launcher stops it).
+    kind, text = run_ranks(train_skipping, 2, 2, timeout_s=120)[1]
+    assert kind == "TraceDivergenceError", text
+    assert "rank 1 left its recorded stage-3 trace" in text
+    assert "expected unit 2 (blocks.1), got unit 3 (blocks.2)" in text

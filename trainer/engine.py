@@ -31,7 +31,8 @@ from trainer.partition import Unit, build_units
 from trainer.precision import Precision
 from trainer.reduce_order import ReduceOrder
 from trainer.scheduler import WarmupLR, build_scheduler
-from trainer.zero import PrefetchPlanner, ReducedGrad, build_stage
+from trainer.trace import GatherTrace
+from trainer.zero import PrefetchPlanner, ReducedGrad, Sharded, build_stage
 
 
 class Engine(nn.Module):
@@ -72,7 +73,10 @@ class Engine(nn.Module):
         self._forward_depth = 0
         self.reduce_order = ReduceOrder(self.units)
         self.hooks = UnitHooks(self.units, on_grads_ready=self._on_grads_ready)
-        if self.placement.sharded:
+        self.trace: GatherTrace | None = None
+        if isinstance(self.placement, Sharded):
+            self.trace = GatherTrace(collectives, self.units)
+            self.placement.full.before_gather = self.trace.before_gather
             self.hooks.install_forward(pre_forward=self._pre_forward,
                                        post_forward=self._post_forward,
                                        pre_backward=self._pre_backward)
@@ -104,10 +108,17 @@ class Engine(nn.Module):
         """Run the model on (floating inputs cast to the training dtype)."""
         self.backend.begin_step()
         self._forward_depth = 0  # a forward that raised half-way must not skew the next one
-        return self.module(*self.precision.cast_inputs(args),
-                           **self.precision.cast_inputs(kwargs))
+        if self.trace is not None:
+            self.trace.begin("forward", training=self.module.training)
+        output = self.module(*self.precision.cast_inputs(args),
+                             **self.precision.cast_inputs(kwargs))
+        if self.trace is not None:
+            self.trace.end()
+        return output
 
     def _pre_forward(self, unit: Unit) -> None:
+        if self.trace is not None:
+            self.trace.visit(unit)
         self.prefetch.record(unit, first_of_pass=self._forward_depth == 0)
         self._forward_depth += 1
         self.placement.gather(unit)
@@ -125,6 +136,8 @@ class Engine(nn.Module):
             self.placement.release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
+        if self.trace is not None:
+            self.trace.visit(unit)
         self.placement.gather(unit)
         self._prefetch_after(unit, backward=True)
 
@@ -150,7 +163,11 @@ class Engine(nn.Module):
         scale = self.precision.scaler.scale / self.batch.gradient_accumulation_steps
         self.hooks.start_backward()
         self.reduce_order.start()
+        if self.trace is not None:
+            self.trace.begin("backward", training=True)
         (loss.float() * scale).backward()
+        if self.trace is not None:
+            self.trace.end()
         self.hooks.finish_backward()
         assert self.reduce_order.complete
         self._drain_reductions(block=True)
