@@ -24,6 +24,7 @@ from torch import nn
 
 from trainer.collectives import Collectives
 from trainer.config import BatchSizes, EngineConfig
+from trainer.groups import ParamGroups, resolve_param_groups
 from trainer.hooks import UnitHooks
 from trainer.offload import StateBackend, UnitSpec
 from trainer.optimizer import ZeroOptimizer
@@ -39,7 +40,7 @@ class Engine(nn.Module):
     """Wraps a model for ZeRO data-parallel training (see module docstring)."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, *, collectives: Collectives,
-                 backend: StateBackend) -> None:
+                 backend: StateBackend, param_groups: ParamGroups | None = None) -> None:
         super().__init__()
         self.module = model
         self.config = config
@@ -54,8 +55,11 @@ class Engine(nn.Module):
         stage = config.zero_optimization.stage
         num_parts = collectives.world_size if stage >= 1 else 1
         model.to(self.precision.dtype)
+        groups = param_groups or resolve_param_groups(model, None, config.optimizer)
         self.units = build_units(model, config.units, num_parts=num_parts,
-                                 part_index=collectives.rank if num_parts > 1 else 0)
+                                 part_index=collectives.rank if num_parts > 1 else 0,
+                                 group_of=groups.group_of, include_frozen=stage == 3)
+        trainable = [unit for unit in self.units if unit.trainable]
         zero = config.zero_optimization
         self.placement, self.reducer = build_stage(
             stage, collectives, self.precision.dtype, backend,
@@ -66,13 +70,16 @@ class Engine(nn.Module):
         self.optimizer = ZeroOptimizer(backend, config.optimizer, collectives=collectives,
                                        scaler=self.precision.scaler,
                                        clip_norm=config.gradient_clipping,
-                                       partitioned=num_parts > 1)
+                                       partitioned=num_parts > 1, groups=groups.hyper,
+                                       unit_groups={unit.index: unit.group or 0
+                                                    for unit in trainable})
         self.lr_scheduler: WarmupLR | None = build_scheduler(self.optimizer, config.scheduler)
         self.prefetch = PrefetchPlanner(config.zero_optimization.stage3_prefetch_bucket_size,
                                         config.zero_optimization.stage3_max_live_parameters)
         self._forward_depth = 0
-        self.reduce_order = ReduceOrder(self.units)
-        self.hooks = UnitHooks(self.units, on_grads_ready=self._on_grads_ready)
+        self.reduce_order = ReduceOrder(trainable)
+        self.hooks = UnitHooks(self.units, on_grads_ready=self._on_grads_ready,
+                               on_frozen_backward_done=self.placement.release)
         self.trace: GatherTrace | None = None
         if isinstance(self.placement, Sharded):
             self.trace = GatherTrace(collectives, self.units)
@@ -90,16 +97,17 @@ class Engine(nn.Module):
             flat = unit.flatten_params(self.precision.dtype)
             self.collectives.broadcast(flat)
             spec = UnitSpec(index=unit.index, part_numel=unit.part_numel,
-                            param_dtype=self.precision.dtype)
+                            param_dtype=self.precision.dtype, trainable=unit.trainable)
             self.backend.register(spec, unit.part_slice(flat).float())
             self.placement.setup(unit, flat)
 
     def _broadcast_untracked_state(self) -> None:
-        """Buffers and frozen parameters are replicated as-is from rank 0."""
+        """Buffers and frozen parameters outside units are replicated as-is from rank 0."""
         for buffer in self.module.buffers():
             self.collectives.broadcast(buffer.data)
+        in_units = {id(slot.param) for unit in self.units for slot in unit.slots}
         for param in self.module.parameters():
-            if not param.requires_grad:
+            if not param.requires_grad and id(param) not in in_units:
                 self.collectives.broadcast(param.data)
 
     # --------------------------------------------------------------- forward
@@ -169,6 +177,9 @@ class Engine(nn.Module):
         if self.trace is not None:
             self.trace.end()
         self.hooks.finish_backward()
+        for unit in self.units:
+            if not unit.trainable:  # inputs that needed no grad: no post-backward signal
+                self.placement.release(unit)
         assert self.reduce_order.complete
         self._drain_reductions(block=True)
         return loss

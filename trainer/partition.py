@@ -10,7 +10,11 @@ without a forward of its own (``ModuleList``, ``ModuleDict``) never becomes a
 unit: its hooks would never fire and its parameters would never be gathered.
 A unit owns the trainable parameters of its subtree that no nested unit owns;
 a parameter shared between units (tied embeddings) belongs to the root unit,
-which stays gathered for the whole forward.
+which stays gathered for the whole forward. A module's parameters are split
+into one unit per parameter group (``trainer.groups``), so a unit steps with
+one set of hyper-parameters; under stage 3 frozen parameters form units of
+their own too (``group`` None): partitioned and gathered like the rest, with no
+gradient and no optimizer state.
 
 Each unit's parameters are concatenated into one flat buffer padded to a
 multiple of the number of partitions, so every rank owns an equal contiguous
@@ -54,8 +58,14 @@ class Unit:
     """Elements of one rank's partition."""
     part_index: int
     """This rank's partition (0 when the optimizer is not partitioned)."""
+    group: int | None = 0
+    """The parameter group (``trainer.groups``); None: frozen parameters, no optimizer."""
     flat: torch.Tensor | None = field(default=None, repr=False)
     """Full flat parameters in the training dtype, when materialised."""
+
+    @property
+    def trainable(self) -> bool:
+        return self.group is not None
 
     @property
     def shard_prefix(self) -> str:
@@ -175,12 +185,14 @@ def _auto_wrap(module: nn.Module, min_num_params: int, chosen: set[int], *,
 NamedParams = list[tuple[str, nn.Parameter]]
 
 
-def assign_params(model: nn.Module, unit_modules: list[tuple[str, nn.Module]]) -> list[NamedParams]:
-    """Trainable parameters of each unit, in registration order; shared ones go to the root."""
+def assign_params(model: nn.Module, unit_modules: list[tuple[str, nn.Module]], *,
+                  include_frozen: bool = False) -> list[NamedParams]:
+    """Trainable (and with ``include_frozen`` frozen) parameters of each unit, in
+    registration order; shared ones go to the root."""
     unit_of_module = {id(module): index for index, (_, module) in enumerate(unit_modules)}
     owner: dict[int, int] = {}
     named: dict[int, tuple[str, nn.Parameter]] = {}
-    _walk(model, "", 0, unit_of_module, owner, named)
+    _walk(model, "", 0, unit_of_module, owner, named, include_frozen)
     owned: list[NamedParams] = [[] for _ in unit_modules]
     for param_id, unit_index in owner.items():
         owned[unit_index].append(named[param_id])
@@ -188,10 +200,11 @@ def assign_params(model: nn.Module, unit_modules: list[tuple[str, nn.Module]]) -
 
 
 def _walk(module: nn.Module, prefix: str, unit_index: int, unit_of_module: dict[int, int],
-          owner: dict[int, int], named: dict[int, tuple[str, nn.Parameter]]) -> None:
+          owner: dict[int, int], named: dict[int, tuple[str, nn.Parameter]],
+          include_frozen: bool) -> None:
     unit_index = unit_of_module.get(id(module), unit_index)
     for name, param in module._parameters.items():
-        if param is None or not param.requires_grad:
+        if param is None or not (param.requires_grad or include_frozen):
             continue
         if id(param) in owner and owner[id(param)] != unit_index:
             owner[id(param)] = 0  # shared across units: the root keeps it gathered
@@ -200,26 +213,44 @@ def _walk(module: nn.Module, prefix: str, unit_index: int, unit_of_module: dict[
             named.setdefault(id(param), (prefix + name, param))
     for child_name, child in module._modules.items():
         if child is not None:
-            _walk(child, f"{prefix}{child_name}.", unit_index, unit_of_module, owner, named)
+            _walk(child, f"{prefix}{child_name}.", unit_index, unit_of_module, owner, named,
+                  include_frozen)
 
 
-def build_units(model: nn.Module, config: UnitsConfig, *, num_parts: int,
-                part_index: int) -> list[Unit]:
-    """Split ``model`` into units with partition geometry; empty units are dropped."""
+def build_units(model: nn.Module, config: UnitsConfig, *, num_parts: int, part_index: int,
+                group_of: dict[int, int] | None = None,
+                include_frozen: bool = False) -> list[Unit]:
+    """Split ``model`` into units with partition geometry; empty units are dropped.
+
+    ``group_of`` maps parameter ids to parameter groups (absent: group 0); a module's
+    parameters become one unit per group, frozen ones (``include_frozen``) last.
+    """
     unit_modules = find_unit_modules(model, config)
-    owned = assign_params(model, unit_modules)
+    owned = assign_params(model, unit_modules, include_frozen=include_frozen)
     units: list[Unit] = []
     for (name, module), params in zip(unit_modules, owned, strict=True):
-        if params:
-            units.append(_make_unit(len(units), name, module, params, num_parts, part_index))
-    if not units:
+        for group, group_params in _split_by_group(params, group_of or {}):
+            units.append(_make_unit(len(units), name, module, group_params, num_parts,
+                                    part_index, group))
+    if not any(unit.trainable for unit in units):
         raise ValueError("the model has no trainable parameters (requires_grad=True); "
                          "nothing to optimise")
     return units
 
 
+def _split_by_group(params: NamedParams,
+                    group_of: dict[int, int]) -> list[tuple[int | None, NamedParams]]:
+    """The unit's parameters per group, in first-appearance order; frozen ones last."""
+    split: dict[int | None, NamedParams] = {}
+    for name, param in params:
+        group = group_of.get(id(param), 0) if param.requires_grad else None
+        split.setdefault(group, []).append((name, param))
+    frozen = split.pop(None, None)
+    return [*split.items(), *([(None, frozen)] if frozen else [])]
+
+
 def _make_unit(index: int, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]],
-               num_parts: int, part_index: int) -> Unit:
+               num_parts: int, part_index: int, group: int | None = 0) -> Unit:
     slots, offset = [], 0
     for param_name, param in params:
         slots.append(ParamSlot(name=param_name, param=param, offset=offset,
@@ -227,4 +258,5 @@ def _make_unit(index: int, name: str, module: nn.Module, params: list[tuple[str,
         offset += param.numel()
     padded = -(-offset // num_parts) * num_parts
     return Unit(index=index, name=name or "<root>", module=module, slots=slots, numel=offset,
-                padded_numel=padded, part_numel=padded // num_parts, part_index=part_index)
+                padded_numel=padded, part_numel=padded // num_parts, part_index=part_index,
+                group=group)
