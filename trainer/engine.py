@@ -77,6 +77,8 @@ class Engine(nn.Module):
         self.prefetch = PrefetchPlanner(config.zero_optimization.stage3_prefetch_bucket_size,
                                         config.zero_optimization.stage3_max_live_parameters)
         self._forward_depth = 0
+        self._in_backward = False
+        """Forward hooks firing now are activation-checkpoint recomputes."""
         self.reduce_order = ReduceOrder(trainable)
         self.hooks = UnitHooks(self.units, on_grads_ready=self._on_grads_ready,
                                on_frozen_backward_done=self.placement.release)
@@ -127,12 +129,20 @@ class Engine(nn.Module):
     def _pre_forward(self, unit: Unit) -> None:
         if self.trace is not None:
             self.trace.visit(unit)
+        if self._in_backward:
+            # An activation-checkpoint recompute: not a pass to learn the order from; the
+            # units needed next are the backward's.
+            self.placement.gather(unit)
+            self._prefetch_after(unit, backward=True)
+            return
         self.prefetch.record(unit, first_of_pass=self._forward_depth == 0)
         self._forward_depth += 1
         self.placement.gather(unit)
         self._prefetch_after(unit, backward=False)
 
     def _post_forward(self, unit: Unit) -> None:
+        if self._in_backward:
+            return  # the recomputed ops' backward reads these parameters next; grads free them
         self._forward_depth -= 1
         self.prefetch.record_end(unit)
         # Within the reuse distance the unit stays gathered for its backward (DeepSpeed's
@@ -173,7 +183,11 @@ class Engine(nn.Module):
         self.reduce_order.start()
         if self.trace is not None:
             self.trace.begin("backward", training=True)
-        (loss.float() * scale).backward()
+        self._in_backward = True
+        try:
+            (loss.float() * scale).backward()
+        finally:
+            self._in_backward = False
         if self.trace is not None:
             self.trace.end()
         self.hooks.finish_backward()
