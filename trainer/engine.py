@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.agreement import agree
 from trainer.collectives import Collectives
 from trainer.config import BatchSizes, EngineConfig
 from trainer.groups import ParamGroups, resolve_param_groups
@@ -100,8 +101,9 @@ class Engine(nn.Module):
             self.collectives.broadcast(flat)
             spec = UnitSpec(index=unit.index, part_numel=unit.part_numel,
                             param_dtype=self.precision.dtype, trainable=unit.trainable)
-            self.backend.register(spec, unit.part_slice(flat).float())
-            self.placement.setup(unit, flat)
+            with agree(self.collectives, f"registering unit {unit.index} ({unit.name})"):
+                self.backend.register(spec, unit.part_slice(flat).float())
+                self.placement.setup(unit, flat)
 
     def _broadcast_untracked_state(self) -> None:
         """Buffers and frozen parameters outside units are replicated as-is from rank 0."""
