@@ -98,7 +98,10 @@ def train_rank(rank: int, world: int, cases: list[tuple[str, int, str]]) -> list
                          "frozen_numel_outside_forward": [
                              slot.param.numel() for u in frozen for slot in u.slots],
                          "lrs": engine.get_lr()}
-                results.append((consolidate_fp32_state_dict(engine), facts))
+                state = consolidate_fp32_state_dict(engine)
+                if stage == 3:
+                    facts["reloaded"] = _save_and_reload(engine, config, kind)
+                results.append((state, facts))
             finally:
                 engine.close()
     finally:
@@ -106,6 +109,23 @@ def train_rank(rank: int, world: int, cases: list[tuple[str, int, str]]) -> list
         if daemon is not None:
             daemon.stop()
     return results
+
+
+def _save_and_reload(engine: Any, config: dict[str, Any], kind: str) -> dict[str, Any]:
+    """A checkpoint round trip: frozen units keep their parameters, groups their lrs."""
+    directory = engine.collectives.all_gather_object(tempfile.mkdtemp(prefix="ckpt-"))[0]
+    engine.save_checkpoint(directory)
+    if "offloadd" in config:
+        config = {**config, "offloadd": {**config["offloadd"],
+                                         "job": config["offloadd"]["job"] + "-reload"}}
+    model = make_model(seed=1)
+    fresh, _, _, _ = trainer.initialize(model=model, config=config,
+                                        model_parameters=SELECT[kind](model))
+    try:
+        fresh.load_checkpoint(directory)
+        return consolidate_fp32_state_dict(fresh)
+    finally:
+        fresh.close()
 
 
 def reference(kind: str) -> dict[str, torch.Tensor]:
@@ -129,6 +149,9 @@ def check(cases: list[tuple[str, int, str]]) -> None:
     for (kind, stage, device), (state, facts) in zip(cases, results, strict=True):
         label = f"{kind} stage {stage} offload {device}"
         assert max_relative_error(state, reference(kind)) < 1e-5, label
+        if stage == 3:
+            reloaded = facts["reloaded"]
+            assert all(torch.equal(reloaded[name], state[name]) for name in state), label
         if kind == "groups":
             assert facts["lrs"] == [1e-2, 3e-3], label
             continue
