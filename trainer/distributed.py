@@ -37,12 +37,12 @@ def init_distributed(dist_backend: str | None = None, *, init_method: str | None
     if dist.is_initialized():
         return
     backend = dist_backend or default_backend()
-    kwargs = {"timeout": timeout} if timeout is not None else {}
     if init_method is not None or all(name in os.environ for name in LAUNCH_VARIABLES):
         dist.init_process_group(backend, init_method=init_method or "env://", rank=rank,
-                                world_size=world_size, **kwargs)
+                                world_size=world_size, timeout=timeout)
         return
     if world_size > 1:
         raise ValueError(f"init_distributed(world_size={world_size}) needs the torchrun "
                          f"variables {', '.join(LAUNCH_VARIABLES)} or an init_method")
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timeout)
