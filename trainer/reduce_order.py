@@ -31,8 +31,8 @@ class ReduceOrder:
         self._held: dict[int, torch.Tensor] = {}
 
     def start(self) -> None:
-        """A backward pass begins; nothing is held from the last one."""
-        assert not self._held, "gradients left over from the previous backward"
+        """A backward pass begins; what a backward that raised half-way held is dropped."""
+        self._held.clear()
         self._next = 0
 
     def ready(self, unit: Unit, flat_grad: torch.Tensor) -> list[tuple[Unit, torch.Tensor]]:
