@@ -20,18 +20,21 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainer.collectives import Collectives
 from trainer.config import EngineConfig, parse_config
+from trainer.distributed import init_distributed
 from trainer.engine import Engine
+from trainer.groups import resolve_param_groups
 from trainer.offload import InProcessBackend, StateBackend
 from trainer.optimizer import ZeroOptimizer
 from trainer.scheduler import WarmupLR
 
-__all__ = ["Engine", "EngineConfig", "ZeroOptimizer", "initialize", "parse_config"]
+__all__ = ["Engine", "EngineConfig", "ZeroOptimizer", "init_distributed", "initialize",
+           "parse_config"]
 
 
 def initialize(
     *,
     model: nn.Module,
-    model_parameters: Iterable[torch.Tensor] | None = None,
+    model_parameters: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | None = None,
     config: dict[str, Any] | str | os.PathLike[str] | EngineConfig | None = None,
     config_params: dict[str, Any] | None = None,
     optimizer: Any = None,
@@ -41,8 +44,10 @@ def initialize(
 ) -> tuple[Engine, ZeroOptimizer, DataLoader[Any] | None, WarmupLR | None]:
     """Build the engine; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
-    ``model_parameters`` selects the trained parameters; the model's other
-    parameters are frozen (``requires_grad=False``). ``optimizer`` and
+    ``model_parameters`` selects the trained parameters, as tensors or torch-style
+    group dicts with per-group ``lr``/``weight_decay``/``betas``/``eps``
+    (``trainer.groups``); the model's other parameters are frozen
+    (``requires_grad=False``). ``optimizer`` and
     ``lr_scheduler`` must come from the config (``optimizer``/``scheduler``
     sections). With ``training_data`` a DataLoader of micro-batches (one
     distributed shard per rank) is returned.
@@ -54,12 +59,15 @@ def initialize(
     if source is None:
         raise ValueError("initialize() needs config= (a dict, a JSON path or an EngineConfig)")
     parsed = parse_config(source if not isinstance(source, os.PathLike) else Path(source))
-    _check_model(model, model_parameters)
+    _check_model(model)
+    groups = resolve_param_groups(model, model_parameters, parsed.optimizer)
+    init_distributed()
     collectives = Collectives()
     parsed.batch_sizes(collectives.world_size)  # fail before any daemon or collective work
     backend = _build_backend(parsed, collectives, model)
     try:
-        engine = Engine(model, parsed, collectives=collectives, backend=backend)
+        engine = Engine(model, parsed, collectives=collectives, backend=backend,
+                        param_groups=groups)
     except BaseException:
         backend.close()
         raise
@@ -67,21 +75,9 @@ def initialize(
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
-def _check_model(model: nn.Module, model_parameters: Iterable[torch.Tensor] | None) -> None:
+def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    params = list(model.parameters())
-    if not params:
-        raise ValueError(f"model {type(model).__name__} has no parameters; nothing to train")
-    if model_parameters is None:
-        return
-    chosen = {id(param) for param in model_parameters}
-    known = {id(param) for param in params}
-    if not chosen <= known:
-        raise ValueError("model_parameters contains tensors that are not parameters of model")
-    for param in params:
-        if id(param) not in chosen:
-            param.requires_grad_(False)
 
 
 def _build_backend(config: EngineConfig, collectives: Collectives,

@@ -204,7 +204,12 @@ def consolidate_fp32_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
 
 
 def _gather_master(engine: Engine, unit: Any) -> torch.Tensor:
-    master = engine.backend.get_state(unit.index)["master"]
+    if unit.trainable:
+        master = engine.backend.get_state(unit.index)["master"]
+    else:  # frozen (stage 3): the parameter partition is all there is
+        param = torch.empty(unit.part_numel, dtype=engine.precision.dtype)
+        engine.backend.read_params(unit.index, param)
+        master = param.float()
     if unit.part_numel == unit.padded_numel:
         return master
     full = torch.empty(unit.padded_numel, dtype=torch.float32)

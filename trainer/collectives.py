@@ -1,8 +1,8 @@
 """Collectives over torch.distributed, with a world-of-one fallback.
 
-Works under torchrun (process group already initialised, or initialised here
-from the env://) and in a plain single process (no process group: world 1,
-every collective is the identity). torch 2.13's gloo backend supports
+Works under torchrun (the process group is initialised by
+``trainer.init_distributed``, which ``initialize`` calls) and without any
+process group (world 1, every collective is the identity). torch 2.13's gloo backend supports
 ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` on CPU; older gloo
 builds do not, so both fall back to all_reduce + slice / list all_gather when
 the fused op raises ``RuntimeError`` once.
@@ -32,18 +32,12 @@ class Done:
         return None
 
 
-def _init_from_env() -> None:
-    """Join the env:// process group when launched by torchrun and nobody joined yet."""
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    if launched and dist.is_available() and not dist.is_initialized():
-        dist.init_process_group("gloo")
-
-
 class Collectives:
     """The data-parallel group: rank, size, and the three collectives ZeRO needs."""
 
-    def __init__(self) -> None:
-        _init_from_env()
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
+        """The process group (None: the default group)."""
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
@@ -59,7 +53,7 @@ class Collectives:
         """In-place sum over ranks."""
         if self.world_size == 1:
             return Done()
-        work = dist.all_reduce(tensor, async_op=async_op)
+        work = dist.all_reduce(tensor, group=self.group, async_op=async_op)
         return work if work is not None else Done()
 
     def reduce_scatter_partition(self, flat: torch.Tensor, *,
@@ -87,11 +81,12 @@ class Collectives:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)
-                    work = dist.reduce_scatter_tensor(output, flat, async_op=async_op)
+                    work = dist.reduce_scatter_tensor(output, flat, group=self.group,
+                                                     async_op=async_op)
                 return work if work is not None else Done()
             except RuntimeError:
                 self._fused_ops = False
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=self.group)
         output.copy_(flat.view(self.world_size, -1)[self.rank])
         return Done()
 
@@ -105,29 +100,43 @@ class Collectives:
             try:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", FutureWarning)
-                    work = dist.all_gather_into_tensor(flat, part, async_op=async_op)
+                    work = dist.all_gather_into_tensor(flat, part, group=self.group,
+                                                       async_op=async_op)
                 return work if work is not None else Done()
             except RuntimeError:
                 self._fused_ops = False
-        dist.all_gather(list(flat.view(self.world_size, -1).unbind(0)), part)
+        dist.all_gather(list(flat.view(self.world_size, -1).unbind(0)), part,
+                        group=self.group)
         return Done()
 
     def broadcast(self, tensor: torch.Tensor, source_rank: int = 0) -> None:
         """Overwrite ``tensor`` with ``source_rank``'s copy."""
         if self.world_size > 1:
-            dist.broadcast(tensor, source_rank)
+            dist.broadcast(tensor, source_rank, group=self.group)
 
     def all_gather_object(self, value: Any) -> list[Any]:
         """Every rank's ``value``, in rank order (small, picklable values only)."""
         if self.world_size == 1:
             return [value]
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
+        dist.all_gather_object(gathered, value, group=self.group)
         return gathered
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self.group)
+
+    def separate_group(self) -> Collectives:
+        """The same ranks on a process group of their own (collective: every rank calls it).
+
+        Collectives pair by issue order *within* a group. Gradient reductions are issued
+        in ``ReduceOrder``'s order and stage-3 gathers in the forward/backward trace's
+        order; each is the same on every rank, but how they interleave is not (it depends
+        on when this rank's units become ready), so they must not share a group.
+        """
+        if self.world_size == 1:
+            return self
+        return Collectives(group=dist.new_group(backend=dist.get_backend(self.group)))
 
     def node_leader_value(self, value: Any) -> Any:
         """The ``value`` passed by local rank 0 of this rank's node."""

@@ -276,11 +276,14 @@ class UnitsConfig:
 
     module_classes: tuple[str, ...] = ()
     """Class names (e.g. "GPT2Block") whose instances each become one unit."""
-    min_num_params: int = 1_000_000
-    """Without module_classes: a subtree with this many unwrapped params becomes a unit."""
+    min_num_params: int | None = None
+    """Without module_classes: a subtree with this many unwrapped params becomes a unit;
+    unset: the model's repeated blocks (HF ``_no_split_modules``, else classes repeated in
+    a ModuleList/Sequential), else size-based at 1M params."""
 
     def __post_init__(self) -> None:
-        _check(self.min_num_params >= 1, "units.min_num_params", self.min_num_params, ">= 1")
+        _check(self.min_num_params is None or self.min_num_params >= 1, "units.min_num_params",
+               self.min_num_params, ">= 1 (or unset for the model's repeated blocks)")
 
 
 @dataclass(kw_only=True, frozen=True)

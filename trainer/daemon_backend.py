@@ -87,6 +87,11 @@ class DaemonBackend(StateBackend):
         self._names[spec.index] = (f"u{spec.index}", f"u{spec.index}.grad",
                                    f"u{spec.index}.param")
         param_nbytes = spec.part_numel * spec.param_dtype.itemsize
+        if not spec.trainable:  # frozen: the parameter partition only, no optimizer state
+            self.client.alloc([self._names[spec.index][2]], [param_nbytes],
+                              [_dtype_tag(spec.param_dtype)])
+            self.client.put(self._names[spec.index][2], master.to(spec.param_dtype))
+            return
         self.client.alloc(self._ids(spec.index, *SHARD_KINDS),
                           [spec.part_numel * 4] * 4 + [param_nbytes],
                           ["float32"] * 4 + [_dtype_tag(spec.param_dtype)])
@@ -192,6 +197,8 @@ class DaemonBackend(StateBackend):
             self.client.step_begin()
 
     def get_state(self, unit: int) -> dict[str, torch.Tensor]:
+        if not self._specs[unit].trainable:
+            return {}
         self._settle(unit)
         with self.client.acquire_many(self._ids(unit, *STATE_KINDS), "r") as leases:
             return {kind: lease.tensor(torch.float32).clone()
@@ -199,6 +206,9 @@ class DaemonBackend(StateBackend):
 
     def set_state(self, unit: int, state: dict[str, torch.Tensor]) -> None:
         self._settle(unit)
+        if not self._specs[unit].trainable:
+            self.client.put(self._names[unit][2], state["param"])
+            return
         param = state.get("param")
         if param is None:
             param = state["master"].to(self._specs[unit].param_dtype)
@@ -279,11 +289,15 @@ def _node_world_size(collectives: Collectives) -> int:
 
 
 def estimate_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) -> int:
-    """Bytes of daemon shards one rank needs (fp32 master/moments/grad + param copy)."""
+    """Bytes of daemon shards one rank needs (fp32 master/moments/grad + param copy, and
+    the param copy of frozen parameters under stage 3)."""
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     parts = world_size if config.zero_optimization.stage >= 1 else 1
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype_name]
-    return -(-numel // parts) * (16 + itemsize)
+    frozen = 0  # stage 3 keeps frozen parameters' partitions in the daemon too (no state)
+    if config.zero_optimization.stage == 3:
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    return -(-numel // parts) * (16 + itemsize) + -(-frozen // parts) * itemsize
 
 
 def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Collectives) -> int:

@@ -22,22 +22,26 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainer.agreement import agree
 from trainer.collectives import Collectives
 from trainer.config import BatchSizes, EngineConfig
+from trainer.groups import ParamGroups, resolve_param_groups
 from trainer.hooks import UnitHooks
 from trainer.offload import StateBackend, UnitSpec
 from trainer.optimizer import ZeroOptimizer
 from trainer.partition import Unit, build_units
 from trainer.precision import Precision
+from trainer.reduce_order import ReduceOrder
 from trainer.scheduler import WarmupLR, build_scheduler
-from trainer.zero import PrefetchPlanner, ReducedGrad, build_stage
+from trainer.trace import GatherTrace
+from trainer.zero import PrefetchPlanner, ReducedGrad, Sharded, build_stage
 
 
 class Engine(nn.Module):
     """Wraps a model for ZeRO data-parallel training (see module docstring)."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, *, collectives: Collectives,
-                 backend: StateBackend) -> None:
+                 backend: StateBackend, param_groups: ParamGroups | None = None) -> None:
         super().__init__()
         self.module = model
         self.config = config
@@ -52,24 +56,37 @@ class Engine(nn.Module):
         stage = config.zero_optimization.stage
         num_parts = collectives.world_size if stage >= 1 else 1
         model.to(self.precision.dtype)
+        groups = param_groups or resolve_param_groups(model, None, config.optimizer)
         self.units = build_units(model, config.units, num_parts=num_parts,
-                                 part_index=collectives.rank if num_parts > 1 else 0)
+                                 part_index=collectives.rank if num_parts > 1 else 0,
+                                 group_of=groups.group_of, include_frozen=stage == 3)
+        trainable = [unit for unit in self.units if unit.trainable]
         zero = config.zero_optimization
         self.placement, self.reducer = build_stage(
             stage, collectives, self.precision.dtype, backend,
             offload_params=zero.offload_param.device != "none",
-            max_live_numel=zero.stage3_max_live_parameters)
+            max_live_numel=zero.stage3_max_live_parameters,
+            reduce_collectives=collectives.separate_group() if stage == 3 else None)
         self._adopt_parameters()
         self.optimizer = ZeroOptimizer(backend, config.optimizer, collectives=collectives,
                                        scaler=self.precision.scaler,
                                        clip_norm=config.gradient_clipping,
-                                       partitioned=num_parts > 1)
+                                       partitioned=num_parts > 1, groups=groups.hyper,
+                                       unit_groups={unit.index: unit.group or 0
+                                                    for unit in trainable})
         self.lr_scheduler: WarmupLR | None = build_scheduler(self.optimizer, config.scheduler)
         self.prefetch = PrefetchPlanner(config.zero_optimization.stage3_prefetch_bucket_size,
                                         config.zero_optimization.stage3_max_live_parameters)
         self._forward_depth = 0
-        self.hooks = UnitHooks(self.units, on_grads_ready=self._on_grads_ready)
-        if self.placement.sharded:
+        self._in_backward = False
+        """Forward hooks firing now are activation-checkpoint recomputes."""
+        self.reduce_order = ReduceOrder(trainable)
+        self.hooks = UnitHooks(self.units, on_grads_ready=self._on_grads_ready,
+                               on_frozen_backward_done=self.placement.release)
+        self.trace: GatherTrace | None = None
+        if isinstance(self.placement, Sharded):
+            self.trace = GatherTrace(collectives, self.units)
+            self.placement.full.before_gather = self.trace.before_gather
             self.hooks.install_forward(pre_forward=self._pre_forward,
                                        post_forward=self._post_forward,
                                        pre_backward=self._pre_backward)
@@ -83,16 +100,18 @@ class Engine(nn.Module):
             flat = unit.flatten_params(self.precision.dtype)
             self.collectives.broadcast(flat)
             spec = UnitSpec(index=unit.index, part_numel=unit.part_numel,
-                            param_dtype=self.precision.dtype)
-            self.backend.register(spec, unit.part_slice(flat).float())
-            self.placement.setup(unit, flat)
+                            param_dtype=self.precision.dtype, trainable=unit.trainable)
+            with agree(self.collectives, f"registering unit {unit.index} ({unit.name})"):
+                self.backend.register(spec, unit.part_slice(flat).float())
+                self.placement.setup(unit, flat)
 
     def _broadcast_untracked_state(self) -> None:
-        """Buffers and frozen parameters are replicated as-is from rank 0."""
+        """Buffers and frozen parameters outside units are replicated as-is from rank 0."""
         for buffer in self.module.buffers():
             self.collectives.broadcast(buffer.data)
+        in_units = {id(slot.param) for unit in self.units for slot in unit.slots}
         for param in self.module.parameters():
-            if not param.requires_grad:
+            if not param.requires_grad and id(param) not in in_units:
                 self.collectives.broadcast(param.data)
 
     # --------------------------------------------------------------- forward
@@ -101,16 +120,31 @@ class Engine(nn.Module):
         """Run the model on (floating inputs cast to the training dtype)."""
         self.backend.begin_step()
         self._forward_depth = 0  # a forward that raised half-way must not skew the next one
-        return self.module(*self.precision.cast_inputs(args),
-                           **self.precision.cast_inputs(kwargs))
+        if self.trace is not None:
+            self.trace.begin("forward", training=self.module.training)
+        output = self.module(*self.precision.cast_inputs(args),
+                             **self.precision.cast_inputs(kwargs))
+        if self.trace is not None:
+            self.trace.end()
+        return output
 
     def _pre_forward(self, unit: Unit) -> None:
+        if self.trace is not None:
+            self.trace.visit(unit)
+        if self._in_backward:
+            # An activation-checkpoint recompute: not a pass to learn the order from; the
+            # units needed next are the backward's.
+            self.placement.gather(unit)
+            self._prefetch_after(unit, backward=True)
+            return
         self.prefetch.record(unit, first_of_pass=self._forward_depth == 0)
         self._forward_depth += 1
         self.placement.gather(unit)
         self._prefetch_after(unit, backward=False)
 
     def _post_forward(self, unit: Unit) -> None:
+        if self._in_backward:
+            return  # the recomputed ops' backward reads these parameters next; grads free them
         self._forward_depth -= 1
         self.prefetch.record_end(unit)
         # Within the reuse distance the unit stays gathered for its backward (DeepSpeed's
@@ -122,6 +156,8 @@ class Engine(nn.Module):
             self.placement.release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
+        if self.trace is not None:
+            self.trace.visit(unit)
         self.placement.gather(unit)
         self._prefetch_after(unit, backward=True)
 
@@ -146,14 +182,31 @@ class Engine(nn.Module):
             raise RuntimeError("engine.backward() called in eval mode; call engine.train()")
         scale = self.precision.scaler.scale / self.batch.gradient_accumulation_steps
         self.hooks.start_backward()
-        (loss.float() * scale).backward()
+        self.reduce_order.start()
+        if self.trace is not None:
+            self.trace.begin("backward", training=True)
+        self._in_backward = True
+        try:
+            (loss.float() * scale).backward()
+        finally:
+            self._in_backward = False
+        if self.trace is not None:
+            self.trace.end()
         self.hooks.finish_backward()
+        for unit in self.units:
+            if not unit.trainable:  # inputs that needed no grad: no post-backward signal
+                self.placement.release(unit)
+        assert self.reduce_order.complete
         self._drain_reductions(block=True)
         return loss
 
     def _on_grads_ready(self, unit: Unit) -> None:
         flat_grad = unit.flatten_grads(self.precision.dtype)
         self.placement.release(unit)
+        for due_unit, due_grad in self.reduce_order.ready(unit, flat_grad):
+            self._reduce(due_unit, due_grad)
+
+    def _reduce(self, unit: Unit, flat_grad: torch.Tensor) -> None:
         overlap = self.config.zero_optimization.overlap_comm
         reduced = self.reducer.reduce(unit, flat_grad,
                                       boundary=self.is_gradient_accumulation_boundary(),

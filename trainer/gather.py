@@ -70,6 +70,8 @@ class FullParams:
         self.max_inflight = max_inflight
         """Prefetched all-gathers in flight at once (DeepSpeed hard-codes 2)."""
         self._buffers: dict[int, _UnitBuffer] = {}
+        self.before_gather: Callable[[Unit], None] | None = None
+        """Called before each all-gather is issued (``trainer.trace`` checks the order)."""
         self.live_numel = 0
         self.num_gathers = 0
         self.num_prefetched = 0
@@ -121,6 +123,8 @@ class FullParams:
             self.free(buffer.unit)
 
     def _start(self, buffer: _UnitBuffer) -> None:
+        if self.before_gather is not None:
+            self.before_gather(buffer.unit)
         buffer.storage.resize_(buffer.nbytes)
         part, buffer.release_part = self.loader.lease(buffer.unit)
         buffer.pending = self.collectives.all_gather(buffer.flat, part, async_op=True)

@@ -8,7 +8,12 @@
 - a post-backward hook: ``register_post_accumulate_grad_hook`` counts the
   unit's parameters whose gradient is final; the last one triggers the
   unit's gradient reduction. Units with unused parameters never reach the
-  count and are finished by ``finish_backward`` in unit order.
+  count and are finished by ``finish_backward`` in unit order (the engine's
+  ``ReduceOrder`` then launches reductions in one order on every rank);
+- a frozen unit (stage 3) has no gradients to count: its forward inputs pass
+  through an identity Function whose backward fires once the unit's backward
+  has produced the inputs' gradients, which is when its gathered parameters
+  can go (the engine frees the rest at the end of backward).
 """
 
 from __future__ import annotations
@@ -26,6 +31,20 @@ UnitCallback = Callable[[Unit], None]
 
 class _PreBackward(torch.autograd.Function):
     """Identity on a unit's outputs whose backward runs a callback first."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:
+        ctx.callback = callback
+        return tuple(tensor.detach() for tensor in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.callback()
+        return (None, *grads)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs a callback (the unit's is done)."""
 
     @staticmethod
     def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:
@@ -73,15 +92,29 @@ def attach_pre_backward(output: Any, callback: Callable[[], None]) -> Any:
     return _replace(output, {id(old): new for old, new in zip(tensors, routed, strict=True)})
 
 
+def attach_post_backward(args: Any, kwargs: Any,
+                         callback: Callable[[], None]) -> tuple[Any, Any] | None:
+    """``(args, kwargs)`` with grad-requiring tensors routed through ``_PostBackward``."""
+    tensors = list(_tensors_needing_grad((args, kwargs)))
+    if not tensors or not torch.is_grad_enabled():
+        return None
+    routed = _PostBackward.apply(callback, *tensors)
+    swap = {id(old): new for old, new in zip(tensors, routed, strict=True)}
+    return _replace(tuple(args), swap), _replace(dict(kwargs), swap)
+
+
 class UnitHooks:
     """Installs the hooks and turns them into per-unit callbacks."""
 
-    def __init__(self, units: list[Unit], *, on_grads_ready: UnitCallback) -> None:
+    def __init__(self, units: list[Unit], *, on_grads_ready: UnitCallback,
+                 on_frozen_backward_done: UnitCallback | None = None) -> None:
         self.units = units
+        self.trainable = [unit for unit in units if unit.trainable]
         self.on_grads_ready = on_grads_ready
+        self.on_frozen_backward_done = on_frozen_backward_done
         self._waiting: dict[int, int] = {}
         self._handles: list[RemovableHandle] = []
-        for unit in units:
+        for unit in self.trainable:
             for slot in unit.slots:
                 self._handles.append(slot.param.register_post_accumulate_grad_hook(
                     self._grad_hook(unit)))
@@ -94,14 +127,19 @@ class UnitHooks:
                 lambda _module, _args, unit=unit: pre_forward(unit)))
             self._handles.append(unit.module.register_forward_hook(
                 self._post_forward_hook(unit, post_forward, pre_backward)))
+            if not unit.trainable and self.on_frozen_backward_done is not None:
+                done = self.on_frozen_backward_done
+                self._handles.append(unit.module.register_forward_pre_hook(
+                    lambda _module, args, kwargs, unit=unit, done=done: attach_post_backward(
+                        args, kwargs, lambda: done(unit)), with_kwargs=True))
 
     def start_backward(self) -> None:
         """Arm the post-backward counters for one backward pass."""
-        self._waiting = {unit.index: len(unit.slots) for unit in self.units}
+        self._waiting = {unit.index: len(unit.slots) for unit in self.trainable}
 
     def finish_backward(self) -> None:
         """Fire the post-backward callback of every unit that has not fired yet."""
-        for unit in self.units:
+        for unit in self.trainable:
             if self._waiting.pop(unit.index, None) is not None:
                 self.on_grads_ready(unit)
 

@@ -50,6 +50,8 @@ class UnitSpec:
     index: int
     part_numel: int
     param_dtype: torch.dtype
+    trainable: bool = True
+    """False: frozen parameters (stage 3): only the ``param`` shard, no optimizer state."""
 
 
 class StepHandle(Protocol):
@@ -70,7 +72,8 @@ class StateBackend(abc.ABC):
 
     @abc.abstractmethod
     def register(self, spec: UnitSpec, master: torch.Tensor) -> None:
-        """Create the unit's state: master from ``master`` (fp32), zero moments and grad."""
+        """Create the unit's state: master from ``master`` (fp32), zero moments and grad;
+        a frozen unit (``spec.trainable`` False) gets only its parameter partition."""
 
     @abc.abstractmethod
     def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
@@ -112,11 +115,13 @@ class StateBackend(abc.ABC):
 
     @abc.abstractmethod
     def get_state(self, unit: int) -> dict[str, torch.Tensor]:
-        """Copies of the unit's master, exp_avg and exp_avg_sq (fp32, in the rank)."""
+        """Copies of the unit's master, exp_avg and exp_avg_sq (fp32, in the rank);
+        empty for a frozen unit."""
 
     @abc.abstractmethod
     def set_state(self, unit: int, state: dict[str, torch.Tensor]) -> None:
-        """Overwrite master/exp_avg/exp_avg_sq (and the param copy derived from master)."""
+        """Overwrite master/exp_avg/exp_avg_sq (and the param copy derived from master);
+        a frozen unit takes ``state["param"]``."""
 
     def flush(self, tag: str | None) -> None:  # noqa: B027 - nothing to persist in-process
         """Make the state durable (daemon NVMe tier); a no-op in-process."""
@@ -168,9 +173,13 @@ class InProcessBackend(StateBackend):
 
     def __init__(self) -> None:
         self._units: dict[int, _UnitState] = {}
+        self._frozen: dict[int, tuple[UnitSpec, torch.Tensor]] = {}
 
     def register(self, spec: UnitSpec, master: torch.Tensor) -> None:
-        self._units[spec.index] = _UnitState(spec, master)
+        if spec.trainable:
+            self._units[spec.index] = _UnitState(spec, master)
+        else:
+            self._frozen[spec.index] = (spec, master.to(spec.param_dtype, copy=True))
 
     def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
                         want_sq_norm: bool) -> torch.Tensor | None:
@@ -189,19 +198,29 @@ class InProcessBackend(StateBackend):
         return FinishedStep()
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:
-        out.copy_(self._units[unit].master)
+        frozen = self._frozen.get(unit)
+        out.copy_(frozen[1] if frozen is not None else self._units[unit].master)
+
+    def _spec(self, unit: int) -> UnitSpec:
+        frozen = self._frozen.get(unit)
+        return frozen[0] if frozen is not None else self._units[unit].spec
 
     def part_numel(self, unit: int) -> int:
-        return self._units[unit].spec.part_numel
+        return self._spec(unit).part_numel
 
     def param_dtype(self, unit: int) -> torch.dtype:
-        return self._units[unit].spec.param_dtype
+        return self._spec(unit).param_dtype
 
     def get_state(self, unit: int) -> dict[str, torch.Tensor]:
+        if unit in self._frozen:
+            return {}
         state = self._units[unit]
         return {kind: getattr(state, kind).clone() for kind in STATE_KINDS}
 
     def set_state(self, unit: int, state: dict[str, torch.Tensor]) -> None:
+        if unit in self._frozen:
+            self._frozen[unit][1].copy_(state["param"])
+            return
         target = self._units[unit]
         for kind in STATE_KINDS:
             getattr(target, kind).copy_(state[kind])

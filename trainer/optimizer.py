@@ -29,17 +29,20 @@ class ZeroOptimizer:
 
     def __init__(self, backend: StateBackend, config: OptimizerConfig, *,
                  collectives: Collectives, scaler: LossScaler, clip_norm: float,
-                 partitioned: bool) -> None:
+                 partitioned: bool, groups: list[dict[str, Any]] | None = None,
+                 unit_groups: dict[int, int] | None = None) -> None:
         self.backend = backend
         self.collectives = collectives
         self.scaler = scaler
         self.clip_norm = clip_norm
         self.partitioned = partitioned
         """Partitions differ across ranks, so norms must be summed over ranks."""
-        self.param_groups: list[dict[str, Any]] = [{
+        self.param_groups: list[dict[str, Any]] = [dict(group) for group in groups or [{
             "lr": config.lr, "betas": config.betas, "eps": config.eps,
             "weight_decay": config.weight_decay,
-        }]
+        }]]
+        self.unit_groups = unit_groups or {}
+        """Unit index -> its param group (``trainer.groups``); absent: group 0."""
         self.decoupled = config.type == "AdamW" or config.adam_w_mode
         self.step_count = 0
         """Adam's t: applied steps so far (skipped overflow steps do not count)."""
@@ -53,8 +56,9 @@ class ZeroOptimizer:
         """Steps can start per unit during backward: nothing global is needed first."""
         return self.clip_norm == 0 and not self.scaler.checks_overflow
 
-    def hyper(self) -> AdamHyper:
-        group = self.param_groups[0]
+    def hyper(self, group_index: int = 0) -> AdamHyper:
+        """The step's hyper-parameters for one param group (the scheduler writes ``lr``)."""
+        group = self.param_groups[group_index]
         beta1, beta2 = group["betas"]
         return AdamHyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
                          weight_decay=group["weight_decay"],
@@ -115,7 +119,8 @@ class ZeroOptimizer:
         return 1.0 / (self.scaler.scale * self.collectives.world_size)
 
     def _start(self, unit: int, grad_scale: float) -> StepHandle:
-        return self.backend.step_async(unit, step=self.step_count + 1, hyper=self.hyper(),
+        hyper = self.hyper(self.unit_groups.get(unit, 0))
+        return self.backend.step_async(unit, step=self.step_count + 1, hyper=hyper,
                                        grad_scale=grad_scale)
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -256,11 +256,13 @@ class ReduceScatterReducer(Reducer):
 
 
 def build_stage(stage: int, collectives: Collectives, dtype: torch.dtype,
-                backend: StateBackend, *, offload_params: bool,
-                max_live_numel: int) -> tuple[Placement, Reducer]:
-    """The placement and reducer of a ZeRO stage."""
-    reducer: Reducer = (ReduceScatterReducer(collectives) if stage >= 2
-                        else AllReduceReducer(collectives))
+                backend: StateBackend, *, offload_params: bool, max_live_numel: int,
+                reduce_collectives: Collectives | None = None) -> tuple[Placement, Reducer]:
+    """The placement and reducer of a ZeRO stage (the reducer on ``reduce_collectives``
+    when given: see ``Collectives.separate_group``)."""
+    reducing = reduce_collectives or collectives
+    reducer: Reducer = (ReduceScatterReducer(reducing) if stage >= 2
+                        else AllReduceReducer(reducing))
     if stage < 3:
         return Replicated(collectives, dtype, backend), reducer
     source = (OffloadedPartitions(backend, dtype) if offload_params
