@@ -150,3 +150,26 @@ def test_unit_skipped_later_fails_on_the_rank_that_diverged() -> None:
     assert kind == "TraceDivergenceError", text
     assert "rank 1 left its recorded stage-3 trace" in text
     assert "expected unit 2 (blocks.1), got unit 3 (blocks.2)" in text
+
+
+def train_with_eval(rank: int, world: int) -> list[float]:
+    """Eval passes that skip a unit on every rank are a pass kind of their own, not a
+    divergence from the training trace."""
+    engine, _, _, _ = trainer.initialize(model=make_model(), config=config(3))
+    losses = []
+    try:
+        for step in range(STEPS):
+            engine.train()
+            engine.backward(engine(*batch(step, rank)))
+            engine.step()
+            engine.eval()
+            with torch.no_grad():
+                losses.append(engine(*batch(0, rank), skip=1).item())
+        return losses
+    finally:
+        engine.close()
+
+
+def test_eval_passes_are_checked_apart_from_training_passes() -> None:
+    for losses in run_ranks(train_with_eval, 2, timeout_s=120):
+        assert len(losses) == STEPS

@@ -26,9 +26,10 @@ from trainer.groups import resolve_param_groups
 from trainer.offload import InProcessBackend, StateBackend
 from trainer.optimizer import ZeroOptimizer
 from trainer.scheduler import WarmupLR
+from trainer.trace import TraceDivergenceError
 
-__all__ = ["Engine", "EngineConfig", "ZeroOptimizer", "init_distributed", "initialize",
-           "parse_config"]
+__all__ = ["Engine", "EngineConfig", "TraceDivergenceError", "ZeroOptimizer",
+           "init_distributed", "initialize", "parse_config"]
 
 
 def initialize(

@@ -8,6 +8,10 @@ The engine only sequences work. What it delegates:
 - ``trainer.hooks``: per-unit forward/backward callbacks;
 - ``trainer.optimizer``: Adam/AdamW over unit partitions, clipping, skipping;
 - ``trainer.offload``: where the optimizer state lives (rank or daemon);
+- ``trainer.groups``: parameter groups and their hyper-parameters;
+- ``trainer.reduce_order``: one gradient-reduction order on every rank;
+- ``trainer.trace``: stage 3's check that ranks gather the same units in order;
+- ``trainer.agreement``: setup steps that fail on every rank or on none;
 - ``trainer.precision``, ``trainer.scheduler``, ``trainer.checkpoint``.
 
 A micro-step is ``loss = engine(batch)``, ``engine.backward(loss)``,
