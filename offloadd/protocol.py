@@ -9,12 +9,16 @@ and the replies carry arena offsets.
 
 from __future__ import annotations
 
+import functools
 import struct
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
 from offloadd.errors import InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<I")
@@ -28,6 +32,17 @@ DTYPE_ITEMSIZE = {"uint8": 1, "int8": 1, "int32": 4, "int64": 8, "float16": 2, "
 """Element dtypes a shard may carry (torch's names), with their sizes in bytes."""
 DTYPES = tuple(DTYPE_ITEMSIZE)
 """Dtype tags a shard may carry; the tag only describes the bytes, the daemon never converts."""
+
+
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Shard dtype tag -> torch dtype, shared by the daemon's optimizer and the client.
+
+    Imports torch on first call only: the daemon does so at its first optimizer step
+    (a swap-only daemon starts in a fraction of the time)."""
+    import torch
+
+    return {tag: getattr(torch, tag) for tag in DTYPES}
 
 
 class Request(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):

@@ -29,7 +29,6 @@ from offloadd.errors import (
     UnknownShardError,
     error_from_code,
 )
-from offloadd.optimizer import torch_dtypes
 
 __all__ = [
     "AsyncOffloadClient",
@@ -42,7 +41,7 @@ __all__ = [
     "UnknownShardError",
 ]
 
-TAG_TORCH_DTYPES = torch_dtypes()  # the daemon's own tag -> torch dtype table
+TAG_TORCH_DTYPES = p.torch_dtypes()  # the daemon's own tag -> torch dtype table
 TORCH_DTYPE_TAGS = {dtype: tag for tag, dtype in TAG_TORCH_DTYPES.items()}
 _encode = msgspec.msgpack.Encoder().encode
 
