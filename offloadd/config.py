@@ -80,6 +80,8 @@ class DaemonConfig:
     """Threads for the CPU optimizer step; 0 = one per core."""
     watchdog: bool = True
     """Answer systemd's watchdog (WATCHDOG_USEC) from the event loop."""
+    require_job_secret: bool = False
+    """Refuse hellos without a job secret (OFFLOADD_JOB_SECRET in every rank's env)."""
 
     def __post_init__(self) -> None:
         self.arena_size = parse_size(self.arena_size, knob="arena_size")

@@ -27,6 +27,8 @@ MAX_FRAME_NBYTES = 16 << 20
 """Largest accepted payload; a longer length prefix is a bad frame and closes the connection."""
 
 Mode = Literal["r", "w"]
+JOB_SECRET_ENV = "OFFLOADD_JOB_SECRET"
+"""Environment variable the client reads the job secret from (set by the launcher)."""
 DTYPE_ITEMSIZE = {"uint8": 1, "int8": 1, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
                   "float32": 4, "float64": 8}
 """Element dtypes a shard may carry (torch's names), with their sizes in bytes."""
@@ -57,6 +59,7 @@ class Hello(Request, tag="hello"):
     local_rank: int = 0
     device: str = "cpu"
     arena_nbytes: int = 0  # 0: let the daemon pick a fair share
+    job_secret: str = ""  # offloadd.auth: must match the secret of the job's first hello
 
 
 class Alloc(Request, tag="alloc"):

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from offloadd import __version__
+from offloadd.auth import JobAuthority
 from offloadd.config import DaemonConfig, parse_host_port
 from offloadd.jobs import Job, JobRegistry
 from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
@@ -57,6 +58,7 @@ class Daemon:
                                 hugepages=config.arena_hugepages)
         self.optimizer = OptimizerService(config.optimizer_threads)
         self.sessions: set[Session] = set()
+        self.auth = JobAuthority(require_job_secret=config.require_job_secret)
         self.swap: Any = None
         self._session_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None

@@ -74,6 +74,7 @@ class Session(asyncio.Protocol):
         self.job: Job | None = None
         self.rank = -1
         self.peer_pid = 0
+        self.peer_uid = -1
         self.leases: dict[Shard, Lease] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.closed = False
@@ -94,7 +95,7 @@ class Session(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
         pid, uid, _gid = peer_credentials(transport)
-        self.peer_pid = pid
+        self.peer_pid, self.peer_uid = pid, uid
         if uid != 0 and uid not in self.daemon.config.allowed_uids:
             self.daemon.metrics.sessions_opened.add(("denied",))
             log.warning("event=peer_denied pid=%d uid=%d", pid, uid)
@@ -255,7 +256,9 @@ class Session(asyncio.Protocol):
                 f"client speaks protocol {req.protocol_version}, daemon speaks "
                 f"{p.PROTOCOL_VERSION}; install matching offloadd versions")
         check_identity(req)
+        self.daemon.auth.check_hello(req.job, self.peer_uid, req.job_secret)
         job = self.daemon.open_job(req.job, req.arena_nbytes)
+        self.daemon.auth.claim(req.job, self.peer_uid, req.job_secret)
         self.job, self.rank = job, req.rank
         job.num_sessions += 1
         self.daemon.metrics.sessions_opened.add(("ok",))
@@ -310,10 +313,12 @@ class Session(asyncio.Protocol):
         return p.StatsOk(req.rid, stats)
 
     def on_node_status(self, req: p.NodeStatus) -> p.Reply:
-        jobs = {name: job.stats() for name, job in list(self.daemon.jobs.jobs.items())}
+        auth, uid = self.daemon.auth, self.peer_uid
+        jobs = {name: job.stats() for name, job in list(self.daemon.jobs.jobs.items())
+                if auth.visible(name, uid)}
         swap_dirs = list(self.daemon.config.swap_dirs)
         return p.StatsOk(req.rid, {"node": self.daemon.node_stats(), "jobs": jobs,
-                                   "swap_dirs": swap_dirs})
+                                   "swap_dirs": swap_dirs, "scope": auth.scope(uid)})
 
     def on_optimizer_step(self, req: p.OptimizerStep) -> Awaitable[None]:
         assert self.job is not None

@@ -196,7 +196,7 @@ class LeaseGroup(Sequence[ShardLease]):
 def _hello_request(job: str, rank: int, world_size: int, local_rank: int,
                    arena_nbytes: int | None, device: str) -> p.Hello:
     return p.Hello(0, p.PROTOCOL_VERSION, job, rank, world_size, local_rank, device,
-                   arena_nbytes or 0)
+                   arena_nbytes or 0, job_secret=os.environ.get(p.JOB_SECRET_ENV, ""))
 
 
 def handshake(sock: socket.socket, hello: p.Hello) -> tuple[p.HelloOk, int]:
