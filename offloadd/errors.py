@@ -109,6 +109,13 @@ class DaemonUnavailableError(OffloadError, ConnectionError):
     code = ErrorCode.INTERNAL
 
 
+class ReplyTimeoutError(OffloadError, TimeoutError):
+    """Raised on the client side when no reply came within ``reply_timeout_s``; the client
+    closes its connection (a late reply would arrive out of step)."""
+
+    code = ErrorCode.INTERNAL
+
+
 ERROR_CLASSES: dict[ErrorCode, type[OffloadError]] = {
     cls.code: cls
     for cls in (

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from offloadd.errors import InvalidRequestError
+from offloadd.errors import ErrorCode, InvalidRequestError
 
 if TYPE_CHECKING:
     import torch
@@ -166,6 +166,36 @@ UnicodeDecodeError, not DecodeError); anything else is a bug."""
 _request_encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(AnyRequest)
 reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+
+
+class _Envelope(msgspec.Struct, array_like=True):
+    """The first two fields every message starts with; later fields are ignored."""
+
+    tag: str
+    rid: int
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+def peek_rid(payload: bytes | memoryview) -> int:
+    """The request id of a frame that does not decode as a whole (0 when even that fails),
+    so the reply to a bad request reaches the caller that is waiting for it."""
+    try:
+        return _envelope_decoder.decode(payload).rid
+    except DECODE_ERRORS:
+        return 0
+
+
+def decode_reply(payload: bytes | memoryview) -> Reply:
+    """Decode a reply; one that does not decode (say an unknown tag from a newer daemon)
+    becomes an ErrorReply for its request id, so it fails one request, not the connection."""
+    try:
+        return reply_decoder.decode(payload)
+    except DECODE_ERRORS as exc:
+        return ErrorReply(peek_rid(payload), ErrorCode.BAD_FRAME.value,
+                          f"cannot decode the daemon's reply ({exc}); install matching "
+                          "offloadd versions on clients and daemon")
 
 
 def encode_frame(message: msgspec.Struct) -> bytes:

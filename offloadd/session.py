@@ -175,7 +175,8 @@ class Session(asyncio.Protocol):
             request = p.request_decoder.decode(payload)
         except p.DECODE_ERRORS as exc:
             self.daemon.metrics.bad_frames.add(("decode",))
-            self.send(p.ErrorReply(0, "bad_frame", f"cannot decode request: {exc}"))
+            self.send(p.ErrorReply(p.peek_rid(payload), "bad_frame",
+                                   f"cannot decode request: {exc}"))
             return
         finally:
             if isinstance(payload, memoryview):

@@ -26,6 +26,7 @@ from offloadd.errors import (
     DaemonUnavailableError,
     InvalidRequestError,
     OffloadError,
+    ReplyTimeoutError,
     UnknownShardError,
     error_from_code,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "LeaseGroup",
     "OffloadClient",
     "OffloadError",
+    "ReplyTimeoutError",
     "ShardLease",
     "StepHandle",
     "UnknownShardError",
@@ -322,12 +324,17 @@ class OffloadClient(_ClientBase):
         self._inbox: dict[int, p.Reply] = {}
         self._rbuf = bytearray()
         self.closed = False
+        self.reply_timeout_s: float | None = None
 
     @classmethod
     def connect(cls, socket_path: str, *, job: str, rank: int = 0, world_size: int = 1,
                 local_rank: int = 0, arena_nbytes: int | None = None, device: str = "cpu",
-                timeout_s: float = 60.0) -> OffloadClient:
-        """Connect, say hello and map the job's arena."""
+                timeout_s: float = 60.0, reply_timeout_s: float | None = 300.0
+                ) -> OffloadClient:
+        """Connect, say hello and map the job's arena.
+
+        ``reply_timeout_s``: longest wait for any one reply (None: forever); past it a call
+        raises ReplyTimeoutError and the client is closed."""
         sock = connect_socket(socket_path, timeout_s)
         try:
             hello, fd = handshake(
@@ -336,8 +343,10 @@ class OffloadClient(_ClientBase):
         except BaseException:
             sock.close()
             raise
-        sock.settimeout(None)
-        return cls(sock, hello, arena, job, rank)
+        sock.settimeout(reply_timeout_s)
+        client = cls(sock, hello, arena, job, rank)
+        client.reply_timeout_s = reply_timeout_s
+        return client
 
     # -- transport ----------------------------------------------------------------
 
@@ -347,9 +356,18 @@ class OffloadClient(_ClientBase):
         request.rid = rid = self._rid()
         try:
             self._sock.sendall(_frame(request))
+        except TimeoutError:
+            raise self._timed_out() from None
         except OSError as exc:
             raise DaemonUnavailableError(f"lost the daemon: {exc}") from exc
         return rid
+
+    def _timed_out(self) -> ReplyTimeoutError:
+        """Close the connection (a late reply would arrive out of step) and say why."""
+        self.close()
+        return ReplyTimeoutError(
+            f"no reply from offloadd within {self.reply_timeout_s} s (reply_timeout_s); the "
+            "daemon may be stopped or overloaded (`offloadd status`); the client is closed")
 
     def _read_frame(self) -> p.Reply:
         buffer = self._rbuf
@@ -359,11 +377,13 @@ class OffloadClient(_ClientBase):
                 end = p.HEADER_NBYTES + length
                 if len(buffer) >= end:
                     with memoryview(buffer) as view:
-                        reply = p.reply_decoder.decode(view[p.HEADER_NBYTES:end])
+                        reply = p.decode_reply(view[p.HEADER_NBYTES:end])
                     del buffer[:end]
                     return reply
             try:
                 chunk = self._sock.recv(1 << 16)
+            except TimeoutError:
+                raise self._timed_out() from None
             except OSError as exc:
                 raise DaemonUnavailableError(f"lost the daemon: {exc}") from exc
             if not chunk:
@@ -372,7 +392,7 @@ class OffloadClient(_ClientBase):
                 # The common case: the chunk is exactly one reply; decode it in place.
                 (length,) = p.HEADER.unpack_from(chunk)
                 if len(chunk) == p.HEADER_NBYTES + length:
-                    return p.reply_decoder.decode(memoryview(chunk)[p.HEADER_NBYTES:])
+                    return p.decode_reply(memoryview(chunk)[p.HEADER_NBYTES:])
             buffer += chunk
 
     def _wait_reply(self, rid: int) -> p.Reply:
@@ -525,7 +545,7 @@ class AsyncOffloadClient(_ClientBase):
             while True:
                 header = await self._reader.readexactly(p.HEADER_NBYTES)
                 (length,) = p.HEADER.unpack(header)
-                reply = p.reply_decoder.decode(await self._reader.readexactly(length))
+                reply = p.decode_reply(await self._reader.readexactly(length))
                 waiter = self._waiters.pop(reply.rid, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(reply)
