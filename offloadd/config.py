@@ -80,6 +80,9 @@ class DaemonConfig:
     """Threads for the CPU optimizer step; 0 = one per core."""
     watchdog: bool = True
     """Answer systemd's watchdog (WATCHDOG_USEC) from the event loop."""
+    job_linger_s: float = 300.0
+    """Seconds a job with no sessions left keeps its arena and shards (a restarting rank
+    can reattach) before it is freed; close_job frees it at once."""
     require_job_secret: bool = False
     """Refuse hellos without a job secret (OFFLOADD_JOB_SECRET in every rank's env)."""
 
@@ -110,6 +113,8 @@ class DaemonConfig:
             )
         if self.metrics_addr is not None:
             parse_host_port(self.metrics_addr)
+        if self.job_linger_s < 0:
+            raise ValueError(f"job_linger_s must be >= 0 seconds, got {self.job_linger_s}")
 
     def resolved_hash_threads(self) -> int:
         if self.hash_threads is not None:

@@ -101,6 +101,11 @@ class Stats(Request, tag="stats"):
     pass
 
 
+class CloseJob(Request, tag="close_job"):
+    """This rank is done with its job: the session leaves it, and the job is freed (arena,
+    swap files of a never-flushed job) once no session is left, without lingering."""
+
+
 class NodeStatus(Request, tag="node_status"):
     """Admin query: every job's stats and the node's, answered with StatsOk even before hello."""
 
@@ -119,7 +124,7 @@ class OptimizerStep(Request, tag="optimizer_step"):
 
 AnyRequest = (
     Hello | Alloc | Acquire | Release | Drop | Prefetch | StepBegin | Flush | Stats | OptimizerStep
-    | NodeStatus
+    | NodeStatus | CloseJob
 )
 
 

@@ -19,6 +19,7 @@ from offloadd import __version__
 from offloadd.auth import JobAuthority
 from offloadd.config import DaemonConfig, parse_host_port
 from offloadd.jobs import Job, JobRegistry
+from offloadd.lifecycle import JobLifecycle
 from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
 from offloadd.optimizer import OptimizerService
 from offloadd.session import Session
@@ -59,6 +60,7 @@ class Daemon:
         self.optimizer = OptimizerService(config.optimizer_threads)
         self.sessions: set[Session] = set()
         self.auth = JobAuthority(require_job_secret=config.require_job_secret)
+        self.lifecycle = JobLifecycle(self, config.job_linger_s)
         self.swap: Any = None
         self._session_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
@@ -113,6 +115,7 @@ class Daemon:
         await asyncio.sleep(0)
         for task in self._background:
             task.cancel()
+        await self.lifecycle.close()
         if self.swap is not None:
             await self.swap.close()
         if self._metrics_server is not None:

@@ -88,6 +88,7 @@ class Session(asyncio.Protocol):
             p.Flush: self.on_flush,
             p.Stats: self.on_stats,
             p.OptimizerStep: self.on_optimizer_step,
+            p.CloseJob: self.on_close_job,
         }
 
     # -- connection lifecycle -------------------------------------------------------
@@ -114,6 +115,7 @@ class Session(asyncio.Protocol):
             self.job.num_sessions -= 1
             log.info("event=session_closed session=%d job=%s rank=%d leases_freed=%d",
                      self.session_id, self.job.name, self.rank, freed)
+            self.daemon.lifecycle.detached(self.job)
 
     # Backpressure: a client that sends requests but never reads its replies would grow
     # our write buffer without bound; stop reading from it until it drains them.
@@ -262,6 +264,7 @@ class Session(asyncio.Protocol):
         self.daemon.auth.claim(req.job, self.peer_uid, req.job_secret)
         self.job, self.rank = job, req.rank
         job.num_sessions += 1
+        self.daemon.lifecycle.attached(job)
         self.daemon.metrics.sessions_opened.add(("ok",))
         reply = p.HelloOk(req.rid, p.PROTOCOL_VERSION, job.arena.nbytes, self.session_id,
                           os.getpid())
@@ -320,6 +323,20 @@ class Session(asyncio.Protocol):
         swap_dirs = list(self.daemon.config.swap_dirs)
         return p.StatsOk(req.rid, {"node": self.daemon.node_stats(), "jobs": jobs,
                                    "swap_dirs": swap_dirs, "scope": auth.scope(uid)})
+
+    def on_close_job(self, req: p.CloseJob) -> None:
+        job = self.job
+        assert job is not None
+        if self.tasks:  # their leases would land on a job that is being freed
+            raise InvalidRequestError(
+                f"close_job with {len(self.tasks)} request(s) of this session in flight; "
+                "wait for their replies first")
+        job.release_all(self.leases)
+        job.num_sessions -= 1
+        self.job = None
+        log.info("event=close_job session=%d job=%s rank=%d", self.session_id, job.name,
+                 self.rank)
+        self.daemon.lifecycle.close_requested(job)
 
     def on_optimizer_step(self, req: p.OptimizerStep) -> Awaitable[None]:
         assert self.job is not None

@@ -494,6 +494,14 @@ class OffloadClient(_ClientBase):
     def optimizer_step(self, unit: str, **hyperparams: Any) -> None:
         self.optimizer_step_async(unit, **hyperparams).wait()
 
+    def close_job(self) -> None:
+        """Tell the daemon this rank is done with the job (freed once no rank is attached,
+        without the linger), then close the client."""
+        try:
+            self._call(p.CloseJob(0))
+        finally:
+            self.close()
+
     def close(self) -> None:
         if self.closed:
             return
@@ -650,6 +658,13 @@ class AsyncOffloadClient(_ClientBase):
                              decoupled_weight_decay: bool = True, grad_scale: float = 1.0) -> None:
         await self._call(self._step_request(unit, step, lr, beta1, beta2, eps, weight_decay,
                                             decoupled_weight_decay, grad_scale))
+
+    async def close_job(self) -> None:
+        """Tell the daemon this rank is done with the job, then close (see OffloadClient)."""
+        try:
+            await self._call(p.CloseJob(0))
+        finally:
+            await self.close()
 
     async def close(self) -> None:
         self.closed = True
