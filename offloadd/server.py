@@ -20,6 +20,7 @@ from offloadd.auth import JobAuthority
 from offloadd.config import DaemonConfig, parse_host_port
 from offloadd.jobs import Job, JobRegistry
 from offloadd.lifecycle import JobLifecycle
+from offloadd.limits import LimitGuard
 from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
 from offloadd.optimizer import OptimizerService
 from offloadd.session import Session
@@ -61,6 +62,7 @@ class Daemon:
         self.sessions: set[Session] = set()
         self.auth = JobAuthority(require_job_secret=config.require_job_secret)
         self.lifecycle = JobLifecycle(self, config.job_linger_s)
+        self.limits = LimitGuard(config.limits(), self.metrics)
         self.swap: Any = None
         self._session_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None

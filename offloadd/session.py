@@ -24,6 +24,7 @@ from offloadd.errors import (
     BadFrameError,
     InternalError,
     InvalidRequestError,
+    LimitExceededError,
     NoSessionError,
     OffloadError,
     PermissionDeniedError,
@@ -75,6 +76,8 @@ class Session(asyncio.Protocol):
         self.rank = -1
         self.peer_pid = 0
         self.peer_uid = -1
+        self.counted = False  # in the LimitGuard's session counts
+        self.hello_timer: asyncio.TimerHandle | None = None
         self.leases: dict[Shard, Lease] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.closed = False
@@ -103,11 +106,31 @@ class Session(asyncio.Protocol):
             self.fail_and_close(0, PermissionDeniedError(
                 f"uid {uid} is not allowed; add it to allowed_uids in the daemon config"))
             return
+        try:
+            self.daemon.limits.session_opened(uid)
+        except LimitExceededError as exc:
+            log.warning("event=session_refused pid=%d uid=%d reason=%r", pid, uid, exc.message)
+            self.fail_and_close(0, exc)
+            return
+        self.counted = True
         self.daemon.sessions.add(self)
+        self.hello_timer = asyncio.get_running_loop().call_later(
+            self.daemon.config.hello_timeout_s, self.hello_timed_out)
+
+    def hello_timed_out(self) -> None:
+        self.hello_timer = None
+        if self.job is None and not self.closed:
+            self.fail_and_close(0, self.daemon.limits.reject(
+                "hello_timeout_s", f"no hello within {self.daemon.config.hello_timeout_s} s"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.daemon.sessions.discard(self)
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+        if self.counted:
+            self.counted = False
+            self.daemon.limits.session_closed(self.peer_uid)
         for task in self.tasks:
             task.cancel()
         if self.job is not None:
@@ -164,6 +187,11 @@ class Session(asyncio.Protocol):
                     f"frame length {length} exceeds {p.MAX_FRAME_NBYTES} bytes; closing"))
                 self.closed = True
                 return end
+            if length > self.daemon.config.max_partial_frame_nbytes:
+                self.fail_and_close(0, self.daemon.limits.reject(
+                    "max_partial_frame_nbytes", f"a frame of {length} bytes; closing"))
+                self.closed = True
+                return end
             stop = start + p.HEADER_NBYTES + length
             if stop > end:
                 break
@@ -191,6 +219,9 @@ class Session(asyncio.Protocol):
         kind = type(request)
         op = _OP_NAMES.get(kind) or _op_name(kind)
         try:
+            ids = getattr(request, "ids", None)
+            if ids is not None:
+                self.daemon.limits.check_ids(len(ids))
             handler = self.handlers.get(kind) if self.job is not None else None
             if handler is not None:  # the hot path: a data-plane request of a live session
                 result: Any = handler(request)
@@ -265,6 +296,9 @@ class Session(asyncio.Protocol):
         self.job, self.rank = job, req.rank
         job.num_sessions += 1
         self.daemon.lifecycle.attached(job)
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+            self.hello_timer = None
         self.daemon.metrics.sessions_opened.add(("ok",))
         reply = p.HelloOk(req.rid, p.PROTOCOL_VERSION, job.arena.nbytes, self.session_id,
                           os.getpid())
@@ -277,11 +311,13 @@ class Session(asyncio.Protocol):
 
     def on_alloc(self, req: p.Alloc) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
+        self.daemon.limits.check_new_shards(self.job, self.rank, req.ids)
         return self.job.alloc(self.rank, req.ids, req.nbytes, req.dtypes)
 
     def on_acquire(self, req: p.Acquire) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
         if req.create_nbytes is not None:
+            self.daemon.limits.check_new_shards(self.job, self.rank, req.ids)
             dtypes = req.create_dtypes or ["uint8"] * len(req.ids)
             return self.job.alloc(self.rank, req.ids, req.create_nbytes, dtypes,
                                   self.leases, req.mode)
@@ -297,6 +333,7 @@ class Session(asyncio.Protocol):
 
     def on_prefetch(self, req: p.Prefetch) -> None:
         assert self.job is not None
+        self.daemon.limits.check_prefetch(self.job, len(req.ids))
         self.job.prefetch(self.rank, req.ids, req.deadline_s)
 
     def on_step_begin(self, req: p.StepBegin) -> None:
@@ -317,6 +354,9 @@ class Session(asyncio.Protocol):
         return p.StatsOk(req.rid, stats)
 
     def on_node_status(self, req: p.NodeStatus) -> p.Reply:
+        if self.hello_timer is not None:  # an admin connection: it never says hello
+            self.hello_timer.cancel()
+            self.hello_timer = None
         auth, uid = self.daemon.auth, self.peer_uid
         jobs = {name: job.stats() for name, job in list(self.daemon.jobs.jobs.items())
                 if auth.visible(name, uid)}
