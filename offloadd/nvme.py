@@ -247,6 +247,9 @@ class SwapSpace:
         await tier.close()
         for jobfile in tier.files:
             jobfile.dir.reserved_nbytes -= jobfile.allocator.capacity
+        stalls = self.counters.stall_seconds.values  # an ended job's series end with it
+        for labels in [labels for labels in stalls if labels[0] == job]:
+            del stalls[labels]
         if tier.manifest_path().exists():
             return False
 
