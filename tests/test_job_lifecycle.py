@@ -135,3 +135,14 @@ def test_many_short_jobs_leave_fds_mappings_and_memory_where_they_started(
         assert after_fds == fds
         assert after_regions == regions
         assert after_rss - rss < 8 << 20, (rss, after_rss)
+
+
+def test_the_engine_backend_closes_its_job_on_a_shared_daemon(daemon, job) -> None:
+    from trainer.daemon_backend import DaemonBackend
+
+    client = OffloadClient.connect(daemon.socket_path, job=job)
+    client.put("u0.master", b"\0" * 64)
+    backend = DaemonBackend(client, collectives=None, private=False)  # type: ignore[arg-type]
+    backend.close()
+    assert client.closed
+    assert job not in live_jobs(daemon)  # freed at close, not after the 300 s linger
