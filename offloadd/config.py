@@ -13,6 +13,7 @@ import tomllib
 
 if TYPE_CHECKING:
     from offloadd.arena import HugePages
+    from offloadd.limits import Limits
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 IOEngineKind = Literal["auto", "native", "io_uring", "threads", "python"]
@@ -80,6 +81,25 @@ class DaemonConfig:
     """Threads for the CPU optimizer step; 0 = one per core."""
     watchdog: bool = True
     """Answer systemd's watchdog (WATCHDOG_USEC) from the event loop."""
+    job_linger_s: float = 300.0
+    """Seconds a job with no sessions left keeps its arena and shards (a restarting rank
+    can reattach) before it is freed; close_job frees it at once."""
+    max_sessions: int = 4096
+    """Connections the daemon serves at once (offloadd.limits)."""
+    max_sessions_per_uid: int = 1024
+    """Connections one uid may hold at once."""
+    hello_timeout_s: float = 30.0
+    """Seconds a new connection has to send hello (or an admin query) before it is closed."""
+    max_ids_per_request: int = 1 << 20
+    """Shard ids one request may carry."""
+    max_shards_per_job: int = 1 << 22
+    """Shards one job may hold (every rank together)."""
+    max_prefetches_per_job: int = 1 << 16
+    """Explicit prefetches one job may have in flight, a request's ids included."""
+    max_partial_frame_nbytes: int = 16 << 20
+    """Bytes of one request frame the daemon buffers for a connection (<= 16 MiB)."""
+    require_job_secret: bool = False
+    """Refuse hellos without a job secret (OFFLOADD_JOB_SECRET in every rank's env)."""
 
     def __post_init__(self) -> None:
         self.arena_size = parse_size(self.arena_size, knob="arena_size")
@@ -108,6 +128,16 @@ class DaemonConfig:
             )
         if self.metrics_addr is not None:
             parse_host_port(self.metrics_addr)
+        from offloadd.limits import check_limits
+
+        check_limits(self.limits())
+        if self.job_linger_s < 0:
+            raise ValueError(f"job_linger_s must be >= 0 seconds, got {self.job_linger_s}")
+
+    def limits(self) -> Limits:
+        from offloadd.limits import Limits
+
+        return Limits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Limits)})
 
     def resolved_hash_threads(self) -> int:
         if self.hash_threads is not None:

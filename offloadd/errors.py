@@ -26,6 +26,7 @@ class ErrorCode(str, enum.Enum):
     CHECKSUM = "checksum"  # a swapped block did not match its checksum
     NO_SWAP = "no_swap"  # persistence asked of a daemon without --swap-dir
     SHUTTING_DOWN = "shutting_down"  # the daemon is stopping
+    LIMIT = "limit"  # a per-client limit of the daemon config (offloadd.limits) was reached
     INTERNAL = "internal"  # a daemon bug; the session survives
 
 
@@ -103,8 +104,21 @@ class InternalError(OffloadError):
     code = ErrorCode.INTERNAL
 
 
+class LimitExceededError(OffloadError):
+    """A per-client limit was reached; the message names the config key that sets it."""
+
+    code = ErrorCode.LIMIT
+
+
 class DaemonUnavailableError(OffloadError, ConnectionError):
     """Raised on the client side when the daemon cannot be reached or went away."""
+
+    code = ErrorCode.INTERNAL
+
+
+class ReplyTimeoutError(OffloadError, TimeoutError):
+    """Raised on the client side when no reply came within ``reply_timeout_s``; the client
+    closes its connection (a late reply would arrive out of step)."""
 
     code = ErrorCode.INTERNAL
 
@@ -127,6 +141,7 @@ ERROR_CLASSES: dict[ErrorCode, type[OffloadError]] = {
         NoSwapError,
         ShuttingDownError,
         InternalError,
+        LimitExceededError,
     )
 }
 

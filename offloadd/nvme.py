@@ -238,6 +238,31 @@ class SwapSpace:
         self.tiers[job] = tier
         return tier
 
+    async def release_job(self, job: str, tier: Any) -> bool:
+        """Close an ended job's tier (waiting for its IO) and give back its swap budget;
+        delete its swap files unless a flush left a manifest (kept for --recover and
+        ``offloadd gc``). Returns whether the files were deleted."""
+        if self.tiers.get(job) is tier:
+            del self.tiers[job]
+        await tier.close()
+        for jobfile in tier.files:
+            jobfile.dir.reserved_nbytes -= jobfile.allocator.capacity
+        stalls = self.counters.stall_seconds.values  # an ended job's series end with it
+        for labels in [labels for labels in stalls if labels[0] == job]:
+            del stalls[labels]
+        if tier.manifest_path().exists():
+            return False
+
+        def remove() -> None:
+            for jobfile in tier.files:
+                with contextlib.suppress(FileNotFoundError):
+                    jobfile.path.unlink()
+                with contextlib.suppress(OSError):  # not empty: foreign files stay
+                    jobfile.path.parent.rmdir()
+
+        await asyncio.get_running_loop().run_in_executor(None, remove)
+        return True
+
     async def recover(self, registry: JobRegistry) -> None:
         """Re-open every job whose manifest is in the first swap dir."""
         root = self.dirs[0].root

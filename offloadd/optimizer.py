@@ -11,7 +11,6 @@ updated shards dirty so the swap tier persists them.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from offloadd.errors import InvalidRequestError, UnknownShardError
 from offloadd.metrics import Counters, Histogram, histogram_family
-from offloadd.protocol import DTYPE_ITEMSIZE, DTYPES, Placed
+from offloadd.protocol import DTYPE_ITEMSIZE, Placed, torch_dtypes
 from offloadd.shards import Lease, Shard
 
 if TYPE_CHECKING:
@@ -30,15 +29,6 @@ if TYPE_CHECKING:
     from offloadd.protocol import OptimizerStep
 
 log = logging.getLogger(__name__)
-
-
-@functools.cache
-def torch_dtypes() -> dict[str, torch.dtype]:
-    """Shard dtype tag -> torch dtype. Imports torch, which the daemon does only at its
-    first optimizer step (a swap-only daemon starts in a fraction of the time)."""
-    import torch
-
-    return {tag: getattr(torch, tag) for tag in DTYPES}
 
 
 STATE_SUFFIXES = ("master", "exp_avg", "exp_avg_sq", "grad")

@@ -9,12 +9,16 @@ and the replies carry arena offsets.
 
 from __future__ import annotations
 
+import functools
 import struct
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from offloadd.errors import InvalidRequestError
+from offloadd.errors import ErrorCode, InvalidRequestError
+
+if TYPE_CHECKING:
+    import torch
 
 PROTOCOL_VERSION = 1
 HEADER = struct.Struct("<I")
@@ -23,11 +27,24 @@ MAX_FRAME_NBYTES = 16 << 20
 """Largest accepted payload; a longer length prefix is a bad frame and closes the connection."""
 
 Mode = Literal["r", "w"]
+JOB_SECRET_ENV = "OFFLOADD_JOB_SECRET"
+"""Environment variable the client reads the job secret from (set by the launcher)."""
 DTYPE_ITEMSIZE = {"uint8": 1, "int8": 1, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
                   "float32": 4, "float64": 8}
 """Element dtypes a shard may carry (torch's names), with their sizes in bytes."""
 DTYPES = tuple(DTYPE_ITEMSIZE)
 """Dtype tags a shard may carry; the tag only describes the bytes, the daemon never converts."""
+
+
+@functools.cache
+def torch_dtypes() -> dict[str, torch.dtype]:
+    """Shard dtype tag -> torch dtype, shared by the daemon's optimizer and the client.
+
+    Imports torch on first call only: the daemon does so at its first optimizer step
+    (a swap-only daemon starts in a fraction of the time)."""
+    import torch
+
+    return {tag: getattr(torch, tag) for tag in DTYPES}
 
 
 class Request(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
@@ -42,6 +59,7 @@ class Hello(Request, tag="hello"):
     local_rank: int = 0
     device: str = "cpu"
     arena_nbytes: int = 0  # 0: let the daemon pick a fair share
+    job_secret: str = ""  # offloadd.auth: must match the secret of the job's first hello
 
 
 class Alloc(Request, tag="alloc"):
@@ -83,6 +101,11 @@ class Stats(Request, tag="stats"):
     pass
 
 
+class CloseJob(Request, tag="close_job"):
+    """This rank is done with its job: the session leaves it, and the job is freed (arena,
+    swap files of a never-flushed job) once no session is left, without lingering."""
+
+
 class NodeStatus(Request, tag="node_status"):
     """Admin query: every job's stats and the node's, answered with StatsOk even before hello."""
 
@@ -101,7 +124,7 @@ class OptimizerStep(Request, tag="optimizer_step"):
 
 AnyRequest = (
     Hello | Alloc | Acquire | Release | Drop | Prefetch | StepBegin | Flush | Stats | OptimizerStep
-    | NodeStatus
+    | NodeStatus | CloseJob
 )
 
 
@@ -148,6 +171,36 @@ UnicodeDecodeError, not DecodeError); anything else is a bug."""
 _request_encoder = msgspec.msgpack.Encoder()
 request_decoder = msgspec.msgpack.Decoder(AnyRequest)
 reply_decoder = msgspec.msgpack.Decoder(AnyReply)
+
+
+class _Envelope(msgspec.Struct, array_like=True):
+    """The first two fields every message starts with; later fields are ignored."""
+
+    tag: str
+    rid: int
+
+
+_envelope_decoder = msgspec.msgpack.Decoder(_Envelope)
+
+
+def peek_rid(payload: bytes | memoryview) -> int:
+    """The request id of a frame that does not decode as a whole (0 when even that fails),
+    so the reply to a bad request reaches the caller that is waiting for it."""
+    try:
+        return _envelope_decoder.decode(payload).rid
+    except DECODE_ERRORS:
+        return 0
+
+
+def decode_reply(payload: bytes | memoryview) -> Reply:
+    """Decode a reply; one that does not decode (say an unknown tag from a newer daemon)
+    becomes an ErrorReply for its request id, so it fails one request, not the connection."""
+    try:
+        return reply_decoder.decode(payload)
+    except DECODE_ERRORS as exc:
+        return ErrorReply(peek_rid(payload), ErrorCode.BAD_FRAME.value,
+                          f"cannot decode the daemon's reply ({exc}); install matching "
+                          "offloadd versions on clients and daemon")
 
 
 def encode_frame(message: msgspec.Struct) -> bytes:

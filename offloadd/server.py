@@ -16,8 +16,11 @@ from collections.abc import Iterator
 from typing import Any
 
 from offloadd import __version__
+from offloadd.auth import JobAuthority
 from offloadd.config import DaemonConfig, parse_host_port
 from offloadd.jobs import Job, JobRegistry
+from offloadd.lifecycle import JobLifecycle
+from offloadd.limits import LimitGuard
 from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
 from offloadd.optimizer import OptimizerService
 from offloadd.session import Session
@@ -57,6 +60,9 @@ class Daemon:
                                 hugepages=config.arena_hugepages)
         self.optimizer = OptimizerService(config.optimizer_threads)
         self.sessions: set[Session] = set()
+        self.auth = JobAuthority(require_job_secret=config.require_job_secret)
+        self.lifecycle = JobLifecycle(self, config.job_linger_s)
+        self.limits = LimitGuard(config.limits(), self.metrics)
         self.swap: Any = None
         self._session_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
@@ -111,6 +117,7 @@ class Daemon:
         await asyncio.sleep(0)
         for task in self._background:
             task.cancel()
+        await self.lifecycle.close()
         if self.swap is not None:
             await self.swap.close()
         if self._metrics_server is not None:

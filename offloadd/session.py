@@ -24,6 +24,7 @@ from offloadd.errors import (
     BadFrameError,
     InternalError,
     InvalidRequestError,
+    LimitExceededError,
     NoSessionError,
     OffloadError,
     PermissionDeniedError,
@@ -74,6 +75,9 @@ class Session(asyncio.Protocol):
         self.job: Job | None = None
         self.rank = -1
         self.peer_pid = 0
+        self.peer_uid = -1
+        self.counted = False  # in the LimitGuard's session counts
+        self.hello_timer: asyncio.TimerHandle | None = None
         self.leases: dict[Shard, Lease] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.closed = False
@@ -87,6 +91,7 @@ class Session(asyncio.Protocol):
             p.Flush: self.on_flush,
             p.Stats: self.on_stats,
             p.OptimizerStep: self.on_optimizer_step,
+            p.CloseJob: self.on_close_job,
         }
 
     # -- connection lifecycle -------------------------------------------------------
@@ -94,18 +99,38 @@ class Session(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
         pid, uid, _gid = peer_credentials(transport)
-        self.peer_pid = pid
+        self.peer_pid, self.peer_uid = pid, uid
         if uid != 0 and uid not in self.daemon.config.allowed_uids:
             self.daemon.metrics.sessions_opened.add(("denied",))
             log.warning("event=peer_denied pid=%d uid=%d", pid, uid)
             self.fail_and_close(0, PermissionDeniedError(
                 f"uid {uid} is not allowed; add it to allowed_uids in the daemon config"))
             return
+        try:
+            self.daemon.limits.session_opened(uid)
+        except LimitExceededError as exc:
+            log.warning("event=session_refused pid=%d uid=%d reason=%r", pid, uid, exc.message)
+            self.fail_and_close(0, exc)
+            return
+        self.counted = True
         self.daemon.sessions.add(self)
+        self.hello_timer = asyncio.get_running_loop().call_later(
+            self.daemon.config.hello_timeout_s, self.hello_timed_out)
+
+    def hello_timed_out(self) -> None:
+        self.hello_timer = None
+        if self.job is None and not self.closed:
+            self.fail_and_close(0, self.daemon.limits.reject(
+                "hello_timeout_s", f"no hello within {self.daemon.config.hello_timeout_s} s"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.daemon.sessions.discard(self)
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+        if self.counted:
+            self.counted = False
+            self.daemon.limits.session_closed(self.peer_uid)
         for task in self.tasks:
             task.cancel()
         if self.job is not None:
@@ -113,6 +138,7 @@ class Session(asyncio.Protocol):
             self.job.num_sessions -= 1
             log.info("event=session_closed session=%d job=%s rank=%d leases_freed=%d",
                      self.session_id, self.job.name, self.rank, freed)
+            self.daemon.lifecycle.detached(self.job)
 
     # Backpressure: a client that sends requests but never reads its replies would grow
     # our write buffer without bound; stop reading from it until it drains them.
@@ -161,6 +187,11 @@ class Session(asyncio.Protocol):
                     f"frame length {length} exceeds {p.MAX_FRAME_NBYTES} bytes; closing"))
                 self.closed = True
                 return end
+            if length > self.daemon.config.max_partial_frame_nbytes:
+                self.fail_and_close(0, self.daemon.limits.reject(
+                    "max_partial_frame_nbytes", f"a frame of {length} bytes; closing"))
+                self.closed = True
+                return end
             stop = start + p.HEADER_NBYTES + length
             if stop > end:
                 break
@@ -174,7 +205,8 @@ class Session(asyncio.Protocol):
             request = p.request_decoder.decode(payload)
         except p.DECODE_ERRORS as exc:
             self.daemon.metrics.bad_frames.add(("decode",))
-            self.send(p.ErrorReply(0, "bad_frame", f"cannot decode request: {exc}"))
+            self.send(p.ErrorReply(p.peek_rid(payload), "bad_frame",
+                                   f"cannot decode request: {exc}"))
             return
         finally:
             if isinstance(payload, memoryview):
@@ -187,6 +219,9 @@ class Session(asyncio.Protocol):
         kind = type(request)
         op = _OP_NAMES.get(kind) or _op_name(kind)
         try:
+            ids = getattr(request, "ids", None)
+            if ids is not None:
+                self.daemon.limits.check_ids(len(ids))
             handler = self.handlers.get(kind) if self.job is not None else None
             if handler is not None:  # the hot path: a data-plane request of a live session
                 result: Any = handler(request)
@@ -255,9 +290,15 @@ class Session(asyncio.Protocol):
                 f"client speaks protocol {req.protocol_version}, daemon speaks "
                 f"{p.PROTOCOL_VERSION}; install matching offloadd versions")
         check_identity(req)
+        self.daemon.auth.check_hello(req.job, self.peer_uid, req.job_secret)
         job = self.daemon.open_job(req.job, req.arena_nbytes)
+        self.daemon.auth.claim(req.job, self.peer_uid, req.job_secret)
         self.job, self.rank = job, req.rank
         job.num_sessions += 1
+        self.daemon.lifecycle.attached(job)
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+            self.hello_timer = None
         self.daemon.metrics.sessions_opened.add(("ok",))
         reply = p.HelloOk(req.rid, p.PROTOCOL_VERSION, job.arena.nbytes, self.session_id,
                           os.getpid())
@@ -270,11 +311,13 @@ class Session(asyncio.Protocol):
 
     def on_alloc(self, req: p.Alloc) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
+        self.daemon.limits.check_new_shards(self.job, self.rank, req.ids)
         return self.job.alloc(self.rank, req.ids, req.nbytes, req.dtypes)
 
     def on_acquire(self, req: p.Acquire) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
         if req.create_nbytes is not None:
+            self.daemon.limits.check_new_shards(self.job, self.rank, req.ids)
             dtypes = req.create_dtypes or ["uint8"] * len(req.ids)
             return self.job.alloc(self.rank, req.ids, req.create_nbytes, dtypes,
                                   self.leases, req.mode)
@@ -290,6 +333,7 @@ class Session(asyncio.Protocol):
 
     def on_prefetch(self, req: p.Prefetch) -> None:
         assert self.job is not None
+        self.daemon.limits.check_prefetch(self.job, len(req.ids))
         self.job.prefetch(self.rank, req.ids, req.deadline_s)
 
     def on_step_begin(self, req: p.StepBegin) -> None:
@@ -310,10 +354,29 @@ class Session(asyncio.Protocol):
         return p.StatsOk(req.rid, stats)
 
     def on_node_status(self, req: p.NodeStatus) -> p.Reply:
-        jobs = {name: job.stats() for name, job in list(self.daemon.jobs.jobs.items())}
+        if self.hello_timer is not None:  # an admin connection: it never says hello
+            self.hello_timer.cancel()
+            self.hello_timer = None
+        auth, uid = self.daemon.auth, self.peer_uid
+        jobs = {name: job.stats() for name, job in list(self.daemon.jobs.jobs.items())
+                if auth.visible(name, uid)}
         swap_dirs = list(self.daemon.config.swap_dirs)
         return p.StatsOk(req.rid, {"node": self.daemon.node_stats(), "jobs": jobs,
-                                   "swap_dirs": swap_dirs})
+                                   "swap_dirs": swap_dirs, "scope": auth.scope(uid)})
+
+    def on_close_job(self, req: p.CloseJob) -> None:
+        job = self.job
+        assert job is not None
+        if self.tasks:  # their leases would land on a job that is being freed
+            raise InvalidRequestError(
+                f"close_job with {len(self.tasks)} request(s) of this session in flight; "
+                "wait for their replies first")
+        job.release_all(self.leases)
+        job.num_sessions -= 1
+        self.job = None
+        log.info("event=close_job session=%d job=%s rank=%d", self.session_id, job.name,
+                 self.rank)
+        self.daemon.lifecycle.close_requested(job)
 
     def on_optimizer_step(self, req: p.OptimizerStep) -> Awaitable[None]:
         assert self.job is not None

@@ -272,6 +272,9 @@ def live_jobs(socket_path: str, swap_dirs: list[str], *, force: bool) -> set[str
         return (f"the daemon on {socket_path} does not use swap dir(s) {unserved} (it uses "
                 f"{served or 'none'}), so its job list says nothing about them. Refusing; point "
                 "--socket at the daemon that owns them, or use --force.")
+    if status.get("scope", "all") != "all":
+        return ("the daemon shows this uid only its own jobs, so every other job would look "
+                "dead. Refusing; run gc as root.")
     return set(status["jobs"])
 
 

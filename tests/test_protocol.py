@@ -201,3 +201,16 @@ def test_a_partial_frame_waits_for_its_remaining_bytes() -> None:
     assert transport.written == b""
     session.data_received(frame[-1:])
     assert [r.rid for r in transport.replies()] == [3]
+
+
+def test_the_client_imports_only_the_protocol_and_errors_of_the_daemon() -> None:
+    """The dtype table lives next to the protocol: the rank side never loads the daemon's
+    optimizer service (or any other daemon component) to talk to it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, trainer.client; "
+            "print(sorted(m for m in sys.modules if m.startswith('offloadd')))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            check=True, timeout=120).stdout
+    assert loaded.strip() == "['offloadd', 'offloadd.errors', 'offloadd.protocol']", loaded

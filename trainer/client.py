@@ -26,10 +26,10 @@ from offloadd.errors import (
     DaemonUnavailableError,
     InvalidRequestError,
     OffloadError,
+    ReplyTimeoutError,
     UnknownShardError,
     error_from_code,
 )
-from offloadd.optimizer import torch_dtypes
 
 __all__ = [
     "AsyncOffloadClient",
@@ -37,12 +37,13 @@ __all__ = [
     "LeaseGroup",
     "OffloadClient",
     "OffloadError",
+    "ReplyTimeoutError",
     "ShardLease",
     "StepHandle",
     "UnknownShardError",
 ]
 
-TAG_TORCH_DTYPES = torch_dtypes()  # the daemon's own tag -> torch dtype table
+TAG_TORCH_DTYPES = p.torch_dtypes()  # the daemon's own tag -> torch dtype table
 TORCH_DTYPE_TAGS = {dtype: tag for tag, dtype in TAG_TORCH_DTYPES.items()}
 _encode = msgspec.msgpack.Encoder().encode
 
@@ -197,7 +198,7 @@ class LeaseGroup(Sequence[ShardLease]):
 def _hello_request(job: str, rank: int, world_size: int, local_rank: int,
                    arena_nbytes: int | None, device: str) -> p.Hello:
     return p.Hello(0, p.PROTOCOL_VERSION, job, rank, world_size, local_rank, device,
-                   arena_nbytes or 0)
+                   arena_nbytes or 0, job_secret=os.environ.get(p.JOB_SECRET_ENV, ""))
 
 
 def handshake(sock: socket.socket, hello: p.Hello) -> tuple[p.HelloOk, int]:
@@ -323,12 +324,17 @@ class OffloadClient(_ClientBase):
         self._inbox: dict[int, p.Reply] = {}
         self._rbuf = bytearray()
         self.closed = False
+        self.reply_timeout_s: float | None = None
 
     @classmethod
     def connect(cls, socket_path: str, *, job: str, rank: int = 0, world_size: int = 1,
                 local_rank: int = 0, arena_nbytes: int | None = None, device: str = "cpu",
-                timeout_s: float = 60.0) -> OffloadClient:
-        """Connect, say hello and map the job's arena."""
+                timeout_s: float = 60.0, reply_timeout_s: float | None = 300.0
+                ) -> OffloadClient:
+        """Connect, say hello and map the job's arena.
+
+        ``reply_timeout_s``: longest wait for any one reply (None: forever); past it a call
+        raises ReplyTimeoutError and the client is closed."""
         sock = connect_socket(socket_path, timeout_s)
         try:
             hello, fd = handshake(
@@ -337,8 +343,10 @@ class OffloadClient(_ClientBase):
         except BaseException:
             sock.close()
             raise
-        sock.settimeout(None)
-        return cls(sock, hello, arena, job, rank)
+        sock.settimeout(reply_timeout_s)
+        client = cls(sock, hello, arena, job, rank)
+        client.reply_timeout_s = reply_timeout_s
+        return client
 
     # -- transport ----------------------------------------------------------------
 
@@ -348,9 +356,18 @@ class OffloadClient(_ClientBase):
         request.rid = rid = self._rid()
         try:
             self._sock.sendall(_frame(request))
+        except TimeoutError:
+            raise self._timed_out() from None
         except OSError as exc:
             raise DaemonUnavailableError(f"lost the daemon: {exc}") from exc
         return rid
+
+    def _timed_out(self) -> ReplyTimeoutError:
+        """Close the connection (a late reply would arrive out of step) and say why."""
+        self.close()
+        return ReplyTimeoutError(
+            f"no reply from offloadd within {self.reply_timeout_s} s (reply_timeout_s); the "
+            "daemon may be stopped or overloaded (`offloadd status`); the client is closed")
 
     def _read_frame(self) -> p.Reply:
         buffer = self._rbuf
@@ -360,11 +377,13 @@ class OffloadClient(_ClientBase):
                 end = p.HEADER_NBYTES + length
                 if len(buffer) >= end:
                     with memoryview(buffer) as view:
-                        reply = p.reply_decoder.decode(view[p.HEADER_NBYTES:end])
+                        reply = p.decode_reply(view[p.HEADER_NBYTES:end])
                     del buffer[:end]
                     return reply
             try:
                 chunk = self._sock.recv(1 << 16)
+            except TimeoutError:
+                raise self._timed_out() from None
             except OSError as exc:
                 raise DaemonUnavailableError(f"lost the daemon: {exc}") from exc
             if not chunk:
@@ -373,7 +392,7 @@ class OffloadClient(_ClientBase):
                 # The common case: the chunk is exactly one reply; decode it in place.
                 (length,) = p.HEADER.unpack_from(chunk)
                 if len(chunk) == p.HEADER_NBYTES + length:
-                    return p.reply_decoder.decode(memoryview(chunk)[p.HEADER_NBYTES:])
+                    return p.decode_reply(memoryview(chunk)[p.HEADER_NBYTES:])
             buffer += chunk
 
     def _wait_reply(self, rid: int) -> p.Reply:
@@ -475,6 +494,14 @@ class OffloadClient(_ClientBase):
     def optimizer_step(self, unit: str, **hyperparams: Any) -> None:
         self.optimizer_step_async(unit, **hyperparams).wait()
 
+    def close_job(self) -> None:
+        """Tell the daemon this rank is done with the job (freed once no rank is attached,
+        without the linger), then close the client."""
+        try:
+            self._call(p.CloseJob(0))
+        finally:
+            self.close()
+
     def close(self) -> None:
         if self.closed:
             return
@@ -526,7 +553,7 @@ class AsyncOffloadClient(_ClientBase):
             while True:
                 header = await self._reader.readexactly(p.HEADER_NBYTES)
                 (length,) = p.HEADER.unpack(header)
-                reply = p.reply_decoder.decode(await self._reader.readexactly(length))
+                reply = p.decode_reply(await self._reader.readexactly(length))
                 waiter = self._waiters.pop(reply.rid, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(reply)
@@ -631,6 +658,13 @@ class AsyncOffloadClient(_ClientBase):
                              decoupled_weight_decay: bool = True, grad_scale: float = 1.0) -> None:
         await self._call(self._step_request(unit, step, lr, beta1, beta2, eps, weight_decay,
                                             decoupled_weight_decay, grad_scale))
+
+    async def close_job(self) -> None:
+        """Tell the daemon this rank is done with the job, then close (see OffloadClient)."""
+        try:
+            await self._call(p.CloseJob(0))
+        finally:
+            await self.close()
 
     async def close(self) -> None:
         self.closed = True

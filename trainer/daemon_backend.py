@@ -238,7 +238,12 @@ class DaemonBackend(StateBackend):
             self.wait_steps()
         except BaseException as error:  # still release the connection and the daemon
             failure = error
-        self.client.close()
+        from trainer.client import OffloadError
+
+        try:
+            self.client.close_job()  # nothing to reattach to: free the job without lingering
+        except OffloadError:
+            self.client.close()
         if self._private:
             _wait_for_node_peers(self.collectives)
         if self._daemon is not None:

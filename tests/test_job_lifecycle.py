@@ -1,0 +1,148 @@
+"""Jobs end: close_job frees a job at once, a job without sessions is freed after its
+linger, and many short jobs leave the daemon's fds, mappings and memory where they were."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from conftest import call, error_code, hello, raw_socket, start_daemon
+
+from offloadd import protocol as p
+from offloadd.embedded import PrivateDaemon
+from offloadd.errors import UnknownShardError
+from trainer.client import OffloadClient
+
+CYCLES = int(os.environ.get("OFFLOADD_LIFECYCLE_CYCLES", "1000"))
+"""connect/hello/close_job cycles of the resource test."""
+
+
+def live_jobs(daemon: PrivateDaemon) -> list[str]:
+    reply = call(raw_socket(daemon.socket_path), p.NodeStatus(1))
+    assert isinstance(reply, p.StatsOk), reply
+    return sorted(reply.stats["jobs"])  # type: ignore[arg-type]
+
+
+def wait_until_gone(daemon: PrivateDaemon, job: str, within_s: float = 30.0) -> None:
+    deadline = time.monotonic() + within_s
+    while job in live_jobs(daemon):
+        assert time.monotonic() < deadline, f"job {job} was never freed"
+        time.sleep(0.05)
+
+
+def daemon_with(tmp_path: Path, toml: str, **kwargs) -> PrivateDaemon:
+    config = tmp_path / "offloadd.toml"
+    config.write_text(toml)
+    return start_daemon(tmp_path / "d", extra_args=["--config", str(config)], **kwargs)
+
+
+def test_close_job_frees_the_job_at_once(daemon, job) -> None:
+    client = OffloadClient.connect(daemon.socket_path, job=job)
+    client.put("a", b"payload")
+    assert job in live_jobs(daemon)
+    client.close_job()
+    assert job not in live_jobs(daemon)
+    with (OffloadClient.connect(daemon.socket_path, job=job) as fresh,  # a new, empty job
+          pytest.raises(UnknownShardError)):
+        fresh.get("a")
+
+
+def test_close_job_waits_for_the_last_rank(daemon, job) -> None:
+    rank0 = OffloadClient.connect(daemon.socket_path, job=job, rank=0, world_size=2)
+    rank1 = OffloadClient.connect(daemon.socket_path, job=job, rank=1, world_size=2)
+    rank1.put("b", b"still used")
+    rank0.close_job()
+    assert job in live_jobs(daemon)
+    assert rank1.get("b") == b"still used"
+    rank1.close()  # a plain disconnect: the job was asked to close, so no linger
+    assert job not in live_jobs(daemon)
+
+
+def test_requests_after_close_job_need_a_new_hello(daemon, job) -> None:
+    sock = raw_socket(daemon.socket_path)
+    assert isinstance(hello(sock, job), p.HelloOk)
+    assert isinstance(call(sock, p.CloseJob(2)), p.Ok)
+    assert error_code(call(sock, p.Stats(3))) == "no_session"
+
+
+def test_a_job_without_sessions_lingers_then_is_freed(tmp_path: Path) -> None:
+    with daemon_with(tmp_path, "job_linger_s = 0.3\n", arena_size="32MiB") as daemon:
+        with OffloadClient.connect(daemon.socket_path, job="short") as client:
+            client.put("a", b"x")
+        wait_until_gone(daemon, "short")
+
+
+def test_a_rank_reattaches_within_the_linger(daemon, job) -> None:
+    with OffloadClient.connect(daemon.socket_path, job=job) as client:
+        client.put("a", b"kept")
+    with OffloadClient.connect(daemon.socket_path, job=job) as again:  # default linger: 300 s
+        assert again.get("a") == b"kept"
+
+
+def test_close_job_deletes_swap_files_of_a_never_flushed_job(tmp_path: Path,
+                                                             swap_root: Path) -> None:
+    with PrivateDaemon.start(tmp_path / "d", arena_size="32MiB",
+                             swap_dirs=[str(swap_root)]) as daemon:
+        client = OffloadClient.connect(daemon.socket_path, job="scratch", arena_nbytes=1 << 20)
+        for index in range(4):  # 4 x 512 KiB through a 1 MiB arena: some go to swap
+            client.put(f"s{index}", bytes([index]) * (512 << 10))
+        assert list(swap_root.glob("**/scratch/swap.0"))
+        client.close_job()
+        wait_until_gone(daemon, "scratch")
+        deadline = time.monotonic() + 30
+        while list(swap_root.glob("**/scratch*")):
+            assert time.monotonic() < deadline, list(swap_root.glob("**/scratch*"))
+            time.sleep(0.05)
+        kept = OffloadClient.connect(daemon.socket_path, job="kept", arena_nbytes=1 << 20)
+        kept.put("k", b"durable")
+        kept.flush()
+        kept.close_job()
+        wait_until_gone(daemon, "kept")
+        assert list(swap_root.glob("**/kept/manifest.json"))  # flushed: left for --recover
+
+
+def daemon_resources(pid: int) -> tuple[int, int, int]:
+    """(open fds, mapped regions, resident bytes) of a process."""
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    with open(f"/proc/{pid}/maps") as maps:
+        regions = sum(1 for _ in maps)
+    with open(f"/proc/{pid}/status") as status:
+        rss_kib = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    return fds, regions, rss_kib << 10
+
+
+def short_job(daemon: PrivateDaemon, name: str) -> None:
+    sock = raw_socket(daemon.socket_path)
+    with sock:
+        assert isinstance(hello(sock, name, arena_nbytes=1 << 20), p.HelloOk)
+        assert isinstance(call(sock, p.Alloc(2, ["x"], [4096], ["uint8"])), p.Placed)
+        assert isinstance(call(sock, p.CloseJob(3)), p.Ok)
+
+
+def test_many_short_jobs_leave_fds_mappings_and_memory_where_they_started(
+        tmp_path: Path) -> None:
+    with start_daemon(tmp_path / "d", arena_size="64MiB") as daemon:
+        pid = daemon.process.pid
+        for index in range(50):  # warm up allocator pools and import-time caches
+            short_job(daemon, f"warm-{index}")
+        fds, regions, rss = daemon_resources(pid)
+        for index in range(CYCLES):
+            short_job(daemon, f"cycle-{index}")
+        after_fds, after_regions, after_rss = daemon_resources(pid)
+        assert live_jobs(daemon) == []
+        assert after_fds == fds
+        assert after_regions == regions
+        assert after_rss - rss < 8 << 20, (rss, after_rss)
+
+
+def test_the_engine_backend_closes_its_job_on_a_shared_daemon(daemon, job) -> None:
+    from trainer.daemon_backend import DaemonBackend
+
+    client = OffloadClient.connect(daemon.socket_path, job=job)
+    client.put("u0.master", b"\0" * 64)
+    backend = DaemonBackend(client, collectives=None, private=False)  # type: ignore[arg-type]
+    backend.close()
+    assert client.closed
+    assert job not in live_jobs(daemon)  # freed at close, not after the 300 s linger
