@@ -33,6 +33,7 @@ from offloadd.errors import OverBudgetError, ShardExistsError, SwapIOError
 from offloadd.ioengine import IOEngineError, open_engine
 from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
 from offloadd.scheduler import IOQueue, Priority
+from offloadd.swapdirs import lock_swap_dir, remove_job_dir, unlock_swap_dir
 
 if TYPE_CHECKING:
     from offloadd.config import DaemonConfig
@@ -136,10 +137,17 @@ class JobFile:
         swap_dir = self.dir
         room = swap_dir.budget_nbytes - swap_dir.reserved_nbytes
         if need > room:
+            # Copy-on-write: until the next flush retires them, the extents of the last
+            # flushed version stay reserved beside the new one, so a job can need up to
+            # twice its swapped bytes (README "Swap space").
             raise OverBudgetError(
                 f"swap dir {swap_dir.path} would exceed its {swap_dir.budget_nbytes}-byte budget "
-                "(--swap-size); raise it, add a --swap-dir, or drop shards")
-        add = max(need, min(SEGMENT_NBYTES, room) // 4096 * 4096)
+                f"(--swap-size): {need} more bytes needed, {max(room, 0)} left; set --swap-size "
+                f"to at least {swap_dir.reserved_nbytes + need} bytes (copy-on-write keeps the "
+                "last flushed version beside the new one), add a --swap-dir, or drop shards")
+        # A quarter of the room at most: one job's segment must not take a tight
+        # budget that other jobs share.
+        add = max(need, min(SEGMENT_NBYTES, room // 4) // 4096 * 4096)
         try:
             await self._fallocate(add)
         except OSError as exc:
@@ -206,12 +214,16 @@ class SwapSpace:
                           if threads else None)
         self.engine: Any = None
         self.tiers: dict[str, Any] = {}
+        self.created: set[str] = set()
+        """Jobs whose swap files this daemon created (not recovered ones)."""
+        self.lock_fds: list[int] = []
         metrics.sources.append(self.families)
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
         for swap_dir in self.dirs:
             await loop.run_in_executor(None, swap_dir.prepare)
+            self.lock_fds.append(lock_swap_dir(swap_dir.root))
         self.engine = open_engine(self.config.io_engine, queue_depth=self.config.io_queue_depth)
         fault = os.environ.get("OFFLOADD_IO_FAULT")  # test hook: "read:3" fails the 3rd read
         if fault:
@@ -236,7 +248,37 @@ class SwapSpace:
         files = [JobFile(d, job, existing=recovering) for d in self.dirs]
         tier = JobTier(self, job, files)
         self.tiers[job] = tier
+        if not recovering:
+            self.created.add(job)
         return tier
+
+    async def release_job(self, job: str, *, keep_flushed: bool = False) -> int:
+        """Give a job's swap space back: close its files and delete them in every swap dir.
+
+        Call once the job has no sessions (it ended, was dropped, or the daemon stops).
+        ``keep_flushed`` keeps the files of a job that has a manifest, so a later
+        ``--recover`` still finds its last flush. Returns the bytes freed on disk.
+        """
+        tier = self.tiers.get(job)
+        if tier is not None:
+            if keep_flushed and tier.manifest_path().exists():
+                return 0
+            await tier.quiesce()
+            await tier.close()
+            del self.tiers[job]
+            for jobfile in tier.files:
+                jobfile.dir.reserved_nbytes -= jobfile.allocator.capacity
+                if self.engine is not None:
+                    self.engine.forget_fd(jobfile.fd)
+        elif keep_flushed and (self.job_dir(self.dirs[0], job) / MANIFEST).exists():
+            return 0
+        self.created.discard(job)
+        loop = asyncio.get_running_loop()
+        freed = 0
+        for swap_dir in self.dirs:
+            freed += await loop.run_in_executor(None, remove_job_dir, self.job_dir(swap_dir, job))
+        log.info("event=swap_released job=%s freed_nbytes=%d", job, freed)
+        return freed
 
     async def recover(self, registry: JobRegistry) -> None:
         """Re-open every job whose manifest is in the first swap dir."""
@@ -343,9 +385,15 @@ class SwapSpace:
         return out
 
     async def close(self) -> None:
+        if self.config.release_swap_at_exit:
+            for job in sorted(self.created):
+                await self.release_job(job)
         for tier in self.tiers.values():
             await tier.close()
         if self.engine is not None:
             await self.engine.aclose()
         if self.hash_pool is not None:
             self.hash_pool.shutdown(wait=True)
+        for fd in self.lock_fds:
+            unlock_swap_dir(fd)
+        self.lock_fds.clear()

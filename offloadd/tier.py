@@ -533,6 +533,11 @@ class JobTier:
         self.prefetching.discard(shard)
         self.cleaned.discard(shard)
 
+    async def quiesce(self) -> None:
+        """Wait out the write-behind and prefetches in flight (before the files go away)."""
+        while self.cleaning or self.tasks:
+            await asyncio.gather(*self.cleaning.values(), *self.tasks, return_exceptions=True)
+
     async def close(self) -> None:
         for task in list(self.tasks):
             task.cancel()
