@@ -26,6 +26,7 @@ class ErrorCode(str, enum.Enum):
     CHECKSUM = "checksum"  # a swapped block did not match its checksum
     NO_SWAP = "no_swap"  # persistence asked of a daemon without --swap-dir
     SHUTTING_DOWN = "shutting_down"  # the daemon is stopping
+    QUARANTINED = "quarantined"  # the job's swap state could not be recovered; see status
     INTERNAL = "internal"  # a daemon bug; the session survives
 
 
@@ -103,6 +104,12 @@ class InternalError(OffloadError):
     code = ErrorCode.INTERNAL
 
 
+class JobQuarantinedError(OffloadError):
+    """The job's manifest could not be recovered; its swap files are kept untouched."""
+
+    code = ErrorCode.QUARANTINED
+
+
 class DaemonUnavailableError(OffloadError, ConnectionError):
     """Raised on the client side when the daemon cannot be reached or went away."""
 
@@ -127,6 +134,7 @@ ERROR_CLASSES: dict[ErrorCode, type[OffloadError]] = {
         NoSwapError,
         ShuttingDownError,
         InternalError,
+        JobQuarantinedError,
     )
 }
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import logging
 import os
 import time
@@ -29,8 +28,15 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from offloadd.arena import Allocator, align_up
-from offloadd.errors import OverBudgetError, ShardExistsError, SwapIOError
+from offloadd.errors import (
+    JobQuarantinedError,
+    OffloadError,
+    OverBudgetError,
+    ShardExistsError,
+    SwapIOError,
+)
 from offloadd.ioengine import IOEngineError, open_engine
+from offloadd.manifests import ManifestError, jobs_with_manifests, read_job_manifest
 from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
 from offloadd.scheduler import IOQueue, Priority
 from offloadd.swapdirs import lock_swap_dir, remove_job_dir, unlock_swap_dir
@@ -217,6 +223,8 @@ class SwapSpace:
         self.created: set[str] = set()
         """Jobs whose swap files this daemon created (not recovered ones)."""
         self.lock_fds: list[int] = []
+        self.quarantined: dict[str, str] = {}
+        """Jobs whose manifest could not be recovered -> why (shown by status)."""
         metrics.sources.append(self.families)
 
     async def open(self) -> None:
@@ -236,6 +244,8 @@ class SwapSpace:
         return swap_dir.root / job
 
     def tier_for(self, job: str, *, recovering: bool = False) -> Any:
+        if job in self.quarantined:
+            raise JobQuarantinedError(self.quarantined[job])
         if not recovering:
             stale = [self.job_dir(d, job) for d in self.dirs
                      if self.job_dir(d, job).exists() and any(self.job_dir(d, job).iterdir())]
@@ -263,13 +273,7 @@ class SwapSpace:
         if tier is not None:
             if keep_flushed and tier.manifest_path().exists():
                 return 0
-            await tier.quiesce()
-            await tier.close()
-            del self.tiers[job]
-            for jobfile in tier.files:
-                jobfile.dir.reserved_nbytes -= jobfile.allocator.capacity
-                if self.engine is not None:
-                    self.engine.forget_fd(jobfile.fd)
+            await self._close_tier(job)
         elif keep_flushed and (self.job_dir(self.dirs[0], job) / MANIFEST).exists():
             return 0
         self.created.discard(job)
@@ -281,17 +285,45 @@ class SwapSpace:
         return freed
 
     async def recover(self, registry: JobRegistry) -> None:
-        """Re-open every job whose manifest is in the first swap dir."""
-        root = self.dirs[0].root
-        for manifest_path in sorted(root.glob(f"*/{MANIFEST}")):
-            manifest = json.loads(manifest_path.read_text())
-            name = manifest["job"]
-            job, _created = registry.open(
-                name, manifest["arena_nbytes"],
-                make_tier=lambda n=name: self.tier_for(n, recovering=True))  # type: ignore[misc]
-            assert job.tier is not None
-            count = job.tier.load_manifest(job.table, manifest)
+        """Re-open every job whose manifest is in the first swap dir; a job whose manifest
+        is bad is quarantined (logged, in status, refused at hello), the others recover."""
+        for job_dir in jobs_with_manifests(self.dirs[0].root):
+            name = job_dir.name
+            try:
+                manifest = read_job_manifest(job_dir)
+                count = await self._recover_job(registry, name, manifest)
+            except (ManifestError, OffloadError, ValueError, KeyError, TypeError, OSError) as exc:
+                self.quarantined[name] = (
+                    f"job {name!r} is quarantined: its manifest in {job_dir} could not be "
+                    f"recovered ({exc}); its swap files are kept. Restart with the swap dirs "
+                    "it was flushed with, or reclaim it with `offloadd gc`")
+                log.error("event=job_quarantined job=%s error=%r", name, str(exc))
+                continue
             log.info("event=job_recovered job=%s shards=%d tag=%s", name, count, manifest["tag"])
+
+    async def _recover_job(self, registry: JobRegistry, name: str,
+                           manifest: dict[str, Any]) -> int:
+        job, _created = registry.open(
+            name, manifest["arena_nbytes"],
+            make_tier=lambda: self.tier_for(name, recovering=True))  # type: ignore[misc]
+        assert job.tier is not None
+        try:
+            return job.tier.load_manifest(job.table, manifest)
+        except BaseException:
+            registry.close_job(name)
+            await self._close_tier(name)
+            raise
+
+    async def _close_tier(self, job: str) -> Any:
+        """Close a job's files and return their budget; the files stay on disk."""
+        tier = self.tiers.pop(job)
+        await tier.quiesce()
+        await tier.close()
+        for jobfile in tier.files:
+            jobfile.dir.reserved_nbytes -= jobfile.allocator.capacity
+            if self.engine is not None:
+                self.engine.forget_fd(jobfile.fd)
+        return tier
 
     async def io(self, op: str, jobfile: JobFile, offset: int, view: memoryview,
                  priority: Priority) -> None:
@@ -333,6 +365,7 @@ class SwapSpace:
             "prefetch_issued": c.prefetch_issued, "prefetch_hits": c.prefetch_hits,
             "prefetch_late": c.prefetch_late, "prefetch_wasted": c.prefetch_wasted,
             "checksum_failures": c.checksum_failures,
+            "quarantined": dict(self.quarantined),
             "io_errors": {labels[0]: n for labels, n in c.io_errors.values.items()},
             "evictions": {labels[0]: n for labels, n in c.evictions.values.items()},
             "stall_s": sum(c.stall_seconds.values.values()),

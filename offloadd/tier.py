@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from offloadd.errors import ChecksumError, OffloadError, OverBudgetError
+from offloadd.manifests import keep_previous_generation
 from offloadd.nvme import (
     MANIFEST,
     MANIFEST_FORMAT,
@@ -467,6 +468,7 @@ class JobTier:
         for jobfile in self.files:
             await loop.run_in_executor(None, os.fdatasync, jobfile.fd)
         manifest = self._manifest(table, tag)
+        await loop.run_in_executor(None, keep_previous_generation, self.manifest_path())
         await loop.run_in_executor(None, write_atomically, self.manifest_path(), manifest)
         self._retire_old_manifest(table)
         skipped = [s.shard_id for s in table.shards.values() if s.writer]
