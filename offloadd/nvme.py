@@ -331,9 +331,9 @@ class SwapSpace:
         started = time.perf_counter()
         try:
             if op == "read":
-                await self.engine.read(jobfile.fd, offset, view)
+                await self.engine.read(jobfile.fd, offset, view, int(priority))
             else:
-                await self.engine.write(jobfile.fd, offset, view)
+                await self.engine.write(jobfile.fd, offset, view, int(priority))
         except (IOEngineError, OSError) as exc:
             self.counters.io_errors.add((op,))
             raise SwapIOError(f"swap {op} of {len(view)} bytes at {offset} in {jobfile.path} "
