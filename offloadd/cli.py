@@ -36,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="2 MiB hugetlb pages for arenas (auto: when reserved)")
     serve.add_argument("--recover", action="store_true", default=None,
                        help="restore jobs from the last flushed manifests in the swap dirs")
+    serve.add_argument("--release-swap-at-exit", action="store_true", default=None,
+                       help="delete the swap files of the jobs this daemon created when it stops")
 
     demo = commands.add_parser("demo", help="run the end-to-end demo on a private daemon")
     demo.add_argument("--mode", choices=["train", "data"], default="train",
@@ -66,6 +68,7 @@ def serve_config(args: argparse.Namespace) -> DaemonConfig:
         "socket": args.socket, "arena_size": args.arena_size, "swap_dirs": args.swap_dirs,
         "swap_size": args.swap_size, "metrics_addr": args.metrics_addr,
         "log_level": args.log_level, "io_engine": args.io_engine, "recover": args.recover,
+        "release_swap_at_exit": args.release_swap_at_exit,
         "arena_hugepages": args.arena_hugepages,
     }
     if args.config:

@@ -66,6 +66,9 @@ class DaemonConfig:
     machines with at most 4 cores, else one per 4 cores (at most 8)."""
     recover: bool = False
     """At start, restore every job from the last flushed manifest in the swap dirs."""
+    release_swap_at_exit: bool = False
+    """At stop, delete the swap files of every job this daemon created (flushed or not;
+    recovered jobs are kept). The trainer's private daemon sets it."""
     metrics_addr: str | None = None
     """HOST:PORT for the Prometheus /metrics endpoint; None disables it."""
     log_level: LogLevel = "info"

@@ -33,7 +33,8 @@ class PrivateDaemon:
     @classmethod
     def start(cls, workdir: str | os.PathLike[str] | None = None, *,
               arena_size: int | str = 256 << 20, swap_dirs: list[str] | None = None,
-              extra_args: list[str] | None = None, timeout_s: float = 30.0) -> PrivateDaemon:
+              extra_args: list[str] | None = None, timeout_s: float = 30.0,
+              release_swap_at_exit: bool = False) -> PrivateDaemon:
         owned = None
         if workdir is None:
             owned = tempfile.TemporaryDirectory(prefix="offloadd-")
@@ -45,6 +46,8 @@ class PrivateDaemon:
                 "--arena-size", str(arena_size), "--log-level", "info"]
         for swap_dir in swap_dirs or []:
             args += ["--swap-dir", str(swap_dir)]
+        if release_swap_at_exit:  # a private daemon's swap files are its own: gone at its exit
+            args.append("--release-swap-at-exit")
         args += extra_args or []
         log_path = os.path.join(workdir, "offloadd.log")
         with open(log_path, "ab") as log_file:

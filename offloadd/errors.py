@@ -27,6 +27,7 @@ class ErrorCode(str, enum.Enum):
     NO_SWAP = "no_swap"  # persistence asked of a daemon without --swap-dir
     SHUTTING_DOWN = "shutting_down"  # the daemon is stopping
     LIMIT = "limit"  # a per-client limit of the daemon config (offloadd.limits) was reached
+    QUARANTINED = "quarantined"  # the job's swap state could not be recovered; see status
     INTERNAL = "internal"  # a daemon bug; the session survives
 
 
@@ -110,6 +111,12 @@ class LimitExceededError(OffloadError):
     code = ErrorCode.LIMIT
 
 
+class JobQuarantinedError(OffloadError):
+    """The job's manifest could not be recovered; its swap files are kept untouched."""
+
+    code = ErrorCode.QUARANTINED
+
+
 class DaemonUnavailableError(OffloadError, ConnectionError):
     """Raised on the client side when the daemon cannot be reached or went away."""
 
@@ -142,6 +149,7 @@ ERROR_CLASSES: dict[ErrorCode, type[OffloadError]] = {
         ShuttingDownError,
         InternalError,
         LimitExceededError,
+        JobQuarantinedError,
     )
 }
 

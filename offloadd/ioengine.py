@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import concurrent.futures
 import errno
 import fcntl
 import functools
+import heapq
+import itertools
 import logging
+import mmap
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -58,6 +61,9 @@ EngineKind = Literal["auto", "native", "io_uring", "threads", "python"]
 
 DIRECT_IO_ALIGNMENT = 4096  # bytes; the logical block size of 4Kn drives, so safe on all
 MAX_QUEUE_DEPTH = 4096
+TRANSIENT_ERRNOS = (errno.EAGAIN, errno.EINTR)
+"""Results that mean "try again", never an IO error (an injected one is retried once)."""
+MAX_TRANSIENT_RETRIES = 64
 
 
 class IOEngineError(OSError):
@@ -106,6 +112,8 @@ class _Request:
     address: int
     future: asyncio.Future[None]
     fault_errno: int  # nonzero: injected failure, the file is not touched
+    priority: int = 0  # lower runs first where requests queue (the thread engine)
+    started: bool = False
 
 
 @dataclass(slots=True)
@@ -171,15 +179,24 @@ class IOEngine(abc.ABC):
         self._closing = False
         self._drained: asyncio.Future[None] | None = None
 
-    async def read(self, fd: int, offset: int, buf: Any) -> None:
+    async def read(self, fd: int, offset: int, buf: Any, priority: int = 0) -> None:
         """Fill all of buf from fd at offset; a short read raises IOEngineError."""
-        await self.submit("read", fd, offset, buf)
+        await self.submit("read", fd, offset, buf, priority)
 
-    async def write(self, fd: int, offset: int, buf: Any) -> None:
+    async def write(self, fd: int, offset: int, buf: Any, priority: int = 0) -> None:
         """Write all of buf to fd at offset; a short write raises IOEngineError."""
-        await self.submit("write", fd, offset, buf)
+        await self.submit("write", fd, offset, buf, priority)
 
-    def submit(self, op: OpName, fd: int, offset: int, buf: Any) -> asyncio.Future[None]:
+    def raise_priority(self, future: asyncio.Future[None], priority: int) -> None:
+        """A request someone more urgent waits on runs as that one would (if still queued).
+
+        The native engines start every request at once (io_uring) or in order
+        (native threads): they have no queue to reorder, so this does nothing there.
+        """
+        return None
+
+    def submit(self, op: OpName, fd: int, offset: int, buf: Any,
+               priority: int = 0) -> asyncio.Future[None]:
         """Start one request and return its future; call from the loop's thread.
 
         Hazard: cancelling the future does not cancel the IO; the engine
@@ -190,6 +207,7 @@ class IOEngine(abc.ABC):
             raise RuntimeError(f"{self.name} engine is closed")
         self._bind_loop(loop)
         request = self._make_request(loop, op, fd, offset, buf)
+        request.priority = priority
         try:
             self._start(request)
         except BaseException:
@@ -341,9 +359,10 @@ class IOEngine(abc.ABC):
 
 def _blocking_transfer(request: _Request) -> tuple[int, int]:
     """pread/pwrite the whole request in a worker thread; returns (errno, bytes done)."""
-    if request.fault_errno:
+    if request.fault_errno and request.fault_errno not in TRANSIENT_ERRNOS:
         return request.fault_errno, 0
     view, done, nbytes = request.view, 0, request.view.nbytes
+    retries = 0
     while done < nbytes:
         try:
             if request.op == "read":
@@ -351,6 +370,9 @@ def _blocking_transfer(request: _Request) -> tuple[int, int]:
             else:
                 moved = os.pwritev(request.fd, [view[done:]], request.offset + done)
         except OSError as exc:  # EINTR is already retried by Python (PEP 475)
+            if exc.errno in TRANSIENT_ERRNOS and retries < MAX_TRANSIENT_RETRIES:
+                retries += 1
+                continue
             return exc.errno or errno.EIO, done
         if moved == 0:
             break
@@ -359,22 +381,73 @@ def _blocking_transfer(request: _Request) -> tuple[int, int]:
 
 
 class ThreadPoolEngine(IOEngine):
-    """os.preadv/os.pwritev in a thread pool; needs no compiled code."""
+    """os.preadv/os.pwritev in worker threads; needs no compiled code.
+
+    Requests wait in a priority queue, not a FIFO: where io_uring is blocked (a
+    container's seccomp profile) this is the daemon's engine, and a demand read
+    must not queue behind a drive's worth of write-back and prefetch.
+    """
 
     name = "python-threads"
 
     def __init__(self, *, num_threads: int = 4) -> None:
         super().__init__()
         _check_positive("num_threads", num_threads)
-        self._executor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=num_threads, thread_name_prefix="offloadd-io"
-        )
+        self._queue: list[tuple[int, int, _Request]] = []
+        self._queued: dict[asyncio.Future[None], _Request] = {}
+        self._ready = threading.Condition()
+        self._order = itertools.count()
+        self._stopping = False
+        self._workers = [threading.Thread(target=self._work, name=f"offloadd-io-{i}", daemon=True)
+                         for i in range(num_threads)]
+        for worker in self._workers:
+            worker.start()
 
     def _on_bind(self, loop: asyncio.AbstractEventLoop) -> None:
         pass  # workers reach the loop through call_soon_threadsafe; nothing to register
 
     def _start(self, request: _Request) -> None:
-        self._executor.submit(self._run, request)
+        with self._ready:
+            heapq.heappush(self._queue, (request.priority, next(self._order), request))
+            self._queued[request.future] = request
+            self._ready.notify()
+
+    def raise_priority(self, future: asyncio.Future[None], priority: int) -> None:
+        with self._ready:
+            request = self._queued.get(future)
+            if request is None or request.started or request.priority <= priority:
+                return
+            request.priority = priority  # the old heap entry is skipped once this one ran
+            heapq.heappush(self._queue, (priority, next(self._order), request))
+            self._ready.notify()
+
+    def pending_priorities(self) -> list[int]:
+        """Priorities of the requests still queued, in the order they will run (for tests)."""
+        with self._ready:
+            entries = sorted(e for e in self._queue if not e[2].started and e[0] == e[2].priority)
+            return [priority for priority, _order, _request in entries]
+
+    def _work(self) -> None:
+        while True:
+            with self._ready:
+                request = self._next_request()
+                if request is None:
+                    return
+            self._run(request)
+
+    def _next_request(self) -> _Request | None:
+        """Pop the most urgent queued request; None once closing with nothing left."""
+        while True:
+            while not self._queue and not self._stopping:
+                self._ready.wait()
+            if not self._queue:
+                return None
+            priority, _order, request = heapq.heappop(self._queue)
+            if request.started or priority != request.priority:
+                continue  # a stale entry of a request whose priority was raised
+            request.started = True
+            self._queued.pop(request.future, None)
+            return request
 
     def _run(self, request: _Request) -> None:
         error, done = _blocking_transfer(request)
@@ -385,7 +458,9 @@ class ThreadPoolEngine(IOEngine):
             pass  # the loop was closed under us: nobody is left to notify
 
     def _close_backend(self) -> None:
-        self._executor.shutdown(wait=False)  # drained already: workers are idle and exit
+        with self._ready:  # drained already: workers are idle and exit
+            self._stopping = True
+            self._ready.notify_all()
 
 
 class NativeEngine(IOEngine):
@@ -455,9 +530,52 @@ def _io_uring_refusal() -> str | None:
     if _native is None:
         return "offloadd._native is not built"
     try:
-        _native.IoEngine("io_uring", 1, 1).close()
+        backend = _native.IoEngine("io_uring", 1, 1)
     except OSError as exc:
         return f"io_uring unavailable: {exc}"
+    try:
+        return _probe_transfers(backend)
+    finally:
+        backend.close()
+
+
+PROBE_TIMEOUT_S = 5.0
+
+
+def _probe_transfers(backend: Any) -> str | None:
+    """Write then read one page through the ring; None when both round-trip.
+
+    Hazard: a ring can be created where its operations are refused (a seccomp
+    profile that filters only IORING_OP_*, an LSM denying file IO from the ring):
+    only a real write and read show it, before the daemon trusts the engine.
+    """
+    import select
+    import tempfile
+
+    pattern = os.urandom(DIRECT_IO_ALIGNMENT)
+    with tempfile.TemporaryFile() as scratch, \
+            mmap.mmap(-1, DIRECT_IO_ALIGNMENT) as buffer:
+        buffer[:] = pattern
+        view = memoryview(buffer)
+        address = buffer_address(view)
+        try:
+            for op_code, op in ((1, "write"), (0, "read")):
+                if op == "read":
+                    buffer[:] = bytes(DIRECT_IO_ALIGNMENT)
+                backend.submit(op_code, op_code, scratch.fileno(), 0, address,
+                               DIRECT_IO_ALIGNMENT, 0)
+                ready, _, _ = select.select([backend.event_fd], [], [], PROBE_TIMEOUT_S)
+                completions = backend.reap() if ready else []
+                if not completions:
+                    return f"io_uring probe: the {op} did not complete in {PROBE_TIMEOUT_S}s"
+                _tag, error, done = completions[0]
+                if error or done != DIRECT_IO_ALIGNMENT:
+                    why = os.strerror(error) if error else f"{done} bytes moved"
+                    return f"io_uring probe: the {op} failed ({why})"
+            if buffer[:] != pattern:
+                return "io_uring probe: the read returned other bytes than were written"
+        finally:
+            view.release()
     return None
 
 
@@ -476,8 +594,9 @@ def open_engine(
 ) -> IOEngine:
     """Open the best engine for kind.
 
-    "auto"/"native" prefer io_uring, then native threads ("auto" finally falls
-    back to Python threads); "io_uring", "threads" and "python" insist on that
+    Both prefer io_uring (after a probe write and read); without it "native"
+    uses the native threads and "auto" the Python threads, whose priority queue
+    keeps demand reads ahead; "io_uring", "threads" and "python" insist on that
     engine.  queue_depth bounds io_uring requests in the kernel (more wait in
     a backlog); num_threads sizes the thread-based engines.
     """
@@ -501,11 +620,14 @@ def _open_best(kind: EngineKind, queue_depth: int, num_threads: int) -> IOEngine
     refusal = _io_uring_refusal()
     if refusal is None:
         return NativeEngine("io_uring", queue_depth=queue_depth, num_threads=num_threads)
-    if _native is not None:
+    if kind == "native":
+        if _native is None:
+            raise RuntimeError("open_engine('native'): offloadd._native is not built")
         logger.info("io engine: %s; using native threads", refusal)
         return NativeEngine("threads", queue_depth=queue_depth, num_threads=num_threads)
-    if kind == "native":
-        raise RuntimeError("open_engine('native'): offloadd._native is not built")
-    logger.info("io engine: %s; using Python threads", refusal)
+    # "auto" falls back to the Python threads: their priority queue keeps demand reads
+    # ahead of write-back and prefetch (pread/pwrite release the GIL, so they move data
+    # as fast as the native pool; the native pool runs requests in arrival order).
+    logger.info("io engine: %s; using Python threads (priority queue)", refusal)
     return ThreadPoolEngine(num_threads=num_threads)
 

@@ -91,7 +91,7 @@ class JobLifecycle:
 
     async def _free_swap(self, job: Job) -> None:
         try:
-            await self.daemon.swap.release_job(job.name, job.tier)
+            await self.daemon.swap.release_job(job.name, keep_flushed=True)
         except Exception:  # the arena must still go; the files are left for `offloadd gc`
             log.exception("event=swap_release_failed job=%s", job.name)
         finally:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import json
 import logging
 import os
 import time
@@ -29,10 +28,18 @@ from typing import TYPE_CHECKING, Any
 import xxhash
 
 from offloadd.arena import Allocator, align_up
-from offloadd.errors import OverBudgetError, ShardExistsError, SwapIOError
+from offloadd.errors import (
+    JobQuarantinedError,
+    OffloadError,
+    OverBudgetError,
+    ShardExistsError,
+    SwapIOError,
+)
 from offloadd.ioengine import IOEngineError, open_engine
+from offloadd.manifests import ManifestError, jobs_with_manifests, read_job_manifest
 from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
 from offloadd.scheduler import IOQueue, Priority
+from offloadd.swapdirs import lock_swap_dir, remove_job_dir, unlock_swap_dir
 
 if TYPE_CHECKING:
     from offloadd.config import DaemonConfig
@@ -144,10 +151,17 @@ class JobFile:
         swap_dir = self.dir
         room = swap_dir.budget_nbytes - swap_dir.reserved_nbytes
         if need > room:
+            # Copy-on-write: until the next flush retires them, the extents of the last
+            # flushed version stay reserved beside the new one, so a job can need up to
+            # twice its swapped bytes (README "Swap space").
             raise OverBudgetError(
                 f"swap dir {swap_dir.path} would exceed its {swap_dir.budget_nbytes}-byte budget "
-                "(--swap-size); raise it, add a --swap-dir, or drop shards")
-        add = max(need, min(SEGMENT_NBYTES, room) // 4096 * 4096)
+                f"(--swap-size): {need} more bytes needed, {max(room, 0)} left; set --swap-size "
+                f"to at least {swap_dir.reserved_nbytes + need} bytes (copy-on-write keeps the "
+                "last flushed version beside the new one), add a --swap-dir, or drop shards")
+        # A quarter of the room at most: one job's segment must not take a tight
+        # budget that other jobs share.
+        add = max(need, min(SEGMENT_NBYTES, room // 4) // 4096 * 4096)
         try:
             await self._fallocate(add)
         except OSError as exc:
@@ -214,12 +228,18 @@ class SwapSpace:
                           if threads else None)
         self.engine: Any = None
         self.tiers: dict[str, Any] = {}
+        self.created: set[str] = set()
+        """Jobs whose swap files this daemon created (not recovered ones)."""
+        self.lock_fds: list[int] = []
+        self.quarantined: dict[str, str] = {}
+        """Jobs whose manifest could not be recovered -> why (shown by status)."""
         metrics.sources.append(self.families)
 
     async def open(self) -> None:
         loop = asyncio.get_running_loop()
         for swap_dir in self.dirs:
             await loop.run_in_executor(None, swap_dir.prepare)
+            self.lock_fds.append(lock_swap_dir(swap_dir.root))
         self.engine = open_engine(self.config.io_engine, queue_depth=self.config.io_queue_depth)
         fault = os.environ.get("OFFLOADD_IO_FAULT")  # test hook: "read:3" fails the 3rd read
         if fault:
@@ -232,6 +252,8 @@ class SwapSpace:
         return swap_dir.root / job
 
     def tier_for(self, job: str, *, recovering: bool = False) -> Any:
+        if job in self.quarantined:
+            raise JobQuarantinedError(self.quarantined[job])
         if not recovering:
             stale = [self.job_dir(d, job) for d in self.dirs
                      if self.job_dir(d, job).exists() and any(self.job_dir(d, job).iterdir())]
@@ -244,45 +266,75 @@ class SwapSpace:
         files = [JobFile(d, job, existing=recovering) for d in self.dirs]
         tier = JobTier(self, job, files)
         self.tiers[job] = tier
+        if not recovering:
+            self.created.add(job)
         return tier
 
-    async def release_job(self, job: str, tier: Any) -> bool:
-        """Close an ended job's tier (waiting for its IO) and give back its swap budget;
-        delete its swap files unless a flush left a manifest (kept for --recover and
-        ``offloadd gc``). Returns whether the files were deleted."""
-        if self.tiers.get(job) is tier:
-            del self.tiers[job]
-        await tier.close()
-        for jobfile in tier.files:
-            jobfile.dir.reserved_nbytes -= jobfile.allocator.capacity
+    async def release_job(self, job: str, *, keep_flushed: bool = False) -> int:
+        """Give a job's swap space back: close its files and delete them in every swap dir.
+
+        Call once the job has no sessions (it ended, was dropped, or the daemon stops).
+        ``keep_flushed`` keeps the files of a job that has a manifest, so a later
+        ``--recover`` still finds its last flush. Returns the bytes freed on disk.
+        """
+        tier = self.tiers.get(job)
+        if tier is not None:
+            if keep_flushed and tier.manifest_path().exists():
+                return 0
+            await self._close_tier(job)
+        elif keep_flushed and (self.job_dir(self.dirs[0], job) / MANIFEST).exists():
+            return 0
+        self.created.discard(job)
         stalls = self.counters.stall_seconds.values  # an ended job's series end with it
         for labels in [labels for labels in stalls if labels[0] == job]:
             del stalls[labels]
-        if tier.manifest_path().exists():
-            return False
-
-        def remove() -> None:
-            for jobfile in tier.files:
-                with contextlib.suppress(FileNotFoundError):
-                    jobfile.path.unlink()
-                with contextlib.suppress(OSError):  # not empty: foreign files stay
-                    jobfile.path.parent.rmdir()
-
-        await asyncio.get_running_loop().run_in_executor(None, remove)
-        return True
+        loop = asyncio.get_running_loop()
+        freed = 0
+        for swap_dir in self.dirs:
+            freed += await loop.run_in_executor(None, remove_job_dir, self.job_dir(swap_dir, job))
+        log.info("event=swap_released job=%s freed_nbytes=%d", job, freed)
+        return freed
 
     async def recover(self, registry: JobRegistry) -> None:
-        """Re-open every job whose manifest is in the first swap dir."""
-        root = self.dirs[0].root
-        for manifest_path in sorted(root.glob(f"*/{MANIFEST}")):
-            manifest = json.loads(manifest_path.read_text())
-            name = manifest["job"]
-            job, _created = registry.open(
-                name, manifest["arena_nbytes"],
-                make_tier=lambda n=name: self.tier_for(n, recovering=True))  # type: ignore[misc]
-            assert job.tier is not None
-            count = job.tier.load_manifest(job.table, manifest)
+        """Re-open every job whose manifest is in the first swap dir; a job whose manifest
+        is bad is quarantined (logged, in status, refused at hello), the others recover."""
+        for job_dir in jobs_with_manifests(self.dirs[0].root):
+            name = job_dir.name
+            try:
+                manifest = read_job_manifest(job_dir)
+                count = await self._recover_job(registry, name, manifest)
+            except (ManifestError, OffloadError, ValueError, KeyError, TypeError, OSError) as exc:
+                self.quarantined[name] = (
+                    f"job {name!r} is quarantined: its manifest in {job_dir} could not be "
+                    f"recovered ({exc}); its swap files are kept. Restart with the swap dirs "
+                    "it was flushed with, or reclaim it with `offloadd gc`")
+                log.error("event=job_quarantined job=%s error=%r", name, str(exc))
+                continue
             log.info("event=job_recovered job=%s shards=%d tag=%s", name, count, manifest["tag"])
+
+    async def _recover_job(self, registry: JobRegistry, name: str,
+                           manifest: dict[str, Any]) -> int:
+        job, _created = registry.open(
+            name, manifest["arena_nbytes"],
+            make_tier=lambda: self.tier_for(name, recovering=True))  # type: ignore[misc]
+        assert job.tier is not None
+        try:
+            return job.tier.load_manifest(job.table, manifest)
+        except BaseException:
+            registry.close_job(name)
+            await self._close_tier(name)
+            raise
+
+    async def _close_tier(self, job: str) -> Any:
+        """Close a job's files and return their budget; the files stay on disk."""
+        tier = self.tiers.pop(job)
+        await tier.quiesce()
+        await tier.close()
+        for jobfile in tier.files:
+            jobfile.dir.reserved_nbytes -= jobfile.allocator.capacity
+            if self.engine is not None:
+                self.engine.forget_fd(jobfile.fd)
+        return tier
 
     async def io(self, op: str, jobfile: JobFile, offset: int, view: memoryview,
                  priority: Priority) -> None:
@@ -290,9 +342,9 @@ class SwapSpace:
         started = time.perf_counter()
         try:
             if op == "read":
-                await self.engine.read(jobfile.fd, offset, view)
+                await self.engine.read(jobfile.fd, offset, view, int(priority))
             else:
-                await self.engine.write(jobfile.fd, offset, view)
+                await self.engine.write(jobfile.fd, offset, view, int(priority))
         except (IOEngineError, OSError) as exc:
             self.counters.io_errors.add((op,))
             raise SwapIOError(f"swap {op} of {len(view)} bytes at {offset} in {jobfile.path} "
@@ -328,6 +380,7 @@ class SwapSpace:
             "prefetch_issued": c.prefetch_issued, "prefetch_hits": c.prefetch_hits,
             "prefetch_late": c.prefetch_late, "prefetch_wasted": c.prefetch_wasted,
             "checksum_failures": c.checksum_failures,
+            "quarantined": dict(self.quarantined),
             "io_errors": {labels[0]: n for labels, n in c.io_errors.values.items()},
             "evictions": {labels[0]: n for labels, n in c.evictions.values.items()},
             "stall_s": sum(c.stall_seconds.values.values()),
@@ -380,9 +433,15 @@ class SwapSpace:
         return out
 
     async def close(self) -> None:
+        if self.config.release_swap_at_exit:
+            for job in sorted(self.created):
+                await self.release_job(job)
         for tier in self.tiers.values():
             await tier.close()
         if self.engine is not None:
             await self.engine.aclose()
         if self.hash_pool is not None:
             self.hash_pool.shutdown(wait=True)
+        for fd in self.lock_fds:
+            unlock_swap_dir(fd)
+        self.lock_fds.clear()

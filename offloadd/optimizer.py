@@ -85,28 +85,55 @@ class OptimizerService:
         # holding write leases would pin their whole state in the arena and starve
         # the swap tier. (Prefetching queued steps' state was measured to hurt: it
         # evicts parameters the forward needs sooner.)
-        async with self._slot():
-            await self._run_leased(job, rank, shards, ids, req)
+        slot = self._slot()
+        await slot.acquire()
+        try:
+            outcome = await self._start_leased(job, rank, shards, ids, req)
+        except BaseException:
+            slot.release()
+            raise
+        outcome.add_done_callback(lambda _f: slot.release())
+        await asyncio.shield(outcome)
 
     def _slot(self) -> asyncio.Semaphore:
         if self._worker_slot is None:
             self._worker_slot = asyncio.Semaphore(1)
         return self._worker_slot
 
-    async def _run_leased(self, job: Job, rank: int, shards: list[Shard], ids: list[str],
-                          req: OptimizerStep) -> None:
+    async def _start_leased(self, job: Job, rank: int, shards: list[Shard], ids: list[str],
+                            req: OptimizerStep) -> asyncio.Future[None]:
+        """Lease the unit's shards and start the kernel; the future ends once the leases
+        are released, which happens only after the kernel thread has returned.
+
+        Hazard: cancelling the awaiting task (the rank disconnected) does not stop the
+        kernel thread. Were the write leases released at the cancellation, a write-back,
+        an eviction or another writer would use shards the kernel is still writing.
+        """
         leases: dict[Shard, Lease] = {}
         placed = job.acquire(rank, ids, "w", leases)
         if not isinstance(placed, Placed):
             await placed  # the tier had to read some state back from swap first
+        loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        ok = False
-        try:
-            await asyncio.get_running_loop().run_in_executor(
-                self.executor, self._run, job, shards, req)
-            ok = True
-        finally:
-            self._finish(job, rank, shards, leases, ok, started)
+        kernel = loop.run_in_executor(self.executor, self._run, job, shards, req)
+        outcome: asyncio.Future[None] = loop.create_future()
+
+        def on_kernel_end(done: asyncio.Future[None]) -> None:
+            ok = not done.cancelled() and done.exception() is None
+            try:
+                self._finish(job, rank, shards, leases, ok, started)
+            except BaseException as exc:  # handed to the awaiting step
+                outcome.set_exception(exc)
+                return
+            if ok:
+                outcome.set_result(None)
+            else:
+                outcome.set_exception(done.exception() if not done.cancelled()
+                                      else asyncio.CancelledError())
+
+        kernel.add_done_callback(on_kernel_end)
+        outcome.add_done_callback(_consume_orphan_result)
+        return outcome
 
     def _finish(self, job: Job, rank: int, shards: list[Shard], leases: dict[Shard, Lease],
                 ok: bool, started: float) -> None:
@@ -159,3 +186,9 @@ class OptimizerService:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
+
+
+def _consume_orphan_result(future: asyncio.Future[None]) -> None:
+    """A step whose rank went away has nobody awaiting its outcome: retrieve it here."""
+    if not future.cancelled():
+        future.exception()

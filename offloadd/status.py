@@ -170,6 +170,7 @@ def render_swap(status: dict[str, Any]) -> list[str]:
         f"wasted={_percent(_number(swap, 'prefetch_wasted'), issued)}; "
         f"errors: checksum_failures={swap.get('checksum_failures', 0)} "
         f"rank_stall={_number(swap, 'stall_s'):.1f}s",
+        *(f"QUARANTINED {why}" for _job, why in sorted(swap.get("quarantined", {}).items())),
     ]
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIOError
+from offloadd.manifests import keep_previous_generation
 from offloadd.nvme import (
     MANIFEST,
     MANIFEST_FORMAT,
@@ -63,6 +64,8 @@ class JobTier:
         self.generation = 0
         """Generation of the last durable manifest (0: none yet)."""
         self.durable: list[SwapPlacement] = []
+        self.previous: list[SwapPlacement] = []
+        """Placements named by the generation before ``durable``'s (manifest.prev.json)."""
         """Placements the last durable manifest names."""
         self.failed: str | None = None
         """Why a flush's sync failed; set once, the job commits no more manifests."""
@@ -515,6 +518,7 @@ class JobTier:
             await self._sync({c.dir_index for p in placements for c in p.chunks})
             manifest = self._manifest(table.arena.nbytes, named, tag, generation)
             loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, keep_previous_generation, self.manifest_path())
             await loop.run_in_executor(None, write_atomically, self.manifest_path(), manifest)
         except OSError as exc:
             raise self._fail_stop(table, placements, exc) from exc
@@ -526,10 +530,12 @@ class JobTier:
             await loop.run_in_executor(None, self.space.sync, self.files[index])
 
     def _retire(self, generation: int, placements: list[SwapPlacement]) -> None:
-        """The manifest of ``generation`` is durable: the previous one no longer counts."""
-        previous, self.durable = self.durable, placements
-        for placement in previous:
-            placement.gens.discard(self.generation)
+        """The manifest of ``generation`` is durable. The one before it stays on disk as
+        ``manifest.prev.json``, recovery's fallback, so its extents stay reserved too; only
+        the generation before that one stops counting."""
+        oldest, self.previous, self.durable = self.previous, self.durable, placements
+        for placement in oldest:
+            placement.gens.discard(self.generation - 1)
         self.generation = generation
         self._free_unnamed()
 
@@ -614,6 +620,11 @@ class JobTier:
         shard.swap = None
         self.prefetching.discard(shard)
         self.cleaned.discard(shard)
+
+    async def quiesce(self) -> None:
+        """Wait out the write-behind and prefetches in flight (before the files go away)."""
+        while self.cleaning or self.tasks:
+            await asyncio.gather(*self.cleaning.values(), *self.tasks, return_exceptions=True)
 
     async def close(self) -> None:
         for task in list(self.tasks):

@@ -354,7 +354,7 @@ def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int) -> 
 
     workdir = config.offloadd.workdir or tempfile.mkdtemp(prefix="offloadd-private-")
     daemon = PrivateDaemon.start(workdir, arena_size=arena_nbytes,
-                                 swap_dirs=_swap_dirs(config, job))
+                                 swap_dirs=_swap_dirs(config, job), release_swap_at_exit=True)
     atexit.register(daemon.stop)
     return daemon
 

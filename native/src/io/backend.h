@@ -6,6 +6,7 @@
 // readable and gets every finished request since the last call.
 #pragma once
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -39,12 +40,26 @@ struct Transfer {
   // under 2 GiB and io_uring's length field is 32 bits.
   static constexpr uint64_t kMaxChunk = uint64_t(1) << 30;
 
+  // -EAGAIN / -EINTR say "try again", not "failed": io_uring returns them for a
+  // request the kernel could not start right now (e.g. a full device queue).
+  static constexpr unsigned kMaxTransientRetries = 64;
+
   Request request{};
   uint64_t done = 0;
   int error = 0;
+  unsigned retries = 0;
 
-  // Applies one syscall/CQE result; true when the request is finished.
+  static bool is_transient(int64_t result) { return result == -EAGAIN || result == -EINTR; }
+
+  // Applies one syscall/CQE result; true when the request is finished.  A
+  // transient result leaves it unfinished: the caller issues the same chunk again
+  // (an injected transient fault is consumed, so the retry is the real transfer).
   bool advance(int64_t result) {
+    if (is_transient(result) && retries < kMaxTransientRetries) {
+      ++retries;
+      request.fault_errno = 0;
+      return false;
+    }
     if (result < 0) {
       error = int(-result);
       return true;

@@ -5,6 +5,7 @@
 // CQ head we publish with release stores, the CQ tail we read with acquire.
 // Completions are signalled through an eventfd registered with the ring.
 #include <linux/io_uring.h>
+#include <sched.h>
 #include <sys/mman.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -186,6 +187,7 @@ class IoUringBackend final : public Backend {
   // ENOMEM), they are withdrawn from the ring and failed with that errno so
   // no request is ever silently stuck.
   void enter_pending(std::vector<Completion>& failed) {
+    unsigned enter_retries = 0;
     while (to_submit_ > 0) {
       const int submitted = sys_io_uring_enter(ring_.fd, to_submit_, 0, 0);
       if (submitted >= 0) {
@@ -194,6 +196,15 @@ class IoUringBackend final : public Backend {
         continue;
       }
       if (errno == EINTR) continue;
+      // EAGAIN/EBUSY: the kernel is short of resources or has completions to hand
+      // back first; reaping them makes room, so try again a bounded number of times.
+      if ((errno == EAGAIN || errno == EBUSY) && enter_retries++ < Transfer::kMaxTransientRetries) {
+        std::vector<Completion> reaped;
+        drain_cq(reaped);
+        parked_.insert(parked_.end(), reaped.begin(), reaped.end());
+        sched_yield();
+        continue;
+      }
       withdraw_unsubmitted(errno, failed);
     }
   }
@@ -214,6 +225,8 @@ class IoUringBackend final : public Backend {
 
   // Completions found outside reap() are parked and announced via the eventfd.
   void publish_failures(std::vector<Completion>& failed) {
+    failed.insert(failed.end(), parked_.begin(), parked_.end());
+    parked_.clear();
     if (failed.empty()) return;
     failed_.insert(failed_.end(), failed.begin(), failed.end());
     event_fd_.signal();
@@ -253,6 +266,7 @@ class IoUringBackend final : public Backend {
   std::vector<uint32_t> free_slots_;
   std::deque<Request> backlog_;
   std::vector<Completion> failed_;  // failed at submission, returned by the next reap()
+  std::vector<Completion> parked_;  // reaped while retrying a submission, returned by reap()
   unsigned to_submit_ = 0;          // SQEs in the ring the kernel has not consumed yet
 };
 

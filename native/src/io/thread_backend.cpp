@@ -22,13 +22,9 @@ int64_t transfer_once(const Transfer& t) {
 
 Completion run_request(const Request& request) {
   Transfer t{request};
-  if (request.fault_errno != 0) {
-    t.error = request.fault_errno;
-    return t.completion();
-  }
   for (;;) {
-    const int64_t result = transfer_once(t);
-    if (result == -EINTR) continue;  // a signal interrupted the syscall, nothing moved
+    const int64_t result =
+        t.request.fault_errno != 0 ? -int64_t(t.request.fault_errno) : transfer_once(t);
     if (t.advance(result)) return t.completion();
   }
 }

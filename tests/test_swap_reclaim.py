@@ -1,0 +1,169 @@
+"""Swap space is given back: jobs that end, a private daemon's exit, one daemon per swap dir,
+and a tight swap budget that refuses with the size it needs instead of wedging."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from offloadd.config import DaemonConfig
+from offloadd.embedded import PrivateDaemon
+from offloadd.errors import OverBudgetError
+from offloadd.jobs import Job
+from offloadd.protocol import Placed
+from offloadd.server import Daemon
+from offloadd.shards import Lease, Shard
+from trainer.client import OffloadClient
+
+ARENA_NBYTES = 4 << 20
+SHARD_NBYTES = 1 << 20
+CYCLES = int(os.environ.get("OFFLOADD_SWAP_CYCLES", "6"))
+
+
+def job_dirs(swap: Path) -> list[str]:
+    root = swap / "offloadd"
+    return sorted(p.name for p in root.iterdir() if p.is_dir()) if root.exists() else []
+
+
+async def train(job: Job, num_shards: int, round_: int) -> None:
+    """Write every shard (four times the arena: most of it goes to swap), then read it back."""
+    for index in range(num_shards):
+        leases: dict[Shard, Lease] = {}
+        placed = job.alloc(0, [f"s{index}"], [SHARD_NBYTES], ["uint8"], leases, "w")
+        if not isinstance(placed, Placed):
+            placed = await placed
+        job.arena.slice(placed.offsets[0], SHARD_NBYTES)[:8] = bytes([round_, index] * 4)
+        job.release(0, [f"s{index}"], True, leases)
+    for index in range(num_shards):
+        leases = {}
+        placed = job.acquire(0, [f"s{index}"], "r", leases)
+        if not isinstance(placed, Placed):
+            placed = await placed
+        assert bytes(job.arena.slice(placed.offsets[0], 8)) == bytes([round_, index] * 4)
+        job.release(0, [f"s{index}"], False, leases)
+
+
+def test_jobs_that_end_give_their_swap_back_over_many_cycles(tmp_path: Path, run_async) -> None:
+    swap = tmp_path / "swap"
+
+    async def cycles() -> None:
+        config = DaemonConfig(socket=str(tmp_path / "d.sock"), arena_size=4 * ARENA_NBYTES,
+                              swap_dirs=[str(swap)], swap_size=64 << 20, chunk_size=1 << 20,
+                              io_engine="python", mlock=False, arena_hugepages="off")
+        daemon = Daemon(config)
+        await daemon.start()
+        try:
+            for round_ in range(CYCLES):
+                jobs = [daemon.open_job(f"job{round_}-{i}", ARENA_NBYTES) for i in range(2)]
+                for job in jobs:
+                    await train(job, 4 * ARENA_NBYTES // SHARD_NBYTES, round_)
+                    assert job.swap_usage()[0] > 0
+                if round_ % 2:
+                    await jobs[0].flush("kept")
+                for job in jobs:
+                    daemon.jobs.close_job(job.name)
+                    await daemon.swap.release_job(job.name)
+                assert job_dirs(swap) == []
+                assert [d.reserved_nbytes for d in daemon.swap.dirs] == [0]
+                assert daemon.swap.tiers == {}
+            # A released job's name can start again: nothing stale is left to refuse it.
+            await train(daemon.open_job("job0-0", ARENA_NBYTES), 2, 99)
+        finally:
+            await daemon.stop()
+
+    run_async(cycles(), 60)
+
+
+def test_release_keeps_a_flushed_job_for_recover_when_asked(tmp_path: Path, run_async) -> None:
+    swap = tmp_path / "swap"
+
+    async def scenario() -> None:
+        config = DaemonConfig(socket=str(tmp_path / "d.sock"), arena_size=2 * ARENA_NBYTES,
+                              swap_dirs=[str(swap)], chunk_size=1 << 20, io_engine="python",
+                              mlock=False, arena_hugepages="off")
+        daemon = Daemon(config)
+        await daemon.start()
+        try:
+            flushed, scratch = (daemon.open_job(n, ARENA_NBYTES) for n in ("flushed", "scratch"))
+            for job in (flushed, scratch):
+                await train(job, 6, 1)
+            await flushed.flush(None)
+            for job in (flushed, scratch):
+                daemon.jobs.close_job(job.name)
+                await daemon.swap.release_job(job.name, keep_flushed=True)
+            assert job_dirs(swap) == ["flushed"]
+        finally:
+            await daemon.stop()
+
+    run_async(scenario(), 60)
+
+
+def test_a_private_daemon_removes_the_swap_files_it_created_at_exit(tmp_path: Path) -> None:
+    swap = tmp_path / "swap"
+    with PrivateDaemon.start(tmp_path / "d", arena_size=2 * ARENA_NBYTES, swap_dirs=[str(swap)],
+                             release_swap_at_exit=True) as daemon:
+        for name in ("a", "b"):
+            client = OffloadClient.connect(daemon.socket_path, job=name,
+                                           arena_nbytes=ARENA_NBYTES)
+            for index in range(8):
+                client.put(f"s{index}", os.urandom(SHARD_NBYTES))
+            if name == "a":
+                client.flush()
+            client.close()
+        assert job_dirs(swap) == ["a", "b"]
+    assert daemon.process.returncode == 0
+    assert job_dirs(swap) == []
+
+
+def test_a_second_daemon_on_the_same_swap_dir_is_refused_naming_the_dir_and_holder(
+        tmp_path: Path) -> None:
+    swap = tmp_path / "swap"
+    with PrivateDaemon.start(tmp_path / "d1", swap_dirs=[str(swap)]) as first:
+        second = subprocess.run(
+            [sys.executable, "-m", "offloadd", "serve", "--socket", str(tmp_path / "d2.sock"),
+             "--arena-size", "64MiB", "--swap-dir", str(swap)],
+            capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1
+        assert f"swap dir {swap.resolve()} is in use" in second.stderr
+        assert f"pid {first.process.pid}" in second.stderr
+        client = OffloadClient.connect(first.socket_path, job="still", arena_nbytes=ARENA_NBYTES)
+        client.put("x", b"served")
+        assert client.get("x") == b"served"
+        client.close()
+    # The lock dies with its holder: the next daemon takes the dir.
+    with PrivateDaemon.start(tmp_path / "d3", swap_dirs=[str(swap)]):
+        pass
+
+
+def test_a_tight_swap_size_refuses_with_the_size_needed_and_never_wedges(tmp_path: Path) -> None:
+    swap = tmp_path / "swap"
+    swap_nbytes = 3 * SHARD_NBYTES
+    with PrivateDaemon.start(tmp_path / "d", arena_size=2 * ARENA_NBYTES, swap_dirs=[str(swap)],
+                             extra_args=["--swap-size", str(swap_nbytes)]) as daemon:
+        client = OffloadClient.connect(daemon.socket_path, job="tight", arena_nbytes=ARENA_NBYTES)
+        written: dict[str, bytes] = {}
+        with pytest.raises(OverBudgetError) as refused:
+            for index in range(4 * ARENA_NBYTES // SHARD_NBYTES):
+                payload = os.urandom(SHARD_NBYTES)
+                client.put(f"s{index}", payload)
+                written[f"s{index}"] = payload
+        message = str(refused.value)
+        needed = int(re.search(r"at least (\d+) bytes", message).group(1))
+        assert needed > swap_nbytes
+        assert "--swap-size" in message and "copy-on-write" in message
+        # Nothing wedged: the daemon answers, dropping makes room again, and what was
+        # committed and kept reads back.
+        dropped = list(written)[: len(written) // 2]
+        client.drop(dropped)
+        for shard_id in dropped:
+            del written[shard_id]
+        for shard_id, payload in written.items():
+            assert client.get(shard_id) == payload
+        client.put("after", b"room again")
+        assert client.get("after") == b"room again"
+        client.close()
