@@ -5,6 +5,13 @@ so that no rank ever takes a SIGBUS on a lazily backed page, and mlock'ed
 where RLIMIT_MEMLOCK allows. Ranks map the same fd (passed with SCM_RIGHTS),
 so an arena offset names the same bytes in every process of the job.
 
+The memfd is sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW,
+then F_SEAL_SEAL so no one can lift that) before its fd is passed to any rank: a
+client that ftruncates its fd gets EPERM instead of making every process that
+maps the arena, the daemon first, take a SIGBUS. Kernels before 4.16 cannot seal
+hugetlb memfds; there "auto" falls back to sealed 4 KiB pages and "on" refuses:
+every arena the daemon hands out is sealed.
+
 Where the operator reserved huge pages (``vm.nr_hugepages``) the memfd is a
 hugetlb one: O_DIRECT swap IO into 2 MiB pages needs a fraction of the block
 segments that scattered 4 KiB shmem pages need (measured on a virtio disk: reads
@@ -15,6 +22,8 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -33,6 +42,8 @@ HUGE_PAGE_NBYTES = 2 << 20
 HugePages = Literal["auto", "on", "off"]
 _libc = ctypes.CDLL(None, use_errno=True)
 _mlock_warned = False
+ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+"""Size seals on every arena fd: a rank can neither truncate nor extend it, nor unseal it."""
 
 
 def align_up(nbytes: int, alignment: int = PAGE_NBYTES) -> int:
@@ -181,13 +192,20 @@ def _huge_memfd(name: str, nbytes: int, mode: HugePages, max_nbytes: int | None
         return -1, 0, False
     fd = -1
     try:
-        fd = os.memfd_create(f"offloadd:{name}", os.MFD_CLOEXEC | os.MFD_HUGETLB)
+        fd = os.memfd_create(f"offloadd:{name}",
+                             os.MFD_CLOEXEC | os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
         os.posix_fallocate(fd, 0, size)  # takes the pages from the pool now, or ENOSPC
+        seal(fd)
     except OSError as exc:
         if fd >= 0:
             os.close(fd)
         if mode == "on":
+            if exc.errno == errno.EINVAL:
+                raise OverBudgetError(
+                    f"this kernel cannot make a sealed hugetlb arena for job {name!r} "
+                    f"({exc.strerror}; sealing hugetlb memfds needs Linux >= 4.16); "
+                    "set arena_hugepages = \"auto\" or \"off\"") from None
             raise OverBudgetError(
                 f"arena of {size} bytes for job {name!r} needs {size // HUGE_PAGE_NBYTES} free "
                 f"2 MiB huge pages ({exc.strerror}); reserve them (sysctl vm.nr_hugepages) or "
@@ -195,6 +213,16 @@ def _huge_memfd(name: str, nbytes: int, mode: HugePages, max_nbytes: int | None
         log.debug("event=hugepages_unavailable job=%s nbytes=%d error=%r", name, size, exc)
         return -1, 0, False
     return fd, size, True
+
+
+def seal(fd: int) -> None:
+    """Fix the size of a fully backed memfd for good (see the module docstring)."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, ARENA_SEALS)
+
+
+def seals(fd: int) -> int:
+    """The seals set on ``fd`` (F_GET_SEALS)."""
+    return fcntl.fcntl(fd, fcntl.F_GET_SEALS)
 
 
 def buffer_address(buffer: mmap.mmap | memoryview) -> int:
@@ -222,13 +250,14 @@ class Arena:
         self.fd, self.nbytes, self.hugepages = _huge_memfd(name, nbytes, hugepages, max_nbytes)
         if self.fd < 0:
             self.nbytes = align_up(nbytes)
-            self.fd = os.memfd_create(f"offloadd:{name}", os.MFD_CLOEXEC)
+            self.fd = os.memfd_create(f"offloadd:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             if not self.hugepages:
                 os.ftruncate(self.fd, self.nbytes)
                 # Backing every page now turns a later out-of-memory into a clear error
                 # here instead of a SIGBUS inside some rank's tensor write.
                 os.posix_fallocate(self.fd, 0, self.nbytes)
+                seal(self.fd)
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self.map = mmap.mmap(self.fd, self.nbytes, flags=flags)
         except BaseException:
