@@ -20,7 +20,6 @@ segments that scattered 4 KiB shmem pages need (measured on a virtio disk: reads
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import errno
 import fcntl
@@ -32,6 +31,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+from sortedcontainers import SortedList
 
 from offloadd.errors import OverBudgetError
 
@@ -57,45 +57,55 @@ class Extent:
 
 
 class Allocator:
-    """Best-fit allocator over ``[0, capacity)`` in 4 KiB units with coalescing frees."""
+    """Best-fit allocator over ``[0, capacity)`` in 4 KiB units with coalescing frees.
+
+    Free ranges are indexed twice: by offset (for coalescing and ``reserve``) and by
+    ``(size, offset)`` (best fit is the first key >= ``(need, 0)``), both sorted lists
+    with O(log n) updates, so neither a fit nor a failing allocation in a fragmented
+    arena scans its extents.
+    """
 
     def __init__(self, capacity: int) -> None:
         if capacity % PAGE_NBYTES:
             raise ValueError(f"capacity must be a multiple of {PAGE_NBYTES}, got {capacity}")
         self.capacity = capacity
         self.used_nbytes = 0
-        self._free_offsets: list[int] = [0] if capacity else []
+        self._free_offsets = SortedList([0] if capacity else [])
         self._free_nbytes: dict[int, int] = {0: capacity} if capacity else {}
+        self._by_size = SortedList([(capacity, 0)] if capacity else [])
 
     def alloc(self, nbytes: int) -> int | None:
         """Return the offset of a free aligned range of ``nbytes`` or None if none fits."""
         need = align_up(max(nbytes, 1))
-        best_offset, best_nbytes = -1, 0
-        for offset in self._free_offsets:
-            size = self._free_nbytes[offset]
-            if need <= size and (best_offset < 0 or size < best_nbytes):
-                best_offset, best_nbytes = offset, size
-                if size == need:
-                    break
-        if best_offset < 0:
+        by_size = self._by_size
+        index = by_size.bisect_left((need, -1))
+        if index == len(by_size):
             return None
-        self._take(best_offset, best_nbytes, need)
-        return best_offset
+        size, offset = by_size[index]
+        self._take(offset, size, need)
+        return offset
+
+    def _add_free(self, offset: int, size: int) -> None:
+        self._free_offsets.add(offset)
+        self._free_nbytes[offset] = size
+        self._by_size.add((size, offset))
+
+    def _remove_free(self, offset: int) -> int:
+        size = self._free_nbytes.pop(offset)
+        self._free_offsets.remove(offset)
+        self._by_size.remove((size, offset))
+        return size
 
     def _take(self, offset: int, size: int, need: int) -> None:
-        index = bisect.bisect_left(self._free_offsets, offset)
-        del self._free_nbytes[offset]
-        if size == need:
-            del self._free_offsets[index]
-        else:
-            self._free_offsets[index] = offset + need
-            self._free_nbytes[offset + need] = size - need
+        self._remove_free(offset)
+        if size > need:
+            self._add_free(offset + need, size - need)
         self.used_nbytes += need
 
     def reserve(self, offset: int, nbytes: int) -> None:
         """Mark a known range as used (recovery re-registers what a manifest names)."""
         need = align_up(max(nbytes, 1))
-        index = bisect.bisect_right(self._free_offsets, offset) - 1
+        index = self._free_offsets.bisect_right(offset) - 1
         if index < 0:
             raise ValueError(f"range at {offset} is not free")
         start = self._free_offsets[index]
@@ -120,25 +130,24 @@ class Allocator:
     def free(self, offset: int, nbytes: int) -> None:
         """Return a range to the free list, merging it with free neighbours."""
         size = align_up(max(nbytes, 1))
-        index = bisect.bisect_left(self._free_offsets, offset)
         assert offset not in self._free_nbytes, f"double free at offset {offset}"
         self.used_nbytes -= size
-        if index < len(self._free_offsets) and self._free_offsets[index] == offset + size:
-            size += self._free_nbytes.pop(self._free_offsets.pop(index))
+        if offset + size in self._free_nbytes:
+            size += self._remove_free(offset + size)
+        index = self._free_offsets.bisect_left(offset)
         if index > 0:
             before = self._free_offsets[index - 1]
             if before + self._free_nbytes[before] == offset:
-                self._free_nbytes[before] += size
-                return
-        self._free_offsets.insert(index, offset)
-        self._free_nbytes[offset] = size
+                size += self._remove_free(before)
+                offset = before
+        self._add_free(offset, size)
 
     @property
     def free_nbytes(self) -> int:
         return self.capacity - self.used_nbytes
 
     def largest_free(self) -> int:
-        return max(self._free_nbytes.values(), default=0)
+        return self._by_size[-1][0] if self._by_size else 0
 
     def free_extents(self) -> list[Extent]:
         return [Extent(offset, self._free_nbytes[offset]) for offset in self._free_offsets]

@@ -33,8 +33,6 @@ from offloadd.shards import (
     check_mode,
     check_new_shard,
     check_shard_ids,
-    give_back,
-    grant,
 )
 
 log = logging.getLogger(__name__)
@@ -246,7 +244,7 @@ class Job:
         offsets: list[int] = []
         for shard in shards:
             if leases is not None and mode is not None:
-                grant(leases, shard, mode)
+                table.grant(leases, shard, mode)
             table.touch(shard)
             if self.tier is not None:
                 self.tier.note_access(table, shard)
@@ -267,7 +265,7 @@ class Job:
                 ) -> None:
         dirtied = 0
         for shard in self.table.lookup(rank, ids):
-            if give_back(leases, shard, dirty):
+            if self.table.give_back(leases, shard, dirty):
                 dirtied += shard.arena_nbytes
         if dirtied and self.tier is not None:
             self.tier.note_dirty(self.table, dirtied)
@@ -316,7 +314,7 @@ class Job:
                 # version so write-back persists what the arena now holds.
                 log.warning("event=writer_disconnected job=%s shard=%s", self.name, shard.shard_id)
             while shard in leases:
-                give_back(leases, shard, dirty=held.mode == "w")
+                self.table.give_back(leases, shard, dirty=held.mode == "w")
                 count += 1
         return count
 
