@@ -4,21 +4,24 @@
 
 Both servers run in their own process on a unix socket in a temp directory.
 
-- ours: ``OffloadClient.prefetch([])`` against a real ``offloadd serve``
-  (client encode + send + daemon decode/dispatch/metrics/reply + client decode).
-- peer: a uvloop ``asyncio.Protocol`` that writes back every byte it reads, driven by a
-  blocking client that sends a frame of exactly the same size as our request and reads the
-  same number of bytes back (no encoding on either side: the floor for a unix-socket RPC
-  from Python).
+- ours_acquire_release: ``client.acquire(id, "r")`` of one resident shard then its
+  ``release()`` against a real ``offloadd serve``: two round trips (client encode + send +
+  daemon decode/lease/metrics/reply + client decode + lease object), what a rank pays per
+  shard it touches.
+- echo_pair: two round trips to a uvloop ``asyncio.Protocol`` that writes back every byte
+  it reads, with frames of exactly the sizes of our acquire and release requests (no
+  encoding on either side: the floor for two unix-socket RPCs from Python).
+- ours / echo: the same for one empty ``prefetch([])`` (the dispatch floor) and one echo.
 
 Each repeat times ``--requests`` sequential round trips per contender (alternating the
 order every repeat); p50/p99 are per repeat, and the figures printed are medians over the
 repeats.  ``batched_us_per_shard`` is one ``acquire_many`` of ``--shards`` shards plus its
 release, divided by the shard count (median over repeats).
 
-The last line printed is one JSON object.  ``ratio_vs_uvloop_echo_p50`` is
-echo_p50 / ours_p50: > 1 means offloadd is faster than the echo, 0.5 meets the
-"within 2x of echo" target.
+The last line printed is one JSON object.  ``ratio_vs_uvloop_echo_acquire_release`` is
+echo_pair_p50 / ours_acquire_release_p50 (``ratio_vs_uvloop_echo_p50`` the same for the
+empty prefetch): > 1 means offloadd is faster than the echo, 0.5 meets the "within 2x of
+echo" target.
 """
 
 from __future__ import annotations
@@ -81,6 +84,23 @@ def echo_round_trip(sock: socket.socket, frame: bytes) -> Callable[[], None]:
     return call
 
 
+def echo_pair(sock: socket.socket, first: bytes, second: bytes) -> Callable[[], None]:
+    one, two = echo_round_trip(sock, first), echo_round_trip(sock, second)
+
+    def call() -> None:
+        one()
+        two()
+
+    return call
+
+
+def acquire_release(client: OffloadClient, shard_id: str) -> Callable[[], None]:
+    def call() -> None:
+        client.acquire(shard_id, "r").release()
+
+    return call
+
+
 def percentiles(call: Callable[[], None], requests: int) -> tuple[float, float]:
     for _ in range(min(500, requests)):  # warm-up
         call()
@@ -116,6 +136,9 @@ def main() -> None:
 
     request = p.Prefetch(1 << 20, [])  # a realistic rid width
     frame = p.encode_frame(request)
+    shard_id = "bench.one"
+    acquire_frame = p.encode_frame(p.Acquire(1 << 20, [shard_id], "r"))
+    release_frame = p.encode_frame(p.Release(1 << 20, [shard_id], False))
     with tempfile.TemporaryDirectory(prefix="rpc-bench-") as workdir, \
             PrivateDaemon.start(os.path.join(workdir, "d"), arena_size="64MiB") as daemon:
         echo_path = os.path.join(workdir, "echo.sock")
@@ -124,7 +147,10 @@ def main() -> None:
             client = OffloadClient.connect(daemon.socket_path, job="bench", rank=0)
             echo_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             echo_sock.connect(echo_path)
+            client.put(shard_id, b"x" * 4096)
             contenders = {
+                "ours_acquire_release": acquire_release(client, shard_id),
+                "echo_pair": echo_pair(echo_sock, acquire_frame, release_frame),
                 "ours": lambda: client.prefetch([]),
                 "echo": echo_round_trip(echo_sock, frame),
             }
@@ -149,11 +175,17 @@ def main() -> None:
         return statistics.median(sample[index] for sample in results[name])
 
     ours_p50, echo_p50 = median("ours", 0), median("echo", 0)
+    pair_p50, echo_pair_p50 = median("ours_acquire_release", 0), median("echo_pair", 0)
     summary = {
-        "op": "prefetch([])",
-        "frame_nbytes": len(frame),
+        "op": "acquire+release",
         "requests_per_repeat": args.requests,
         "repeats": args.repeats,
+        "ours_acquire_release_p50_us": round(pair_p50, 2),
+        "ours_acquire_release_p99_us": round(median("ours_acquire_release", 1), 2),
+        "echo_pair_p50_us": round(echo_pair_p50, 2),
+        "echo_pair_p99_us": round(median("echo_pair", 1), 2),
+        "ratio_vs_uvloop_echo_acquire_release": round(echo_pair_p50 / pair_p50, 3),
+        "prefetch_frame_nbytes": len(frame),
         "ours_p50_us": round(ours_p50, 2),
         "ours_p99_us": round(median("ours", 1), 2),
         "echo_p50_us": round(echo_p50, 2),

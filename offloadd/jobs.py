@@ -33,8 +33,6 @@ from offloadd.shards import (
     check_mode,
     check_new_shard,
     check_shard_ids,
-    give_back,
-    grant,
 )
 
 log = logging.getLogger(__name__)
@@ -248,7 +246,7 @@ class Job:
         offsets: list[int] = []
         for shard in shards:
             if leases is not None and mode is not None:
-                grant(leases, shard, mode)
+                table.grant(leases, shard, mode)
             table.touch(shard)
             if self.tier is not None:
                 self.tier.note_access(table, shard)
@@ -269,7 +267,7 @@ class Job:
                 ) -> None:
         dirtied = 0
         for shard in self.table.lookup(rank, ids):
-            if give_back(leases, shard, dirty):
+            if self.table.give_back(leases, shard, dirty):
                 dirtied += shard.arena_nbytes
         if dirtied and self.tier is not None:
             self.tier.note_dirty(self.table, dirtied)
@@ -318,7 +316,7 @@ class Job:
                 # version so write-back persists what the arena now holds.
                 log.warning("event=writer_disconnected job=%s shard=%s", self.name, shard.shard_id)
             while shard in leases:
-                give_back(leases, shard, dirty=held.mode == "w")
+                self.table.give_back(leases, shard, dirty=held.mode == "w")
                 count += 1
         return count
 
@@ -378,10 +376,14 @@ class JobRegistry:
         self.lock = lock
         self.hugepages = hugepages
         self.jobs: dict[str, Job] = {}
+        self.creating: dict[str, asyncio.Task[Job]] = {}
+        """Arenas being made off the loop, by job name; every hello of that job awaits it."""
+        self._creating_nbytes: dict[str, int] = {}
 
     @property
     def reserved_nbytes(self) -> int:
-        return sum(job.arena.nbytes for job in self.jobs.values())
+        made = sum(job.arena.nbytes for job in self.jobs.values())
+        return made + sum(self._creating_nbytes.values())
 
     def open(self, name: str, requested_nbytes: int,
              make_tier: Callable[[], SwapTier] | None = None) -> tuple[Job, bool]:
@@ -406,6 +408,54 @@ class JobRegistry:
         job = Job(name, arena, tier)
         self.jobs[name] = job
         return job, True
+
+    async def open_async(self, name: str, requested_nbytes: int,
+                         make_tier: Callable[[], SwapTier] | None = None) -> Job:
+        """``open`` with the arena made on an executor thread.
+
+        memfd sizing, fallocate, MAP_POPULATE and mlock take 0.5-0.9 s per GiB; on the
+        loop a large arena would stall every other job's requests (and the systemd
+        watchdog). Its bytes stay reserved against the budget while it is made, and
+        concurrent hellos of the job share one creation, which no cancelled hello stops.
+        """
+        job = self.jobs.get(name)
+        if job is not None:
+            return job
+        creating = self.creating.get(name)
+        if creating is None:
+            nbytes, free = self._size_new(name, requested_nbytes)
+            self._creating_nbytes[name] = nbytes
+            creating = self.creating[name] = asyncio.ensure_future(
+                self._create(name, nbytes, free, make_tier))
+        return await asyncio.shield(creating)
+
+    async def _create(self, name: str, nbytes: int, free: int,
+                      make_tier: Callable[[], SwapTier] | None) -> Job:
+        try:
+            arena = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: Arena(name, nbytes, lock=self.lock, hugepages=self.hugepages,
+                                    max_nbytes=free))
+            try:
+                tier = make_tier() if make_tier is not None else None
+            except BaseException:
+                arena.close()
+                raise
+            job = self.jobs[name] = Job(name, arena, tier)
+            return job
+        finally:
+            del self.creating[name], self._creating_nbytes[name]
+
+    def _size_new(self, name: str, requested_nbytes: int) -> tuple[int, int]:
+        """(arena bytes for a new job, budget bytes free now); OverBudgetError if none fit."""
+        free = self.budget_nbytes - self.reserved_nbytes
+        nbytes = align_up(requested_nbytes) if requested_nbytes else self._fair_share(free)
+        if nbytes > free or nbytes <= 0:
+            raise OverBudgetError(
+                f"job {name!r} asks for a {requested_nbytes or nbytes}-byte arena but only "
+                f"{free} of the daemon's {self.budget_nbytes}-byte budget is free; ask for less "
+                "or raise --arena-size"
+            )
+        return nbytes, free
 
     def _fair_share(self, free: int) -> int:
         return min(align_up(int(free * self.share)), free // 4096 * 4096)

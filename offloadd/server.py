@@ -136,6 +136,11 @@ class Daemon:
         job, _created = self.jobs.open(name, arena_nbytes, make_tier)
         return job
 
+    async def open_job_async(self, name: str, arena_nbytes: int) -> Job:
+        """``open_job`` with a new arena made off the loop (see ``JobRegistry.open_async``)."""
+        make_tier = (lambda: self.swap.tier_for(name)) if self.swap is not None else None
+        return await self.jobs.open_async(name, arena_nbytes, make_tier)
+
     # -- health and stats ---------------------------------------------------------
 
     async def _watch_loop_lag(self) -> None:

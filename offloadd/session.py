@@ -81,6 +81,8 @@ class Session(asyncio.Protocol):
         self.leases: dict[Shard, Lease] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.closed = False
+        self.hello_pending = False
+        """A new job's arena is being made: frames after the hello wait in the buffer."""
         self.handlers: dict[type, Callable[[Any], Any]] = {
             p.Alloc: self.on_alloc,
             p.Acquire: self.on_acquire,
@@ -179,7 +181,7 @@ class Session(asyncio.Protocol):
         """Answer every complete frame in ``data``; returns how many bytes were consumed."""
         start, end = 0, len(data)
         unpack_from = p.HEADER.unpack_from
-        while end - start >= p.HEADER_NBYTES and not self.closed:
+        while end - start >= p.HEADER_NBYTES and not self.closed and not self.hello_pending:
             (length,) = unpack_from(data, start)
             if length > p.MAX_FRAME_NBYTES:
                 self.daemon.metrics.bad_frames.add(("oversize",))
@@ -291,7 +293,36 @@ class Session(asyncio.Protocol):
                 f"{p.PROTOCOL_VERSION}; install matching offloadd versions")
         check_identity(req)
         self.daemon.auth.check_hello(req.job, self.peer_uid, req.job_secret)
-        job = self.daemon.open_job(req.job, req.arena_nbytes)
+        job = self.daemon.jobs.jobs.get(req.job)
+        if job is None:
+            self.hello_pending = True
+            if self.transport is not None:
+                self.transport.pause_reading()
+            self.spawn(self.hello_after_arena(req))
+            return
+        self.finish_hello(req, job)
+
+    async def hello_after_arena(self, req: p.Hello) -> None:
+        """Hello of a job whose arena is new: made off the loop, then answered as usual."""
+        try:
+            job = await self.daemon.open_job_async(req.job, req.arena_nbytes)
+            if not self.closed:
+                self.finish_hello(req, job)
+        except OffloadError as exc:
+            self.reply_error(req.rid, "hello", exc, time.perf_counter())
+        except Exception as exc:
+            log.exception("event=handler_failed op=hello")
+            self.reply_error(req.rid, "hello", InternalError(f"hello failed: {exc!r}"),
+                             time.perf_counter())
+        self.hello_pending = False
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+            if self.buffer:
+                self.data_received(b"")  # requests pipelined behind the hello
+
+    def finish_hello(self, req: p.Hello, job: Job) -> None:
+        # Checked again: another uid may have claimed a new job while its arena was made.
+        self.daemon.auth.check_hello(req.job, self.peer_uid, req.job_secret)
         self.daemon.auth.claim(req.job, self.peer_uid, req.job_secret)
         self.job, self.rank = job, req.rank
         job.num_sessions += 1
@@ -307,7 +338,6 @@ class Session(asyncio.Protocol):
         send_with_fd(self.transport, p.HEADER.pack(len(payload)) + payload, job.arena.fd)
         log.info("event=session_opened session=%d job=%s rank=%d pid=%d arena_nbytes=%d",
                  self.session_id, req.job, req.rank, self.peer_pid, job.arena.nbytes)
-        return None
 
     def on_alloc(self, req: p.Alloc) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None

@@ -121,6 +121,8 @@ class ShardTable:
         self.shards: dict[tuple[int, str], Shard] = {}
         self.total_nbytes = 0
         """Arena bytes every shard of the job would need at once, resident or not."""
+        self._leased_nbytes = 0
+        """Arena bytes of leased shards, counted as leases come and go (never a scan)."""
 
     def get(self, rank: int, shard_id: str) -> Shard:
         try:
@@ -207,8 +209,20 @@ class ShardTable:
         return self.arena.allocator.used_nbytes
 
     def leased_nbytes(self) -> int:
-        # list() snapshots in one C call: /metrics scrapes run on another thread.
-        return sum(s.arena_nbytes for s in list(self.shards.values()) if s.leased)
+        return self._leased_nbytes
+
+    def grant(self, leases: dict[Shard, Lease], shard: Shard, mode: str) -> None:
+        """Record a lease that ``check_grantable`` allowed."""
+        if not shard.leased:
+            self._leased_nbytes += shard.arena_nbytes
+        grant(leases, shard, mode)
+
+    def give_back(self, leases: dict[Shard, Lease], shard: Shard, dirty: bool) -> bool:
+        """Drop one lease; returns True when a write lease was released dirty (a new version)."""
+        dirtied = give_back(leases, shard, dirty)
+        if not shard.leased:
+            self._leased_nbytes -= shard.arena_nbytes
+        return dirtied
 
 
 def check_grantable(shards: list[Shard], mode: str) -> None:

@@ -26,6 +26,7 @@ import uvloop
 from offloadd import protocol as p
 from offloadd.arena import free_huge_pages
 from offloadd.embedded import PrivateDaemon
+from trainer import lease_debug
 from trainer.client import OffloadClient
 
 T = TypeVar("T")
@@ -33,6 +34,11 @@ JOB_ARENA_NBYTES = 4 << 20
 """Arena each test job asks for; small, so one module's jobs fit the daemon's budget."""
 ASYNC_TIMEOUT_S = 30.0
 _job_counter = itertools.count()
+
+# Every test (and every rank process a test starts) runs with debug leases: a view of a
+# shard used after its release raises StaleLeaseError instead of reading another shard.
+os.environ[lease_debug.ENV_VAR] = "1"
+lease_debug.enable(True)
 
 
 def start_daemon(workdir: os.PathLike[str] | str | None, *, arena_size: int | str = "256MiB",

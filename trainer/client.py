@@ -30,6 +30,8 @@ from offloadd.errors import (
     UnknownShardError,
     error_from_code,
 )
+from trainer import lease_debug
+from trainer.lease_debug import StaleLeaseError
 
 __all__ = [
     "AsyncOffloadClient",
@@ -39,6 +41,7 @@ __all__ = [
     "OffloadError",
     "ReplyTimeoutError",
     "ShardLease",
+    "StaleLeaseError",
     "StepHandle",
     "UnknownShardError",
 ]
@@ -104,7 +107,13 @@ class _Arena:
 
 
 class ShardLease:
-    """A lease on one shard: ``view`` is the shard's bytes in the shared arena (no copy)."""
+    """A lease on one shard: ``view`` is the shard's bytes in the shared arena (no copy).
+
+    ``view``, ``tensor()`` and ``numpy()`` are valid only while the lease is held: after
+    ``release()`` the daemon may place another shard at the same bytes. Clone what must
+    outlive the lease. ``trainer.lease_debug`` (``OFFLOADD_DEBUG_LEASES=1``) catches a view
+    used after its release wherever the engine calls ``check_view``.
+    """
 
     def __init__(self, owner: Any, shard_id: str, mode: str, offset: int, nbytes: int,
                  version: int, dtype: str, view: memoryview) -> None:
@@ -138,6 +147,8 @@ class ShardLease:
         return np.frombuffer(self.view, dtype=dtype)
 
     def _forget(self) -> None:
+        if self._view is not None and self._owner.lease_ranges is not None:
+            self._owner.lease_ranges.give_back(self.offset)
         self._view = None
 
     def release(self, dirty: bool | None = None) -> None:
@@ -280,6 +291,8 @@ class _ClientBase:
         self.arena = arena
         self._next_rid = 0
         self.closed = False
+        self.lease_ranges = lease_debug.LeaseRanges(arena.view) if lease_debug.enabled() else None
+        """Live lease ranges, kept only in debug-lease mode (see ``trainer.lease_debug``)."""
 
     def _rid(self) -> int:
         self._next_rid += 1
@@ -288,6 +301,9 @@ class _ClientBase:
     def _leases(self, ids: list[str], mode: str, reply: p.Reply) -> list[ShardLease]:
         assert isinstance(reply, p.Placed)
         view = self.arena.view
+        if self.lease_ranges is not None:
+            for shard_id, offset, nbytes in zip(ids, reply.offsets, reply.nbytes):
+                self.lease_ranges.hold(offset, nbytes, shard_id)
         return [
             ShardLease(self, shard_id, mode, offset, nbytes, version, dtype,
                        view[offset : offset + nbytes])
@@ -506,6 +522,8 @@ class OffloadClient(_ClientBase):
         if self.closed:
             return
         self.closed = True
+        if self.lease_ranges is not None:
+            self.lease_ranges.close()
         self._sock.close()
         self.arena.close()
 
@@ -668,6 +686,8 @@ class AsyncOffloadClient(_ClientBase):
 
     async def close(self) -> None:
         self.closed = True
+        if self.lease_ranges is not None:
+            self.lease_ranges.close()
         if self._failure is None:  # requests after close fail at once instead of hanging
             self._failure = DaemonUnavailableError("client is closed")
         self._pump.cancel()

@@ -34,6 +34,7 @@ from torch import nn
 
 from trainer.collectives import Collectives
 from trainer.config import EngineConfig
+from trainer.lease_debug import check_view
 from trainer.offload import (
     STATE_KINDS,
     AdamHyper,
@@ -159,6 +160,7 @@ class DaemonBackend(StateBackend):
                 target.copy_(grad)
             else:
                 target.add_(grad)
+            check_view(target)
             self.moved_nbytes += target.nbytes
             return squared_norm(target) if want_sq_norm else None
 
@@ -178,7 +180,9 @@ class DaemonBackend(StateBackend):
     def read_params(self, unit: int, out: torch.Tensor) -> None:
         self._settle(unit)
         with self._acquire(self._names[unit][2], "r") as lease:
-            out.copy_(lease.tensor(self._specs[unit].param_dtype))
+            part = lease.tensor(self._specs[unit].param_dtype)
+            out.copy_(part)
+            check_view(part)
             self.moved_nbytes += out.nbytes
 
     def lease_params(self, unit: int) -> tuple[torch.Tensor, Callable[[], None]]:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from trainer.collectives import Collectives, Pending
+from trainer.lease_debug import check_view
 from trainer.partition import Unit
 
 ReleasePartition = Callable[[], None]
@@ -44,7 +45,8 @@ class PartitionLoader:
 
 
 class _UnitBuffer:
-    __slots__ = ("flat", "nbytes", "pending", "release_part", "state", "storage", "unit")
+    __slots__ = ("flat", "nbytes", "part", "pending", "release_part", "state", "storage",
+                 "unit")
 
     def __init__(self, unit: Unit, dtype: torch.dtype) -> None:
         self.unit = unit
@@ -55,6 +57,8 @@ class _UnitBuffer:
         self.state = GatherState.FREE
         self.pending: Pending | None = None
         self.release_part: ReleasePartition | None = None
+        self.part: torch.Tensor | None = None
+        """The leased partition the all-gather reads (checked in debug-lease mode)."""
 
 
 class FullParams:
@@ -127,6 +131,7 @@ class FullParams:
             self.before_gather(buffer.unit)
         buffer.storage.resize_(buffer.nbytes)
         part, buffer.release_part = self.loader.lease(buffer.unit)
+        buffer.part = part
         buffer.pending = self.collectives.all_gather(buffer.flat, part, async_op=True)
         buffer.state = GatherState.GATHERING
         self.live_numel += buffer.unit.padded_numel
@@ -138,7 +143,10 @@ class FullParams:
         buffer.pending = buffer.release_part = None
         try:
             pending.wait()
+            if buffer.part is not None:
+                check_view(buffer.part)  # the gather read a partition still leased
         finally:
+            buffer.part = None
             release_part()
         buffer.unit.point_params_at(buffer.flat)
         buffer.state = GatherState.READY
