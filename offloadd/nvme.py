@@ -69,16 +69,8 @@ class Chunk:
 class SwapPlacement:
     chunks: list[Chunk]
     version: int
-    gens: set[int] = field(default_factory=set)
-    """Generations of the manifests (durable, or being committed) that name these
-    extents. While any does, the extents must not be freed or reused: a crash would
-    recover that manifest and read whatever overwrote them."""
-    released: bool = False
-    """Its shard no longer uses it; freed once ``gens`` is empty."""
-
-    @property
-    def in_manifest(self) -> bool:
-        return bool(self.gens)
+    in_manifest: bool = False
+    """Named by the last flushed manifest: must survive until the next flush."""
 
 
 @dataclass(eq=False)
@@ -356,10 +348,6 @@ class SwapSpace:
             jobfile.dir.read_nbytes += len(view)
         else:
             jobfile.dir.written_nbytes += len(view)
-
-    def sync(self, jobfile: JobFile) -> None:
-        """fdatasync one swap file (blocking: run it in an executor)."""
-        os.fdatasync(jobfile.fd)
 
     async def checksum(self, view: memoryview) -> int:
         if self.hash_pool is None:

@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIOError
+from offloadd.errors import ChecksumError, OffloadError, OverBudgetError
 from offloadd.manifests import keep_previous_generation
 from offloadd.nvme import (
     MANIFEST,
@@ -60,15 +60,6 @@ class JobTier:
         self.room_lock = asyncio.Lock()
         self.flush_lock = asyncio.Lock()
         self.deferred: list[SwapPlacement] = []
-        """Placements their shards gave up while a manifest still names them."""
-        self.generation = 0
-        """Generation of the last durable manifest (0: none yet)."""
-        self.durable: list[SwapPlacement] = []
-        self.previous: list[SwapPlacement] = []
-        """Placements named by the generation before ``durable``'s (manifest.prev.json)."""
-        """Placements the last durable manifest names."""
-        self.failed: str | None = None
-        """Why a flush's sync failed; set once, the job commits no more manifests."""
         self.prefetching: set[Shard] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.cleaning: dict[Shard, asyncio.Task[None]] = {}
@@ -121,23 +112,11 @@ class JobTier:
     def _free_placement(self, placement: SwapPlacement | None) -> None:
         if placement is None:
             return
-        if placement.gens:
-            placement.released = True  # a durable or in-commit manifest names these extents
-            self.deferred.append(placement)
+        if placement.in_manifest:
+            self.deferred.append(placement)  # the last flush still names these extents
             return
         for chunk in placement.chunks:
             self.files[chunk.dir_index].free(chunk)
-
-    def _free_unnamed(self) -> None:
-        """Free the released placements that no manifest names any more."""
-        named = []
-        for placement in self.deferred:
-            if placement.gens:
-                named.append(placement)
-            else:
-                for chunk in placement.chunks:
-                    self.files[chunk.dir_index].free(chunk)
-        self.deferred = named
 
     # -- residency transitions ----------------------------------------------------------
 
@@ -473,12 +452,6 @@ class JobTier:
     # -- flush and recovery -----------------------------------------------------------
 
     async def flush(self, table: ShardTable, tag: str | None) -> int:
-        # Hazard: a flush whose client disconnects is cancelled with its session. Were
-        # the commit cancelled mid-way, the manifest could be renamed (its executor
-        # thread runs on) without the in-memory half that keeps its extents alive.
-        return await _run_to_completion(self._flush_locked(table, tag))
-
-    async def _flush_locked(self, table: ShardTable, tag: str | None) -> int:
         async with self.flush_lock:
             try:
                 written = await self._flush(table, tag)
@@ -489,83 +462,22 @@ class JobTier:
             return written
 
     async def _flush(self, table: ShardTable, tag: str | None) -> int:
-        self._check_not_failed()
         # Dirty shards are written while the IO in flight (write-behind, reads)
         # finishes; a shard whose IO left it dirty (a failed write-back) goes after.
         busy = [s for s in table.shards.values() if s.io is not None]
         results = await self._write_back_dirty(table, busy)
         results += await self._write_back_dirty(table, [])
-        await self._commit(table, tag)
+        loop = asyncio.get_running_loop()
+        for jobfile in self.files:
+            await loop.run_in_executor(None, os.fdatasync, jobfile.fd)
+        manifest = self._manifest(table, tag)
+        await loop.run_in_executor(None, keep_previous_generation, self.manifest_path())
+        await loop.run_in_executor(None, write_atomically, self.manifest_path(), manifest)
+        self._retire_old_manifest(table)
         skipped = [s.shard_id for s in table.shards.values() if s.writer]
         if skipped:
             log.warning("event=flush_skipped_writers job=%s shards=%s", self.job, skipped[:8])
         return sum(1 for ok in results if ok)
-
-    async def _commit(self, table: ShardTable, tag: str | None) -> None:
-        """Snapshot, sync exactly what the snapshot names, write the manifest, retire.
-
-        The snapshot's placements are tagged with the new generation first, so no
-        write-back, eviction or drop while the sync and the manifest write run can
-        free (and the next allocation overwrite) an extent the new manifest names.
-        """
-        generation = self.generation + 1
-        named = [(s, s.swap) for s in table.shards.values()
-                 if s.swap is not None or s.version == 0]
-        placements = [p for _s, p in named if p is not None]
-        for placement in placements:
-            placement.gens.add(generation)
-        try:
-            await self._sync({c.dir_index for p in placements for c in p.chunks})
-            manifest = self._manifest(table.arena.nbytes, named, tag, generation)
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(None, keep_previous_generation, self.manifest_path())
-            await loop.run_in_executor(None, write_atomically, self.manifest_path(), manifest)
-        except OSError as exc:
-            raise self._fail_stop(table, placements, exc) from exc
-        self._retire(generation, placements)
-
-    async def _sync(self, dir_indexes: set[int]) -> None:
-        loop = asyncio.get_running_loop()
-        for index in sorted(dir_indexes):
-            await loop.run_in_executor(None, self.space.sync, self.files[index])
-
-    def _retire(self, generation: int, placements: list[SwapPlacement]) -> None:
-        """The manifest of ``generation`` is durable. The one before it stays on disk as
-        ``manifest.prev.json``, recovery's fallback, so its extents stay reserved too; only
-        the generation before that one stops counting."""
-        oldest, self.previous, self.durable = self.previous, self.durable, placements
-        for placement in oldest:
-            placement.gens.discard(self.generation - 1)
-        self.generation = generation
-        self._free_unnamed()
-
-    def _check_not_failed(self) -> None:
-        if self.failed is not None:
-            raise self._failed_error()
-
-    def _failed_error(self) -> SwapIOError:
-        return SwapIOError(
-            f"job {self.job!r}: a flush failed to sync its swap files ({self.failed}); the "
-            "job writes no more manifests, so its last good flush stays recoverable: check "
-            "the drive, then restart the daemon with --recover to go on from that flush")
-
-    def _fail_stop(self, table: ShardTable, placements: list[SwapPlacement],
-                   exc: OSError) -> SwapIOError:
-        """A failed sync may have lost written pages: stop committing this job for good.
-
-        The extents the failed manifest named stay reserved (the rename may have
-        happened), and shards whose swap copy is not in the last durable manifest are
-        dirty again, so nothing is evicted onto a copy that may be gone.
-        """
-        self.failed = f"{type(exc).__name__}: {exc}"
-        durable = set(map(id, self.durable))
-        for shard in table.shards.values():
-            if (shard.swap is not None and id(shard.swap) not in durable
-                    and shard.residency is Residency.ARENA_CLEAN):
-                shard.residency = Residency.ARENA_DIRTY
-        log.error("event=flush_sync_failed job=%s placements=%d error=%r", self.job,
-                  len(placements), self.failed)
-        return self._failed_error()
 
     async def _write_back_dirty(self, table: ShardTable, busy: list[Shard]) -> list[bool]:
         """Write back every dirty shard not held by a writer, while ``busy`` IO ends."""
@@ -580,38 +492,43 @@ class JobTier:
     def manifest_path(self) -> Path:
         return self.files[0].path.parent / MANIFEST
 
-    def _manifest(self, arena_nbytes: int, named: list[tuple[Shard, SwapPlacement | None]],
-                  tag: str | None, generation: int) -> bytes:
+    def _manifest(self, table: ShardTable, tag: str | None) -> bytes:
         # A never-written shard (version 0, no swap copy) is listed without chunks:
         # it exists after recovery, its bytes undefined as before.
         shards = [
             {"rank": s.rank, "id": s.shard_id, "nbytes": s.nbytes, "dtype": s.dtype,
-             "version": p.version if p else 0,
+             "version": s.swap.version if s.swap else 0,
              "chunks": [[c.dir_index, c.offset, c.nbytes, c.checksum]
-                        for c in (p.chunks if p else [])]}
-            for s, p in named
+                        for c in (s.swap.chunks if s.swap else [])]}
+            for s in table.shards.values() if s.swap is not None or s.version == 0
         ]
         return json.dumps({
             "format": MANIFEST_FORMAT, "job": self.job, "tag": tag, "created": time.time(),
-            "generation": generation, "arena_nbytes": arena_nbytes,
-            "chunk_nbytes": self.chunk_nbytes,
+            "arena_nbytes": table.arena.nbytes, "chunk_nbytes": self.chunk_nbytes,
             "dirs": [str(f.dir.path) for f in self.files], "shards": shards,
         }).encode()
+
+    def _retire_old_manifest(self, table: ShardTable) -> None:
+        deferred, self.deferred = self.deferred, []
+        for placement in deferred:
+            placement.in_manifest = False
+            self._free_placement(placement)
+        for shard in table.shards.values():
+            if shard.swap is not None:
+                shard.swap.in_manifest = True
 
     def load_manifest(self, table: ShardTable, manifest: dict[str, Any]) -> int:
         dirs = [str(f.dir.path) for f in self.files]
         if manifest["dirs"] != dirs or manifest["format"] != MANIFEST_FORMAT:
             raise ValueError(f"manifest of job {self.job!r} names swap dirs {manifest['dirs']}, "
                              f"daemon has {dirs}; start with the same --swap-dir list")
-        self.generation = manifest.get("generation", 0)
         for entry in manifest["shards"]:
             shard = table.create(entry["rank"], entry["id"], entry["nbytes"], entry["dtype"])
             chunks = [Chunk(*c) for c in entry["chunks"]]
             for chunk in chunks:
                 self.files[chunk.dir_index].allocator.reserve(chunk.offset, chunk.nbytes)
             if chunks:  # none: never written, placed on first use
-                shard.swap = SwapPlacement(chunks, entry["version"], {self.generation})
-                self.durable.append(shard.swap)
+                shard.swap = SwapPlacement(chunks, entry["version"], in_manifest=True)
             shard.version = entry["version"]
         return len(manifest["shards"])
 
@@ -676,7 +593,7 @@ def _first_error(results: list[Any]) -> BaseException:
     return next((e for e in errors if isinstance(e, OffloadError)), errors[0])
 
 
-async def _run_to_completion(transition: Awaitable[T]) -> T:
+async def _run_to_completion(transition: Awaitable[None]) -> None:
     """Run a residency transition in its own task that the caller cannot cancel.
 
     Hazard: a transition owns IO in flight on arena memory. If a rank dies
@@ -687,10 +604,10 @@ async def _run_to_completion(transition: Awaitable[T]) -> T:
     """
     task = asyncio.ensure_future(transition)
     task.add_done_callback(_consume_orphan_result)
-    return await asyncio.shield(task)
+    await asyncio.shield(task)
 
 
-def _consume_orphan_result(task: asyncio.Future[Any]) -> None:
+def _consume_orphan_result(task: asyncio.Future[None]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved; whoever awaited it (if anyone) got it already
 
