@@ -26,6 +26,7 @@ class ErrorCode(str, enum.Enum):
     CHECKSUM = "checksum"  # a swapped block did not match its checksum
     NO_SWAP = "no_swap"  # persistence asked of a daemon without --swap-dir
     SHUTTING_DOWN = "shutting_down"  # the daemon is stopping
+    TORN = "torn"  # the shard's last write lease ended by an error; write it again
     INTERNAL = "internal"  # a daemon bug; the session survives
 
 
@@ -91,6 +92,10 @@ class ChecksumError(OffloadError):
     code = ErrorCode.CHECKSUM
 
 
+class TornShardError(OffloadError):
+    code = ErrorCode.TORN
+
+
 class NoSwapError(OffloadError):
     code = ErrorCode.NO_SWAP
 
@@ -124,6 +129,7 @@ ERROR_CLASSES: dict[ErrorCode, type[OffloadError]] = {
         InvalidRequestError,
         SwapIOError,
         ChecksumError,
+        TornShardError,
         NoSwapError,
         ShuttingDownError,
         InternalError,
