@@ -31,6 +31,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -401,6 +402,8 @@ class VolatileCacheEngine(ThreadPoolEngine):
     """
 
     name = "python-volatile-cache"
+    SYNC_LATENCY_S = 0.01
+    """A drive's cache flush takes milliseconds; so does this one, before it starts."""
 
     def __init__(self, *, num_threads: int = 4) -> None:
         super().__init__(num_threads=num_threads)
@@ -439,6 +442,7 @@ class VolatileCacheEngine(ThreadPoolEngine):
         await asyncio.get_running_loop().run_in_executor(self._executor, self._drain_cache, fd)
 
     def _drain_cache(self, fd: int) -> None:
+        time.sleep(self.SYNC_LATENCY_S)  # writes completing meanwhile are not in this sync
         with self._cache_lock:
             writes = self._cache.pop(fd, [])
         for offset, data in writes:
