@@ -28,6 +28,7 @@ class ErrorCode(str, enum.Enum):
     SHUTTING_DOWN = "shutting_down"  # the daemon is stopping
     LIMIT = "limit"  # a per-client limit of the daemon config (offloadd.limits) was reached
     QUARANTINED = "quarantined"  # the job's swap state could not be recovered; see status
+    TORN = "torn"  # the shard's last write lease ended by an error; write it again
     INTERNAL = "internal"  # a daemon bug; the session survives
 
 
@@ -93,6 +94,10 @@ class ChecksumError(OffloadError):
     code = ErrorCode.CHECKSUM
 
 
+class TornShardError(OffloadError):
+    code = ErrorCode.TORN
+
+
 class NoSwapError(OffloadError):
     code = ErrorCode.NO_SWAP
 
@@ -145,6 +150,7 @@ ERROR_CLASSES: dict[ErrorCode, type[OffloadError]] = {
         InvalidRequestError,
         SwapIOError,
         ChecksumError,
+        TornShardError,
         NoSwapError,
         ShuttingDownError,
         InternalError,

@@ -32,6 +32,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -461,6 +462,70 @@ class ThreadPoolEngine(IOEngine):
         with self._ready:  # drained already: workers are idle and exit
             self._stopping = True
             self._ready.notify_all()
+
+
+class VolatileCacheEngine(ThreadPoolEngine):
+    """Python threads behind a volatile write cache that only ``sync`` makes durable.
+
+    A fault mode for tests (``OFFLOADD_IO_FAULT=power_loss``): a write lands in
+    memory and reaches the file at the next ``sync(fd)``; reads see it at once.
+    Killing the process then loses every write since the last sync, as a power
+    loss loses a drive's volatile cache, so a test can show that no manifest
+    ever names such data.
+    """
+
+    name = "python-volatile-cache"
+    SYNC_LATENCY_S = 0.01
+    """A drive's cache flush takes milliseconds; so does this one, before it starts."""
+
+    def __init__(self, *, num_threads: int = 4) -> None:
+        super().__init__(num_threads=num_threads)
+        self._cache: dict[int, list[tuple[int, bytes]]] = {}
+        self._cache_lock = threading.Lock()
+
+    def _run(self, request: _Request) -> None:
+        if request.fault_errno:
+            error, done = request.fault_errno, 0
+        elif request.op == "write":
+            with self._cache_lock:
+                self._cache.setdefault(request.fd, []).append(
+                    (request.offset, bytes(request.view)))
+            error, done = 0, request.view.nbytes
+        else:
+            error, done = _blocking_transfer(request)
+            if not error:
+                self._overlay(request)
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._finish, request, error, done)
+        except RuntimeError:
+            pass  # the loop was closed under us: nobody is left to notify
+
+    def _overlay(self, request: _Request) -> None:
+        """Apply the cached writes that overlap a read, oldest first."""
+        start, end = request.offset, request.offset + request.view.nbytes
+        with self._cache_lock:
+            for offset, data in self._cache.get(request.fd, ()):
+                low, high = max(start, offset), min(end, offset + len(data))
+                if low < high:
+                    request.view[low - start:high - start] = data[low - offset:high - offset]
+
+    async def sync(self, fd: int) -> None:
+        """Write the cached writes of ``fd`` to the file, then fdatasync it."""
+        await asyncio.get_running_loop().run_in_executor(None, self._drain_cache, fd)
+
+    def _drain_cache(self, fd: int) -> None:
+        time.sleep(self.SYNC_LATENCY_S)  # writes completing meanwhile are not in this sync
+        with self._cache_lock:
+            writes = self._cache.pop(fd, [])
+        for offset, data in writes:
+            aligned = mmap.mmap(-1, len(data))  # page-aligned: the file may be O_DIRECT
+            try:
+                aligned[:] = data
+                os.pwritev(fd, [aligned], offset)
+            finally:
+                aligned.close()
+        os.fdatasync(fd)
 
 
 class NativeEngine(IOEngine):

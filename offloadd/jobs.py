@@ -263,11 +263,11 @@ class Job:
 
     # -- release / drop -------------------------------------------------------------
 
-    def release(self, rank: int, ids: list[str], dirty: bool, leases: dict[Shard, Lease]
-                ) -> None:
+    def release(self, rank: int, ids: list[str], dirty: bool, leases: dict[Shard, Lease],
+                *, torn: bool = False) -> None:
         dirtied = 0
         for shard in self.table.lookup(rank, ids):
-            if self.table.give_back(leases, shard, dirty):
+            if self.table.give_back(leases, shard, dirty, torn):
                 dirtied += shard.arena_nbytes
         if dirtied and self.tier is not None:
             self.tier.note_dirty(self.table, dirtied)
@@ -312,11 +312,11 @@ class Job:
         count = 0
         for shard, held in list(leases.items()):
             if held.mode == "w":
-                # The writer died mid-update: keep its bytes and call them a new
-                # version so write-back persists what the arena now holds.
-                log.warning("event=writer_disconnected job=%s shard=%s", self.name, shard.shard_id)
+                # The writer died mid-update: its bytes are half-written, never published.
+                log.warning("event=writer_disconnected job=%s shard=%s torn=1",
+                            self.name, shard.shard_id)
             while shard in leases:
-                self.table.give_back(leases, shard, dirty=held.mode == "w")
+                self.table.give_back(leases, shard, dirty=False, torn=held.mode == "w")
                 count += 1
         return count
 

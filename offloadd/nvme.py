@@ -35,7 +35,7 @@ from offloadd.errors import (
     ShardExistsError,
     SwapIOError,
 )
-from offloadd.ioengine import IOEngineError, open_engine
+from offloadd.ioengine import IOEngineError, VolatileCacheEngine, open_engine
 from offloadd.manifests import ManifestError, jobs_with_manifests, read_job_manifest
 from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
 from offloadd.scheduler import IOQueue, Priority
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 LAYOUT_DIR = "offloadd"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+POWER_LOSS_FAULT = "power_loss"
+"""``OFFLOADD_IO_FAULT=power_loss``: writes stay in a volatile cache until synced (tests)."""
 SEGMENT_NBYTES = 256 << 20
 """A job's swap file grows by at least this much at a time (one fallocate)."""
 PREFETCH_HORIZON_S = 5.0
@@ -69,8 +71,11 @@ class Chunk:
 class SwapPlacement:
     chunks: list[Chunk]
     version: int
-    in_manifest: bool = False
-    """Named by the last flushed manifest: must survive until the next flush."""
+    gens: set[int] = field(default_factory=set)
+    """Generations of the manifests (durable, or being committed) that name these
+    extents: they are freed only once no such manifest is left."""
+    released: bool = False
+    """Its shard no longer uses it (a newer copy, or dropped): free when ``gens`` empties."""
 
 
 @dataclass(eq=False)
@@ -219,6 +224,8 @@ class SwapSpace:
         self.hash_pool = (ThreadPoolExecutor(threads, thread_name_prefix="offloadd-hash")
                           if threads else None)
         self.engine: Any = None
+        self.sync_fault_nth = 0
+        """Test hook: fail the nth fdatasync (0: never)."""
         self.tiers: dict[str, Any] = {}
         self.created: set[str] = set()
         """Jobs whose swap files this daemon created (not recovered ones)."""
@@ -232,11 +239,18 @@ class SwapSpace:
         for swap_dir in self.dirs:
             await loop.run_in_executor(None, swap_dir.prepare)
             self.lock_fds.append(lock_swap_dir(swap_dir.root))
-        self.engine = open_engine(self.config.io_engine, queue_depth=self.config.io_queue_depth)
-        fault = os.environ.get("OFFLOADD_IO_FAULT")  # test hook: "read:3" fails the 3rd read
-        if fault:
+        fault = os.environ.get("OFFLOADD_IO_FAULT", "")  # test hook: "read:3" fails the 3rd read
+        if fault == POWER_LOSS_FAULT:
+            self.engine = VolatileCacheEngine()
+        else:
+            self.engine = open_engine(self.config.io_engine,
+                                      queue_depth=self.config.io_queue_depth)
+        if fault and fault != POWER_LOSS_FAULT:
             op, _, nth = fault.partition(":")
-            self.engine.inject_fault(nth=int(nth or 1), op=op)
+            if op == "sync":  # "sync:2": the 2nd fdatasync fails with EIO
+                self.sync_fault_nth = int(nth or 1)
+            else:
+                self.engine.inject_fault(nth=int(nth or 1), op=op)
         log.info("event=swap_ready dirs=%s engine=%s direct=%s", [str(d.path) for d in self.dirs],
                  getattr(self.engine, "kind", self.engine.name), [d.direct for d in self.dirs])
 
@@ -348,6 +362,22 @@ class SwapSpace:
             jobfile.dir.read_nbytes += len(view)
         else:
             jobfile.dir.written_nbytes += len(view)
+
+    async def sync(self, jobfile: JobFile) -> None:
+        """fdatasync one swap file off the loop; failure is a SwapIOError naming the file."""
+        try:
+            if self.sync_fault_nth:
+                self.sync_fault_nth -= 1
+                if not self.sync_fault_nth:
+                    raise OSError(errno.EIO, "injected fdatasync fault")
+            sync = getattr(self.engine, "sync", None)
+            if sync is not None:
+                await sync(jobfile.fd)
+            else:
+                await asyncio.get_running_loop().run_in_executor(None, os.fdatasync, jobfile.fd)
+        except OSError as exc:
+            self.counters.io_errors.add(("sync",))
+            raise SwapIOError(f"fdatasync of {jobfile.path} failed: {exc}") from exc
 
     async def checksum(self, view: memoryview) -> int:
         if self.hash_pool is None:

@@ -78,6 +78,7 @@ class Acquire(Request, tag="acquire"):
 class Release(Request, tag="release"):
     ids: list[str]
     dirty: bool
+    torn: bool = False  # a write lease ended by an exception: publish nothing, mark torn
 
 
 class Drop(Request, tag="drop"):

@@ -355,7 +355,7 @@ class Session(asyncio.Protocol):
 
     def on_release(self, req: p.Release) -> None:
         assert self.job is not None
-        self.job.release(self.rank, req.ids, req.dirty, self.leases)
+        self.job.release(self.rank, req.ids, req.dirty, self.leases, torn=req.torn)
 
     def on_drop(self, req: p.Drop) -> Awaitable[None] | None:
         assert self.job is not None

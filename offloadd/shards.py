@@ -22,6 +22,7 @@ from offloadd.errors import (
     NotLeasedError,
     OverBudgetError,
     ShardExistsError,
+    TornShardError,
     UnknownShardError,
 )
 from offloadd.protocol import DTYPES
@@ -66,6 +67,10 @@ class Shard:
     """Completion of the swap read or write in flight, if any."""
     prefetched: bool = False
     """Brought in by prefetch and not yet used (for hit/late accounting)."""
+    torn: bool = False
+    """A write lease ended by an exception or its client's death: the arena bytes are
+    half-written. Never written back; reads raise TornShardError until a writer
+    releases it dirty again; a flush keeps its last written-back version."""
 
     @property
     def leased(self) -> bool:
@@ -217,9 +222,10 @@ class ShardTable:
             self._leased_nbytes += shard.arena_nbytes
         grant(leases, shard, mode)
 
-    def give_back(self, leases: dict[Shard, Lease], shard: Shard, dirty: bool) -> bool:
-        """Drop one lease; returns True when a write lease was released dirty (a new version)."""
-        dirtied = give_back(leases, shard, dirty)
+    def give_back(self, leases: dict[Shard, Lease], shard: Shard, dirty: bool,
+                  torn: bool = False) -> bool:
+        """Drop one lease (see the module's ``give_back``), keeping the leased-bytes count."""
+        dirtied = give_back(leases, shard, dirty, torn)
         if not shard.leased:
             self._leased_nbytes -= shard.arena_nbytes
         return dirtied
@@ -241,6 +247,11 @@ def check_grantable(shards: list[Shard], mode: str) -> None:
                 "release it before acquiring for writing",
                 [shard.shard_id],
             )
+        if mode == "r" and shard.torn:
+            raise TornShardError(
+                f"shard {shard.shard_id!r} was torn: its last write lease ended by an error or "
+                "its client's death; write it again (acquire 'w' and release) before reading",
+                [shard.shard_id])
         if mode == "r" and shard.writer:
             raise LeaseConflictError(
                 f"shard {shard.shard_id!r} is leased for writing; release it first",
@@ -263,8 +274,13 @@ def grant(leases: dict[Shard, Lease], shard: Shard, mode: str) -> None:
     held.count += 1
 
 
-def give_back(leases: dict[Shard, Lease], shard: Shard, dirty: bool) -> bool:
-    """Drop one lease; returns True when a write lease was released dirty (a new version)."""
+def give_back(leases: dict[Shard, Lease], shard: Shard, dirty: bool, torn: bool = False
+              ) -> bool:
+    """Drop one lease; returns True when a write lease was released dirty (a new version).
+
+    A write lease released ``torn`` publishes nothing: the shard keeps its version
+    and swap copy, is marked torn, and its arena bytes are never written back.
+    """
     held = leases.get(shard)
     if held is None:
         raise NotLeasedError(
@@ -277,11 +293,22 @@ def give_back(leases: dict[Shard, Lease], shard: Shard, dirty: bool) -> bool:
         shard.writer = False
     else:
         shard.readers -= 1
+    if held.mode == "w" and torn:
+        mark_torn(shard)
+        return False
     if held.mode == "w" and dirty:
+        shard.torn = False
         shard.version += 1
         shard.residency = Residency.ARENA_DIRTY
         return True
     return False
+
+
+def mark_torn(shard: Shard) -> None:
+    """The arena bytes are garbage: clean (evictable, never written back), reads refused."""
+    shard.torn = True
+    if shard.residency is Residency.ARENA_DIRTY:
+        shard.residency = Residency.ARENA_CLEAN
 
 
 def check_mode(mode: str) -> None:

@@ -19,7 +19,8 @@ from collections.abc import Awaitable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from offloadd.errors import ChecksumError, OffloadError, OverBudgetError
+from offloadd.arena import align_up
+from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIOError
 from offloadd.manifests import keep_previous_generation
 from offloadd.nvme import (
     MANIFEST,
@@ -59,7 +60,14 @@ class JobTier:
         self.traces: dict[int, AccessTrace] = {}
         self.room_lock = asyncio.Lock()
         self.flush_lock = asyncio.Lock()
-        self.deferred: list[SwapPlacement] = []
+        self.commit_lock = asyncio.Lock()
+        """Held by one commit at a time, even after the flush that started it was cancelled."""
+        self.generation = 0
+        """Generation of the durable manifest on disk (0: none yet)."""
+        self.named: dict[int, list[SwapPlacement]] = {}
+        """Placements named by each manifest generation that is durable or being committed."""
+        self.failed: SwapIOError | None = None
+        """A failed sync: the job is fail-stopped and writes no more manifests."""
         self.prefetching: set[Shard] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.cleaning: dict[Shard, asyncio.Task[None]] = {}
@@ -110,13 +118,27 @@ class JobTier:
                 [shard.shard_id])
 
     def _free_placement(self, placement: SwapPlacement | None) -> None:
+        """Give a shard's old swap copy back, once no manifest names it."""
         if placement is None:
             return
-        if placement.in_manifest:
-            self.deferred.append(placement)  # the last flush still names these extents
-            return
+        placement.released = True
+        if placement.gens:
+            return  # a durable or in-commit manifest names these extents: _release_gen frees
         for chunk in placement.chunks:
             self.files[chunk.dir_index].free(chunk)
+
+    def _name_in_gen(self, gen: int, placements: list[SwapPlacement]) -> None:
+        for placement in placements:
+            placement.gens.add(gen)
+        self.named[gen] = placements
+
+    def _release_gen(self, gen: int) -> None:
+        """Manifest ``gen`` is retired (or never became durable): free what only it named."""
+        for placement in self.named.pop(gen, []):
+            placement.gens.discard(gen)
+            if placement.released and not placement.gens:
+                for chunk in placement.chunks:
+                    self.files[chunk.dir_index].free(chunk)
 
     # -- residency transitions ----------------------------------------------------------
 
@@ -133,9 +155,9 @@ class JobTier:
             future.set_result(None)
 
     async def write_back(self, table: ShardTable, shard: Shard, priority: Priority) -> bool:
-        """Persist a dirty in-arena shard; False if it was busy, leased for writing, or
-        dropped since the caller picked it (a flush picks its shards a loop turn earlier)."""
-        if shard.io is not None or shard.writer or not shard.in_arena:
+        """Persist a dirty in-arena shard; False if it was busy, leased for writing, torn,
+        or dropped since the caller picked it (a flush picks its shards a loop turn earlier)."""
+        if shard.io is not None or shard.writer or shard.torn or not shard.in_arena:
             return False
         if table.shards.get((shard.rank, shard.shard_id)) is not shard:
             return False
@@ -384,7 +406,7 @@ class JobTier:
                                    return_when=asyncio.FIRST_COMPLETED)
             results = await _settle_all(
                 self._read_chunk(table, shard, chunk, start, priority)
-                for chunk, (start, _n) in zip(shard.swap.chunks, self._chunk_spans(shard)))
+                for chunk, start in zip(shard.swap.chunks, _chunk_starts(shard.swap.chunks)))
             if any(isinstance(r, BaseException) for r in results):
                 raise _first_error(results)
         except BaseException:
@@ -462,22 +484,76 @@ class JobTier:
             return written
 
     async def _flush(self, table: ShardTable, tag: str | None) -> int:
+        self._raise_if_failed()
         # Dirty shards are written while the IO in flight (write-behind, reads)
         # finishes; a shard whose IO left it dirty (a failed write-back) goes after.
         busy = [s for s in table.shards.values() if s.io is not None]
         results = await self._write_back_dirty(table, busy)
         results += await self._write_back_dirty(table, [])
-        loop = asyncio.get_running_loop()
-        for jobfile in self.files:
-            await loop.run_in_executor(None, os.fdatasync, jobfile.fd)
-        manifest = self._manifest(table, tag)
-        await loop.run_in_executor(None, keep_previous_generation, self.manifest_path())
-        await loop.run_in_executor(None, write_atomically, self.manifest_path(), manifest)
-        self._retire_old_manifest(table)
-        skipped = [s.shard_id for s in table.shards.values() if s.writer]
+        # Hazard: the commit renames a manifest; were it cancelled with its client
+        # half-way, the file on disk and the in-memory generations would disagree.
+        await _run_to_completion(self._commit(table, tag))
+        skipped = [s.shard_id for s in table.shards.values() if s.writer or s.torn]
         if skipped:
-            log.warning("event=flush_skipped_writers job=%s shards=%s", self.job, skipped[:8])
+            log.warning("event=flush_kept_last_version job=%s shards=%s", self.job, skipped[:8])
         return sum(1 for ok in results if ok)
+
+    async def _commit(self, table: ShardTable, tag: str | None) -> None:
+        """Snapshot, sync exactly what it names, write the manifest, retire the old one.
+
+        Every placement the snapshot names is tagged with the new generation
+        before the first await, so no write-back, eviction or drop while the
+        sync runs can free (and reuse) its extents. A shard under a write lease
+        or torn is named at its last written-back version; a shard never written
+        back is not named at all.
+        """
+        async with self.commit_lock:
+            self._raise_if_failed()
+            gen = self.generation + 1
+            named = [(s, s.swap) for s in table.shards.values() if s.swap is not None]
+            placements = [placement for _s, placement in named]
+            self._name_in_gen(gen, placements)
+            manifest = self._manifest(table, named, tag, gen)
+            try:
+                for dir_index in sorted({c.dir_index for p in placements for c in p.chunks}):
+                    await self.space.sync(self.files[dir_index])
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(None, keep_previous_generation, self.manifest_path())
+                await loop.run_in_executor(None, write_atomically, self.manifest_path(), manifest)
+            except SwapIOError as exc:
+                raise self._fail_stop(table, placements, exc) from exc
+            except OSError as exc:
+                raise self._fail_stop(
+                    table, placements, SwapIOError(f"writing the manifest failed: {exc}")) from exc
+            # The generation before stays on disk as manifest.prev.json, recovery's
+            # fallback, so its extents stay reserved; the one before that is retired.
+            retired, self.generation = self.generation - 1, gen
+            self._release_gen(retired)
+
+    def _fail_stop(self, table: ShardTable, placements: list[SwapPlacement],
+                   error: SwapIOError) -> SwapIOError:
+        """A sync failed: what the swap files hold since the last flush may be lost.
+
+        Every generation keeps its extents (the manifest on disk may be the old
+        or the new one), the shards the failed snapshot named stay dirty in the
+        arena, and the job writes no more manifests.
+        """
+        unsure = set(map(id, placements))
+        for shard in table.shards.values():
+            if (shard.swap is not None and id(shard.swap) in unsure
+                    and shard.residency is Residency.ARENA_CLEAN and not shard.torn):
+                shard.residency = Residency.ARENA_DIRTY
+        self.failed = SwapIOError(
+            f"job {self.job!r}: {error.message}; data written to swap since the last flush "
+            f"(generation {self.generation}) may be lost, so this job writes no more manifests. "
+            "Check the drive, then restart the daemon with --recover to resume from the last "
+            "flush", error.shard_ids)
+        log.error("event=flush_fail_stop job=%s error=%r", self.job, self.failed.message)
+        return self.failed
+
+    def _raise_if_failed(self) -> None:
+        if self.failed is not None:
+            raise SwapIOError(self.failed.message, self.failed.shard_ids)
 
     async def _write_back_dirty(self, table: ShardTable, busy: list[Shard]) -> list[bool]:
         """Write back every dirty shard not held by a writer, while ``busy`` IO ends."""
@@ -492,44 +568,44 @@ class JobTier:
     def manifest_path(self) -> Path:
         return self.files[0].path.parent / MANIFEST
 
-    def _manifest(self, table: ShardTable, tag: str | None) -> bytes:
-        # A never-written shard (version 0, no swap copy) is listed without chunks:
-        # it exists after recovery, its bytes undefined as before.
+    def _manifest(self, table: ShardTable, named: list[tuple[Shard, SwapPlacement]],
+                  tag: str | None, gen: int) -> bytes:
         shards = [
             {"rank": s.rank, "id": s.shard_id, "nbytes": s.nbytes, "dtype": s.dtype,
-             "version": s.swap.version if s.swap else 0,
+             "version": placement.version,
              "chunks": [[c.dir_index, c.offset, c.nbytes, c.checksum]
-                        for c in (s.swap.chunks if s.swap else [])]}
-            for s in table.shards.values() if s.swap is not None or s.version == 0
+                        for c in placement.chunks]}
+            for s, placement in named
         ]
         return json.dumps({
             "format": MANIFEST_FORMAT, "job": self.job, "tag": tag, "created": time.time(),
-            "arena_nbytes": table.arena.nbytes, "chunk_nbytes": self.chunk_nbytes,
+            "generation": gen, "arena_nbytes": table.arena.nbytes,
+            "chunk_nbytes": self.chunk_nbytes,
             "dirs": [str(f.dir.path) for f in self.files], "shards": shards,
         }).encode()
-
-    def _retire_old_manifest(self, table: ShardTable) -> None:
-        deferred, self.deferred = self.deferred, []
-        for placement in deferred:
-            placement.in_manifest = False
-            self._free_placement(placement)
-        for shard in table.shards.values():
-            if shard.swap is not None:
-                shard.swap.in_manifest = True
 
     def load_manifest(self, table: ShardTable, manifest: dict[str, Any]) -> int:
         dirs = [str(f.dir.path) for f in self.files]
         if manifest["dirs"] != dirs or manifest["format"] != MANIFEST_FORMAT:
             raise ValueError(f"manifest of job {self.job!r} names swap dirs {manifest['dirs']}, "
                              f"daemon has {dirs}; start with the same --swap-dir list")
-        for entry in manifest["shards"]:
+        gen = int(manifest.get("generation", 1))
+        entries = [(entry, [Chunk(*c) for c in entry["chunks"]]) for entry in manifest["shards"]]
+        for entry, chunks in entries:
+            check_geometry(self.job, entry, chunks, manifest["chunk_nbytes"])
+        # New copies keep the geometry the manifest recorded: one chunk size per job.
+        self.chunk_nbytes = manifest["chunk_nbytes"]
+        placements = []
+        for entry, chunks in entries:
             shard = table.create(entry["rank"], entry["id"], entry["nbytes"], entry["dtype"])
-            chunks = [Chunk(*c) for c in entry["chunks"]]
             for chunk in chunks:
                 self.files[chunk.dir_index].allocator.reserve(chunk.offset, chunk.nbytes)
-            if chunks:  # none: never written, placed on first use
-                shard.swap = SwapPlacement(chunks, entry["version"], in_manifest=True)
+            if chunks:  # a manifest of an older daemon may list never-written shards
+                shard.swap = SwapPlacement(chunks, entry["version"])
+                placements.append(shard.swap)
             shard.version = entry["version"]
+        self._name_in_gen(gen, placements)
+        self.generation = gen
         return len(manifest["shards"])
 
     def forget(self, table: ShardTable, shard: Shard) -> None:
@@ -550,6 +626,31 @@ class JobTier:
             await asyncio.gather(*self.tasks, return_exceptions=True)
         for jobfile in self.files:
             jobfile.close()
+
+
+def _chunk_starts(chunks: list[Chunk]) -> list[int]:
+    """Byte offset of each chunk inside its shard: the chunks say it, not today's chunk size."""
+    starts, start = [], 0
+    for chunk in chunks:
+        starts.append(start)
+        start += chunk.nbytes
+    return starts
+
+
+def check_geometry(job: str, entry: dict[str, Any], chunks: list[Chunk],
+                   chunk_nbytes: int) -> None:
+    """Refuse a manifest entry whose chunks do not tile its shard in ``chunk_nbytes`` steps."""
+    if not chunks:
+        return
+    arena_nbytes = align_up(max(entry["nbytes"], 1))
+    expected = [min(chunk_nbytes, arena_nbytes - start)
+                for start in range(0, arena_nbytes, chunk_nbytes)]
+    if [c.nbytes for c in chunks] != expected:
+        raise ValueError(
+            f"manifest of job {job!r}: shard {entry['id']!r} has chunks of "
+            f"{[c.nbytes for c in chunks][:4]} bytes, not the {chunk_nbytes}-byte geometry the "
+            "manifest records; the manifest is corrupt, restore it or reclaim the job with "
+            "`offloadd gc`")
 
 
 def _clean_floor(candidates: list[tuple[Shard, float]], not_before_s: float | None

@@ -13,6 +13,7 @@ from offloadd.errors import (
     LeaseConflictError,
     NoSwapError,
     ShardExistsError,
+    TornShardError,
     UnknownShardError,
 )
 from trainer.client import LeaseGroup, ReleasedLeaseError, ShardLease
@@ -150,10 +151,9 @@ def test_use_after_release_raises(connect) -> None:
         group[0].view  # noqa: B018
 
 
-def test_release_on_exception_commits_what_the_arena_holds(connect) -> None:
-    # The arena is the shard's storage: bytes written before the error are what
-    # readers see, so they must be a new version (never "clean" next to an older
-    # swap copy that eviction could silently swap back in).
+def test_release_on_exception_tears_the_shard_until_written_again(connect) -> None:
+    # Issue 13, item 3: bytes half-written when the block raised are never
+    # published: the version stays, reads are refused, a new write heals it.
     client = connect()
     client.put("s", b"v1")
     with client.acquire("s") as before:
@@ -162,12 +162,17 @@ def test_release_on_exception_commits_what_the_arena_holds(connect) -> None:
         lease.view[:] = b"v2"
         raise RuntimeError("boom")
     assert client.stats()["leased_nbytes"] == 0
+    with pytest.raises(TornShardError, match="write it again"):
+        client.get("s")
     with client.acquire("s", "w") as again:  # released: writable again
-        assert again.version == version + 1
-        assert bytes(again.view) == b"v2"
+        assert again.version == version
+        again.view[:] = b"v3"
+    assert client.get("s") == b"v3"
     with pytest.raises(RuntimeError), client.acquire_many(["s"], "w"):
         raise RuntimeError("group")
     assert client.stats()["leased_nbytes"] == 0
+    with pytest.raises(TornShardError):
+        client.get("s")
 
 
 def test_leases_are_released_when_the_client_closes(connect, job: str) -> None:

@@ -160,18 +160,20 @@ class ShardLease:
     def __enter__(self) -> ShardLease:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        # A write lease commits even when the block raised: the arena *is* the
-        # shard's storage, so calling partial bytes clean would let eviction
-        # silently mix them with an older swap copy.
-        self.release()
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        # A write lease left by an exception publishes nothing: the daemon marks
+        # the shard torn (reads raise TornShardError until it is written again),
+        # and a flush keeps its previous version.
+        if not self.released:
+            self._owner._release([self], self.mode == "w", torn=_torn(self.mode, exc_type))
 
     async def __aenter__(self) -> ShardLease:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
         if not self.released:  # released inside the block already: nothing to give back
-            await self._owner._release_async([self], self.mode == "w")
+            await self._owner._release_async([self], self.mode == "w",
+                                             torn=_torn(self.mode, exc_type))
 
 
 class LeaseGroup(Sequence[ShardLease]):
@@ -194,16 +196,24 @@ class LeaseGroup(Sequence[ShardLease]):
     def __enter__(self) -> LeaseGroup:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()  # a write lease commits even on error (see ShardLease.__exit__)
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        live = [lease for lease in self.leases if not lease.released]
+        if live:  # torn on error, as ShardLease.__exit__
+            self._owner._release(live, self.mode == "w", torn=_torn(self.mode, exc_type))
 
     async def __aenter__(self) -> LeaseGroup:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
+    async def __aexit__(self, exc_type: object, *exc: object) -> None:
         live = [lease for lease in self.leases if not lease.released]
         if live:
-            await self._owner._release_async(live, self.mode == "w")
+            await self._owner._release_async(live, self.mode == "w",
+                                              torn=_torn(self.mode, exc_type))
+
+
+def _torn(mode: str, exc_type: object) -> bool:
+    """A write lease left by an exception is torn (cancellation included)."""
+    return mode == "w" and exc_type is not None
 
 
 def _hello_request(job: str, rank: int, world_size: int, local_rank: int,
@@ -448,11 +458,11 @@ class OffloadClient(_ClientBase):
             lease.group = group
         return group
 
-    def _release(self, leases: list[ShardLease], dirty: bool) -> None:
+    def _release(self, leases: list[ShardLease], dirty: bool, torn: bool = False) -> None:
         ids = [lease.shard_id for lease in leases]
         for lease in leases:
             lease._forget()
-        self._call(p.Release(0, ids, dirty))
+        self._call(p.Release(0, ids, dirty, torn))
 
     def put(self, shard_id: str, data: Any) -> None:
         """Copy ``data`` into the shard (created if missing) and commit it."""
@@ -629,18 +639,19 @@ class AsyncOffloadClient(_ClientBase):
     async def acquire(self, shard_id: str, mode: str = "r") -> ShardLease:
         return (await self.acquire_many([shard_id], mode))[0]
 
-    async def _release_async(self, leases: list[ShardLease], dirty: bool) -> None:
+    async def _release_async(self, leases: list[ShardLease], dirty: bool,
+                             torn: bool = False) -> None:
         ids = [lease.shard_id for lease in leases]
         for lease in leases:
             lease._forget()
         # Sent before any await: cancellation cannot lose the release.
-        waiter = self._send(p.Release(0, ids, dirty))
+        waiter = self._send(p.Release(0, ids, dirty, torn))
         _check_reply(await asyncio.shield(waiter))
 
-    def _release(self, leases: list[ShardLease], dirty: bool) -> None:
+    def _release(self, leases: list[ShardLease], dirty: bool, torn: bool = False) -> None:
         for lease in leases:
             lease._forget()
-        self._send(p.Release(0, [lease.shard_id for lease in leases], dirty))
+        self._send(p.Release(0, [lease.shard_id for lease in leases], dirty, torn))
 
     async def put(self, shard_id: str, data: Any) -> None:
         src, dtype = as_bytes(data)
