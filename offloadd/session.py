@@ -397,9 +397,11 @@ class Session(asyncio.Protocol):
     def on_close_job(self, req: p.CloseJob) -> None:
         job = self.job
         assert job is not None
-        if self.tasks:  # their leases would land on a job that is being freed
+        # A finished task leaves self.tasks a loop turn after its reply: count the pending.
+        in_flight = sum(1 for task in self.tasks if not task.done())
+        if in_flight:  # their leases would land on a job that is being freed
             raise InvalidRequestError(
-                f"close_job with {len(self.tasks)} request(s) of this session in flight; "
+                f"close_job with {in_flight} request(s) of this session in flight; "
                 "wait for their replies first")
         job.release_all(self.leases)
         job.num_sessions -= 1
