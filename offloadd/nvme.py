@@ -307,7 +307,7 @@ class SwapSpace:
                            manifest: dict[str, Any]) -> int:
         job, _created = registry.open(
             name, manifest["arena_nbytes"],
-            make_tier=lambda: self.tier_for(name, recovering=True))  # type: ignore[misc]
+            make_tier=lambda: self.tier_for(name, recovering=True))
         assert job.tier is not None
         try:
             return job.tier.load_manifest(job.table, manifest)
