@@ -267,7 +267,8 @@ class SwapSpace:
     async def release_job(self, job: str, *, keep_flushed: bool = False) -> int:
         """Give a job's swap space back: close its files and delete them in every swap dir.
 
-        Call once the job has no sessions (it ended, was dropped, or the daemon stops).
+        Call once the job has no sessions and left the registry (``JobRegistry.close_job``):
+        it ended, was dropped, or the daemon stops.
         ``keep_flushed`` keeps the files of a job that has a manifest, so a later
         ``--recover`` still finds its last flush. Returns the bytes freed on disk.
         """
