@@ -594,6 +594,8 @@ def _io_uring_refusal() -> str | None:
     """Why io_uring cannot be used here, or None if it can (probed once)."""
     if _native is None:
         return "offloadd._native is not built"
+    if os.environ.get(DISABLE_IO_URING_ENV, "") not in ("", "0"):
+        return f"io_uring disabled by {DISABLE_IO_URING_ENV}"
     try:
         backend = _native.IoEngine("io_uring", 1, 1)
     except OSError as exc:
@@ -605,6 +607,9 @@ def _io_uring_refusal() -> str | None:
 
 
 PROBE_TIMEOUT_S = 5.0
+DISABLE_IO_URING_ENV = "OFFLOADD_DISABLE_IO_URING"
+"""Set to 1 to act as if io_uring were blocked (a seccomp profile): "auto" takes the
+thread fallback. For tests and for kernels whose io_uring is known bad."""
 
 
 def _probe_transfers(backend: Any) -> str | None:

@@ -38,7 +38,7 @@ from offloadd.errors import (
 from offloadd.ioengine import IOEngineError, VolatileCacheEngine, open_engine
 from offloadd.manifests import ManifestError, jobs_with_manifests, read_job_manifest
 from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
-from offloadd.scheduler import IOQueue, Priority
+from offloadd.scheduler import IOQueue, IOTicket, Priority
 from offloadd.swapdirs import lock_swap_dir, remove_job_dir, unlock_swap_dir
 
 if TYPE_CHECKING:
@@ -231,6 +231,8 @@ class SwapSpace:
         """Jobs whose swap files this daemon created (not recovered ones)."""
         self.lock_fds: list[int] = []
         self.quarantined: dict[str, str] = {}
+        self.tickets: dict[asyncio.Future[None], IOTicket] = {}
+        """IO tickets of the residency transitions in flight, by the shard's io future."""
         """Jobs whose manifest could not be recovered -> why (shown by status)."""
         metrics.sources.append(self.families)
 
@@ -279,7 +281,8 @@ class SwapSpace:
     async def release_job(self, job: str, *, keep_flushed: bool = False) -> int:
         """Give a job's swap space back: close its files and delete them in every swap dir.
 
-        Call once the job has no sessions (it ended, was dropped, or the daemon stops).
+        Call once the job has no sessions and left the registry (``JobRegistry.close_job``):
+        it ended, was dropped, or the daemon stops.
         ``keep_flushed`` keeps the files of a job that has a manifest, so a later
         ``--recover`` still finds its last flush. Returns the bytes freed on disk.
         """
@@ -322,7 +325,7 @@ class SwapSpace:
                            manifest: dict[str, Any]) -> int:
         job, _created = registry.open(
             name, manifest["arena_nbytes"],
-            make_tier=lambda: self.tier_for(name, recovering=True))  # type: ignore[misc]
+            make_tier=lambda: self.tier_for(name, recovering=True))
         assert job.tier is not None
         try:
             return job.tier.load_manifest(job.table, manifest)
@@ -342,15 +345,39 @@ class SwapSpace:
                 self.engine.forget_fd(jobfile.fd)
         return tier
 
+    def ticket_for(self, transition: asyncio.Future[None] | None, priority: Priority
+                   ) -> IOTicket | None:
+        """The ticket of a shard's transition (its ``io`` future), made on first use."""
+        if transition is None:
+            return None
+        ticket = self.tickets.get(transition)
+        if ticket is None:
+            ticket = self.tickets[transition] = IOTicket(priority)
+            transition.add_done_callback(self.tickets.pop)
+        return ticket
+
+    def hurry(self, transition: asyncio.Future[None] | None, priority: Priority) -> None:
+        """Someone at ``priority`` waits for this transition: its queued IO runs as they would."""
+        ticket = self.ticket_for(transition, priority)
+        if ticket is None or ticket.priority <= priority:
+            return  # nothing in flight, already as urgent, or queued from now on at priority
+        ticket.priority = priority
+        self.queue.raise_priority(ticket, priority)
+        for future in ticket.in_engine:
+            self.engine.raise_priority(future, int(priority))
+
     async def io(self, op: str, jobfile: JobFile, offset: int, view: memoryview,
-                 priority: Priority) -> None:
-        await self.queue.enter(priority)
+                 priority: Priority, ticket: IOTicket | None = None) -> None:
+        await self.queue.enter(priority, ticket)
+        if ticket is not None:
+            priority = min(priority, ticket.priority)
         started = time.perf_counter()
         try:
-            if op == "read":
-                await self.engine.read(jobfile.fd, offset, view, int(priority))
-            else:
-                await self.engine.write(jobfile.fd, offset, view, int(priority))
+            future = self.engine.submit(op, jobfile.fd, offset, view, int(priority))
+            if ticket is not None:
+                ticket.in_engine.add(future)
+                future.add_done_callback(ticket.in_engine.discard)
+            await future
         except (IOEngineError, OSError) as exc:
             self.counters.io_errors.add((op,))
             raise SwapIOError(f"swap {op} of {len(view)} bytes at {offset} in {jobfile.path} "

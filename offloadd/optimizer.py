@@ -125,11 +125,11 @@ class OptimizerService:
             except BaseException as exc:  # handed to the awaiting step
                 outcome.set_exception(exc)
                 return
+            error = None if done.cancelled() else done.exception()
             if ok:
                 outcome.set_result(None)
             else:
-                outcome.set_exception(done.exception() if not done.cancelled()
-                                      else asyncio.CancelledError())
+                outcome.set_exception(error or asyncio.CancelledError())
 
         kernel.add_done_callback(on_kernel_end)
         outcome.add_done_callback(_consume_orphan_result)

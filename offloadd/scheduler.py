@@ -29,6 +29,21 @@ class Priority(enum.IntEnum):
     WRITEBACK = 2  # eviction or flush of dirty bytes
 
 
+class IOTicket:
+    """The swap IO of one residency transition (one shard's write-back or read).
+
+    A request that waits for the transition (a demand read of a shard being
+    written back) raises the ticket: its chunks still waiting at the gate or in
+    the engine's queue then run as that request would. Without it, a demand read
+    would wait behind a write-back that waits behind every other write-back.
+    """
+
+    def __init__(self, priority: Priority) -> None:
+        self.priority = priority
+        self.at_gate: set[asyncio.Future[None]] = set()
+        self.in_engine: set[asyncio.Future[None]] = set()
+
+
 class IOQueue:
     """A priority gate in front of the IO engine."""
 
@@ -38,11 +53,14 @@ class IOQueue:
         self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
 
-    async def enter(self, priority: Priority) -> None:
+    async def enter(self, priority: Priority, ticket: IOTicket | None = None) -> None:
         if self.in_flight < self.depth and not self._waiting:
             self.in_flight += 1
             return
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if ticket is not None:
+            priority = min(priority, ticket.priority)
+            ticket.at_gate.add(waiter)
         heapq.heappush(self._waiting, (int(priority), next(self._seq), waiter))
         try:
             await waiter
@@ -50,6 +68,15 @@ class IOQueue:
             if waiter.done() and not waiter.cancelled():
                 self.leave()  # we were admitted just as we were cancelled
             raise
+        finally:
+            if ticket is not None:
+                ticket.at_gate.discard(waiter)
+
+    def raise_priority(self, ticket: IOTicket, priority: Priority) -> None:
+        """Waiters of the ticket get a second, more urgent place; leave() skips the stale one."""
+        for waiter in ticket.at_gate:
+            if not waiter.done():
+                heapq.heappush(self._waiting, (int(priority), next(self._seq), waiter))
 
     def leave(self) -> None:
         self.in_flight -= 1

@@ -99,7 +99,8 @@ class JobTier:
         try:
             view = self._view(table, shard, start, nbytes)
             chunk.checksum = await self.space.checksum(view)
-            await self.space.io("write", jobfile, offset, view, priority)
+            await self.space.io("write", jobfile, offset, view, priority,
+                                self.space.ticket_for(shard.io, priority))
         except BaseException:
             jobfile.free(chunk)
             raise
@@ -108,7 +109,8 @@ class JobTier:
     async def _read_chunk(self, table: ShardTable, shard: Shard, chunk: Chunk, start: int,
                           priority: Priority) -> None:
         view = self._view(table, shard, start, chunk.nbytes)
-        await self.space.io("read", self.files[chunk.dir_index], chunk.offset, view, priority)
+        await self.space.io("read", self.files[chunk.dir_index], chunk.offset, view, priority,
+                            self.space.ticket_for(shard.io, priority))
         if await self.space.checksum(view) != chunk.checksum:
             self.space.counters.checksum_failures += 1
             raise ChecksumError(
@@ -379,6 +381,7 @@ class JobTier:
                 self.space.counters.prefetch_late += 1
                 self.prefetching.discard(shard)
                 late = True
+            self.space.hurry(shard.io, priority)  # a write-back or prefetch we wait behind
             await asyncio.shield(shard.io)
         if late:
             shard.prefetched = False  # counted as late, not again as a hit
@@ -467,6 +470,10 @@ class JobTier:
         finally:
             if not shard.in_arena:
                 self.prefetching.discard(shard)
+
+    def hurry(self, shard: Shard) -> None:
+        """A rank is blocked on this shard's IO in flight: run it as a demand."""
+        self.space.hurry(shard.io, Priority.DEMAND)
 
     def note_stall(self, rank: int, seconds: float) -> None:
         self.space.counters.stall_seconds.add((self.job, str(rank)), seconds)

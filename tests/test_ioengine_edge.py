@@ -7,6 +7,8 @@ import asyncio
 import errno
 import mmap
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -111,3 +113,18 @@ def test_the_thread_engine_runs_demand_reads_first_and_raises_a_waited_on_write_
         return order
 
     assert asyncio.run(scenario()) == ["demand", "wb2", "pf0", "wb0", "wb1"]
+
+
+def test_auto_without_io_uring_takes_the_priority_thread_engine(tmp_path: Path) -> None:
+    script = (
+        "import asyncio, os\n"
+        "from offloadd.ioengine import open_engine, available_engine_kinds\n"
+        "async def main():\n"
+        "    engine = open_engine('auto')\n"
+        "    print(engine.name, available_engine_kinds())\n"
+        "    await engine.aclose()\n"
+        "asyncio.run(main())\n")
+    env = {**os.environ, "OFFLOADD_DISABLE_IO_URING": "1"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert out.startswith("python-threads") and "io_uring" not in out
