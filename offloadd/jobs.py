@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from offloadd import batches
 from offloadd.arena import Arena, HugePages, align_up
 from offloadd.errors import (
     InvalidRequestError,
@@ -150,7 +151,14 @@ class Job:
     def acquire(self, rank: int, ids: list[str], mode: str, leases: dict[Shard, Lease]
                 ) -> Placed | Awaitable[Placed]:
         check_mode(mode)
+        if len(ids) > batches.SLICE_IDS:
+            return batches.acquire_sliced(self, rank, ids, mode, leases)
         return self._serve(self.table.lookup(rank, ids), leases, mode)
+
+    def serve_batch(self, shards: list[Shard], leases: dict[Shard, Lease], mode: str
+                    ) -> Placed | Awaitable[Placed]:
+        """Lease ``shards`` (one slice of a large acquire; see offloadd.batches)."""
+        return self._serve(shards, leases, mode)
 
     def _find_or_create(self, rank: int, shard_id: str, nbytes: int, dtype: str) -> Shard:
         shard = self.table.shards.get((rank, shard_id))
@@ -267,7 +275,14 @@ class Job:
     # -- release / drop -------------------------------------------------------------
 
     def release(self, rank: int, ids: list[str], dirty: bool, leases: dict[Shard, Lease],
-                *, torn: bool = False) -> None:
+                *, torn: bool = False) -> Awaitable[None] | None:
+        if len(ids) > batches.SLICE_IDS:
+            return batches.release_sliced(self, rank, ids, dirty, leases, torn)
+        self.release_batch(rank, ids, dirty, leases, torn)
+        return None
+
+    def release_batch(self, rank: int, ids: list[str], dirty: bool,
+                      leases: dict[Shard, Lease], torn: bool = False) -> None:
         dirtied = 0
         for shard in self.table.lookup(rank, ids):
             if self.table.give_back(leases, shard, dirty, torn):
@@ -277,6 +292,11 @@ class Job:
 
     def drop(self, rank: int, ids: list[str]) -> Awaitable[None] | None:
         """Forget shards and free their arena and swap space; waits out IO in flight."""
+        if len(ids) > batches.SLICE_IDS:
+            return batches.drop_sliced(self, rank, ids)
+        return self.drop_batch(rank, ids)
+
+    def drop_batch(self, rank: int, ids: list[str]) -> Awaitable[None] | None:
         shards = self.table.lookup(rank, ids)
         leased = [s.shard_id for s in shards if s.leased]
         if leased:

@@ -353,9 +353,9 @@ class Session(asyncio.Protocol):
                                   self.leases, req.mode)
         return self.job.acquire(self.rank, req.ids, req.mode, self.leases)
 
-    def on_release(self, req: p.Release) -> None:
+    def on_release(self, req: p.Release) -> Awaitable[None] | None:
         assert self.job is not None
-        self.job.release(self.rank, req.ids, req.dirty, self.leases, torn=req.torn)
+        return self.job.release(self.rank, req.ids, req.dirty, self.leases, torn=req.torn)
 
     def on_drop(self, req: p.Drop) -> Awaitable[None] | None:
         assert self.job is not None
