@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainer.collectives import Collectives
 from trainer.config import EngineConfig, parse_config
+from trainer.device import activate, resolve_device
 from trainer.engine import Engine
 from trainer.offload import InProcessBackend, StateBackend
 from trainer.optimizer import ZeroOptimizer
@@ -55,7 +56,9 @@ def initialize(
         raise ValueError("initialize() needs config= (a dict, a JSON path or an EngineConfig)")
     parsed = parse_config(source if not isinstance(source, os.PathLike) else Path(source))
     _check_model(model, model_parameters)
-    collectives = Collectives()
+    compute = resolve_device(parsed.device)
+    activate(compute)
+    collectives = Collectives(compute)
     parsed.batch_sizes(collectives.world_size)  # fail before any daemon or collective work
     backend = _build_backend(parsed, collectives, model)
     try:

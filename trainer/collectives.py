@@ -32,18 +32,20 @@ class Done:
         return None
 
 
-def _init_from_env() -> None:
+def _init_from_env(backend: str = "gloo") -> None:
     """Join the env:// process group when launched by torchrun and nobody joined yet."""
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if launched and dist.is_available() and not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group(backend)
 
 
 class Collectives:
     """The data-parallel group: rank, size, and the three collectives ZeRO needs."""
 
-    def __init__(self) -> None:
-        _init_from_env()
+    def __init__(self, compute: Any = None) -> None:
+        """``compute``: a ``trainer.device.ComputeDevice`` (default: CPU with gloo)."""
+        _init_from_env(compute.dist_backend if compute is not None else "gloo")
+        self.device = compute.device if compute is not None else torch.device("cpu")
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
@@ -54,6 +56,13 @@ class Collectives:
         # wait vs 0.5 + 4.6 ms on 4.9 MB, 2 ranks), so on gloo partitions are slices of
         # an in-place all-reduce.
         self.reduce_by_all_reduce = self.active and dist.get_backend() == "gloo"
+        # NCCL's fused ops exist; an error there is real and must not turn into a
+        # different (fallback) collective on this rank only.
+        self._may_fall_back = not self.active or dist.get_backend() == "gloo"
+        from trainer.device import side_group
+
+        self.object_group = side_group() if self.active else None
+        """gloo group for object collectives and barriers (None: the default group)."""
 
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
         """In-place sum over ranks."""
@@ -74,7 +83,7 @@ class Collectives:
         if self.reduce_by_all_reduce:
             return self.all_reduce(flat, async_op=async_op), flat.narrow(
                 0, self.rank * part_numel, part_numel)
-        part = torch.empty(part_numel, dtype=flat.dtype)
+        part = torch.empty(part_numel, dtype=flat.dtype, device=flat.device)
         return self.reduce_scatter(part, flat, async_op=async_op), part
 
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, *,
@@ -90,6 +99,8 @@ class Collectives:
                     work = dist.reduce_scatter_tensor(output, flat, async_op=async_op)
                 return work if work is not None else Done()
             except RuntimeError:
+                if not self._may_fall_back:
+                    raise
                 self._fused_ops = False
         dist.all_reduce(flat)
         output.copy_(flat.view(self.world_size, -1)[self.rank])
@@ -108,6 +119,8 @@ class Collectives:
                     work = dist.all_gather_into_tensor(flat, part, async_op=async_op)
                 return work if work is not None else Done()
             except RuntimeError:
+                if not self._may_fall_back:
+                    raise
                 self._fused_ops = False
         dist.all_gather(list(flat.view(self.world_size, -1).unbind(0)), part)
         return Done()
@@ -122,12 +135,12 @@ class Collectives:
         if self.world_size == 1:
             return [value]
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
+        dist.all_gather_object(gathered, value, group=self.object_group)
         return gathered
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier()
+            dist.barrier(group=self.object_group)
 
     def node_leader_value(self, value: Any) -> Any:
         """The ``value`` passed by local rank 0 of this rank's node."""
