@@ -45,8 +45,11 @@ def test_the_engine_defers_lease_releases_behind_copy_events(monkeypatch) -> Non
         assert isinstance(engine.backend.copies, TwinCopyEngine)
         assert stats["rank_copy_engine"] == "twin"
         assert stats["rank_releases_deferred"] > 0
+        assert stats["rank_arena_pinned"] == "pinned"
+        assert len(engine.backend.copies.registered) == 1
         assert engine.backend.copies.late_releases_caught == 0
         engine.backend.wait_steps()
         assert len(engine.backend.releases) == 0
     finally:
         engine.close()
+    assert engine.backend.copies.registered == {}, "arena unregistered before unmap"

@@ -65,6 +65,10 @@ class DaemonBackend(StateBackend):
         """Leases whose copies are in flight: released/committed only after their event."""
         self._leased_for_copy: set[str] = set()
         """Shard ids with a release waiting in ``releases``."""
+        self.arena_pinned = "not_attempted"
+        """cudaHostRegister of this rank's arena mapping: pinned | failed | not_attempted."""
+        self._pinned_address = 0
+        self._pin_arena()
         self.swaps = swaps
         """The state may live on NVMe: prefetch hints are worth their round trip."""
         self.collectives = collectives
@@ -150,6 +154,29 @@ class DaemonBackend(StateBackend):
         return lease
 
     # -------------------------------------------------- copies through the engine
+
+    def _pin_arena(self) -> None:
+        """Register the arena mapping for DMA so copies from lease views are truly async."""
+        from trainer.copy_engine import host_address
+
+        arena = getattr(self.client, "arena", None)
+        if self.copies.zero_copy or arena is None or not arena.nbytes:
+            return
+        address = host_address(arena.view)
+        if self.copies.register_host(address, arena.nbytes):
+            self.arena_pinned, self._pinned_address = "pinned", address
+            return
+        self.arena_pinned = "failed"
+        warnings.warn(f"could not pin the {arena.nbytes} B offloadd arena for DMA "
+                      "(cudaHostRegister failed; raise the memlock limit: ulimit -l unlimited or "
+                      "LimitMEMLOCK=infinity); copies fall back to staged, slower transfers",
+                      RuntimeWarning, stacklevel=3)
+
+    def _unpin_arena(self) -> None:
+        """Before the client unmaps the arena (unregistering unmapped memory is an error)."""
+        if self._pinned_address:
+            address, self._pinned_address = self._pinned_address, 0
+            self.copies.unregister_host(address)
 
     def _drain_copies(self) -> None:
         """Wait for every copy in flight and run the releases they held back."""
@@ -292,7 +319,8 @@ class DaemonBackend(StateBackend):
         rank_side = {"rank_moved_nbytes": self.moved_nbytes, "rank_wait_s": self.wait_s,
                      "rank_grad_drops_refused": self.grad_drops_refused,
                      "rank_copy_engine": self.copies.kind,
-                     "rank_releases_deferred": self.releases.deferred}
+                     "rank_releases_deferred": self.releases.deferred,
+                     "rank_arena_pinned": self.arena_pinned}
         try:
             return {**self.client.stats(), **rank_side}
         except OffloadError as error:  # diagnostics only: never fail training over them
@@ -306,6 +334,8 @@ class DaemonBackend(StateBackend):
             self.wait_steps()
         except BaseException as error:  # still release the connection and the daemon
             failure = error
+        self.copies.synchronize()
+        self._unpin_arena()
         self.client.close()
         self.copies.close()
         if self._private:
