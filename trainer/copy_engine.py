@@ -337,7 +337,9 @@ class CudaCopyEngine(CopyEngine):
             event.record(stream)
         # The caching allocator must not hand the device buffer to another tensor while
         # this stream still copies into/out of it.
-        (dst if dst.is_cuda else src).record_stream(stream)
+        for tensor in (dst, src):
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
         self.copies += 1
         return event
 
