@@ -143,4 +143,4 @@ def test_select_copy_engine_by_env_and_device(monkeypatch) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
 def test_cuda_engine_without_cuda_names_the_fix() -> None:
     with pytest.raises(CopyEngineUnavailableError, match='"device": "cpu"'):
-        select_copy_engine("cuda:0")
+        select_copy_engine("cuda:0", "cuda")
