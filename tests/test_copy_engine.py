@@ -144,3 +144,22 @@ def test_select_copy_engine_by_env_and_device(monkeypatch) -> None:
 def test_cuda_engine_without_cuda_names_the_fix() -> None:
     with pytest.raises(CopyEngineUnavailableError, match='"device": "cpu"'):
         select_copy_engine("cuda:0", "cuda")
+
+
+def test_backend_d2h_of_a_gradient_survives_reuse_of_the_grad_buffer(
+        connect, twin: TwinCopyEngine) -> None:
+    from trainer.collectives import Collectives
+    from trainer.daemon_backend import DaemonBackend
+    from trainer.offload import UnitSpec
+
+    backend = DaemonBackend(connect(), collectives=Collectives(), private=False, copies=twin)
+    backend.register(UnitSpec(index=0, part_numel=32, param_dtype=torch.float32),
+                     torch.zeros(32))
+    grad = torch.full((32,), 2.0)
+    with twin.hold():
+        norm = backend.accumulate_grad(0, grad, first=True, want_sq_norm=True)
+        grad.fill_(99.0)  # the reducer reuses its buffer while the D2H is still queued
+    backend.wait_steps()
+    assert float(norm) == pytest.approx(32 * 4.0)
+    assert backend.client.get("u0.grad") == torch.full((32,), 2.0).numpy().tobytes()
+    backend.close()

@@ -280,6 +280,8 @@ class TwinCopyEngine(CopyEngine):
             if delay_s:
                 time.sleep(delay_s)
             event._finish(self._copy(dst, src, guard))
+            # Drop the views now: a lingering view would keep the client's arena mmap open.
+            del job, dst, src, guard, event
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor,
               guard: Guard | None) -> BaseException | None:

@@ -208,7 +208,9 @@ class DaemonBackend(StateBackend):
         try:
             target = lease.tensor(torch.float32)
             if first:
-                total = grad.to(torch.float32)
+                # A copy, not ``grad`` itself: the D2H reads it after this call returns,
+                # while the reducer may already reuse grad's buffer.
+                total = grad.to(torch.float32, copy=True)
             else:
                 total = self.copies.empty(target.numel(), torch.float32)
                 self.copies.wait_on_compute(self.copies.h2d(total, target, guard=lease))
