@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -99,7 +100,7 @@ def main() -> None:
     device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
     engine = select_copy_engine(device, kind)
     arena_nbytes = 2 * max(sizes) + 64 * MIB
-    rows = []
+    rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="offloadd-gpu-path-") as workdir:
         daemon = PrivateDaemon.start(workdir, arena_size=arena_nbytes + 64 * MIB)
         try:
@@ -126,9 +127,10 @@ def main() -> None:
             engine.close()
             daemon.stop()
     largest = rows[-1]
-    ratio = {direction: (largest[f"rank_{direction}_gbps"] / largest[f"pinned_{direction}_gbps"]
-                         if largest[f"pinned_{direction}_gbps"] else None)
-             for direction in ("h2d", "d2h")}
+    ratio: dict[str, float | None] = {}
+    for direction in ("h2d", "d2h"):
+        pinned_gbps = largest[f"pinned_{direction}_gbps"]
+        ratio[direction] = largest[f"rank_{direction}_gbps"] / pinned_gbps if pinned_gbps else None
     print(json.dumps({
         "bench": "gpu_path", "copy_engine": kind, "device": str(device),
         "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
