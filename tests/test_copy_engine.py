@@ -163,3 +163,25 @@ def test_backend_d2h_of_a_gradient_survives_reuse_of_the_grad_buffer(
     assert float(norm) == pytest.approx(32 * 4.0)
     assert backend.client.get("u0.grad") == torch.full((32,), 2.0).numpy().tobytes()
     backend.close()
+
+
+def test_a_refused_arena_registration_warns_with_the_fix_and_copies_still_work(
+        connect) -> None:
+    from trainer.collectives import Collectives
+    from trainer.daemon_backend import DaemonBackend
+    from trainer.offload import UnitSpec
+
+    twin = TwinCopyEngine(memlock_nbytes=64 << 10)  # far below the 4 MiB arena
+    with pytest.warns(RuntimeWarning, match="ulimit -l unlimited"):
+        backend = DaemonBackend(connect(), collectives=Collectives(), private=False,
+                                copies=twin)
+    try:
+        assert backend.stats()["rank_arena_pinned"] == "failed"
+        assert twin.registered == {}
+        backend.register(UnitSpec(index=0, part_numel=8, param_dtype=torch.float32),
+                         torch.arange(8, dtype=torch.float32))
+        out = twin.empty(8, torch.float32)
+        backend.read_params(0, out)
+        assert torch.equal(out, torch.arange(8, dtype=torch.float32))
+    finally:
+        backend.close()

@@ -196,8 +196,12 @@ class TwinCopyEngine(CopyEngine):
 
     kind = "twin"
 
-    def __init__(self, *, max_delay_s: float | None = None, seed: int = 0) -> None:
+    def __init__(self, *, max_delay_s: float | None = None, seed: int = 0,
+                 memlock_nbytes: int | None = None) -> None:
         self.device = torch.device("cpu")
+        self.memlock_nbytes = memlock_nbytes
+        """Like RLIMIT_MEMLOCK for cudaHostRegister: registrations past it fail (None: no
+        limit)."""
         if max_delay_s is None:
             max_delay_s = float(os.environ.get(TWIN_MAX_DELAY_ENV,
                                                DEFAULT_TWIN_MAX_DELAY_S * 1e6)) * 1e-6
@@ -263,6 +267,9 @@ class TwinCopyEngine(CopyEngine):
             self._running.set()
 
     def register_host(self, address: int, nbytes: int) -> bool:
+        if (self.memlock_nbytes is not None
+                and sum(self.registered.values()) + nbytes > self.memlock_nbytes):
+            return False
         self.registered[address] = nbytes
         return True
 
