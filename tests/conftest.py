@@ -30,6 +30,9 @@ from trainer import lease_debug
 from trainer.client import OffloadClient
 
 T = TypeVar("T")
+# Every device copy in the suite goes through the CPU twin copy engine (trainer.copy_engine):
+# late, threaded copies with events, so release-before-copy races fail here, not on a GPU.
+os.environ.setdefault("OFFLOADD_COPY_ENGINE", "twin")
 JOB_ARENA_NBYTES = 4 << 20
 """Arena each test job asks for; small, so one module's jobs fit the daemon's budget."""
 ASYNC_TIMEOUT_S = 30.0

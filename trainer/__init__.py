@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainer.collectives import Collectives
 from trainer.config import EngineConfig, parse_config
+from trainer.device import activate, resolve_device
 from trainer.distributed import init_distributed
 from trainer.engine import Engine
 from trainer.groups import resolve_param_groups
@@ -62,8 +63,10 @@ def initialize(
     parsed = parse_config(source if not isinstance(source, os.PathLike) else Path(source))
     _check_model(model)
     groups = resolve_param_groups(model, model_parameters, parsed.optimizer)
-    init_distributed()
-    collectives = Collectives()
+    compute = resolve_device(parsed.device)
+    activate(compute)
+    init_distributed(compute.dist_backend)
+    collectives = Collectives(compute)
     parsed.batch_sizes(collectives.world_size)  # fail before any daemon or collective work
     backend = _build_backend(parsed, collectives, model)
     try:

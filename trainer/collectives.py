@@ -35,9 +35,14 @@ class Done:
 class Collectives:
     """The data-parallel group: rank, size, and the three collectives ZeRO needs."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, compute: Any = None, *, group: Any = None,
+                 object_group: Any = None) -> None:
+        """``compute``: a ``trainer.device.ComputeDevice`` (default: CPU with gloo);
+        ``group``: the process group (None: the default group); ``object_group``: an
+        existing gloo side group to share (None: make one)."""
+        self.compute = compute
         self.group = group
-        """The process group (None: the default group)."""
+        self.device = compute.device if compute is not None else torch.device("cpu")
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.active else 0
         self.world_size = dist.get_world_size() if self.active else 1
@@ -48,6 +53,15 @@ class Collectives:
         # wait vs 0.5 + 4.6 ms on 4.9 MB, 2 ranks), so on gloo partitions are slices of
         # an in-place all-reduce.
         self.reduce_by_all_reduce = self.active and dist.get_backend() == "gloo"
+        # NCCL's fused ops exist; an error there is real and must not turn into a
+        # different (fallback) collective on this rank only.
+        self._may_fall_back = not self.active or dist.get_backend() == "gloo"
+        from trainer.device import side_group
+
+        if object_group is None and self.active:
+            object_group = side_group()
+        self.object_group = object_group
+        """gloo group for object collectives and barriers (None: the default group)."""
 
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
         """In-place sum over ranks."""
@@ -68,7 +82,7 @@ class Collectives:
         if self.reduce_by_all_reduce:
             return self.all_reduce(flat, async_op=async_op), flat.narrow(
                 0, self.rank * part_numel, part_numel)
-        part = torch.empty(part_numel, dtype=flat.dtype)
+        part = torch.empty(part_numel, dtype=flat.dtype, device=flat.device)
         return self.reduce_scatter(part, flat, async_op=async_op), part
 
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, *,
@@ -85,6 +99,8 @@ class Collectives:
                                                      async_op=async_op)
                 return work if work is not None else Done()
             except RuntimeError:
+                if not self._may_fall_back:
+                    raise
                 self._fused_ops = False
         dist.all_reduce(flat, group=self.group)
         output.copy_(flat.view(self.world_size, -1)[self.rank])
@@ -104,6 +120,8 @@ class Collectives:
                                                        async_op=async_op)
                 return work if work is not None else Done()
             except RuntimeError:
+                if not self._may_fall_back:
+                    raise
                 self._fused_ops = False
         dist.all_gather(list(flat.view(self.world_size, -1).unbind(0)), part,
                         group=self.group)
@@ -119,12 +137,12 @@ class Collectives:
         if self.world_size == 1:
             return [value]
         gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, value, group=self.group)
+        dist.all_gather_object(gathered, value, group=self.object_group)
         return gathered
 
     def barrier(self) -> None:
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            dist.barrier(group=self.object_group)
 
     def separate_group(self) -> Collectives:
         """The same ranks on a process group of their own (collective: every rank calls it).
@@ -136,7 +154,9 @@ class Collectives:
         """
         if self.world_size == 1:
             return self
-        return Collectives(group=dist.new_group(backend=dist.get_backend(self.group)))
+        return Collectives(self.compute,
+                           group=dist.new_group(backend=dist.get_backend(self.group)),
+                           object_group=self.object_group)
 
     def node_leader_value(self, value: Any) -> Any:
         """The ``value`` passed by local rank 0 of this rank's node."""

@@ -321,6 +321,8 @@ class EngineConfig:
     """Daemon connection."""
     units: UnitsConfig = field(default_factory=UnitsConfig)
     """Unit (flat parameter) construction."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Compute device: auto = cuda:LOCAL_RANK with NCCL when CUDA is available, else cpu."""
 
     def __post_init__(self) -> None:
         _check(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping,

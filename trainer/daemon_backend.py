@@ -34,6 +34,7 @@ from torch import nn
 
 from trainer.collectives import Collectives
 from trainer.config import EngineConfig
+from trainer.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue
 from trainer.lease_debug import check_view
 from trainer.offload import (
     STATE_KINDS,
@@ -56,8 +57,19 @@ class DaemonBackend(StateBackend):
     """Optimizer state as daemon shards; Adam runs in the daemon."""
 
     def __init__(self, client: Any, *, collectives: Collectives, private: bool,
-                 private_daemon: Any | None = None, swaps: bool = False) -> None:
+                 private_daemon: Any | None = None, swaps: bool = False,
+                 copies: CopyEngine | None = None) -> None:
         self.client = client
+        self.copies = copies or InlineCopyEngine()
+        """Moves lease bytes to/from the compute device (see trainer.copy_engine)."""
+        self.releases = ReleaseQueue(self.copies)
+        """Leases whose copies are in flight: released/committed only after their event."""
+        self._leased_for_copy: set[str] = set()
+        """Shard ids with a release waiting in ``releases``."""
+        self.arena_pinned = "not_attempted"
+        """cudaHostRegister of this rank's arena mapping: pinned | failed | not_attempted."""
+        self._pinned_address = 0
+        self._pin_arena()
         self.swaps = swaps
         """The state may live on NVMe: prefetch hints are worth their round trip."""
         self.collectives = collectives
@@ -84,6 +96,7 @@ class DaemonBackend(StateBackend):
         return [f"u{unit}.{kind}" for kind in kinds]
 
     def register(self, spec: UnitSpec, master: torch.Tensor) -> None:
+        master = master.cpu()
         self._specs[spec.index] = spec
         self._names[spec.index] = (f"u{spec.index}", f"u{spec.index}.grad",
                                    f"u{spec.index}.param")
@@ -128,6 +141,7 @@ class DaemonBackend(StateBackend):
         self._dropped_grads.add(unit)
 
     def wait_steps(self) -> None:
+        self._drain_copies()
         failure: BaseException | None = None
         for unit in list(self._steps):
             try:
@@ -139,13 +153,90 @@ class DaemonBackend(StateBackend):
 
     def _acquire(self, shard_id: str, mode: str) -> Any:
         started = time.perf_counter()
+        if shard_id in self._leased_for_copy:  # our own lease is still held by a copy
+            self._drain_copies()
         lease = self.client.acquire(shard_id, mode)
         self.wait_s += time.perf_counter() - started
         return lease
 
+    # -------------------------------------------------- copies through the engine
+
+    def _pin_arena(self) -> None:
+        """Register the arena mapping for DMA so copies from lease views are truly async."""
+        from trainer.copy_engine import host_address
+
+        arena = getattr(self.client, "arena", None)
+        if self.copies.zero_copy or arena is None or not arena.nbytes:
+            return
+        address = host_address(arena.view)
+        if self.copies.register_host(address, arena.nbytes):
+            self.arena_pinned, self._pinned_address = "pinned", address
+            return
+        self.arena_pinned = "failed"
+        warnings.warn(f"could not pin the {arena.nbytes} B offloadd arena for DMA "
+                      "(cudaHostRegister failed; raise the memlock limit: ulimit -l unlimited or "
+                      "LimitMEMLOCK=infinity); copies fall back to staged, slower transfers",
+                      RuntimeWarning, stacklevel=3)
+
+    def _unpin_arena(self) -> None:
+        """Before the client unmaps the arena (unregistering unmapped memory is an error)."""
+        if self._pinned_address:
+            address, self._pinned_address = self._pinned_address, 0
+            self.copies.unregister_host(address)
+
+    def _drain_copies(self) -> None:
+        """Wait for every copy in flight and run the releases they held back."""
+        try:
+            self.releases.drain()
+        finally:
+            self._leased_for_copy.clear()
+
+    def _release_after(self, event: Any, lease: Any) -> None:
+        self._leased_for_copy.add(lease.shard_id)
+        self.releases.release_after(event, lease.release)
+
+    def _stage_in(self, lease: Any, out: torch.Tensor) -> None:
+        """Copy the lease into device ``out``; the lease goes back after the copy's event."""
+        try:
+            event = self.copies.h2d(out, lease.tensor(out.dtype), guard=lease)
+        except BaseException:
+            lease.release()
+            raise
+        self.copies.wait_on_compute(event)
+        self._release_after(event, lease)
+        self.moved_nbytes += out.nbytes
+
+    def _accumulate_staged(self, unit: int, grad: torch.Tensor, *, first: bool,
+                           want_sq_norm: bool) -> torch.Tensor | None:
+        """``accumulate_grad`` for a device gradient: the sum is formed on the device and
+        copied into the write lease, which commits only after that copy's event."""
+        lease = self._acquire(self._names[unit][1], "w")
+        try:
+            target = lease.tensor(torch.float32)
+            if first:
+                # A copy, not ``grad`` itself: the D2H reads it after this call returns,
+                # while the reducer may already reuse grad's buffer.
+                total = grad.to(torch.float32, copy=True)
+            else:
+                total = self.copies.empty(target.numel(), torch.float32)
+                self.copies.wait_on_compute(self.copies.h2d(total, target, guard=lease))
+                total.add_(grad)
+            event = self.copies.d2h(target, total, guard=lease)
+        except BaseException:
+            lease.release()
+            raise
+        self._release_after(event, lease)
+        self.moved_nbytes += target.nbytes
+        self.releases.poll()
+        return squared_norm(total) if want_sq_norm else None
+
+    # ------------------------------------------------------------------ grads
+
     def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
                         want_sq_norm: bool) -> torch.Tensor | None:
         self._settle(unit)
+        if not self.copies.zero_copy and unit not in self._dropped_grads:
+            return self._accumulate_staged(unit, grad, first=first, want_sq_norm=want_sq_norm)
         if unit in self._dropped_grads:
             assert first, "a gradient window starts with first=True after each step"
             started = time.perf_counter()
@@ -168,6 +259,8 @@ class DaemonBackend(StateBackend):
                    grad_scale: float) -> StepHandle:
         """Start the step; it is waited for at the unit's next use (or ``wait_steps``)."""
         self._settle(unit)
+        if self._names[unit][1] in self._leased_for_copy:  # the step reads the committed grad
+            self._drain_copies()
         if len(self._steps) >= self.max_inflight_steps:
             self._settle(next(iter(self._steps)))  # the oldest: steps finish in order
         handle = _TimedHandle(self.client.optimizer_step_async(
@@ -179,6 +272,10 @@ class DaemonBackend(StateBackend):
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:
         self._settle(unit)
+        if not self.copies.zero_copy:
+            self._stage_in(self._acquire(self._names[unit][2], "r"), out)
+            self.releases.poll()
+            return
         with self._acquire(self._names[unit][2], "r") as lease:
             part = lease.tensor(self._specs[unit].param_dtype)
             out.copy_(part)
@@ -186,8 +283,13 @@ class DaemonBackend(StateBackend):
             self.moved_nbytes += out.nbytes
 
     def lease_params(self, unit: int) -> tuple[torch.Tensor, Callable[[], None]]:
-        """A read lease on ``u{N}.param``: collectives read the arena directly (no copy)."""
+        """A read lease on ``u{N}.param``: collectives read the arena directly (no copy);
+        with a device copy engine, a device copy of it (the lease returns after the copy)."""
         self._settle(unit)
+        if not self.copies.zero_copy:
+            part = self.copies.empty(self._specs[unit].part_numel, self._specs[unit].param_dtype)
+            self.read_params(unit, part)
+            return part, _nothing
         lease = self._acquire(self._names[unit][2], "r")
         self.moved_nbytes += lease.nbytes
         return lease.tensor(self._specs[unit].param_dtype), lease.release
@@ -197,6 +299,7 @@ class DaemonBackend(StateBackend):
             self.client.prefetch([self._names[unit][2] for unit in units])
 
     def begin_step(self) -> None:
+        self.releases.poll()
         if self.swaps:  # the access order only steers the NVMe tier's prefetch
             self.client.step_begin()
 
@@ -204,6 +307,7 @@ class DaemonBackend(StateBackend):
         if not self._specs[unit].trainable:
             return {}
         self._settle(unit)
+        self._drain_copies()
         with self.client.acquire_many(self._ids(unit, *STATE_KINDS), "r") as leases:
             return {kind: lease.tensor(torch.float32).clone()
                     for kind, lease in zip(STATE_KINDS, leases, strict=True)}
@@ -216,7 +320,8 @@ class DaemonBackend(StateBackend):
         param = state.get("param")
         if param is None:
             param = state["master"].to(self._specs[unit].param_dtype)
-        values = [state[kind] for kind in STATE_KINDS] + [param]
+        values = [state[kind].cpu() for kind in STATE_KINDS] + [param.cpu()]
+        self._drain_copies()
         self.client.put_many(dict(zip(self._ids(unit, *STATE_KINDS, "param"), values,
                                       strict=True)))
 
@@ -228,7 +333,10 @@ class DaemonBackend(StateBackend):
         from trainer.client import OffloadError
 
         rank_side = {"rank_moved_nbytes": self.moved_nbytes, "rank_wait_s": self.wait_s,
-                     "rank_grad_drops_refused": self.grad_drops_refused}
+                     "rank_grad_drops_refused": self.grad_drops_refused,
+                     "rank_copy_engine": self.copies.kind,
+                     "rank_releases_deferred": self.releases.deferred,
+                     "rank_arena_pinned": self.arena_pinned}
         try:
             return {**self.client.stats(), **rank_side}
         except OffloadError as error:  # diagnostics only: never fail training over them
@@ -244,10 +352,13 @@ class DaemonBackend(StateBackend):
             failure = error
         from trainer.client import OffloadError
 
+        self.copies.synchronize()
+        self._unpin_arena()
         try:
             self.client.close_job()  # nothing to reattach to: free the job without lingering
         except OffloadError:
             self.client.close()
+        self.copies.close()
         if self._private:
             _wait_for_node_peers(self.collectives)
         if self._daemon is not None:
@@ -272,6 +383,10 @@ class _TimedHandle:
             self._backend.wait_s += time.perf_counter() - started
 
 
+def _nothing() -> None:
+    return None
+
+
 def _dtype_tag(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16",
             torch.float16: "float16"}[dtype]
@@ -282,7 +397,8 @@ def _wait_for_node_peers(collectives: Collectives) -> None:
     if collectives.world_size == 1:
         return
     try:
-        dist.monitored_barrier(timeout=timedelta(seconds=60), wait_all_ranks=True)
+        dist.monitored_barrier(group=collectives.object_group, timeout=timedelta(seconds=60),
+                               wait_all_ranks=True)
     except RuntimeError as error:  # a peer died; stopping the daemon is still right
         warnings.warn(f"peers did not reach the daemon shutdown barrier: {error}",
                       RuntimeWarning, stacklevel=2)
@@ -404,5 +520,9 @@ def connect_backend(config: EngineConfig, collectives: Collectives,
                            f"(config key offloadd.socket): {error}") from error
     zero = config.zero_optimization
     swaps = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
+    from trainer.copy_engine import select_copy_engine
+    from trainer.device import resolve_device
+
     return DaemonBackend(client, collectives=collectives, private=config.offloadd.socket is None,
-                         private_daemon=daemon, swaps=swaps)
+                         private_daemon=daemon, swaps=swaps,
+                         copies=select_copy_engine(resolve_device(config.device).device))

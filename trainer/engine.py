@@ -59,7 +59,7 @@ class Engine(nn.Module):
         self._inflight: list[tuple[Unit, ReducedGrad]] = []
         stage = config.zero_optimization.stage
         num_parts = collectives.world_size if stage >= 1 else 1
-        model.to(self.precision.dtype)
+        model.to(device=collectives.device, dtype=self.precision.dtype)
         groups = param_groups or resolve_param_groups(model, None, config.optimizer)
         self.units = build_units(model, config.units, num_parts=num_parts,
                                  part_index=collectives.rank if num_parts > 1 else 0,

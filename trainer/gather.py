@@ -50,7 +50,7 @@ class _UnitBuffer:
 
     def __init__(self, unit: Unit, dtype: torch.dtype) -> None:
         self.unit = unit
-        self.flat = torch.empty(unit.padded_numel, dtype=dtype)
+        self.flat = torch.empty(unit.padded_numel, dtype=dtype, device=unit.device)
         self.storage = self.flat.untyped_storage()
         self.nbytes = self.storage.nbytes()
         self.storage.resize_(0)

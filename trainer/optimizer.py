@@ -108,7 +108,7 @@ class ZeroOptimizer:
 
     def _global_grad_norm(self) -> float:
         total = torch.stack(self._sq_norms).sum() if self._sq_norms else torch.zeros(
-            (), dtype=torch.float64)
+            (), dtype=torch.float64, device=self.collectives.device)
         self._sq_norms.clear()
         if self.partitioned:
             self.collectives.all_reduce(total)

@@ -71,6 +71,11 @@ class Unit:
     def shard_prefix(self) -> str:
         return f"u{self.index}"
 
+    @property
+    def device(self) -> torch.device:
+        """The compute device the unit's parameters live on."""
+        return self.slots[0].param.device
+
     def part_slice(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's partition of a flat tensor of ``padded_numel`` elements."""
         start = self.part_index * self.part_numel
@@ -78,14 +83,14 @@ class Unit:
 
     def flatten_params(self, dtype: torch.dtype) -> torch.Tensor:
         """A new padded flat copy of the current parameter values."""
-        flat = torch.zeros(self.padded_numel, dtype=dtype)
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
         for slot in self.slots:
             flat.narrow(0, slot.offset, slot.numel).copy_(slot.param.detach().reshape(-1))
         return flat
 
     def flatten_grads(self, dtype: torch.dtype) -> torch.Tensor:
         """A padded flat copy of the parameters' ``.grad`` (zeros where absent); clears them."""
-        flat = torch.zeros(self.padded_numel, dtype=dtype)
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
         for slot in self.slots:
             grad = slot.param.grad
             if grad is not None:
@@ -100,7 +105,7 @@ class Unit:
 
     def release_params(self) -> None:
         """Drop the parameters' storage; they become empty until the next gather."""
-        empty = torch.empty(0, dtype=self.slots[0].param.dtype)
+        empty = torch.empty(0, dtype=self.slots[0].param.dtype, device=self.device)
         for slot in self.slots:
             slot.param.data = empty
 

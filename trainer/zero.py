@@ -147,7 +147,7 @@ class Replicated(Placement):
         if unit.part_numel == unit.padded_numel:
             self.backend.read_params(unit.index, unit.flat)
             return
-        part = torch.empty(unit.part_numel, dtype=self.dtype)
+        part = torch.empty(unit.part_numel, dtype=self.dtype, device=unit.device)
         self.backend.read_params(unit.index, part)
         self.collectives.all_gather(unit.flat, part)
 

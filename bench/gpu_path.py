@@ -1,0 +1,145 @@
+"""H2D / D2H GB/s through a real daemon's arena leases vs a plain pinned copy of the same sizes.
+
+For each shard size, one real ``offloadd serve`` job, this rank's arena mapping
+registered with the copy engine (``cudaHostRegister`` on CUDA), and:
+
+- ``rank``: lease ``u.param`` (read) -> ``engine.h2d`` into a device buffer,
+  lease released after the copy's event (``trainer.copy_engine.ReleaseQueue``);
+  a device gradient -> ``engine.d2h`` into a write lease, committed after its event.
+  This is the path ``trainer.daemon_backend`` takes.
+- ``pinned_memcpy``: ``torch.empty(pin_memory=True)`` <-> device with
+  ``copy_(non_blocking=True)`` on one stream (a plain ``cudaMemcpyAsync``).
+
+The daemon-driven path (issue 11 item 4: the daemon copies arena -> GPU through
+cupy on its own streams) is not built yet; its column reports null with a note.
+
+    python bench/gpu_path.py [--sizes-mib 4,64,256] [--repeats 5] [--engine cuda|twin]
+
+Without CUDA it runs on the CPU twin (numbers then measure the twin, not a GPU: the
+JSON says which). Last line: JSON with ``ratio_vs_pinned_memcpy_h2d`` and ``_d2h``
+(ours GB/s / pinned GB/s at the largest size; >= 0.9 is the target on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from offloadd.embedded import PrivateDaemon
+from trainer.client import OffloadClient
+from trainer.copy_engine import CopyEngine, ReleaseQueue, host_address, select_copy_engine
+
+MIB = 1 << 20
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def _time_rank_path(client: OffloadClient, engine: CopyEngine, nbytes: int,
+                    repeats: int) -> tuple[float, float]:
+    releases = ReleaseQueue(engine)
+    numel = nbytes // 4
+    device_buffer = engine.empty(numel, torch.float32)
+    h2d, d2h = [], []
+    for _ in range(repeats):
+        engine.synchronize()
+        started = time.perf_counter()
+        lease = client.acquire("u.param", "r")
+        event = engine.h2d(device_buffer, lease.tensor(torch.float32), guard=lease)
+        releases.release_after(event, lease.release)
+        releases.drain()
+        h2d.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        lease = client.acquire("u.grad", "w")
+        event = engine.d2h(lease.tensor(torch.float32), device_buffer, guard=lease)
+        releases.release_after(event, lease.release)
+        releases.drain()
+        d2h.append(time.perf_counter() - started)
+    return _gbps(nbytes, statistics.median(h2d)), _gbps(nbytes, statistics.median(d2h))
+
+
+def _time_pinned(device: torch.device, nbytes: int, repeats: int) -> tuple[float, float] | None:
+    if device.type != "cuda":
+        return None
+    numel = nbytes // 4
+    host = torch.empty(numel, dtype=torch.float32, pin_memory=True)
+    dev = torch.empty(numel, dtype=torch.float32, device=device)
+    h2d, d2h = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+        h2d.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize(device)
+        d2h.append(time.perf_counter() - started)
+    return _gbps(nbytes, statistics.median(h2d)), _gbps(nbytes, statistics.median(d2h))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes-mib", default="4,64,256")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--engine", choices=["cuda", "twin"], default=None)
+    args = parser.parse_args()
+    sizes = [int(size) * MIB for size in args.sizes_mib.split(",")]
+    kind = args.engine or ("cuda" if torch.cuda.is_available() else "twin")
+    device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
+    engine = select_copy_engine(device, kind)
+    arena_nbytes = 2 * max(sizes) + 64 * MIB
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="offloadd-gpu-path-") as workdir:
+        daemon = PrivateDaemon.start(workdir, arena_size=arena_nbytes + 64 * MIB)
+        try:
+            client = OffloadClient.connect(daemon.socket_path, job="gpu-path",
+                                           arena_nbytes=arena_nbytes, timeout_s=30)
+            pinned_arena = engine.register_host(host_address(client.arena.view),
+                                                client.arena.nbytes)
+            for nbytes in sizes:
+                client.put_many({"u.param": torch.ones(nbytes // 4),
+                                 "u.grad": torch.zeros(nbytes // 4)})
+                h2d, d2h = _time_rank_path(client, engine, nbytes, args.repeats)
+                pinned = _time_pinned(device, nbytes, args.repeats)
+                rows.append({"nbytes": nbytes, "rank_h2d_gbps": h2d, "rank_d2h_gbps": d2h,
+                             "pinned_h2d_gbps": pinned[0] if pinned else None,
+                             "pinned_d2h_gbps": pinned[1] if pinned else None,
+                             "daemon_h2d_gbps": None, "daemon_d2h_gbps": None})
+                client.drop(["u.param", "u.grad"])
+                print(json.dumps(rows[-1]), file=sys.stderr)
+            engine.synchronize()
+            if pinned_arena:
+                engine.unregister_host(host_address(client.arena.view))
+            client.close()
+        finally:
+            engine.close()
+            daemon.stop()
+    largest = rows[-1]
+    ratio: dict[str, float | None] = {}
+    for direction in ("h2d", "d2h"):
+        pinned_gbps = largest[f"pinned_{direction}_gbps"]
+        ratio[direction] = largest[f"rank_{direction}_gbps"] / pinned_gbps if pinned_gbps else None
+    print(json.dumps({
+        "bench": "gpu_path", "copy_engine": kind, "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "arena_pinned": pinned_arena, "rows": rows,
+        "ratio_vs_pinned_memcpy_h2d": ratio["h2d"], "ratio_vs_pinned_memcpy_d2h": ratio["d2h"],
+        "note": ("daemon-driven copies (cupy) not built; twin numbers measure a CPU thread, "
+                 "not a GPU" if kind == "twin" else "daemon-driven copies (cupy) not built"),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,477 @@
+"""Copy engines: host <-> compute-device copies that complete asynchronously, with events.
+
+The rank moves parameter partitions from arena leases to the compute device
+(H2D) and reduced gradients back into write leases (D2H). Three engines share
+one interface:
+
+- ``CudaCopyEngine``: dedicated CUDA streams for each direction, a pool of
+  ``torch.cuda.Event``; the compute stream waits on events, never the host.
+- ``TwinCopyEngine``: the CPU twin CI runs. Every copy runs later on a worker
+  thread after a small random delay and completes its own event, so the
+  ordering rules below are exercised without a GPU. A copy whose guard (the
+  lease it reads or writes) was released before the copy ran fails its event
+  with ``CopyAfterReleaseError``.
+- ``InlineCopyEngine``: CPU training without the twin; copies run at once.
+
+Hazard (release after event): an arena lease must not be released, nor a
+write lease committed, until the event of the copy that touches its bytes has
+completed. Otherwise the daemon may evict the shard, write it back or hand the
+bytes to another shard while the DMA is still reading or writing them.
+``ReleaseQueue`` holds such releases and runs them at safe points (``poll``).
+
+``OFFLOADD_COPY_ENGINE`` (``cuda`` | ``twin`` | ``inline``) overrides the
+choice ``select_copy_engine`` makes from the compute device.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+
+COPY_ENGINE_ENV = "OFFLOADD_COPY_ENGINE"
+TWIN_MAX_DELAY_ENV = "OFFLOADD_TWIN_MAX_DELAY_US"
+DEFAULT_TWIN_MAX_DELAY_S = 200e-6
+"""Upper bound of the twin's random per-copy delay: long enough to reorder copies against
+the host, short enough that the parity suite stays fast."""
+ENGINE_KINDS = ("cuda", "twin", "inline")
+
+
+class CopyAfterReleaseError(RuntimeError):
+    """A copy touched lease memory after the lease was released (release before event)."""
+
+
+class CopyEngineUnavailableError(RuntimeError):
+    """The requested copy engine cannot run here (no CUDA, CPU-only torch build)."""
+
+
+class Guard(Protocol):
+    """What a copy protects: a lease whose memory must outlive the copy."""
+
+    @property
+    def released(self) -> bool: ...
+
+
+class CopyEvent(Protocol):
+    """Completion of one copy."""
+
+    def query(self) -> bool:
+        """True when the copy finished (without blocking)."""
+        ...
+
+    def synchronize(self) -> None:
+        """Block the host until the copy finished; re-raise its failure."""
+        ...
+
+
+class CopyEngine(abc.ABC):
+    """Asynchronous host <-> device copies ordered against the compute stream by events."""
+
+    kind: str
+    device: torch.device
+
+    @property
+    def zero_copy(self) -> bool:
+        """Compute can read host (arena) views directly: no staging copy is needed."""
+        return False
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """A buffer on the compute device."""
+        return torch.empty(numel, dtype=dtype, device=self.device)
+
+    @abc.abstractmethod
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        """Start copying host ``src`` into device ``dst`` after the compute stream's work."""
+
+    @abc.abstractmethod
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        """Start copying device ``src`` into host ``dst`` after the compute stream's work."""
+
+    @abc.abstractmethod
+    def wait_on_compute(self, event: CopyEvent) -> None:
+        """Make later compute-stream work wait for ``event`` (CUDA: no host block)."""
+
+    def recycle(self, event: CopyEvent) -> None:  # noqa: B027 - pools are optional
+        """``event`` completed and nobody holds it: it may be reused."""
+
+    def synchronize(self) -> None:  # noqa: B027 - inline copies are done at issue
+        """Wait for every copy issued so far."""
+
+    def register_host(self, address: int, nbytes: int) -> bool:
+        """Pin ``nbytes`` of host memory at ``address`` for DMA; False when not possible."""
+        return False
+
+    def unregister_host(self, address: int) -> None:  # noqa: B027 - nothing registered
+        """Undo ``register_host`` (before the memory is unmapped)."""
+
+    def close(self) -> None:  # noqa: B027 - nothing to stop
+        """Finish outstanding copies and release threads/streams."""
+
+
+# ---------------------------------------------------------------------------
+# inline
+
+
+class _DoneEvent:
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+
+_DONE = _DoneEvent()
+
+
+class InlineCopyEngine(CopyEngine):
+    """CPU compute without the twin: a copy is a synchronous ``copy_``."""
+
+    kind = "inline"
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    @property
+    def zero_copy(self) -> bool:
+        return True
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        dst.copy_(src)
+        return _DONE
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        dst.copy_(src)
+        return _DONE
+
+    def wait_on_compute(self, event: CopyEvent) -> None:
+        event.synchronize()
+
+
+# ---------------------------------------------------------------------------
+# twin
+
+
+class TwinEvent:
+    """A twin copy's completion: set by the worker thread, with its failure if any."""
+
+    __slots__ = ("_done", "error")
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def reset(self) -> None:
+        self._done.clear()
+        self.error = None
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+    def _finish(self, error: BaseException | None) -> None:
+        self.error = error
+        self._done.set()
+
+
+class TwinCopyEngine(CopyEngine):
+    """The CPU twin of ``CudaCopyEngine``: copies run later, on a worker thread, in order.
+
+    One worker plays one copy stream (copies complete in issue order, as on a
+    CUDA stream). ``hold()`` pauses the worker so tests can place releases
+    deterministically between a copy's issue and its completion.
+    """
+
+    kind = "twin"
+
+    def __init__(self, *, max_delay_s: float | None = None, seed: int = 0,
+                 memlock_nbytes: int | None = None) -> None:
+        self.device = torch.device("cpu")
+        self.memlock_nbytes = memlock_nbytes
+        """Like RLIMIT_MEMLOCK for cudaHostRegister: registrations past it fail (None: no
+        limit)."""
+        if max_delay_s is None:
+            max_delay_s = float(os.environ.get(TWIN_MAX_DELAY_ENV,
+                                               DEFAULT_TWIN_MAX_DELAY_S * 1e6)) * 1e-6
+        if max_delay_s < 0:
+            raise ValueError(f"{TWIN_MAX_DELAY_ENV} must be >= 0, got {max_delay_s * 1e6} us")
+        self.max_delay_s = max_delay_s
+        self._random = random.Random(seed)
+        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._running = threading.Event()
+        self._running.set()
+        self._pool: list[TwinEvent] = []
+        self._last: TwinEvent | None = None
+        self.copies = 0
+        """Copies issued (stats)."""
+        self.late_releases_caught = 0
+        """Copies that found their guard released (each failed its event)."""
+        self.registered: dict[int, int] = {}
+        """Pinned host regions (address -> nbytes), tracked like cudaHostRegister would."""
+        self._worker = threading.Thread(target=self._run, name="offloadd-twin-copy",
+                                        daemon=True)
+        self._worker.start()
+
+    def _take_event(self) -> TwinEvent:
+        event = self._pool.pop() if self._pool else TwinEvent()
+        event.reset()
+        self._last = event
+        return event
+
+    def recycle(self, event: CopyEvent) -> None:
+        if isinstance(event, TwinEvent) and event.query() and event is not self._last:
+            self._pool.append(event)
+
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, guard: Guard | None) -> TwinEvent:
+        if dst.numel() != src.numel():
+            raise ValueError(f"copy of {src.numel()} elements into {dst.numel()}")
+        event = self._take_event()
+        self.copies += 1
+        delay_s = self._random.uniform(0.0, self.max_delay_s)
+        self._jobs.put((dst, src, guard, event, delay_s))
+        return event
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        return self._issue(dst, src, guard)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        return self._issue(dst, src, guard)
+
+    def wait_on_compute(self, event: CopyEvent) -> None:
+        # The twin's compute stream is the host thread itself.
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        if self._last is not None:
+            self._last._done.wait()
+
+    @contextmanager
+    def hold(self) -> Iterator[None]:
+        """Pause copies (issued ones wait) until the block exits."""
+        self._running.clear()
+        try:
+            yield
+        finally:
+            self._running.set()
+
+    def register_host(self, address: int, nbytes: int) -> bool:
+        if (self.memlock_nbytes is not None
+                and sum(self.registered.values()) + nbytes > self.memlock_nbytes):
+            return False
+        self.registered[address] = nbytes
+        return True
+
+    def unregister_host(self, address: int) -> None:
+        if self.registered.pop(address, None) is None:
+            raise RuntimeError(f"host region {address:#x} was never registered")
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            dst, src, guard, event, delay_s = job
+            self._running.wait()
+            if delay_s:
+                time.sleep(delay_s)
+            event._finish(self._copy(dst, src, guard))
+            # Drop the views now: a lingering view would keep the client's arena mmap open.
+            del job, dst, src, guard, event
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor,
+              guard: Guard | None) -> BaseException | None:
+        if guard is not None and guard.released:
+            self.late_releases_caught += 1
+            return CopyAfterReleaseError(
+                f"a copy ran after its lease {getattr(guard, 'shard_id', guard)!r} was released; "
+                "release leases through ReleaseQueue.release_after(event, ...)")
+        try:
+            dst.copy_(src)
+        except BaseException as error:  # surfaces at the event's synchronize()
+            return error
+        return None
+
+    def close(self) -> None:
+        self._running.set()
+        self._jobs.put(None)
+        self._worker.join()
+
+
+# ---------------------------------------------------------------------------
+# cuda
+
+
+class CudaCopyEngine(CopyEngine):
+    """One CUDA stream per direction and a pool of events on ``device``."""
+
+    kind = "cuda"
+
+    def __init__(self, device: torch.device | str) -> None:
+        require_cuda()
+        self.device = torch.device(device)
+        self.h2d_stream = torch.cuda.Stream(self.device)
+        self.d2h_stream = torch.cuda.Stream(self.device)
+        self._pool: list[torch.cuda.Event] = []
+        self.copies = 0
+        self.registered: dict[int, int] = {}
+
+    def _take_event(self) -> torch.cuda.Event:
+        return self._pool.pop() if self._pool else torch.cuda.Event()
+
+    def recycle(self, event: CopyEvent) -> None:
+        if isinstance(event, torch.cuda.Event) and event.query():
+            self._pool.append(event)
+
+    def _copy_on(self, stream: torch.cuda.Stream, dst: torch.Tensor,
+                 src: torch.Tensor) -> torch.cuda.Event:
+        compute = torch.cuda.current_stream(self.device)
+        event = self._take_event()
+        # The copy may overwrite (H2D) or read (D2H) memory the compute stream is still
+        # using, so it starts after the compute stream's work issued so far.
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+            event.record(stream)
+        # The caching allocator must not hand the device buffer to another tensor while
+        # this stream still copies into/out of it.
+        for tensor in (dst, src):
+            if tensor.is_cuda:
+                tensor.record_stream(stream)
+        self.copies += 1
+        return event
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        return self._copy_on(self.h2d_stream, dst, src)
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        return self._copy_on(self.d2h_stream, dst, src)
+
+    def wait_on_compute(self, event: CopyEvent) -> None:
+        assert isinstance(event, torch.cuda.Event | _DoneEvent)
+        if isinstance(event, torch.cuda.Event):
+            torch.cuda.current_stream(self.device).wait_event(event)
+
+    def synchronize(self) -> None:
+        self.h2d_stream.synchronize()
+        self.d2h_stream.synchronize()
+
+    def register_host(self, address: int, nbytes: int) -> bool:
+        # cudaHostRegisterPortable (1): pinned for every context, as torch's own pinning does.
+        code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
+        if code != 0:
+            return False
+        self.registered[address] = nbytes
+        return True
+
+    def unregister_host(self, address: int) -> None:
+        if self.registered.pop(address, None) is None:
+            return
+        code = int(torch.cuda.cudart().cudaHostUnregister(address))
+        if code != 0:
+            raise RuntimeError(f"cudaHostUnregister({address:#x}) failed with cudaError {code}")
+
+    def close(self) -> None:
+        self.synchronize()
+
+
+def require_cuda() -> None:
+    """Raise ``CopyEngineUnavailableError`` naming the fix when CUDA cannot be used."""
+    if torch.version.cuda is None:
+        raise CopyEngineUnavailableError(
+            f"torch {torch.__version__} is a CPU-only build; install a CUDA build of torch or "
+            f'set {COPY_ENGINE_ENV}=twin / config "device": "cpu"')
+    if not torch.cuda.is_available():
+        raise CopyEngineUnavailableError(
+            "torch.cuda.is_available() is False (no GPU or driver visible); "
+            f'set config "device": "cpu" or {COPY_ENGINE_ENV}=inline')
+
+
+# ---------------------------------------------------------------------------
+# deferred releases
+
+
+class ReleaseQueue:
+    """Lease releases/commits that wait for the copies using the lease (see module note)."""
+
+    def __init__(self, engine: CopyEngine) -> None:
+        self.engine = engine
+        self._pending: collections.deque[tuple[CopyEvent, Callable[[], None]]] = (
+            collections.deque())
+        self.deferred = 0
+        """Releases that could not run at once because their copy was in flight."""
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def release_after(self, event: CopyEvent, release: Callable[[], None]) -> None:
+        """Run ``release`` once ``event`` completed (at the next ``poll``/``drain``)."""
+        self._pending.append((event, release))
+        self.deferred += 1
+
+    def poll(self) -> int:
+        """Run the releases whose copies completed, in order; returns how many ran.
+
+        A copy that failed re-raises here (after its release ran: the lease is given back
+        either way, and the failure names the race)."""
+        ran = 0
+        while self._pending and self._pending[0][0].query():
+            self._finish(*self._pending.popleft())
+            ran += 1
+        return ran
+
+    def drain(self) -> None:
+        """Wait for every pending copy and run every release (first failure re-raised)."""
+        failure: BaseException | None = None
+        while self._pending:
+            event, release = self._pending.popleft()
+            try:
+                self._finish(event, release)
+            except BaseException as error:  # release the rest before re-raising
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+    def _finish(self, event: CopyEvent, release: Callable[[], None]) -> None:
+        try:
+            event.synchronize()  # done already unless draining; re-raises a copy failure
+        finally:
+            release()
+            self.engine.recycle(event)
+
+
+# ---------------------------------------------------------------------------
+# selection
+
+
+def select_copy_engine(device: torch.device | str, kind: str | None = None) -> CopyEngine:
+    """The engine for ``device``: ``kind`` or ``$OFFLOADD_COPY_ENGINE``, else by device."""
+    device = torch.device(device)
+    kind = kind or os.environ.get(COPY_ENGINE_ENV) or None
+    if kind is not None and kind not in ENGINE_KINDS:
+        raise ValueError(f"{COPY_ENGINE_ENV}={kind!r}: expected one of {', '.join(ENGINE_KINDS)}")
+    if kind is None:
+        kind = "cuda" if device.type == "cuda" else "inline"
+    if kind == "cuda":
+        if device.type != "cuda":
+            raise ValueError(f"copy engine 'cuda' needs a cuda compute device, got {device}")
+        return CudaCopyEngine(device)
+    if device.type != "cpu":
+        raise ValueError(f"copy engine {kind!r} runs CPU compute only, got device {device}")
+    return TwinCopyEngine() if kind == "twin" else InlineCopyEngine()
+
+
+def host_address(view: memoryview) -> int:
+    """Address of a host buffer (for ``register_host``)."""
+    return torch.frombuffer(view, dtype=torch.uint8).data_ptr() if len(view) else 0
