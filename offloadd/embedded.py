@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,6 +30,8 @@ class PrivateDaemon:
         self._owned = owns_workdir
         self.ready_line = ""
         """The daemon's one ready line (``offloadd ready socket=... metrics_addr=...``)."""
+        self.remove_on_stop: list[str] = []
+        """Scratch dirs (e.g. private swap dirs) deleted once the daemon has exited."""
 
     @classmethod
     def start(cls, workdir: str | os.PathLike[str] | None = None, *,
@@ -93,6 +96,9 @@ class PrivateDaemon:
         if self._owned is not None:
             self._owned.cleanup()
             self._owned = None
+        for path in self.remove_on_stop:
+            shutil.rmtree(path, ignore_errors=True)
+        self.remove_on_stop = []
         return self.process.returncode
 
     def __enter__(self) -> PrivateDaemon:

@@ -167,3 +167,29 @@ def test_a_tight_swap_size_refuses_with_the_size_needed_and_never_wedges(tmp_pat
         client.put("after", b"room again")
         assert client.get("after") == b"room again"
         client.close()
+
+
+def test_private_daemons_of_two_jobs_share_an_nvme_path_and_leave_it_empty(
+        tmp_path: Path) -> None:
+    from _dist import base_config
+
+    from trainer.config import parse_config
+    from trainer.daemon_backend import _start_private_daemon
+
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    config = parse_config(base_config(zero_optimization={
+        "stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}}))
+    daemons = [_start_private_daemon(config, name, 2 * ARENA_NBYTES) for name in ("j1", "j2")]
+    try:
+        for name, daemon in zip(("j1", "j2"), daemons):
+            client = OffloadClient.connect(daemon.socket_path, job=name,
+                                           arena_nbytes=ARENA_NBYTES)
+            for index in range(8):
+                client.put(f"s{index}", os.urandom(SHARD_NBYTES))
+            client.close()
+        assert len(list(nvme.iterdir())) == 2  # one locked scratch dir per private daemon
+    finally:
+        for daemon in daemons:
+            daemon.stop()
+    assert list(nvme.iterdir()) == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import socket
 import tempfile
 import time
@@ -473,8 +474,18 @@ def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int) -> 
     from offloadd.embedded import PrivateDaemon
 
     workdir = config.offloadd.workdir or tempfile.mkdtemp(prefix="offloadd-private-")
-    daemon = PrivateDaemon.start(workdir, arena_size=arena_nbytes,
-                                 swap_dirs=_swap_dirs(config, job), release_swap_at_exit=True)
+    # A scratch dir of its own under each nvme_path: a swap dir belongs to one daemon
+    # (it is locked), and jobs on one node commonly share one nvme_path.
+    scratch = [tempfile.mkdtemp(prefix=f"offloadd-private-{job}-", dir=path)
+               for path in _swap_dirs(config, job)]
+    try:
+        daemon = PrivateDaemon.start(workdir, arena_size=arena_nbytes, swap_dirs=scratch,
+                                     release_swap_at_exit=True)
+    except BaseException:
+        for path in scratch:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+    daemon.remove_on_stop = scratch
     atexit.register(daemon.stop)
     return daemon
 
