@@ -26,6 +26,9 @@ and the fp32 master (in the rank or in the daemon).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import json
 import os
 import weakref
@@ -157,6 +160,25 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
                 module.reset_parameters()  # type: ignore[operator]
 
 
+def _return_free_heap() -> None:
+    """Give glibc's freed heap pages back to the OS (``malloc_trim``).
+
+    A unit's transient buffers (its parameters, flat copy, partition) are a few MiB each;
+    once glibc's dynamic mmap threshold has grown past that size they come from the heap,
+    and the freed holes pile up to about the model's size over a unit-by-unit init
+    unless they are trimmed. Without glibc this does nothing.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    name = ctypes.util.find_library("c")  # runs ldconfig: once per process
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name is not None else None
+
+
 def materialise_untracked(engine: Engine) -> None:
     """Meta parameters outside every unit (frozen ones in stages 0-2): materialise them whole."""
     tracked = {id(slot.param) for unit in engine.units for slot in unit.slots}
@@ -166,6 +188,9 @@ def materialise_untracked(engine: Engine) -> None:
 
 def materialise_unit(engine: Engine, unit: Unit) -> None:
     """Engine hook, once per unit before its flat parameters are built."""
+    had_meta = any(slot.param.device.type == "meta" for slot in unit.slots)
+    if had_meta:
+        _return_free_heap()  # the previous unit's buffers, before this unit's are allocated
     materialise(engine.module, unit.module, [slot.param for slot in unit.slots], unit.name)
     for slot in unit.slots:
         slot.param._zero_engine = weakref.ref(engine)  # type: ignore[attr-defined]
