@@ -170,9 +170,16 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
              for rank in range(WORLD)]
     for proc in procs:
         proc.start()
-    outcomes = dict(results.get(timeout=3600) for _ in procs)
+    outcomes: dict[int, dict[str, Any]] = {}
+    while len(outcomes) < WORLD:
+        rank, outcome = results.get(timeout=3600)
+        outcomes[rank] = outcome
+        if "error" in outcome:  # the other rank would wait in a collective forever
+            break
     for proc in procs:
-        proc.join(timeout=120)
+        proc.join(timeout=120 if len(outcomes) == WORLD else 5)
+        if proc.is_alive():
+            proc.kill()
     errors = [o["error"] for o in outcomes.values() if "error" in o]
     if errors:
         raise RuntimeError(errors[0])
@@ -273,9 +280,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--arena-gib", type=int, default=0, help="0: the engine's default")
     parser.add_argument("--dir", default="/var/tmp", help="where the NVMe swap files go")
-    parser.add_argument("--sweep-layers", type=int, default=4)
-    parser.add_argument("--sweep-width", type=int, default=512)
-    parser.add_argument("--sweep-vocab", type=int, default=8192)
+    parser.add_argument("--sweep-layers", type=int, default=12)
+    parser.add_argument("--sweep-width", type=int, default=384)
+    parser.add_argument("--sweep-vocab", type=int, default=2048)
     ns = parser.parse_args()
     result = sweep(ns) if ns.sweep else scale(ns)
     print(json.dumps(result))
