@@ -53,7 +53,10 @@ def _rank_file(tag_dir: Path, rank: int) -> Path:
 
 
 def _meta(engine: Engine) -> dict[str, Any]:
+    from trainer.export import param_layout
+
     return {
+        "layout": param_layout(engine),  # for the offline exporter (trainer.export)
         "format_version": FORMAT_VERSION,
         "world_size": engine.collectives.world_size,
         "stage": engine.config.zero_optimization.stage,

@@ -39,6 +39,7 @@ from trainer.reduce_order import ReduceOrder
 from trainer.scheduler import WarmupLR, build_scheduler
 from trainer.trace import GatherTrace
 from trainer.zero import PrefetchPlanner, ReducedGrad, Sharded, build_stage
+from trainer.zero_init import materialise_unit, materialise_untracked
 
 
 class Engine(nn.Module):
@@ -99,8 +100,10 @@ class Engine(nn.Module):
 
     def _adopt_parameters(self) -> None:
         """Rank 0's initial values everywhere, then hand units to backend and placement."""
+        materialise_untracked(self)  # zero.Init: meta parameters get storage unit by unit
         self._broadcast_untracked_state()
         for unit in self.units:
+            materialise_unit(self, unit)
             flat = unit.flatten_params(self.precision.dtype)
             self.collectives.broadcast(flat)
             spec = UnitSpec(index=unit.index, part_numel=unit.part_numel,
@@ -287,6 +290,12 @@ class Engine(nn.Module):
         from trainer.checkpoint import load_checkpoint
 
         return load_checkpoint(self, load_dir, tag)
+
+    def save_16bit_model(self, save_dir: str | os.PathLike[str],
+                         save_filename: str = "pytorch_model.bin") -> bool:
+        from trainer.export import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename)
 
     def close(self) -> None:
         """Remove hooks and release the backend (daemon connection, private daemon)."""

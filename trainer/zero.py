@@ -332,3 +332,6 @@ class PrefetchPlanner:
                 break
             chosen.append(candidate)
         return chosen
+
+
+from trainer.zero_init import GatheredParameters, Init  # noqa: E402,F401 - deepspeed.zero API

@@ -1,0 +1,203 @@
+"""zero.Init on 2 gloo ranks: a GPT-2 built on meta, materialised unit by unit by
+``initialize`` with HF's own init, trains like plain torch AdamW from the same start
+(stages 2 and 3, offload none and nvme); GatheredParameters reads and edits weights."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import max_relative_error, run_ranks
+from test_engine_parity import HAS_NVME_TIER, _shared_daemon
+
+import trainer
+from trainer.checkpoint import consolidate_fp32_state_dict
+from trainer.zero import GatheredParameters, Init
+from trainer.zero_init import ZeroInitError
+
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+STEPS = 4
+LR = 3e-3
+N_LAYER = 2
+
+
+def gpt2_config() -> Any:
+    return transformers.GPT2Config(n_layer=N_LAYER, n_embd=32, n_head=2, vocab_size=97,
+                                   n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                   attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+def tokens(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(step * 10 + rank))
+
+
+def ds_config(stage: int, device: str, swap_dir: str | None, socket_path: str,
+              job: str) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage}
+    if device != "none":
+        zero["offload_optimizer"] = {"device": device, "nvme_path": swap_dir}
+        if stage == 3:
+            zero["offload_param"] = {"device": device, "nvme_path": swap_dir}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": zero, "units": {"module_classes": ["GPT2Block"]}}
+    if device != "none":
+        config["offloadd"] = {"socket": socket_path, "job": job, "arena_size": 8 << 20}
+    return config
+
+
+def _edit_and_check(engine: Any, model: Any, rank: int) -> dict[str, Any]:
+    """GatheredParameters without and with a modifier rank, after training."""
+    wte = model.transformer.wte.weight
+    before = consolidate_fp32_state_dict(engine)
+    with GatheredParameters([wte, model.transformer.h[1].ln_1.weight]):
+        gathered_shape = tuple(wte.shape)
+        gathered_sum = float(wte.detach().double().sum())
+    with GatheredParameters(wte, modifier_rank=0), torch.no_grad():
+        if rank == 0:
+            wte[3].fill_(0.5)
+        else:
+            wte[4].fill_(-7.0)  # not the modifier: must be discarded
+    after = consolidate_fp32_state_dict(engine)
+    ids = tokens(0, 0)
+    with torch.no_grad():
+        engine.eval()
+        loss = engine(input_ids=ids, labels=ids).loss.item()
+        engine.train()
+    return {"shape": gathered_shape, "sum": gathered_sum, "before": before, "after": after,
+            "loss": loss}
+
+
+def train_rank(rank: int, world: int, device: str) -> list[Any]:
+    swap_dir = tempfile.mkdtemp(prefix="offloadd-swap-") if device == "nvme" else None
+    socket_path, daemon = _shared_daemon(rank, swap_dir) if device != "none" else ("", None)
+    results = []
+    try:
+        for stage in (3, 2):
+            config = ds_config(stage, device, swap_dir, socket_path, f"init{stage}")
+            with Init(config_dict_or_path=config):
+                model = transformers.GPT2LMHeadModel(gpt2_config())
+            on_meta = all(p.device.type == "meta" for p in model.parameters())
+            engine, _, _, _ = trainer.initialize(model=model, config=config)
+            initial = consolidate_fp32_state_dict(engine)
+            losses = []
+            for step in range(STEPS):
+                ids = tokens(step % 2, rank)
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            final = consolidate_fp32_state_dict(engine)
+            edits = _edit_and_check(engine, model, rank) if device == "none" else None
+            results.append({"stage": stage, "on_meta": on_meta, "initial": initial,
+                            "final": final, "losses": losses, "edits": edits})
+            engine.close()
+    finally:
+        dist.barrier()
+        if daemon is not None:
+            daemon.stop()
+    return results
+
+
+def reference(initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    model = transformers.GPT2LMHeadModel(gpt2_config())
+    model.load_state_dict(initial)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for rank in range(2):
+            ids = tokens(step % 2, rank)
+            (model(input_ids=ids, labels=ids).loss / 2).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def _check_init(initial: dict[str, torch.Tensor]) -> None:
+    """HF GPT-2's own init ran on every unit (not zeros, not torch defaults)."""
+    assert torch.equal(initial["transformer.h.1.ln_1.weight"], torch.ones(32))
+    assert torch.equal(initial["transformer.h.0.attn.c_attn.bias"], torch.zeros(96))
+    std = initial["transformer.h.1.mlp.c_fc.weight"].std().item()
+    assert 0.015 < std < 0.025  # initializer_range 0.02
+    proj = initial["transformer.h.0.attn.c_proj.weight"].std().item()
+    assert 0.6 * 0.02 / (2 * N_LAYER) ** 0.5 < proj < 1.4 * 0.02 / (2 * N_LAYER) ** 0.5
+    assert torch.equal(initial["lm_head.weight"], initial["transformer.wte.weight"])
+
+
+def _check_cases(results: list[list[Any]]) -> None:
+    for case_rank0, case_rank1 in zip(*results, strict=True):
+        assert case_rank0["on_meta"] and case_rank1["on_meta"]
+        initial, final = case_rank0["initial"], case_rank0["final"]
+        _check_init(initial)
+        expected = reference(initial)
+        # c_attn.bias's key part has an exactly-zero true gradient (see test_engine_hf).
+        exact = {name: value for name, value in expected.items() if "c_attn.bias" not in name}
+        error = max_relative_error({name: final[name] for name in exact}, exact)
+        assert error < 1e-5, (case_rank0["stage"], error)
+        assert case_rank0["losses"][-1] < case_rank0["losses"][0]
+
+
+def test_zero_init_offload_none_matches_eager() -> None:
+    results = run_ranks(train_rank, 2, "none")
+    _check_cases(results)
+    for case in results[0]:
+        edits = case["edits"]
+        assert edits["shape"] == (97, 32)
+        before, after = edits["before"], edits["after"]
+        wte = "transformer.wte.weight"
+        assert torch.equal(after[wte][3], torch.full((32,), 0.5))
+        assert torch.equal(after[wte][4], before[wte][4])  # rank 1's edit was discarded
+        mask = torch.ones(97, dtype=torch.bool)
+        mask[3] = False
+        assert torch.equal(after[wte][mask], before[wte][mask])  # fp32 master kept exactly
+        assert torch.equal(after["lm_head.weight"], after[wte])
+    for case0, case1 in zip(results[0], results[1], strict=True):
+        assert case0["edits"]["sum"] == case1["edits"]["sum"]
+        assert case0["edits"]["loss"] == case1["edits"]["loss"]
+
+
+@pytest.mark.skipif(not HAS_NVME_TIER, reason="the daemon's NVMe tier is not in this tree")
+def test_zero_init_offload_nvme_matches_eager() -> None:
+    _check_cases(run_ranks(train_rank, 2, "nvme"))
+
+
+def test_plain_modules_use_reset_parameters_and_seeded_units() -> None:
+    """A non-HF model gets each module's reset_parameters(); the same seed, the same values."""
+    from trainer.zero_init import materialise
+
+    def build() -> torch.nn.Module:
+        with Init(config_dict_or_path={}, seed=5):
+            model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.LayerNorm(64))
+        assert all(p.device.type == "meta" for p in model.parameters())
+        materialise(model, model, list(model.parameters()), "root")
+        return model
+
+    first, second = build(), build()
+    assert torch.equal(first[0].weight, second[0].weight)
+    assert first[0].weight.abs().max() <= 1 / 8 and first[0].weight.std() > 0.01
+    assert torch.equal(first[1].weight, torch.ones(64))
+    assert torch.nn.Parameter(torch.ones(2)).device.type == "cpu"  # patch is scoped
+
+
+def test_module_without_init_names_param_init_fn() -> None:
+    from trainer.zero_init import materialise
+
+    class Bare(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(3))
+
+    with Init(config_dict_or_path={}):
+        model = Bare()
+    with pytest.raises(ZeroInitError, match="param_init_fn"):
+        materialise(model, model, list(model.parameters()), "root")
+
+    with Init(config_dict_or_path={}, param_init_fn=lambda m: torch.nn.init.constant_(
+            m.scale, 2.0) if isinstance(m, Bare) else None):
+        model = Bare()
+    materialise(model, model, list(model.parameters()), "root")
+    assert torch.equal(model.scale.detach(), torch.full((3,), 2.0))
