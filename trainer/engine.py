@@ -42,6 +42,25 @@ from trainer.zero import PrefetchPlanner, ReducedGrad, Sharded, build_stage
 from trainer.zero_init import materialise_unit, materialise_untracked
 
 
+def _move_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """The training dtype everywhere, and the compute device for every real tensor.
+
+    Parameters built under ``zero.Init`` are still on ``meta`` (no data to copy); each
+    gets its storage on ``device`` when its unit is materialised.
+    """
+    model.to(dtype=dtype)
+    if any(param.is_meta for param in model.parameters()):
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                if not param.is_meta:
+                    param.data = param.data.to(device)
+            for name, buffer in module.named_buffers(recurse=False):
+                if not buffer.is_meta:
+                    module._buffers[name] = buffer.to(device)
+    else:
+        model.to(device=device)
+
+
 class Engine(nn.Module):
     """Wraps a model for ZeRO data-parallel training (see module docstring)."""
 
@@ -60,7 +79,7 @@ class Engine(nn.Module):
         self._inflight: list[tuple[Unit, ReducedGrad]] = []
         stage = config.zero_optimization.stage
         num_parts = collectives.world_size if stage >= 1 else 1
-        model.to(device=collectives.device, dtype=self.precision.dtype)
+        _move_model(model, collectives.device, self.precision.dtype)
         groups = param_groups or resolve_param_groups(model, None, config.optimizer)
         self.units = build_units(model, config.units, num_parts=num_parts,
                                  part_index=collectives.rank if num_parts > 1 else 0,
