@@ -132,8 +132,13 @@ class JobTier:
             future.set_result(None)
 
     async def write_back(self, table: ShardTable, shard: Shard, priority: Priority) -> bool:
-        """Persist a dirty in-arena shard; False if it was busy or leased for writing."""
+        """Persist a dirty in-arena shard; False if it was busy, leased for writing or
+        dropped."""
         if shard.io is not None or shard.writer or not shard.in_arena:
+            return False
+        if table.shards.get((shard.rank, shard.shard_id)) is not shard:
+            # Hazard: a flush lists dirty shards, then writes them; a peer rank's drop
+            # in between frees the arena range (the residency is left as it was).
             return False
         self._begin_io(shard, Residency.WRITING)
         await _run_to_completion(self._write_back(table, shard, priority))
