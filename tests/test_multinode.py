@@ -45,23 +45,23 @@ def ds_config(nvme_path: Path) -> dict[str, Any]:
                                   "offload_param": offload}}
 
 
-def launch_two_nodes(tmp_path: Path, config_path: Path, out: Path) -> None:
+def launch(tmp_path: Path, script_args: list[str], *, nnodes: int = 1, nproc: int = 2,
+           env: dict[str, str] | None = None) -> None:
+    """Run SCRIPT under ``nnodes`` torchrun agents (static rendezvous on loopback)."""
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})}
     agents = []
-    for node_rank in (0, 1):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-                   "--nproc-per-node", "2", "--node-rank", str(node_rank),
+    for node_rank in range(nnodes):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
+                   "--nproc-per-node", str(nproc), "--node-rank", str(node_rank),
                    "--master-addr", "127.0.0.1", "--master-port", str(port),
-                   str(SCRIPT), "--deepspeed", "--deepspeed_config", str(config_path),
-                   "--steps", str(STEPS), "--out", str(out),
-                   "--checkpoint-dir", str(tmp_path / "checkpoints")]
+                   str(SCRIPT), *script_args]
         log = open(tmp_path / f"node{node_rank}.log", "wb")  # noqa: SIM115 (closed below)
-        agents.append((subprocess.Popen(command, env=env, stdout=log, stderr=log), log))
+        agents.append((subprocess.Popen(command, env=full_env, stdout=log, stderr=log), log))
     failures = []
     for node_rank, (agent, log) in enumerate(agents):
         try:
-            code = agent.wait(timeout=180)
+            code = agent.wait(timeout=240)
         except subprocess.TimeoutExpired:
             agent.kill()
             code = agent.wait()
@@ -89,7 +89,9 @@ def test_two_torchrun_nodes_each_with_a_private_daemon_match_adamw(tmp_path: Pat
     config_path = tmp_path / "ds_config.json"
     config_path.write_text(json.dumps(ds_config(tmp_path / "nvme")))
     out = tmp_path / "result.pt"
-    launch_two_nodes(tmp_path, config_path, out)
+    launch(tmp_path, ["--deepspeed", "--deepspeed_config", str(config_path), "--steps",
+                      str(STEPS), "--out", str(out), "--checkpoint-dir",
+                      str(tmp_path / "checkpoints")], nnodes=2, nproc=2)
     result = torch.load(out, weights_only=True)
     losses, state = reference(load_script())
     assert result["batch"] == 8
