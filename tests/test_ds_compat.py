@@ -102,9 +102,9 @@ def test_auto_in_both_batch_keys_says_what_to_set() -> None:
         config.batch_sizes(world_size=1)
 
 
-def test_comm_calls_answer_as_a_world_of_one_without_a_group() -> None:
-    """Multi-rank use is covered by tests/scripts/ds_train_gpt.py in test_multinode."""
-    assert not deepspeed.comm.is_initialized()
+def test_comm_calls_answer_as_a_world_of_one() -> None:
+    """With no group, or the world-of-one group an in-process ``initialize`` leaves behind.
+    Multi-rank use is covered by tests/scripts/ds_train_gpt.py in test_multinode."""
     assert (deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()) == (0, 1)
     total = torch.tensor([3.0])
     deepspeed.comm.all_reduce(total)
@@ -113,3 +113,20 @@ def test_comm_calls_answer_as_a_world_of_one_without_a_group() -> None:
     deepspeed.comm.broadcast(total, src=0)
     deepspeed.comm.barrier()
     assert (total.item(), gathered[0].item()) == (3.0, 5.0)
+
+
+def test_load_checkpoint_takes_deepspeeds_options_and_refuses_partial_restores(
+        tmp_path: Path) -> None:
+    engine, *_ = deepspeed.initialize(model=make_model(), config=CONFIG)
+    try:
+        engine.save_checkpoint(tmp_path, tag="t")
+        path, _ = engine.load_checkpoint(tmp_path, tag="t", load_optimizer_states=True,
+                                         load_lr_scheduler_states=True,
+                                         load_module_strict=True, load_module_only=False)
+        assert path == str(tmp_path / "t")
+        with pytest.raises(ValueError, match="load_optimizer_states=False"):
+            engine.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)
+        with pytest.raises(TypeError, match="load_everything"):
+            engine.load_checkpoint(tmp_path, tag="t", load_everything=True)
+    finally:
+        engine.close()

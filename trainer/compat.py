@@ -36,3 +36,23 @@ def config_source(args: Any, config: Any, config_params: Any) -> Any:
         return from_args
     raise ValueError("initialize() needs config= (a dict, a JSON path or an EngineConfig) "
                      "or args with a deepspeed_config attribute")
+
+
+FULL_RESTORE = {"load_module_strict": True, "load_optimizer_states": True,
+                "load_lr_scheduler_states": True, "load_module_only": False}
+"""DeepSpeed's ``load_checkpoint`` options and the values that mean "restore everything"."""
+
+
+def check_full_restore(options: dict[str, bool]) -> None:
+    """Accept DeepSpeed's ``load_checkpoint`` options at their full-restore values only."""
+    unknown = sorted(set(options) - set(FULL_RESTORE))
+    if unknown:
+        raise TypeError(f"load_checkpoint() got unexpected keyword arguments {unknown} "
+                        f"(DeepSpeed's options here: {sorted(FULL_RESTORE)})")
+    partial = {key: value for key, value in options.items() if value != FULL_RESTORE[key]}
+    if partial:
+        raise ValueError(
+            f"load_checkpoint({', '.join(f'{k}={v}' for k, v in partial.items())}) is not "
+            "supported: checkpoints restore the model, optimizer and scheduler together. For "
+            "weights only, load trainer.checkpoint.consolidate_fp32_state_dict(engine)'s "
+            "output into a fresh model before initialize()")
