@@ -286,17 +286,14 @@ class SwapSpace:
         ``keep_flushed`` keeps the files of a job that has a manifest, so a later
         ``--recover`` still finds its last flush. Returns the bytes freed on disk.
         """
-        tier = self.tiers.get(job)
-        if tier is not None:
-            if keep_flushed and tier.manifest_path().exists():
-                return 0
-            await self._close_tier(job)
-        elif keep_flushed and (self.job_dir(self.dirs[0], job) / MANIFEST).exists():
-            return 0
-        self.created.discard(job)
+        if job in self.tiers:
+            await self._close_tier(job)  # files closed and budget returned in every case
         stalls = self.counters.stall_seconds.values  # an ended job's series end with it
         for labels in [labels for labels in stalls if labels[0] == job]:
             del stalls[labels]
+        if keep_flushed and (self.job_dir(self.dirs[0], job) / MANIFEST).exists():
+            return 0
+        self.created.discard(job)
         loop = asyncio.get_running_loop()
         freed = 0
         for swap_dir in self.dirs:

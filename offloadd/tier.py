@@ -162,6 +162,8 @@ class JobTier:
         if shard.io is not None or shard.writer or shard.torn or not shard.in_arena:
             return False
         if table.shards.get((shard.rank, shard.shard_id)) is not shard:
+            # Hazard: a flush lists dirty shards, then writes them; a peer rank's drop
+            # in between frees the arena range (the residency is left as it was).
             return False
         self._begin_io(shard, Residency.WRITING)
         await _run_to_completion(self._write_back(table, shard, priority))

@@ -18,7 +18,9 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
+from trainer import comm
 from trainer.collectives import Collectives
+from trainer.compat import add_config_arguments, config_source
 from trainer.config import EngineConfig, parse_config
 from trainer.device import activate, resolve_device
 from trainer.distributed import init_distributed
@@ -30,10 +32,11 @@ from trainer.scheduler import WarmupLR
 from trainer.trace import TraceDivergenceError
 
 __all__ = ["Engine", "EngineConfig", "TraceDivergenceError", "ZeroOptimizer",
-           "init_distributed", "initialize", "parse_config"]
+           "add_config_arguments", "comm", "init_distributed", "initialize", "parse_config"]
 
 
 def initialize(
+    args: Any = None,
     *,
     model: nn.Module,
     model_parameters: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | None = None,
@@ -43,6 +46,7 @@ def initialize(
     lr_scheduler: Any = None,
     training_data: Dataset[Any] | None = None,
     collate_fn: Any = None,
+    dist_init_required: bool | None = None,
 ) -> tuple[Engine, ZeroOptimizer, DataLoader[Any] | None, WarmupLR | None]:
     """Build the engine; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
@@ -52,20 +56,21 @@ def initialize(
     (``requires_grad=False``). ``optimizer`` and
     ``lr_scheduler`` must come from the config (``optimizer``/``scheduler``
     sections). With ``training_data`` a DataLoader of micro-batches (one
-    distributed shard per rank) is returned.
+    distributed shard per rank) is returned. As in DeepSpeed, the config may instead
+    come from ``args.deepspeed_config`` (``add_config_arguments``), and
+    ``dist_init_required=False`` means the caller has set up torch.distributed.
     """
     if optimizer is not None or lr_scheduler is not None:
         raise ValueError("pass the optimizer and lr scheduler through the config "
                          "('optimizer' and 'scheduler' sections), not as objects")
-    source = config if config is not None else config_params
-    if source is None:
-        raise ValueError("initialize() needs config= (a dict, a JSON path or an EngineConfig)")
+    source = config_source(args, config, config_params)
     parsed = parse_config(source if not isinstance(source, os.PathLike) else Path(source))
     _check_model(model)
     groups = resolve_param_groups(model, model_parameters, parsed.optimizer)
     compute = resolve_device(parsed.device)
     activate(compute)
-    init_distributed(compute.dist_backend)
+    if dist_init_required is not False:
+        init_distributed(compute.dist_backend)
     collectives = Collectives(compute)
     parsed.batch_sizes(collectives.world_size)  # fail before any daemon or collective work
     backend = _build_backend(parsed, collectives, model)

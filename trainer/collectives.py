@@ -160,9 +160,21 @@ class Collectives:
 
     def node_leader_value(self, value: Any) -> Any:
         """The ``value`` passed by local rank 0 of this rank's node."""
-        entries = self.all_gather_object((socket.gethostname(), self.local_rank, value))
-        host = socket.gethostname()
-        for entry_host, entry_local_rank, entry_value in entries:
-            if entry_host == host and entry_local_rank == 0:
+        entries = self.all_gather_object((node_key(), self.local_rank, value))
+        node = node_key()
+        for entry_node, entry_local_rank, entry_value in entries:
+            if entry_node == node and entry_local_rank == 0:
                 return entry_value
-        raise RuntimeError(f"no local rank 0 found on host {host} (is LOCAL_RANK set right?)")
+        raise RuntimeError(f"no local rank 0 found on node {node} (is LOCAL_RANK set right?)")
+
+
+def node_key() -> str:
+    """This rank's node: the host name, plus torchrun's node rank (``GROUP_RANK``) when set.
+
+    Hazard: the host name alone merges "nodes" that share a host (two torchrun agents on
+    one machine, as in tests or on a big box split in two): their ranks would all join
+    one node's private daemon while the other's sat idle.
+    """
+    group_rank = os.environ.get("GROUP_RANK")
+    host = socket.gethostname()
+    return host if group_rank is None else f"{host}/node{group_rank}"

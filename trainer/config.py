@@ -77,6 +77,13 @@ IGNORED_KEYS: dict[str, str] = {
     "zero_optimization.offload_param.max_in_cpu": "offloadd.arena_size bounds DRAM use",
 }
 
+# Tuning knobs whose "auto" (Hugging Face configs) takes this engine's default.
+AUTO_DEFAULT_KEYS = frozenset({
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_max_live_parameters",
+    "zero_optimization.stage3_max_reuse_distance",
+})
+
 # Old DeepSpeed spellings that silently did nothing in some versions: refused
 # here with the new name, so a typo'd config cannot run without its intent.
 RENAMED_KEYS: dict[str, str] = {
@@ -346,7 +353,8 @@ class EngineConfig:
         total, micro, accum = (self.train_batch_size, self.train_micro_batch_size_per_gpu,
                                self.gradient_accumulation_steps)
         if total is None and micro is None:
-            raise ValueError("config needs train_batch_size or train_micro_batch_size_per_gpu")
+            raise ValueError("config needs train_batch_size or train_micro_batch_size_per_gpu "
+                             "(a number; 'auto' in both is left for the HF Trainer to fill)")
         if total is None:
             assert micro is not None
             accum = accum or 1
@@ -416,6 +424,7 @@ def _flatten_typed_section(section: dict[str, Any], name: str) -> dict[str, Any]
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     data = dict(data)
     _reject_renamed_and_drop_ignored(data, prefix)
+    _drop_auto(cls, data, prefix)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
@@ -464,6 +473,25 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
     if origin is tuple:
         return _coerce_tuple(hint, value, key)
     return _coerce_scalar(hint, value, key)
+
+
+def _drop_auto(cls: type, data: dict[str, Any], prefix: str) -> None:
+    """``"auto"`` (Hugging Face's DeepSpeed configs) means "derive it": accepted, as the
+    key's default, where the default is derived here (unset batch sizes, arena size, ...)
+    or is a tuning knob (``AUTO_DEFAULT_KEYS``); elsewhere the HF Trainer fills the value
+    in from its TrainingArguments before DeepSpeed sees it, so it must be given."""
+    hints = typing.get_type_hints(cls)
+    for key in [key for key, value in data.items() if value == "auto" and key in hints]:
+        dotted = prefix + key
+        if type(None) in typing.get_args(hints[key]) or dotted in AUTO_DEFAULT_KEYS:
+            del data[key]
+            continue
+        section, _, name = dotted.partition(".")
+        if section in ("optimizer", "scheduler") and name != "type":
+            dotted = f"{section}.params.{name}"  # the section was flattened for parsing
+        raise ValueError(f"config key {dotted}='auto' cannot be derived without the Hugging "
+                         "Face Trainer (it fills 'auto' in from TrainingArguments): set a "
+                         "value")
 
 
 def _coerce_tuple(hint: Any, value: Any, key: str) -> tuple[Any, ...]:

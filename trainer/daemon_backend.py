@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer.collectives import Collectives
+from trainer.collectives import Collectives, node_key
 from trainer.config import EngineConfig
 from trainer.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue
 from trainer.lease_debug import check_view
@@ -410,8 +410,8 @@ def _wait_for_node_peers(collectives: Collectives) -> None:
 
 
 def _node_world_size(collectives: Collectives) -> int:
-    hosts = collectives.all_gather_object(socket.gethostname())
-    return hosts.count(socket.gethostname())
+    nodes = collectives.all_gather_object(node_key())
+    return nodes.count(node_key())
 
 
 def estimate_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) -> int:
@@ -453,7 +453,20 @@ def available_memory_nbytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _swap_dirs(config: EngineConfig, job: str) -> list[str]:
+def _node_subdir(collectives: Collectives) -> str:
+    """'' when this host runs one node; else this node's own subdirectory name.
+
+    Hazard: two nodes on one host (two torchrun agents) share the job name and the
+    configured ``nvme_path``/``workdir``; their private daemons would open the same swap
+    files (``<dir>/offloadd/<job>/swap.0``) and socket. Each gets ``node<GROUP_RANK>``.
+    """
+    host = socket.gethostname()
+    nodes = set(collectives.all_gather_object(node_key()))
+    on_host = [node for node in nodes if node == host or node.startswith(host + "/")]
+    return node_key().rpartition("/")[2] if len(on_host) > 1 else ""
+
+
+def _swap_dirs(config: EngineConfig, job: str, subdir: str = "") -> list[str]:
     zero = config.zero_optimization
     paths = [section.nvme_path for section in (zero.offload_optimizer, zero.offload_param)
              if section.device == "nvme" and section.nvme_path]
@@ -464,23 +477,24 @@ def _swap_dirs(config: EngineConfig, job: str) -> list[str]:
         warnings.warn(f"offload device nvme without nvme_path: swapping to {default}",
                       UserWarning, stacklevel=3)
         paths = [default]
-    unique = list(dict.fromkeys(paths))
+    unique = [str(Path(path) / subdir) if subdir else path for path in dict.fromkeys(paths)]
     for path in unique:
         Path(path).mkdir(parents=True, exist_ok=True)
     return unique
 
 
-def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int) -> Any:
+def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
+                          subdir: str = "") -> Any:
     from offloadd.embedded import PrivateDaemon
 
     workdir = config.offloadd.workdir or tempfile.mkdtemp(prefix="offloadd-private-")
     # A scratch dir of its own under each nvme_path: a swap dir belongs to one daemon
     # (it is locked), and jobs on one node commonly share one nvme_path.
     scratch = [tempfile.mkdtemp(prefix=f"offloadd-private-{job}-", dir=path)
-               for path in _swap_dirs(config, job)]
+               for path in _swap_dirs(config, job, subdir)]
     try:
-        daemon = PrivateDaemon.start(workdir, arena_size=arena_nbytes, swap_dirs=scratch,
-                                     release_swap_at_exit=True)
+        daemon = PrivateDaemon.start(Path(workdir) / subdir, arena_size=arena_nbytes,
+                                     swap_dirs=scratch, release_swap_at_exit=True)
     except BaseException:
         for path in scratch:
             shutil.rmtree(path, ignore_errors=True)
@@ -494,9 +508,10 @@ def _leader_starts_daemon(config: EngineConfig, collectives: Collectives, job: s
                           arena_nbytes: int) -> tuple[str, Any]:
     """Local rank 0 starts the daemon; every rank of the node gets its socket path."""
     daemon, outcome = None, ""
+    subdir = _node_subdir(collectives)
     if collectives.local_rank == 0:
         try:
-            daemon = _start_private_daemon(config, job, arena_nbytes)
+            daemon = _start_private_daemon(config, job, arena_nbytes, subdir)
             outcome = "socket:" + daemon.socket_path
         except Exception as error:  # reported on every rank below, not only here
             outcome = f"error:{type(error).__name__}: {error}"

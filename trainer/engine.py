@@ -304,10 +304,14 @@ class Engine(nn.Module):
 
         return save_checkpoint(self, save_dir, tag, client_state=client_state)
 
-    def load_checkpoint(self, load_dir: str | os.PathLike[str],
-                        tag: str | None = None) -> tuple[str | None, dict[str, Any]]:
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
+                        **deepspeed_options: bool) -> tuple[str | None, dict[str, Any]]:
+        """Restore everything; DeepSpeed's ``load_*`` options are checked by
+        ``trainer.compat.check_full_restore`` (partial restores are refused)."""
         from trainer.checkpoint import load_checkpoint
+        from trainer.compat import check_full_restore
 
+        check_full_restore(deepspeed_options)
         return load_checkpoint(self, load_dir, tag)
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str],

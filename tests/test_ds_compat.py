@@ -1,0 +1,132 @@
+"""DeepSpeed-shaped scripts run with ``import trainer as deepspeed``: the config from a
+JSON path, from ``args.deepspeed_config`` (``add_config_arguments``), Hugging Face style
+``"auto"`` values, and ``deepspeed.comm``'s common calls. One process, no daemon."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _dist import make_batch, make_model, run_ranks
+
+import trainer as deepspeed
+from trainer.config import parse_config
+
+CONFIG: dict[str, Any] = {
+    "train_batch_size": 4, "train_micro_batch_size_per_gpu": 4,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+    "zero_optimization": {"stage": 1},
+}
+
+
+def train_two_steps(rank: int, world: int, how: str, tmp: str) -> list[float]:
+    """Two steps on one batch (so the loss falls), the config given ``how``."""
+    path = Path(tmp) / "ds_config.json"
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    parser.add_argument("--local_rank", type=int, default=-1)
+    model = make_model()
+    if how == "path":
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=str(path))
+    else:
+        args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+        engine, *_ = deepspeed.initialize(args=args, model=model,
+                                          model_parameters=model.parameters())
+    assert deepspeed.comm.get_rank() == rank and deepspeed.comm.get_world_size() == world
+    losses = []
+    for _step in range(2):
+        loss = engine(*make_batch(0, 0, rank, engine.train_micro_batch_size_per_gpu()))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    return losses
+
+
+@pytest.fixture
+def config_dir(tmp_path: Path) -> Path:
+    (tmp_path / "ds_config.json").write_text(json.dumps(CONFIG))
+    return tmp_path
+
+
+def both_ways(rank: int, world: int, tmp: str) -> tuple[list[float], list[float]]:
+    return train_two_steps(rank, world, "path", tmp), train_two_steps(rank, world, "args", tmp)
+
+
+def test_a_json_path_and_args_deepspeed_config_train_alike(config_dir: Path) -> None:
+    [(from_path, from_args)] = run_ranks(both_ways, 1, str(config_dir))
+    assert from_path == from_args and from_path[1] < from_path[0]
+
+
+def test_a_config_in_both_args_and_config_is_refused(config_dir: Path) -> None:
+    args = argparse.Namespace(deepspeed_config=str(config_dir / "ds_config.json"))
+    with pytest.raises(ValueError, match="only one"):
+        deepspeed.initialize(args=args, model=make_model(), config=CONFIG)
+
+
+def test_a_missing_deepspeed_config_file_names_the_attribute(tmp_path: Path) -> None:
+    args = argparse.Namespace(deepspeed_config=str(tmp_path / "nope.json"))
+    with pytest.raises(ValueError, match=r"args\.deepspeed_config"):
+        deepspeed.initialize(args=args, model=make_model())
+    with pytest.raises(ValueError, match="deepspeed_config attribute"):
+        deepspeed.initialize(args=argparse.Namespace(), model=make_model())
+
+
+def test_auto_batch_sizes_are_derived_like_unset_ones() -> None:
+    config = parse_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+                           "gradient_accumulation_steps": "auto",
+                           "zero_optimization": {"stage": 3,
+                                                 "stage3_prefetch_bucket_size": "auto"}})
+    sizes = config.batch_sizes(world_size=2)
+    assert (sizes.train_batch_size, sizes.gradient_accumulation_steps) == (4, 1)
+    assert config.zero_optimization.stage3_prefetch_bucket_size == 50_000_000
+
+
+@pytest.mark.parametrize(("section", "key"), [
+    ({"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}, "optimizer.params.lr"),
+    ({"gradient_clipping": "auto"}, "gradient_clipping"),
+    ({"bf16": {"enabled": "auto"}}, "bf16.enabled"),
+])
+def test_auto_that_cannot_be_derived_names_the_key(section: dict[str, Any], key: str) -> None:
+    with pytest.raises(ValueError, match=f"config key {key}='auto'.*set a value"):
+        parse_config({"train_micro_batch_size_per_gpu": 2, **section})
+
+
+def test_auto_in_both_batch_keys_says_what_to_set() -> None:
+    config = parse_config({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"})
+    with pytest.raises(ValueError, match=r"train_micro_batch_size_per_gpu.*'auto'"):
+        config.batch_sizes(world_size=1)
+
+
+def test_comm_calls_answer_as_a_world_of_one() -> None:
+    """With no group, or the world-of-one group an in-process ``initialize`` leaves behind.
+    Multi-rank use is covered by tests/scripts/ds_train_gpt.py in test_multinode."""
+    assert (deepspeed.comm.get_rank(), deepspeed.comm.get_world_size()) == (0, 1)
+    total = torch.tensor([3.0])
+    deepspeed.comm.all_reduce(total)
+    gathered = [torch.zeros(1)]
+    deepspeed.comm.all_gather(gathered, torch.tensor([5.0]))
+    deepspeed.comm.broadcast(total, src=0)
+    deepspeed.comm.barrier()
+    assert (total.item(), gathered[0].item()) == (3.0, 5.0)
+
+
+def test_load_checkpoint_takes_deepspeeds_options_and_refuses_partial_restores(
+        tmp_path: Path) -> None:
+    engine, *_ = deepspeed.initialize(model=make_model(), config=CONFIG)
+    try:
+        engine.save_checkpoint(tmp_path, tag="t")
+        path, _ = engine.load_checkpoint(tmp_path, tag="t", load_optimizer_states=True,
+                                         load_lr_scheduler_states=True,
+                                         load_module_strict=True, load_module_only=False)
+        assert path == str(tmp_path / "t")
+        with pytest.raises(ValueError, match="load_optimizer_states=False"):
+            engine.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)
+        with pytest.raises(TypeError, match="load_everything"):
+            engine.load_checkpoint(tmp_path, tag="t", load_everything=True)
+    finally:
+        engine.close()
