@@ -58,9 +58,9 @@ def _meta_param_new(cls: type, data: torch.Tensor | None = None,
                     requires_grad: bool = True) -> nn.Parameter:
     if _ACTIVE and data is not None and data.device.type != "meta":
         data = data.to("meta")
-    param = _original_param_new(cls, data, requires_grad)
+    param: Any = _original_param_new(cls, data, requires_grad)
     if _ACTIVE and param.device.type == "meta":
-        param._zero_init = _ACTIVE[-1]  # type: ignore[attr-defined]
+        param._zero_init = _ACTIVE[-1]
     return param
 
 
@@ -102,7 +102,7 @@ class Init:
         if self.enabled:
             _ACTIVE.remove(self)
             if not _ACTIVE:
-                nn.Parameter.__new__ = staticmethod(_original_param_new)  # type: ignore[assignment]
+                nn.Parameter.__new__ = staticmethod(_original_param_new)  # type: ignore[method-assign]
 
 
 # ---------------------------------------------------------------------------
@@ -210,7 +210,7 @@ class GatheredParameters:
     not managed by an engine are left alone.
     """
 
-    def __init__(self, params: nn.Parameter | Iterable[nn.Parameter],
+    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor],
                  modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
                  enabled: bool = True) -> None:
         if isinstance(params, torch.Tensor):
@@ -224,7 +224,7 @@ class GatheredParameters:
             engine = ref() if ref is not None else None
             if engine is None:
                 continue
-            unit = param._zero_unit  # type: ignore[attr-defined]
+            unit: Unit = param._zero_unit  # type: ignore[union-attr]
             if (id(engine), unit.index) not in seen:
                 seen.add((id(engine), unit.index))
                 self._targets.append((engine, unit))
