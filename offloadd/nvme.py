@@ -17,13 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import xxhash
 
@@ -39,14 +41,24 @@ from offloadd.ioengine import IOEngineError, VolatileCacheEngine, open_engine
 from offloadd.manifests import ManifestError, jobs_with_manifests, read_job_manifest
 from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
 from offloadd.scheduler import IOQueue, IOTicket, Priority
+from offloadd.shards import Chunk
 from offloadd.swapdirs import lock_swap_dir, remove_job_dir, unlock_swap_dir
 
 if TYPE_CHECKING:
     from offloadd.config import DaemonConfig
-    from offloadd.jobs import JobRegistry
     from offloadd.metrics import DaemonMetrics
 
 log = logging.getLogger(__name__)
+
+
+class JobOpener(Protocol):
+    """The job registry as recovery uses it (``offloadd.jobs.JobRegistry``): the swap
+    space sits below the jobs, so it names what it needs instead of importing them."""
+
+    def open(self, name: str, requested_nbytes: int,
+             make_tier: Callable[[], Any] | None = None) -> tuple[Any, bool]: ...
+
+    def close_job(self, name: str) -> None: ...
 
 LAYOUT_DIR = "offloadd"
 MANIFEST = "manifest.json"
@@ -57,25 +69,6 @@ SEGMENT_NBYTES = 256 << 20
 """A job's swap file grows by at least this much at a time (one fallocate)."""
 PREFETCH_HORIZON_S = 5.0
 """How far ahead in predicted time the learned prefetch reads."""
-
-
-@dataclass
-class Chunk:
-    dir_index: int
-    offset: int
-    nbytes: int
-    checksum: int
-
-
-@dataclass(eq=False)
-class SwapPlacement:
-    chunks: list[Chunk]
-    version: int
-    gens: set[int] = field(default_factory=set)
-    """Generations of the manifests (durable, or being committed) that name these
-    extents: they are freed only once no such manifest is left."""
-    released: bool = False
-    """Its shard no longer uses it (a newer copy, or dropped): free when ``gens`` empties."""
 
 
 @dataclass(eq=False)
@@ -259,7 +252,12 @@ class SwapSpace:
     def job_dir(self, swap_dir: SwapDir, job: str) -> Path:
         return swap_dir.root / job
 
-    def tier_for(self, job: str, *, recovering: bool = False) -> Any:
+    def job_files(self, job: str, *, recovering: bool = False) -> list[JobFile]:
+        """Open (or, ``recovering``, reopen) a job's file in every swap dir.
+
+        The caller (``offloadd.tier.open_tier``) wraps them in the job's tier and
+        registers it with ``adopt``: the swap space sits below the tier.
+        """
         if job in self.quarantined:
             raise JobQuarantinedError(self.quarantined[job])
         if not recovering:
@@ -269,14 +267,12 @@ class SwapSpace:
                 raise ShardExistsError(
                     f"swap files of an earlier job {job!r} exist in {stale[0]}; restart the daemon "
                     "with --recover to restore them, or reclaim them with `offloadd gc`")
-        from offloadd.tier import JobTier
+        return [JobFile(d, job, existing=recovering) for d in self.dirs]
 
-        files = [JobFile(d, job, existing=recovering) for d in self.dirs]
-        tier = JobTier(self, job, files)
+    def adopt(self, job: str, tier: Any, *, recovering: bool) -> None:
         self.tiers[job] = tier
         if not recovering:
             self.created.add(job)
-        return tier
 
     async def release_job(self, job: str, *, keep_flushed: bool = False) -> int:
         """Give a job's swap space back: close its files and delete them in every swap dir.
@@ -301,14 +297,15 @@ class SwapSpace:
         log.info("event=swap_released job=%s freed_nbytes=%d", job, freed)
         return freed
 
-    async def recover(self, registry: JobRegistry) -> None:
+    async def recover(self, registry: JobOpener, open_tier: Callable[[str], Any]) -> None:
         """Re-open every job whose manifest is in the first swap dir; a job whose manifest
         is bad is quarantined (logged, in status, refused at hello), the others recover."""
         for job_dir in jobs_with_manifests(self.dirs[0].root):
             name = job_dir.name
             try:
                 manifest = read_job_manifest(job_dir)
-                count = await self._recover_job(registry, name, manifest)
+                count = await self._recover_job(registry, name, manifest,
+                                                functools.partial(open_tier, name))
             except (ManifestError, OffloadError, ValueError, KeyError, TypeError, OSError) as exc:
                 self.quarantined[name] = (
                     f"job {name!r} is quarantined: its manifest in {job_dir} could not be "
@@ -318,11 +315,9 @@ class SwapSpace:
                 continue
             log.info("event=job_recovered job=%s shards=%d tag=%s", name, count, manifest["tag"])
 
-    async def _recover_job(self, registry: JobRegistry, name: str,
-                           manifest: dict[str, Any]) -> int:
-        job, _created = registry.open(
-            name, manifest["arena_nbytes"],
-            make_tier=lambda: self.tier_for(name, recovering=True))
+    async def _recover_job(self, registry: JobOpener, name: str, manifest: dict[str, Any],
+                           make_tier: Callable[[], Any]) -> int:
+        job, _created = registry.open(name, manifest["arena_nbytes"], make_tier=make_tier)
         assert job.tier is not None
         try:
             return job.tier.load_manifest(job.table, manifest)

@@ -82,7 +82,8 @@ class Daemon:
             self.swap = SwapSpace(self.config, self.metrics)
             await self.swap.open()
             if self.config.recover:
-                await self.swap.recover(self.jobs)
+                await self.swap.recover(self.jobs,
+                                        lambda name: self._open_tier(name, recovering=True))
         self._server = await self._listen()
         if self.config.metrics_addr:
             host, port = parse_host_port(self.config.metrics_addr)
@@ -132,13 +133,19 @@ class Daemon:
         self._stopped.set()
 
     def open_job(self, name: str, arena_nbytes: int) -> Job:
-        make_tier = (lambda: self.swap.tier_for(name)) if self.swap is not None else None
+        make_tier = (lambda: self._open_tier(name)) if self.swap is not None else None
         job, _created = self.jobs.open(name, arena_nbytes, make_tier)
         return job
 
+    def _open_tier(self, name: str, *, recovering: bool = False) -> Any:
+        from offloadd.tier import open_tier  # with the swap space: only for --swap-dir
+
+        assert self.swap is not None
+        return open_tier(self.swap, name, recovering=recovering)
+
     async def open_job_async(self, name: str, arena_nbytes: int) -> Job:
         """``open_job`` with a new arena made off the loop (see ``JobRegistry.open_async``)."""
-        make_tier = (lambda: self.swap.tier_for(name)) if self.swap is not None else None
+        make_tier = (lambda: self._open_tier(name)) if self.swap is not None else None
         return await self.jobs.open_async(name, arena_nbytes, make_tier)
 
     # -- health and stats ---------------------------------------------------------

@@ -12,8 +12,7 @@ import asyncio
 import enum
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from offloadd.arena import Arena, align_up
 from offloadd.errors import (
@@ -27,10 +26,31 @@ from offloadd.errors import (
 )
 from offloadd.protocol import DTYPES
 
-if TYPE_CHECKING:
-    from offloadd.nvme import SwapPlacement
-
 MAX_ID_LENGTH = 256
+
+
+@dataclass
+class Chunk:
+    """One extent of a shard's swap copy: which swap dir, where, how long, its xxh64."""
+
+    dir_index: int
+    offset: int
+    nbytes: int
+    checksum: int
+
+
+@dataclass(eq=False)
+class SwapPlacement:
+    """Where a shard's swap copy lives. The table only holds it; the swap tier
+    (``offloadd.tier``) writes, reads and frees it, so the dependency runs one way."""
+
+    chunks: list[Chunk]
+    version: int
+    gens: set[int] = field(default_factory=set)
+    """Generations of the manifests (durable, or being committed) that name these
+    extents: they are freed only once no such manifest is left."""
+    released: bool = False
+    """Its shard no longer uses it (a newer copy, or dropped): free when ``gens`` empties."""
 
 
 class Residency(enum.Enum):

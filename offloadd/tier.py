@@ -22,21 +22,21 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from offloadd.arena import align_up
 from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIOError
 from offloadd.manifests import keep_previous_generation
-from offloadd.nvme import (
-    MANIFEST,
-    MANIFEST_FORMAT,
-    PREFETCH_HORIZON_S,
-    Chunk,
-    JobFile,
-    SwapPlacement,
-)
+from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, JobFile
 from offloadd.scheduler import AccessTrace, Priority, pick_victims
-from offloadd.shards import IN_ARENA, Residency, Shard, ShardTable
+from offloadd.shards import IN_ARENA, Chunk, Residency, Shard, ShardTable, SwapPlacement
 
 if TYPE_CHECKING:
     from offloadd.nvme import SwapSpace
 
 log = logging.getLogger(__name__)
+
+
+def open_tier(space: SwapSpace, job: str, *, recovering: bool = False) -> JobTier:
+    """A job's swap tier over its files in every swap dir of ``space``."""
+    tier = JobTier(space, job, space.job_files(job, recovering=recovering))
+    space.adopt(job, tier, recovering=recovering)
+    return tier
 MAX_PREFETCH_TASKS = 16
 PREFETCH_WINDOW = 0.25
 """Lookahead of learned prefetch, as a fraction of the arena. Half the arena was

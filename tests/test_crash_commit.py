@@ -27,6 +27,7 @@ from offloadd.nvme import SwapSpace
 from offloadd.protocol import Placed
 from offloadd.scheduler import Priority
 from offloadd.shards import Lease, Shard
+from offloadd.tier import open_tier
 
 KIB = 1 << 10
 ARENA_NBYTES = 1 << 20
@@ -61,7 +62,8 @@ class Tier:
 
         self.space.sync = gated_sync  # type: ignore[method-assign]
         self.job, _ = self.registry.open(
-            JOB, ARENA_NBYTES, make_tier=lambda: self.space.tier_for(JOB, recovering=bool(recover)))
+            JOB, ARENA_NBYTES,
+            make_tier=lambda: open_tier(self.space, JOB, recovering=bool(recover)))
         if recover is not None:
             self.tier.load_manifest(self.job.table, recover)
         return self

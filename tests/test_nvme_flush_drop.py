@@ -18,6 +18,7 @@ from offloadd.jobs import JobRegistry
 from offloadd.metrics import DaemonMetrics
 from offloadd.nvme import SwapSpace
 from offloadd.shards import Lease
+from offloadd.tier import open_tier
 
 SHARD_NBYTES = 1 << 20
 
@@ -29,7 +30,7 @@ async def flush_while_a_peer_drops(tmp_path: Path) -> tuple[int, bool]:
     space = SwapSpace(config, DaemonMetrics())
     await space.open()
     registry = JobRegistry(config.arena_size, 0.5, lock=False, hugepages="off")
-    job, _ = registry.open("job", 16 << 20, lambda: space.tier_for("job"))
+    job, _ = registry.open("job", 16 << 20, lambda: open_tier(space, "job"))
     try:
         leases: dict[object, Lease] = {}
         for rank in (0, 1):
