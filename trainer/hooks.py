@@ -29,22 +29,11 @@ from trainer.partition import Unit
 UnitCallback = Callable[[Unit], None]
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a unit's outputs whose backward runs a callback first."""
+class _BackwardCallback(torch.autograd.Function):
+    """Identity on some tensors whose backward runs a callback first.
 
-    @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:
-        ctx.callback = callback
-        return tuple(tensor.detach() for tensor in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Any) -> Any:
-        ctx.callback()
-        return (None, *grads)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's inputs whose backward runs a callback (the unit's is done)."""
+    On a unit's outputs it fires as the unit's backward starts; on its inputs,
+    once the unit's backward is done."""
 
     @staticmethod
     def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:
@@ -84,21 +73,21 @@ def _replace(value: Any, swap: dict[int, torch.Tensor]) -> Any:
 
 
 def attach_pre_backward(output: Any, callback: Callable[[], None]) -> Any:
-    """``output`` with its grad-requiring tensors routed through ``_PreBackward``."""
+    """``output`` with its grad-requiring tensors routed through ``_BackwardCallback``."""
     tensors = list(_tensors_needing_grad(output))
     if not tensors or not torch.is_grad_enabled():
         return output
-    routed = _PreBackward.apply(callback, *tensors)
+    routed = _BackwardCallback.apply(callback, *tensors)
     return _replace(output, {id(old): new for old, new in zip(tensors, routed, strict=True)})
 
 
 def attach_post_backward(args: Any, kwargs: Any,
                          callback: Callable[[], None]) -> tuple[Any, Any] | None:
-    """``(args, kwargs)`` with grad-requiring tensors routed through ``_PostBackward``."""
+    """``(args, kwargs)`` with grad-requiring tensors routed through ``_BackwardCallback``."""
     tensors = list(_tensors_needing_grad((args, kwargs)))
     if not tensors or not torch.is_grad_enabled():
         return None
-    routed = _PostBackward.apply(callback, *tensors)
+    routed = _BackwardCallback.apply(callback, *tensors)
     swap = {id(old): new for old, new in zip(tensors, routed, strict=True)}
     return _replace(tuple(args), swap), _replace(dict(kwargs), swap)
 
