@@ -414,14 +414,7 @@ class JobRegistry:
         job = self.jobs.get(name)
         if job is not None:
             return job, False
-        free = self.budget_nbytes - self.reserved_nbytes
-        nbytes = align_up(requested_nbytes) if requested_nbytes else self._fair_share(free)
-        if nbytes > free or nbytes <= 0:
-            raise OverBudgetError(
-                f"job {name!r} asks for a {requested_nbytes or nbytes}-byte arena but only "
-                f"{free} of the daemon's {self.budget_nbytes}-byte budget is free; ask for less "
-                "or raise --arena-size"
-            )
+        nbytes, free = self._size_new(name, requested_nbytes)
         arena = Arena(name, nbytes, lock=self.lock, hugepages=self.hugepages, max_nbytes=free)
         try:
             tier = make_tier() if make_tier is not None else None
