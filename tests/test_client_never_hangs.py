@@ -53,6 +53,30 @@ def test_blocking_client_times_out_with_a_typed_error_when_the_daemon_is_stopped
             assert again.get("a") == b"1234"
 
 
+@pytest.mark.asyncio
+async def test_async_client_times_out_with_a_typed_error_when_the_daemon_is_stopped(
+        tmp_path: Path) -> None:
+    with start_daemon(tmp_path / "d", arena_size="32MiB") as daemon:
+        client = await AsyncOffloadClient.connect(daemon.socket_path, job="frozen-async",
+                                                  reply_timeout_s=1.0)
+        await client.put("a", b"1234")
+        os.kill(daemon.process.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ReplyTimeoutError, match="reply_timeout_s"):
+                await client.stats()
+            assert client.closed
+            with pytest.raises(DaemonUnavailableError):
+                await client.stats()
+        finally:
+            os.kill(daemon.process.pid, signal.SIGCONT)
+        await client.close()
+        again = await AsyncOffloadClient.connect(daemon.socket_path, job="frozen-async")
+        try:
+            assert await again.get("a") == b"1234"
+        finally:
+            await again.close()
+
+
 class FutureDaemon:
     """A peer speaking a newer protocol: its first reply to ``stats`` has a tag this client
     does not know; every later one is a plain StatsOk. Serves one connection."""

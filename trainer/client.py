@@ -391,9 +391,7 @@ class OffloadClient(_ClientBase):
     def _timed_out(self) -> ReplyTimeoutError:
         """Close the connection (a late reply would arrive out of step) and say why."""
         self.close()
-        return ReplyTimeoutError(
-            f"no reply from offloadd within {self.reply_timeout_s} s (reply_timeout_s); the "
-            "daemon may be stopped or overloaded (`offloadd status`); the client is closed")
+        return _reply_timeout_error(self.reply_timeout_s)
 
     def _read_frame(self) -> p.Reply:
         buffer = self._rbuf
@@ -544,6 +542,12 @@ class OffloadClient(_ClientBase):
         self.close()
 
 
+def _reply_timeout_error(reply_timeout_s: float | None) -> ReplyTimeoutError:
+    return ReplyTimeoutError(
+        f"no reply from offloadd within {reply_timeout_s} s (reply_timeout_s); the daemon may "
+        "be stopped or overloaded (`offloadd status`); the client is closed")
+
+
 class AsyncOffloadClient(_ClientBase):
     """asyncio client with many requests in flight, matched to replies by request id."""
 
@@ -554,11 +558,17 @@ class AsyncOffloadClient(_ClientBase):
         self._waiters: dict[int, asyncio.Future[p.Reply]] = {}
         self._failure: BaseException | None = None
         self._pump = asyncio.ensure_future(self._read_replies())
+        self.reply_timeout_s: float | None = 300.0
+        """Longest wait for any one reply (None: forever); see ``connect``."""
 
     @classmethod
     async def connect(cls, socket_path: str, *, job: str, rank: int = 0, world_size: int = 1,
                       local_rank: int = 0, arena_nbytes: int | None = None, device: str = "cpu",
-                      timeout_s: float = 60.0) -> AsyncOffloadClient:
+                      timeout_s: float = 60.0, reply_timeout_s: float | None = 300.0
+                      ) -> AsyncOffloadClient:
+        """``reply_timeout_s``: longest wait for any one reply (None: forever); past it every
+        call in flight raises ReplyTimeoutError and the client is closed, as the blocking
+        client does."""
         hello_req = _hello_request(job, rank, world_size, local_rank, arena_nbytes, device)
 
         def blocking_hello() -> tuple[socket.socket, p.HelloOk, _Arena]:
@@ -574,7 +584,9 @@ class AsyncOffloadClient(_ClientBase):
         sock, hello, arena = await loop.run_in_executor(None, blocking_hello)
         sock.setblocking(False)
         reader, writer = await asyncio.open_unix_connection(sock=sock)
-        return cls(reader, writer, hello, arena, job, rank)
+        client = cls(reader, writer, hello, arena, job, rank)
+        client.reply_timeout_s = reply_timeout_s
+        return client
 
     async def _read_replies(self) -> None:
         try:
@@ -602,10 +614,24 @@ class AsyncOffloadClient(_ClientBase):
         if self._failure is not None:
             raise self._failure
         request.rid = rid = self._rid()
-        waiter: asyncio.Future[p.Reply] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[p.Reply] = loop.create_future()
         self._waiters[rid] = waiter
         self._writer.write(_frame(request))
+        if self.reply_timeout_s is not None:
+            timer = loop.call_later(self.reply_timeout_s, self._expire, waiter)
+            waiter.add_done_callback(lambda _waiter: timer.cancel())
         return waiter
+
+    def _expire(self, waiter: asyncio.Future[p.Reply]) -> None:
+        """A reply is overdue: fail every call in flight and close, like the blocking client."""
+        if waiter.done():
+            return
+        self.closed = True
+        self._fail(_reply_timeout_error(self.reply_timeout_s))  # the calls in flight
+        self._failure = DaemonUnavailableError("client is closed")  # later calls
+        self._pump.cancel()
+        self._writer.close()
 
     async def _call(self, request: p.Request) -> p.Reply:
         return _check_reply(await self._send(request))
