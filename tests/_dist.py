@@ -195,6 +195,28 @@ def engine_train(rank: int, world_size: int, config: dict[str, Any], steps: int,
         engine.close()
 
 
+def lm_tokens(step: int, rank: int, vocab: int = 97, seq_len: int = 16) -> torch.Tensor:
+    """Rank ``rank``'s token batch (2 x seq_len) at ``step``, the same in every process."""
+    generator = torch.Generator().manual_seed(step * 10 + rank)
+    return torch.randint(0, vocab, (2, seq_len), generator=generator)
+
+
+def lm_adamw_reference(model: torch.nn.Module, steps: int,
+                       tokens: Callable[[int, int], torch.Tensor], lr: float,
+                       weight_decay: float = 0.0, world_size: int = 2
+                       ) -> dict[str, torch.Tensor]:
+    """Plain torch AdamW on a causal LM fed every rank's batch each step, the loss averaged
+    over ranks: what data-parallel ZeRO training of the same model must reproduce."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    for step in range(steps):
+        optimizer.zero_grad()
+        for rank in range(world_size):
+            ids = tokens(step, rank)
+            (model(input_ids=ids, labels=ids).loss / world_size).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
 def max_relative_error(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
     worst = 0.0
     assert set(ours) == set(reference), (sorted(ours), sorted(reference))

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import TinyNet, make_batch, max_relative_error, run_ranks
+from _dist import TinyNet, lm_tokens, make_batch, max_relative_error, run_ranks
 from torch.utils.checkpoint import checkpoint
 
 import trainer
@@ -113,10 +113,6 @@ def make_gpt2() -> Any:
     return transformers.GPT2LMHeadModel(gpt2)
 
 
-def tokens(step: int, rank: int) -> torch.Tensor:
-    return torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(step * 10 + rank))
-
-
 def train_gpt2(rank: int, world: int) -> dict[str, torch.Tensor]:
     model = make_gpt2()
     model.gradient_checkpointing_enable()
@@ -127,7 +123,7 @@ def train_gpt2(rank: int, world: int) -> dict[str, torch.Tensor]:
     try:
         engine.train()
         for step in range(STEPS):
-            ids = tokens(step, rank)
+            ids = lm_tokens(step, rank)
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
         return consolidate_fp32_state_dict(engine)
@@ -142,7 +138,7 @@ def test_hf_gradient_checkpointing_under_zero3() -> None:
     for step in range(STEPS):
         optimizer.zero_grad()
         for rank in range(2):
-            ids = tokens(step, rank)
+            ids = lm_tokens(step, rank)
             (model(input_ids=ids, labels=ids).loss / 2).backward()
         optimizer.step()
     expected = model.state_dict()

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import max_relative_error, run_ranks
+from _dist import lm_adamw_reference, lm_tokens, max_relative_error, run_ranks
 from test_engine_parity import _shared_daemon
 
 import trainer
@@ -27,10 +27,6 @@ def make_gpt2(seed: int = 0) -> Any:
                                      n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
                                      attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
     return transformers.GPT2LMHeadModel(config)
-
-
-def tokens(step: int, rank: int) -> torch.Tensor:
-    return torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(step * 10 + rank))
 
 
 def ds_config(offload: str) -> dict[str, Any]:
@@ -54,7 +50,7 @@ def train_rank(rank: int, world: int) -> list[Any]:
             engine, _, _, _ = trainer.initialize(model=make_gpt2(), config=config)
             losses = []
             for step in range(STEPS):
-                ids = tokens(step % 2, rank)
+                ids = lm_tokens(step % 2, rank)
                 loss = engine(input_ids=ids, labels=ids).loss
                 engine.backward(loss)
                 engine.step()
@@ -69,15 +65,7 @@ def train_rank(rank: int, world: int) -> list[Any]:
 
 
 def reference() -> dict[str, torch.Tensor]:
-    model = make_gpt2()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        for rank in range(2):
-            ids = tokens(step % 2, rank)
-            (model(input_ids=ids, labels=ids).loss / 2).backward()
-        optimizer.step()
-    return model.state_dict()
+    return lm_adamw_reference(make_gpt2(), STEPS, lambda step, rank: lm_tokens(step % 2, rank), LR)
 
 
 def test_gpt2_trains_under_zero3() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import max_relative_error, run_ranks
+from _dist import lm_adamw_reference, max_relative_error, run_ranks
 from torch import nn
 
 import trainer
@@ -94,15 +94,9 @@ def train_cases(rank: int, world: int, cases: list[tuple[str, int, str]]) -> lis
 
 
 def reference(model_name: str) -> dict[str, torch.Tensor]:
-    model = MODELS[model_name]()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        for rank in range(2):
-            ids = tokens(model_name, step, rank)
-            (model(input_ids=ids, labels=ids).loss / 2).backward()
-        optimizer.step()
-    return model.state_dict()
+    return lm_adamw_reference(MODELS[model_name](), STEPS,
+                              lambda step, rank: tokens(model_name, step, rank), LR,
+                              weight_decay=0.01)
 
 
 def check_against_reference(model_name: str, state: dict[str, torch.Tensor]) -> None:

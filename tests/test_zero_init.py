@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import max_relative_error, run_ranks
+from _dist import lm_adamw_reference, lm_tokens, max_relative_error, run_ranks
 from test_engine_parity import HAS_NVME_TIER, _shared_daemon
 
 import trainer
@@ -29,10 +29,6 @@ def gpt2_config() -> Any:
     return transformers.GPT2Config(n_layer=N_LAYER, n_embd=32, n_head=2, vocab_size=97,
                                    n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
                                    attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-
-
-def tokens(step: int, rank: int) -> torch.Tensor:
-    return torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(step * 10 + rank))
 
 
 def ds_config(stage: int, device: str, swap_dir: str | None, socket_path: str,
@@ -64,7 +60,7 @@ def _edit_and_check(engine: Any, model: Any, rank: int) -> dict[str, Any]:
         else:
             wte[4].fill_(-7.0)  # not the modifier: must be discarded
     after = consolidate_fp32_state_dict(engine)
-    ids = tokens(0, 0)
+    ids = lm_tokens(0, 0)
     with torch.no_grad():
         engine.eval()
         loss = engine(input_ids=ids, labels=ids).loss.item()
@@ -87,7 +83,7 @@ def train_rank(rank: int, world: int, device: str) -> list[Any]:
             initial = consolidate_fp32_state_dict(engine)
             losses = []
             for step in range(STEPS):
-                ids = tokens(step % 2, rank)
+                ids = lm_tokens(step % 2, rank)
                 loss = engine(input_ids=ids, labels=ids).loss
                 engine.backward(loss)
                 engine.step()
@@ -107,14 +103,7 @@ def train_rank(rank: int, world: int, device: str) -> list[Any]:
 def reference(initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     model = transformers.GPT2LMHeadModel(gpt2_config())
     model.load_state_dict(initial)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        for rank in range(2):
-            ids = tokens(step % 2, rank)
-            (model(input_ids=ids, labels=ids).loss / 2).backward()
-        optimizer.step()
-    return model.state_dict()
+    return lm_adamw_reference(model, STEPS, lambda step, rank: lm_tokens(step % 2, rank), LR)
 
 
 def _check_init(initial: dict[str, torch.Tensor]) -> None:
