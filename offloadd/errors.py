@@ -29,6 +29,7 @@ class ErrorCode(str, enum.Enum):
     LIMIT = "limit"  # a per-client limit of the daemon config (offloadd.limits) was reached
     QUARANTINED = "quarantined"  # the job's swap state could not be recovered; see status
     TORN = "torn"  # the shard's last write lease ended by an error; write it again
+    SLOT_BUSY = "slot_busy"  # a staging slot reused before the rank's consumer event
     INTERNAL = "internal"  # a daemon bug; the session survives
 
 
@@ -122,6 +123,13 @@ class JobQuarantinedError(OffloadError):
     code = ErrorCode.QUARANTINED
 
 
+class SlotBusyError(OffloadError):
+    """A device staging slot was reused before its last use finished (offloadd.device_copies):
+    send slot_done after consuming a staged slot, and wait for a stage_out's reply."""
+
+    code = ErrorCode.SLOT_BUSY
+
+
 class DaemonUnavailableError(OffloadError, ConnectionError):
     """Raised on the client side when the daemon cannot be reached or went away."""
 
@@ -156,6 +164,7 @@ ERROR_CLASSES: dict[ErrorCode, type[OffloadError]] = {
         InternalError,
         LimitExceededError,
         JobQuarantinedError,
+        SlotBusyError,
     )
 }
 

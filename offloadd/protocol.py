@@ -123,9 +123,46 @@ class OptimizerStep(Request, tag="optimizer_step"):
     grad_scale: float = 1.0
 
 
+class StagingOpen(Request, tag="staging_open"):
+    """Ask for daemon-driven device copies (offloadd.device_copies): the rank's staging
+    slots on its GPU (CUDA IPC handles) or, on the twin, a memfd of the same layout."""
+
+    kind: str  # "cuda" | "twin"
+    device_uuid: str  # the GPU the slots live on ("GPU-..." as nvidia-smi -L prints it)
+    num_slots: int
+    slot_nbytes: int
+    staging_fd: int = -1  # twin: the memfd's descriptor number in the rank's process
+    ipc_handle: bytes = b""  # cuda: cudaIpcMemHandle_t of the staging allocation
+    ipc_offset: int = 0  # cuda: byte offset of slot 0 inside that allocation
+    event_handles: list[bytes] = []  # cuda: per slot, the rank's then the daemon's event
+    rank_reason: str = ""  # the rank cannot export (a fallback reason): count it, copy nothing
+    arena_pinned: str = "not_attempted"  # the rank's cudaHostRegister of its arena mapping
+
+
+class StageIn(Request, tag="stage_in"):
+    """Copy the shard's committed bytes into a staging slot; the reply is the slot's event."""
+
+    shard_id: str
+    slot: int
+
+
+class StageOut(Request, tag="stage_out"):
+    """Commit the slot's first ``nbytes`` as the shard's new bytes (a gradient D2H)."""
+
+    shard_id: str
+    slot: int
+    nbytes: int
+
+
+class SlotDone(Request, tag="slot_done"):
+    """The rank consumed a staged slot: the daemon may copy into it again."""
+
+    slot: int
+
+
 AnyRequest = (
     Hello | Alloc | Acquire | Release | Drop | Prefetch | StepBegin | Flush | Stats | OptimizerStep
-    | NodeStatus | CloseJob
+    | NodeStatus | CloseJob | StagingOpen | StageIn | StageOut | SlotDone
 )
 
 
@@ -163,7 +200,14 @@ class ErrorReply(Reply, tag="error"):
     shard_ids: list[str] = []
 
 
-AnyReply = HelloOk | Placed | Ok | StatsOk | ErrorReply
+class StagingOk(Reply, tag="staging_ok"):
+    """Which copy path the job's rank uses: "daemon", or "rank" with the fallback reason."""
+
+    path: str
+    reason: str = ""
+
+
+AnyReply = HelloOk | Placed | Ok | StatsOk | ErrorReply | StagingOk
 
 DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
 """What decoding a hostile payload may raise (msgspec reports bad UTF-8 in a str as

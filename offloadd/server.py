@@ -18,6 +18,7 @@ from typing import Any
 from offloadd import __version__
 from offloadd.auth import JobAuthority
 from offloadd.config import DaemonConfig, parse_host_port
+from offloadd.device_copies import DeviceCopiesService
 from offloadd.jobs import Job, JobRegistry
 from offloadd.lifecycle import JobLifecycle
 from offloadd.limits import LimitGuard
@@ -72,6 +73,9 @@ class Daemon:
         self.started_at = time.time()
         self.metrics.sources.append(self._families)
         self.metrics.sources.append(self.optimizer.families)
+        self.device_copies = DeviceCopiesService()
+        """Daemon-driven copies between arenas and ranks' GPU staging slots."""
+        self.metrics.sources.append(self.device_copies.metrics.families)
 
     # -- lifecycle ----------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from offloadd import device_copies
 from offloadd import protocol as p
 from offloadd.errors import (
     BadFrameError,
@@ -95,6 +96,9 @@ class Session(asyncio.Protocol):
             p.OptimizerStep: self.on_optimizer_step,
             p.CloseJob: self.on_close_job,
         }
+        self.staging: device_copies.SessionStaging | None = None
+        """Daemon-driven device copies into this rank's GPU staging slots, once opened."""
+        self.handlers.update(device_copies.handlers(self))
 
     # -- connection lifecycle -------------------------------------------------------
 
@@ -135,6 +139,7 @@ class Session(asyncio.Protocol):
             self.daemon.limits.session_closed(self.peer_uid)
         for task in self.tasks:
             task.cancel()
+        device_copies.session_closed(self)
         if self.job is not None:
             freed = self.job.release_all(self.leases)
             self.job.num_sessions -= 1
@@ -403,6 +408,7 @@ class Session(asyncio.Protocol):
             raise InvalidRequestError(
                 f"close_job with {in_flight} request(s) of this session in flight; "
                 "wait for their replies first")
+        device_copies.session_closed(self)
         job.release_all(self.leases)
         job.num_sessions -= 1
         self.job = None

@@ -518,6 +518,15 @@ class OffloadClient(_ClientBase):
     def optimizer_step(self, unit: str, **hyperparams: Any) -> None:
         self.optimizer_step_async(unit, **hyperparams).wait()
 
+    def request(self, request: p.Request) -> p.Reply:
+        """Send any request and wait for its reply (typed errors raised)."""
+        return self._call(request)
+
+    def request_async(self, request: p.Request) -> StepHandle:
+        """Send ``request`` now; the handle's ``wait()`` waits for its reply."""
+        with self._lock:
+            return StepHandle(self, self._send(request))
+
     def close_job(self) -> None:
         """Tell the daemon this rank is done with the job (freed once no rank is attached,
         without the linger), then close the client."""

@@ -269,12 +269,20 @@ class OffloaddConfig:
     """Directory for the private daemon's socket and files; unset: a fresh temp dir."""
     connect_timeout_s: float = 120.0
     """Seconds to wait for the daemon socket to accept connections; > 0."""
+    device_copies: Literal["rank", "daemon"] = "rank"
+    """Who copies between the arena and the GPU: "rank" (the rank's own CUDA streams) or
+    "daemon" (the daemon's streams into the rank's IPC-exported staging slots; falls back
+    to "rank" with one logged reason when IPC is not possible, see trainer.daemon_copies)."""
+    staging_slots: int = 4
+    """Staging slots for device_copies "daemon" (each as large as the largest unit
+    partition); >= 2."""
 
     def __post_init__(self) -> None:
         _check(self.arena_size is None or self.arena_size > 0, "offloadd.arena_size",
                self.arena_size, "> 0 bytes")
         _check(self.connect_timeout_s > 0, "offloadd.connect_timeout_s",
                self.connect_timeout_s, "> 0")
+        _check(self.staging_slots >= 2, "offloadd.staging_slots", self.staging_slots, ">= 2")
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -36,6 +36,7 @@ from torch import nn
 from trainer.collectives import Collectives, node_key
 from trainer.config import EngineConfig
 from trainer.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue
+from trainer.daemon_copies import DaemonCopies, open_daemon_copies
 from trainer.lease_debug import check_view
 from trainer.offload import (
     STATE_KINDS,
@@ -59,10 +60,19 @@ class DaemonBackend(StateBackend):
 
     def __init__(self, client: Any, *, collectives: Collectives, private: bool,
                  private_daemon: Any | None = None, swaps: bool = False,
-                 copies: CopyEngine | None = None) -> None:
+                 copies: CopyEngine | None = None, device_copies: str = "rank",
+                 staging_slots: int = 4, local_rank: int = 0) -> None:
         self.client = client
         self.copies = copies or InlineCopyEngine()
         """Moves lease bytes to/from the compute device (see trainer.copy_engine)."""
+        self.device_copies_path = "rank"
+        """Who copies shards to/from the device: rank | daemon (trainer.daemon_copies)."""
+        self.device_copies_reason = ""
+        """Why the rank copies although "daemon" was asked for."""
+        self._daemon_copies: DaemonCopies | None = None
+        self._daemon_copies_pending = device_copies == "daemon"
+        """Opened at the first copy, once every unit is registered (slots fit the largest)."""
+        self._staging_slots, self._local_rank = staging_slots, local_rank
         self.releases = ReleaseQueue(self.copies)
         """Leases whose copies are in flight: released/committed only after their event."""
         self._leased_for_copy: set[str] = set()
@@ -188,6 +198,8 @@ class DaemonBackend(StateBackend):
     def _drain_copies(self) -> None:
         """Wait for every copy in flight and run the releases they held back."""
         try:
+            if self._daemon_copies is not None:
+                self._daemon_copies.drain()
             self.releases.drain()
         finally:
             self._leased_for_copy.clear()
@@ -195,6 +207,21 @@ class DaemonBackend(StateBackend):
     def _release_after(self, event: Any, lease: Any) -> None:
         self._leased_for_copy.add(lease.shard_id)
         self.releases.release_after(event, lease.release)
+
+    def _device_copier(self) -> DaemonCopies | None:
+        """The daemon copies of this rank, opened at the first call (None: rank copies)."""
+        if self._daemon_copies_pending:
+            self._daemon_copies_pending = False
+            slot_nbytes = max((spec.part_numel * (4 if spec.trainable
+                                                  else spec.param_dtype.itemsize)
+                               for spec in self._specs.values()), default=1)
+            self._daemon_copies, self.device_copies_reason = open_daemon_copies(
+                self.client, self.copies, num_slots=self._staging_slots,
+                slot_nbytes=slot_nbytes, local_rank=self._local_rank,
+                arena_pinned=self.arena_pinned)
+            if self._daemon_copies is not None:
+                self.device_copies_path = "daemon"
+        return self._daemon_copies
 
     def _stage_in(self, lease: Any, out: torch.Tensor) -> None:
         """Copy the lease into device ``out``; the lease goes back after the copy's event."""
@@ -211,6 +238,10 @@ class DaemonBackend(StateBackend):
                            want_sq_norm: bool) -> torch.Tensor | None:
         """``accumulate_grad`` for a device gradient: the sum is formed on the device and
         copied into the write lease, which commits only after that copy's event."""
+        daemon_copies = self._device_copier()
+        if daemon_copies is not None:
+            return self._accumulate_by_daemon(daemon_copies, unit, grad, first=first,
+                                              want_sq_norm=want_sq_norm)
         lease = self._acquire(self._names[unit][1], "w")
         try:
             target = lease.tensor(torch.float32)
@@ -229,6 +260,20 @@ class DaemonBackend(StateBackend):
         self._release_after(event, lease)
         self.moved_nbytes += target.nbytes
         self.releases.poll()
+        return squared_norm(total) if want_sq_norm else None
+
+    def _accumulate_by_daemon(self, daemon_copies: DaemonCopies, unit: int, grad: torch.Tensor,
+                              *, first: bool, want_sq_norm: bool) -> torch.Tensor | None:
+        """The sum is formed on the device; the daemon copies it into the gradient shard."""
+        grad_id = self._names[unit][1]
+        if first:
+            total = grad.to(torch.float32, copy=True)
+        else:
+            total = self.copies.empty(self._specs[unit].part_numel, torch.float32)
+            daemon_copies.read_into(grad_id, total)
+            total.add_(grad)
+        daemon_copies.write_from(grad_id, total)
+        self.moved_nbytes += total.nbytes
         return squared_norm(total) if want_sq_norm else None
 
     # ------------------------------------------------------------------ grads
@@ -262,6 +307,9 @@ class DaemonBackend(StateBackend):
         self._settle(unit)
         if self._names[unit][1] in self._leased_for_copy:  # the step reads the committed grad
             self._drain_copies()
+        if self._daemon_copies is not None:  # the step reads the grad and rewrites the param
+            self._daemon_copies.settle(self._names[unit][1])
+            self._daemon_copies.discard(self._names[unit][2])
         if len(self._steps) >= self.max_inflight_steps:
             self._settle(next(iter(self._steps)))  # the oldest: steps finish in order
         handle = _TimedHandle(self.client.optimizer_step_async(
@@ -273,6 +321,11 @@ class DaemonBackend(StateBackend):
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:
         self._settle(unit)
+        daemon_copies = None if self.copies.zero_copy else self._device_copier()
+        if daemon_copies is not None:
+            daemon_copies.read_into(self._names[unit][2], out)
+            self.moved_nbytes += out.nbytes
+            return
         if not self.copies.zero_copy:
             self._stage_in(self._acquire(self._names[unit][2], "r"), out)
             self.releases.poll()
@@ -296,6 +349,11 @@ class DaemonBackend(StateBackend):
         return lease.tensor(self._specs[unit].param_dtype), lease.release
 
     def prefetch_params(self, units: list[int]) -> None:
+        daemon_copies = None if self.copies.zero_copy else self._device_copier()
+        if daemon_copies is not None:  # the daemon stages them ahead into free slots
+            daemon_copies.prefetch([self._names[unit][2] for unit in units
+                                    if unit not in self._steps])
+            return
         if self.swaps and units:
             self.client.prefetch([self._names[unit][2] for unit in units])
 
@@ -337,7 +395,12 @@ class DaemonBackend(StateBackend):
                      "rank_grad_drops_refused": self.grad_drops_refused,
                      "rank_copy_engine": self.copies.kind,
                      "rank_releases_deferred": self.releases.deferred,
-                     "rank_arena_pinned": self.arena_pinned}
+                     "rank_arena_pinned": self.arena_pinned,
+                     "rank_device_copies": self.device_copies_path,
+                     "rank_device_copies_reason": self.device_copies_reason}
+        if self._daemon_copies is not None:
+            rank_side["rank_staged_ahead"] = self._daemon_copies.staged_ahead
+            rank_side["rank_staged_hits"] = self._daemon_copies.prefetch_hits
         try:
             return {**self.client.stats(), **rank_side}
         except OffloadError as error:  # diagnostics only: never fail training over them
@@ -353,6 +416,11 @@ class DaemonBackend(StateBackend):
             failure = error
         from trainer.client import OffloadError
 
+        if self._daemon_copies is not None:
+            try:
+                self._daemon_copies.close()
+            except BaseException as error:
+                failure = failure or error
         self.copies.synchronize()
         self._unpin_arena()
         try:
@@ -551,4 +619,7 @@ def connect_backend(config: EngineConfig, collectives: Collectives,
 
     return DaemonBackend(client, collectives=collectives, private=config.offloadd.socket is None,
                          private_daemon=daemon, swaps=swaps,
-                         copies=select_copy_engine(resolve_device(config.device).device))
+                         copies=select_copy_engine(resolve_device(config.device).device),
+                         device_copies=config.offloadd.device_copies,
+                         staging_slots=config.offloadd.staging_slots,
+                         local_rank=collectives.local_rank)

@@ -1,0 +1,328 @@
+"""The daemon's device copiers: arena <-> a rank's GPU staging slots (daemon-driven copies).
+
+A rank that asks for ``device_copies: "daemon"`` hands the daemon its staging
+slots: on CUDA a ``cudaIpcMemHandle_t`` of one device allocation plus, per
+slot, two interprocess events (the rank records "consumed", the daemon
+records "filled"); on the CPU twin a memfd of the same layout. A
+``DeviceCopier`` then copies shard bytes between the arena and those slots on
+a stream of its own:
+
+- ``CupyDeviceCopier``: one CUDA context per GPU (found by UUID), the rank's
+  allocation opened with ``cudaIpcOpenMemHandle``, copies by
+  ``cudaMemcpyAsync`` on a non-blocking stream that first waits
+  (``cudaStreamWaitEvent``) on the rank's consumer event of the slot. cupy is
+  imported lazily: it lives in the ``cuda`` extra.
+- ``TwinDeviceCopier``: the CPU twin. The "device" is the rank's memfd,
+  copies run on one worker thread (one stream: in issue order) after a random
+  small delay, and an event is the completion the reply reports.
+
+Hazard (lease outlives the DMA): a copier returns only once its copy has
+completed, so the caller releases the shard's lease, or commits the write
+lease, after the DMA and never during it (invariant 6).
+
+``open_copier`` raises ``CopiesRefused`` with a reason from
+``FALLBACK_REASONS`` when the path is impossible; the rank then copies itself.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import concurrent.futures
+import mmap
+import os
+import random
+import time
+from typing import Any
+
+from offloadd.arena import buffer_address
+
+FALLBACK_REASONS = ("no_cupy", "gpu_not_visible", "expandable_segments", "ipc_refused",
+                    "ipc_namespace", "cuda_unavailable", "host_compute")
+"""Why a job's rank copies itself although it asked for daemon copies (a metric label)."""
+TWIN_MAX_DELAY_ENV = "OFFLOADD_TWIN_MAX_DELAY_US"
+DEFAULT_TWIN_MAX_DELAY_S = 200e-6
+"""Upper bound of the twin's random per-copy delay (as trainer.copy_engine's twin)."""
+TWIN_UUID_PREFIX = "twin-"
+"""The twin's "GPUs": a rank on the twin names its device ``twin-<n>``."""
+MAX_STAGING_SLOTS = 64
+MAX_STAGING_NBYTES = 64 << 30
+"""Upper bounds of one rank's staging layout (a bad request, not a real GPU)."""
+
+
+class CopiesRefused(Exception):
+    """Daemon copies are impossible for this rank; ``reason`` is one of FALLBACK_REASONS."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        assert reason in FALLBACK_REASONS, reason
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class DeviceCopier(abc.ABC):
+    """Copies between the arena and one rank's staging slots, in order, on one stream."""
+
+    kind: str
+
+    def __init__(self, num_slots: int, slot_nbytes: int) -> None:
+        self.num_slots = num_slots
+        self.slot_nbytes = slot_nbytes
+        self.copies = 0
+        self.copied_nbytes = 0
+
+    @abc.abstractmethod
+    async def copy_in(self, slot: int, src: memoryview) -> None:
+        """Arena ``src`` -> the slot; returns once the copy completed and the slot's "filled"
+        event is recorded (the rank's compute stream waits on it)."""
+
+    @abc.abstractmethod
+    async def copy_out(self, slot: int, dst: memoryview) -> None:
+        """The slot's first ``len(dst)`` bytes -> arena ``dst``, after the rank's event that
+        says it wrote them; returns once the copy completed."""
+
+    def consumed(self, slot: int) -> None:  # noqa: B027 - the twin's rank consumes in order
+        """The rank reported ``slot_done``: later copies into the slot wait on its event."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop after the copies in flight; unmap the slots."""
+
+
+# ---------------------------------------------------------------------------
+# twin
+
+
+class TwinDeviceCopier(DeviceCopier):
+    """The slots are the rank's memfd; copies run on one worker thread after a random delay."""
+
+    kind = "twin"
+
+    def __init__(self, fd: int, num_slots: int, slot_nbytes: int, *,
+                 max_delay_s: float | None = None, seed: int = 0) -> None:
+        super().__init__(num_slots, slot_nbytes)
+        if max_delay_s is None:
+            max_delay_s = float(os.environ.get(TWIN_MAX_DELAY_ENV,
+                                               DEFAULT_TWIN_MAX_DELAY_S * 1e6)) * 1e-6
+        self.max_delay_s = max(0.0, max_delay_s)
+        self._random = random.Random(seed)
+        self._map = mmap.mmap(fd, num_slots * slot_nbytes)
+        self._view = memoryview(self._map)
+        self._stream = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="offloadd-twin-stream")
+
+    def _slot(self, slot: int, nbytes: int) -> memoryview:
+        start = slot * self.slot_nbytes
+        return self._view[start : start + nbytes]
+
+    async def _run(self, dst: memoryview, src: memoryview) -> None:
+        delay_s = self._random.uniform(0.0, self.max_delay_s)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._stream, _delayed_copy, dst, src, delay_s)
+        self.copies += 1
+        self.copied_nbytes += len(src)
+
+    async def copy_in(self, slot: int, src: memoryview) -> None:
+        await self._run(self._slot(slot, len(src)), src)
+
+    async def copy_out(self, slot: int, dst: memoryview) -> None:
+        await self._run(dst, self._slot(slot, len(dst)))
+
+    def close(self) -> None:
+        # Unmapped by the worker itself, after the copies queued before it: no copy can
+        # touch the slots once they are gone, and the event loop never blocks on them.
+        self._stream.submit(self._unmap)
+        self._stream.shutdown(wait=False)
+
+    def _unmap(self) -> None:
+        self._view.release()
+        self._map.close()
+
+
+def _delayed_copy(dst: memoryview, src: memoryview, delay_s: float) -> None:
+    if delay_s:
+        time.sleep(delay_s)
+    dst[:] = src
+
+
+def open_twin_staging(peer_pid: int, fd_number: int, nbytes: int) -> int:
+    """The rank's staging memfd, opened through ``/proc/<pid>/fd``: the twin's stand-in for
+    cudaIpcOpenMemHandle, with the same limits (same host, an IPC/pid namespace the daemon
+    shares with the rank, permission). An asyncio transport cannot receive SCM_RIGHTS."""
+    if _namespace(peer_pid) != _namespace(os.getpid()):
+        raise CopiesRefused("ipc_namespace", f"rank pid {peer_pid} runs in another IPC "
+                            "namespace (a container without --ipc=host); daemon copies need "
+                            "the daemon's IPC namespace")
+    try:
+        fd = os.open(f"/proc/{peer_pid}/fd/{fd_number}", os.O_RDWR | os.O_CLOEXEC)
+    except OSError as error:
+        raise CopiesRefused("ipc_refused", f"cannot open the rank's staging memfd "
+                            f"{fd_number} of pid {peer_pid}: {error.strerror}") from error
+    if os.fstat(fd).st_size < nbytes:
+        os.close(fd)
+        raise CopiesRefused("ipc_refused", f"the rank's staging memfd is smaller than the "
+                            f"{nbytes} B its slots need")
+    return fd
+
+
+def _namespace(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/ipc")
+    except OSError:
+        return ""
+
+
+# ---------------------------------------------------------------------------
+# cuda (cupy)
+
+
+def normalize_uuid(uuid: str) -> str:
+    """``GPU-58e2...`` / ``58e2...`` -> ``58e2...`` (lower case), as nvidia-smi and torch
+    print the same device."""
+    return uuid.lower().removeprefix("gpu-")
+
+
+def _import_cupy() -> Any:
+    try:
+        import cupy  # type: ignore[import-not-found, unused-ignore]
+    except ImportError as error:
+        raise CopiesRefused("no_cupy", "the daemon has no cupy (pip install 'offloadd[cuda]' "
+                            f"where the daemon runs): {error}") from error
+    return cupy
+
+
+def find_device(cupy: Any, uuid: str) -> int:
+    """The daemon's device index of the GPU with ``uuid``."""
+    wanted = normalize_uuid(uuid)
+    runtime = cupy.cuda.runtime
+    try:
+        count = runtime.getDeviceCount()
+    except Exception as error:  # cupy raises CUDARuntimeError without a driver
+        raise CopiesRefused("cuda_unavailable", f"the daemon sees no CUDA device: {error}") \
+            from error
+    for index in range(count):
+        raw = runtime.getDeviceProperties(index)["uuid"]
+        hexed = raw.hex() if isinstance(raw, bytes) else str(raw)
+        dashed = (f"{hexed[:8]}-{hexed[8:12]}-{hexed[12:16]}-{hexed[16:20]}-{hexed[20:]}"
+                  if len(hexed) == 32 else hexed)
+        if normalize_uuid(dashed) == wanted:
+            return index
+    raise CopiesRefused("gpu_not_visible", f"GPU {uuid} is not visible to the daemon "
+                        f"({count} device(s); check CUDA_VISIBLE_DEVICES / the container's "
+                        "--gpus of the daemon)")
+
+
+class CupyDeviceCopier(DeviceCopier):
+    """One rank's staging allocation opened by IPC on the daemon's context of its GPU.
+
+    Untested on hardware in this tree (no GPU in CI): the twin runs the same protocol.
+    """
+
+    kind = "cuda"
+
+    def __init__(self, cupy: Any, device_index: int, ipc_handle: bytes, ipc_offset: int,
+                 event_handles: list[bytes], num_slots: int, slot_nbytes: int) -> None:
+        super().__init__(num_slots, slot_nbytes)
+        if len(event_handles) != 2 * num_slots:
+            raise CopiesRefused("ipc_refused", f"{len(event_handles)} event handles for "
+                                f"{num_slots} slots (need 2 per slot)")
+        self._cupy = cupy
+        self._runtime = runtime = cupy.cuda.runtime
+        self._device = cupy.cuda.Device(device_index)
+        try:
+            with self._device:
+                self._base = runtime.ipcOpenMemHandle(ipc_handle,
+                                                      runtime.cudaIpcMemLazyEnablePeerAccess)
+                self._slots_ptr = self._base + ipc_offset
+                self._consumed = [runtime.ipcOpenEventHandle(h) for h in event_handles[0::2]]
+                self._filled = [runtime.ipcOpenEventHandle(h) for h in event_handles[1::2]]
+                self._stream = cupy.cuda.Stream(non_blocking=True)
+        except Exception as error:  # CUDARuntimeError: IPC refused (namespace, driver)
+            raise CopiesRefused("ipc_refused", f"cudaIpcOpen* failed: {error}") from error
+        self._arena_address = 0
+
+    def register_arena(self, address: int, nbytes: int) -> None:
+        """Pin the job's arena mapping for this process (once per arena, refcounted), so
+        cudaMemcpyAsync from it is real async DMA rather than a staged pageable copy."""
+        if _pinned.get(address, 0) == 0:
+            with self._device:
+                try:  # cudaHostRegisterPortable: pinned for every context of the daemon
+                    self._runtime.hostRegister(address, nbytes, 1)
+                except Exception as error:  # memlock: copies still work, staged and slower
+                    raise CopiesRefused("ipc_refused", f"cudaHostRegister of the arena failed "
+                                        f"(raise LimitMEMLOCK of the daemon): {error}") \
+                        from error
+        _pinned[address] = _pinned.get(address, 0) + 1
+        self._arena_address = address
+
+    async def _finish(self, slot: int) -> None:
+        # Completion is waited for off the loop (invariant 5); the caller's lease is
+        # released after it (invariant 6).
+        event = self._filled[slot]
+        await asyncio.get_running_loop().run_in_executor(
+            None, self._runtime.eventSynchronize, event)
+
+    async def copy_in(self, slot: int, src: memoryview) -> None:
+        runtime, stream = self._runtime, self._stream.ptr
+        with self._device:
+            runtime.streamWaitEvent(stream, self._consumed[slot], 0)
+            runtime.memcpyAsync(self._slots_ptr + slot * self.slot_nbytes, buffer_address(src),
+                                len(src), runtime.memcpyHostToDevice, stream)
+            runtime.eventRecord(self._filled[slot], stream)
+        await self._finish(slot)
+        self.copies += 1
+        self.copied_nbytes += len(src)
+
+    async def copy_out(self, slot: int, dst: memoryview) -> None:
+        runtime, stream = self._runtime, self._stream.ptr
+        with self._device:
+            runtime.streamWaitEvent(stream, self._consumed[slot], 0)
+            runtime.memcpyAsync(buffer_address(dst), self._slots_ptr + slot * self.slot_nbytes,
+                                len(dst), runtime.memcpyDeviceToHost, stream)
+            runtime.eventRecord(self._filled[slot], stream)
+        await self._finish(slot)
+        self.copies += 1
+        self.copied_nbytes += len(dst)
+
+    def close(self) -> None:
+        runtime = self._runtime
+        with self._device:
+            self._stream.synchronize()
+            for event in (*self._consumed, *self._filled):
+                runtime.eventDestroy(event)
+            runtime.ipcCloseMemHandle(self._base)
+            if self._arena_address:
+                _pinned[self._arena_address] -= 1
+                if not _pinned[self._arena_address]:
+                    del _pinned[self._arena_address]
+                    runtime.hostUnregister(self._arena_address)
+
+
+_pinned: dict[int, int] = {}
+"""Arena mappings this daemon registered with CUDA -> copiers using them."""
+
+
+def open_copier(*, kind: str, device_uuid: str, peer_pid: int, staging_fd: int,
+                ipc_handle: bytes, ipc_offset: int, event_handles: list[bytes],
+                num_slots: int, slot_nbytes: int, arena: memoryview) -> DeviceCopier:
+    """The copier for one rank's staging slots, or ``CopiesRefused`` naming why not."""
+    if kind == "twin":
+        if not device_uuid.startswith(TWIN_UUID_PREFIX):
+            raise CopiesRefused("gpu_not_visible", f"GPU {device_uuid!r} is not visible to "
+                                f"the daemon's twin (twin devices are named "
+                                f"{TWIN_UUID_PREFIX}<n>)")
+        fd = open_twin_staging(peer_pid, staging_fd, num_slots * slot_nbytes)
+        try:
+            return TwinDeviceCopier(fd, num_slots, slot_nbytes)
+        finally:
+            os.close(fd)  # the mapping keeps the memory
+    cupy = _import_cupy()
+    device_index = find_device(cupy, device_uuid)
+    copier = CupyDeviceCopier(cupy, device_index, ipc_handle, ipc_offset, event_handles,
+                              num_slots, slot_nbytes)
+    try:
+        copier.register_arena(buffer_address(arena), len(arena))
+    except CopiesRefused:
+        copier.close()
+        raise
+    return copier

@@ -1,0 +1,232 @@
+"""Daemon-driven device copies on the CPU twin (offloadd.device_copies, trainer.daemon_copies).
+
+A real daemon process copies between the job's arena and a rank's staging
+slots (a memfd on the twin) on its own worker thread: the protocol (stage_in,
+stage_out, slot_done) and its ordering rules against raw clients, the
+fallback to rank copies with its logged reason and metric, and training
+through the daemon path against plain torch.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from test_daemon_metrics import scrape, value
+
+from offloadd import protocol as p
+from offloadd.embedded import PrivateDaemon
+from offloadd.errors import InvalidRequestError, SlotBusyError, UnknownShardError
+from trainer.client import OffloadClient
+from trainer.copy_engine import TwinCopyEngine
+from trainer.daemon_copies import TWIN_GPU_UUID_ENV, DaemonCopies, open_daemon_copies
+
+SLOT_NBYTES = 4096
+NUM_SLOTS = 3
+SESSIONS = "offloadd_device_copies_sessions_total"
+
+
+class TwinSlots:
+    """A raw rank's twin staging: a memfd it lends the daemon by staging_open."""
+
+    def __init__(self, num_slots: int = NUM_SLOTS, slot_nbytes: int = SLOT_NBYTES) -> None:
+        self.fd = os.memfd_create("test-staging", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, num_slots * slot_nbytes)
+        self.map = mmap.mmap(self.fd, num_slots * slot_nbytes)
+        self.slot_nbytes = slot_nbytes
+
+    def open_request(self, **fields: object) -> p.StagingOpen:
+        request = p.StagingOpen(0, "twin", "twin-0", NUM_SLOTS, self.slot_nbytes,
+                                staging_fd=self.fd)
+        for key, field_value in fields.items():
+            setattr(request, key, field_value)
+        return request
+
+    def slot(self, index: int, nbytes: int) -> bytes:
+        start = index * self.slot_nbytes
+        return bytes(self.map[start : start + nbytes])
+
+    def write(self, index: int, data: bytes) -> None:
+        start = index * self.slot_nbytes
+        self.map[start : start + len(data)] = data
+
+    def close(self) -> None:
+        self.map.close()
+        os.close(self.fd)
+
+
+@pytest.fixture
+def slots() -> Iterator[TwinSlots]:
+    staging = TwinSlots()
+    yield staging
+    staging.close()
+
+
+def _opened(connect, slots: TwinSlots) -> OffloadClient:
+    client = connect()
+    reply = client.request(slots.open_request())
+    assert isinstance(reply, p.StagingOk)
+    assert (reply.path, reply.reason) == ("daemon", "")
+    return client
+
+
+def test_stage_in_and_out_move_shard_bytes(connect, slots: TwinSlots) -> None:
+    client = _opened(connect, slots)
+    payload = os.urandom(1000)
+    client.put("w", payload)
+    client.request(p.StageIn(0, "w", 1))
+    assert slots.slot(1, 1000) == payload
+    client.request(p.SlotDone(0, 1))
+
+    gradient = os.urandom(1000)
+    slots.write(2, gradient)
+    client.request(p.StageOut(0, "w", 2, 1000))
+    assert client.get("w") == gradient  # committed once the copy completed
+    with client.acquire("w", "r") as lease:
+        assert lease.version == 2
+
+
+def test_slot_reused_before_consumer_event_fails(connect, slots: TwinSlots) -> None:
+    """The twin catches a slot filled again before the rank reported consuming it."""
+    client = _opened(connect, slots)
+    client.put_many({"a": b"a" * 64, "b": b"b" * 64})
+    client.request(p.StageIn(0, "a", 0))
+    with pytest.raises(SlotBusyError, match="consumer event"):
+        client.request(p.StageIn(0, "b", 0))
+    assert slots.slot(0, 64) == b"a" * 64  # the refused copy never touched the slot
+    with pytest.raises(SlotBusyError):  # a staged slot is not drained either
+        client.request(p.StageOut(0, "b", 0, 64))
+    client.request(p.SlotDone(0, 0))
+    with pytest.raises(SlotBusyError):  # consumed twice
+        client.request(p.SlotDone(0, 0))
+    client.request(p.StageIn(0, "b", 0))
+    assert slots.slot(0, 64) == b"b" * 64
+
+
+def test_two_copies_in_flight_on_one_slot_fail(connect, slots: TwinSlots) -> None:
+    """Pipelined requests: the second stage_in on a slot whose copy is running is refused."""
+    client = _opened(connect, slots)
+    client.put("a", b"x" * 2048)
+    first = client.request_async(p.StageIn(0, "a", 0))
+    second = client.request_async(p.StageIn(0, "a", 0))
+    first.wait()
+    with pytest.raises(SlotBusyError):
+        second.wait()
+
+
+def test_bad_stage_requests_get_typed_errors_and_the_daemon_serves_on(
+        connect, slots: TwinSlots) -> None:
+    client = _opened(connect, slots)
+    other = connect(rank=1, world_size=2)
+    other.put("theirs", b"t" * 16)
+    client.put("mine", b"m" * 16)
+    with pytest.raises(UnknownShardError):  # another rank's shard is not ours to stage
+        client.request(p.StageIn(0, "theirs", 0))
+    with pytest.raises(UnknownShardError):
+        client.request(p.StageOut(0, "nope", 0, 16))
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        client.request(p.StageIn(0, "mine", NUM_SLOTS))
+    with pytest.raises(InvalidRequestError, match="out of range"):
+        client.request(p.SlotDone(0, -1))
+    with pytest.raises(InvalidRequestError, match="16 B"):  # size must match the shard
+        client.request(p.StageOut(0, "mine", 0, 8))
+    client.put("big", b"b" * (SLOT_NBYTES + 1))
+    with pytest.raises(InvalidRequestError, match="as large as the largest shard"):
+        client.request(p.StageIn(0, "big", 0))
+    with pytest.raises(InvalidRequestError, match="already sent"):
+        client.request(slots.open_request())
+    unopened = connect(rank=1, world_size=2)
+    with pytest.raises(InvalidRequestError, match="staging_open"):
+        unopened.request(p.StageIn(0, "theirs", 0))
+    # Every slot is still usable and the daemon serves both clients.
+    for slot in range(NUM_SLOTS):
+        client.request(p.StageIn(0, "mine", slot))
+        assert slots.slot(slot, 16) == b"m" * 16
+    assert other.get("theirs") == b"t" * 16
+
+
+def test_staging_open_refusals_are_counted(daemon: PrivateDaemon, connect,
+                                           slots: TwinSlots) -> None:
+    before = scrape(daemon)
+    client = connect()
+    cases = [
+        (slots.open_request(device_uuid="GPU-00000000-0000-0000-0000-000000000000"),
+         "gpu_not_visible"),
+        (slots.open_request(kind="cuda", device_uuid="GPU-1"), "no_cupy"),
+        (slots.open_request(staging_fd=987654), "ipc_refused"),
+        (slots.open_request(rank_reason="expandable_segments"), "expandable_segments"),
+    ]
+    for request, reason in cases:
+        reply = client.request(request)
+        assert isinstance(reply, p.StagingOk)
+        assert (reply.path, reply.reason) == ("rank", reason)
+    with pytest.raises(InvalidRequestError, match="slots"):
+        client.request(slots.open_request(num_slots=0))
+    after = scrape(daemon)
+    for _, reason in cases:
+        assert value(after, SESSIONS, path="rank", reason=reason) == \
+            value(before, SESSIONS, path="rank", reason=reason) + 1
+    with open(daemon.log_path) as log:
+        assert "event=device_copies_fallback" in log.read()
+
+
+def test_rank_side_copies_round_trip(connect) -> None:
+    """trainer.daemon_copies over the real daemon: read, prefetch, write, slot bookkeeping."""
+    client = connect()
+    engine = TwinCopyEngine()
+    copies, reason = open_daemon_copies(client, engine, num_slots=2, slot_nbytes=256,
+                                        local_rank=0, arena_pinned="pinned")
+    try:
+        assert reason == "" and isinstance(copies, DaemonCopies)
+        values = {f"u{i}": torch.randn(16) for i in range(4)}
+        client.put_many(values)
+        copies.prefetch(list(values))  # one slot stays free for reads that missed
+        assert copies.staged_ahead == 1
+        out = torch.empty(16)
+        assert copies.read_into("u0", out)
+        assert torch.equal(out, values["u0"])
+        for name in ("u1", "u2", "u3"):
+            assert not copies.read_into(name, out)
+            assert torch.equal(out, values[name])
+        copies.write_from("u1", values["u1"] * 2)
+        copies.read_into("u1", out)  # waits for the write's commit first
+        assert torch.equal(out, values["u1"] * 2)
+        copies.drain()
+        assert len(copies._free) == 2
+    finally:
+        if copies is not None:
+            copies.close()
+        engine.close()
+
+
+def test_rank_without_device_copy_engine_falls_back(connect) -> None:
+    from trainer.copy_engine import InlineCopyEngine
+
+    client = connect()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        copies, reason = open_daemon_copies(client, InlineCopyEngine(), num_slots=2,
+                                            slot_nbytes=256, local_rank=0,
+                                            arena_pinned="not_attempted")
+    assert copies is None and reason == "host_compute"
+    assert [str(w.message) for w in caught if "device_copies" in str(w.message)] == [
+        'offloadd.device_copies "daemon" is not possible here (host_compute: compute reads '
+        "the arena directly (no device copy engine): there is nothing for the daemon to "
+        "copy); training on with rank copies"]
+
+
+def test_twin_uuid_env_names_the_device(monkeypatch, connect) -> None:
+    monkeypatch.setenv(TWIN_GPU_UUID_ENV, "GPU-not-here")
+    engine = TwinCopyEngine()
+    try:
+        with pytest.warns(RuntimeWarning, match="gpu_not_visible"):
+            copies, reason = open_daemon_copies(connect(), engine, num_slots=2,
+                                                slot_nbytes=64, local_rank=0,
+                                                arena_pinned="pinned")
+        assert copies is None and reason == "gpu_not_visible"
+    finally:
+        engine.close()
