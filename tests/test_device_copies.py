@@ -230,3 +230,111 @@ def test_twin_uuid_env_names_the_device(monkeypatch, connect) -> None:
         assert copies is None and reason == "gpu_not_visible"
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------------------
+# training through the daemon path (2 gloo ranks, one real daemon)
+
+
+def _zero(stage: int, device: str) -> dict[str, object]:
+    zero: dict[str, object] = {"stage": stage, "offload_optimizer": {"device": device}}
+    if stage == 3:
+        zero["offload_param"] = {"device": device}
+    return zero
+
+
+def _train_cases(rank: int, world: int, device: str, cases: list[dict]) -> list[object]:
+    """Rank body: each case in its own job on one shared daemon, with daemon copies."""
+    import tempfile
+
+    import torch.distributed as dist
+    from _dist import make_batch, make_model
+
+    import trainer
+    from trainer.checkpoint import consolidate_fp32_state_dict
+
+    swap_dir = tempfile.mkdtemp(prefix="offloadd-swap-") if device == "nvme" else None
+    daemon, box = None, [""]
+    if rank == 0:
+        daemon = PrivateDaemon.start(tempfile.mkdtemp(prefix="offloadd-test-"),
+                                     arena_size=256 << 20,
+                                     swap_dirs=[swap_dir] if swap_dir else [])
+        box = [daemon.socket_path]
+    dist.broadcast_object_list(box, src=0)
+    results = []
+    try:
+        for index, config in enumerate(cases):
+            config = {**config, "offloadd": {"socket": box[0], "job": f"dc{device}{index}",
+                                             "arena_size": 16 << 20,
+                                             "device_copies": "daemon", "staging_slots": 3}}
+            if swap_dir:
+                for section in config["zero_optimization"].values():
+                    if isinstance(section, dict):
+                        section["nvme_path"] = swap_dir
+            model = make_model(0)
+            engine, _, _, _ = trainer.initialize(model=model,
+                                                 model_parameters=model.parameters(),
+                                                 config=config)
+            try:
+                for step in range(STEPS):
+                    for micro in range(engine.gradient_accumulation_steps()):
+                        loss = engine(*make_batch(step, micro, rank,
+                                                  engine.train_micro_batch_size_per_gpu()))
+                        engine.backward(loss)
+                        engine.step()
+                stats = engine.offload_stats()
+                results.append((consolidate_fp32_state_dict(engine), stats))
+            finally:
+                engine.close()
+    finally:
+        dist.barrier()
+        if daemon is not None:
+            daemon.stop()
+    return results
+
+
+STEPS = 5
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_daemon_copies_train_like_plain_torch(device: str) -> None:
+    """Stages 2 and 3 with every parameter H2D and gradient D2H copied by the daemon."""
+    from _dist import base_config, max_relative_error, reference_train, run_ranks
+
+    cases = [base_config(zero_optimization=_zero(2, device)),
+             base_config(zero_optimization=_zero(3, device), gradient_accumulation_steps=2)]
+    results = run_ranks(_train_cases, 2, device, cases)[0]
+    for config, (state, stats) in zip(cases, results, strict=True):
+        assert stats["rank_copy_engine"] == "twin"
+        assert (stats["rank_device_copies"], stats["rank_device_copies_reason"]) == ("daemon", "")
+        error = max_relative_error(state, reference_train(config, STEPS, 2))
+        assert error < 1e-5, (device, config["zero_optimization"], error)
+    assert results[1][1]["rank_staged_ahead"] > 0  # stage 3 staged units ahead of use
+
+
+def _train_fallback(rank: int, world: int, socket_path: str, config: dict) -> object:
+    from _dist import engine_train
+
+    config = {**config, "offloadd": {"socket": socket_path, "job": "fallback",
+                                     "arena_size": 16 << 20, "device_copies": "daemon"}}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, _losses = engine_train(rank, world, config, STEPS)
+    return state, [str(w.message) for w in caught if "device_copies" in str(w.message)]
+
+
+def test_fallback_logs_one_reason_counts_it_and_trains_on_rank_copies(
+        monkeypatch, daemon: PrivateDaemon) -> None:
+    """The daemon cannot see the rank's GPU: one warning per rank, the metric, rank copies."""
+    from _dist import base_config, max_relative_error, reference_train, run_ranks
+
+    monkeypatch.setenv(TWIN_GPU_UUID_ENV, "GPU-00000000-0000-0000-0000-000000000000")
+    before = value(scrape(daemon), SESSIONS, path="rank", reason="gpu_not_visible")
+    config = base_config(zero_optimization=_zero(3, "cpu"))
+    results = run_ranks(_train_fallback, 2, daemon.socket_path, config)
+    for _state, messages in results:
+        assert len(messages) == 1 and "(gpu_not_visible: " in messages[0], messages
+    error = max_relative_error(results[0][0], reference_train(config, STEPS, 2))
+    assert error < 1e-5
+    after = value(scrape(daemon), SESSIONS, path="rank", reason="gpu_not_visible")
+    assert after == before + 2  # one per rank
