@@ -1,7 +1,10 @@
 """Daemon-driven device copies: the session side of ``staging_open`` / ``stage_in`` /
 ``stage_out`` / ``slot_done`` (design section 8, "daemon copies").
 
-A rank that asks for them sends ``staging_open`` once: the daemon opens a
+A rank that copies to a device sends ``staging_open`` once. With
+``kind="none"`` it only reports (rank copies by configuration, and how its
+arena pinning went: ``offloadd_arena_pinned_sessions_total{outcome}``);
+otherwise the daemon opens a
 ``DeviceCopier`` (``offloadd.cuda``) on the rank's staging slots, or answers
 ``path="rank"`` with the reason it cannot (the rank then copies itself), and
 counts the outcome in ``offloadd_device_copies_sessions_total{path,reason}``.
@@ -188,6 +191,9 @@ class DeviceCopiesService:
             self.metrics.arena_pinned.add((req.arena_pinned,))
         if session.staging is not None:
             raise InvalidRequestError("staging_open was already sent on this connection")
+        if req.kind == "none":  # a report: the job copies on its ranks by configuration
+            self.metrics.sessions.add(("rank", "configured"))
+            return p.StagingOk(req.rid, "rank", "configured")
         try:
             copier = self._copier(session, req)
         except CopiesRefused as refused:
@@ -209,7 +215,7 @@ class DeviceCopiesService:
                                           f"{', '.join(FALLBACK_REASONS)}")
             raise CopiesRefused(req.rank_reason, "the rank cannot export its staging slots")
         if req.kind not in ("cuda", "twin"):
-            raise InvalidRequestError(f"staging kind {req.kind!r}: expected cuda or twin")
+            raise InvalidRequestError(f"staging kind {req.kind!r}: expected cuda, twin or none")
         if not 1 <= req.num_slots <= MAX_STAGING_SLOTS or req.slot_nbytes < 1 \
                 or req.num_slots * req.slot_nbytes > MAX_STAGING_NBYTES:
             raise InvalidRequestError(

@@ -127,7 +127,7 @@ class StagingOpen(Request, tag="staging_open"):
     """Ask for daemon-driven device copies (offloadd.device_copies): the rank's staging
     slots on its GPU (CUDA IPC handles) or, on the twin, a memfd of the same layout."""
 
-    kind: str  # "cuda" | "twin"
+    kind: str  # "cuda" | "twin" | "none" (a report: this rank copies itself by configuration)
     device_uuid: str  # the GPU the slots live on ("GPU-..." as nvidia-smi -L prints it)
     num_slots: int
     slot_nbytes: int

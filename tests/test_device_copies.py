@@ -338,3 +338,88 @@ def test_fallback_logs_one_reason_counts_it_and_trains_on_rank_copies(
     assert error < 1e-5
     after = value(scrape(daemon), SESSIONS, path="rank", reason="gpu_not_visible")
     assert after == before + 2  # one per rank
+
+
+# ---------------------------------------------------------------------------
+# the backend over the daemon path, and what every device-copying rank reports
+
+
+def test_backend_reports_pinning_and_rank_path(daemon: PrivateDaemon, connect) -> None:
+    from trainer.collectives import Collectives
+    from trainer.daemon_backend import DaemonBackend
+
+    pinned = "offloadd_arena_pinned_sessions_total"
+    before = scrape(daemon)
+    engines = [TwinCopyEngine(), TwinCopyEngine(memlock_nbytes=1)]  # the second cannot pin
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the refused pinning warns (tested elsewhere)
+        backends = [DaemonBackend(connect(), collectives=Collectives(), private=False,
+                                  copies=engine) for engine in engines]
+    after = scrape(daemon)
+    for backend in backends:
+        backend.close()
+    assert value(after, pinned, outcome="pinned") == value(before, pinned, outcome="pinned") + 1
+    assert value(after, pinned, outcome="failed") == value(before, pinned, outcome="failed") + 1
+    assert value(after, SESSIONS, path="rank", reason="configured") == \
+        value(before, SESSIONS, path="rank", reason="configured") + 2
+
+
+def test_backend_daemon_copies_accumulate_and_read(connect) -> None:
+    """Gradients summed on the "device" and committed by the daemon's D2H; the buffer the
+    reducer reuses at once does not leak into the shard."""
+    from trainer.collectives import Collectives
+    from trainer.daemon_backend import DaemonBackend
+    from trainer.offload import UnitSpec
+
+    twin = TwinCopyEngine()
+    backend = DaemonBackend(connect(), collectives=Collectives(), private=False, copies=twin,
+                            device_copies="daemon", staging_slots=2)
+    try:
+        for unit in range(3):
+            backend.register(UnitSpec(index=unit, part_numel=32, param_dtype=torch.float32),
+                             torch.full((32,), float(unit)))
+        grad = torch.full((32,), 2.0)
+        norm = backend.accumulate_grad(1, grad, first=True, want_sq_norm=True)
+        grad.fill_(99.0)  # the reducer reuses its buffer while the D2H may still run
+        assert float(norm) == pytest.approx(32 * 4.0)
+        backend.accumulate_grad(1, torch.ones(32), first=False, want_sq_norm=False)
+        backend.wait_steps()  # the gradient's D2H holds a slot until its commit
+        backend.prefetch_params([0, 1, 2])
+        out = torch.empty(32)
+        for unit in range(3):
+            backend.read_params(unit, out)
+            assert torch.equal(out, torch.full((32,), float(unit)))
+        stats = backend.stats()
+        assert stats["rank_device_copies"] == "daemon"
+        assert stats["rank_staged_hits"] == 1  # two slots: one staged ahead, one kept free
+        assert backend.client.get("u1.grad") == torch.full((32,), 3.0).numpy().tobytes()
+    finally:
+        backend.close()
+
+
+def test_client_gone_during_a_copy_releases_its_lease(daemon: PrivateDaemon, connect) -> None:
+    """A rank that dies with stage_in/stage_out in flight: the copies finish, their leases
+    go back (a torn write publishes nothing), and the daemon serves the next rank."""
+    nbytes = 4 << 20
+    staging = TwinSlots(num_slots=2, slot_nbytes=nbytes)
+    try:
+        client = connect(arena_nbytes=32 << 20)
+        client.put_many({"big": b"\x01" * nbytes, "out": b"\x02" * nbytes})
+        assert isinstance(client.request(staging.open_request(num_slots=2)), p.StagingOk)
+        staging.write(1, b"\x03" * nbytes)
+        client.request_async(p.StageIn(0, "big", 0))
+        client.request_async(p.StageOut(0, "out", 1, nbytes))
+        client.close()
+        again = connect()
+        for _ in range(10_000):  # until the daemon handled the disconnect and the copies
+            try:
+                with again.acquire_many(["big", "out"], "w"):
+                    break
+            except Exception as error:  # LeaseConflictError while a copy still holds one
+                assert "lease" in str(error), error
+        else:
+            raise AssertionError("the copies' leases never came back")
+        assert again.get("out") in (b"\x02" * nbytes, b"\x03" * nbytes)  # old or new, whole
+        assert again.get("big") == b"\x01" * nbytes
+    finally:
+        staging.close()

@@ -36,7 +36,7 @@ from torch import nn
 from trainer.collectives import Collectives, node_key
 from trainer.config import EngineConfig
 from trainer.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue
-from trainer.daemon_copies import DaemonCopies, open_daemon_copies
+from trainer.daemon_copies import DaemonCopies, open_daemon_copies, report_rank_copies
 from trainer.lease_debug import check_view
 from trainer.offload import (
     STATE_KINDS,
@@ -81,6 +81,8 @@ class DaemonBackend(StateBackend):
         """cudaHostRegister of this rank's arena mapping: pinned | failed | not_attempted."""
         self._pinned_address = 0
         self._pin_arena()
+        if device_copies == "rank" and not self.copies.zero_copy:
+            report_rank_copies(self.client, self.arena_pinned)
         self.swaps = swaps
         """The state may live on NVMe: prefetch hints are worth their round trip."""
         self.collectives = collectives

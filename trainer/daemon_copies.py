@@ -336,3 +336,14 @@ def open_daemon_copies(client: Any, copies: CopyEngine, *, num_slots: int, slot_
     warnings.warn(f'offloadd.device_copies "daemon" is not possible here ({reason}: {detail});'
                   " training on with rank copies", RuntimeWarning, stacklevel=3)
     return None, reason
+
+
+def report_rank_copies(client: Any, arena_pinned: str) -> None:
+    """Tell the daemon this rank copies to its device itself, and how pinning its arena
+    went (metrics only: a daemon that does not know the request is no reason to fail)."""
+    from trainer.client import OffloadError
+
+    try:
+        client.request(p.StagingOpen(0, "none", "", 0, 0, arena_pinned=arena_pinned))
+    except OffloadError as error:
+        log.info("the daemon did not take the device report: %s", error)
