@@ -201,7 +201,7 @@ def find_device(cupy: Any, uuid: str) -> int:
         raise CopiesRefused("cuda_unavailable", f"the daemon sees no CUDA device: {error}") \
             from error
     for index in range(count):
-        raw = runtime.getDeviceProperties(index)["uuid"]
+        raw = runtime.getDeviceProperties(index).get("uuid", b"")
         hexed = raw.hex() if isinstance(raw, bytes) else str(raw)
         dashed = (f"{hexed[:8]}-{hexed[8:12]}-{hexed[12:16]}-{hexed[16:20]}-{hexed[20:]}"
                   if len(hexed) == 32 else hexed)
@@ -258,9 +258,11 @@ class CupyDeviceCopier(DeviceCopier):
     async def _finish(self, slot: int) -> None:
         # Completion is waited for off the loop (invariant 5); the caller's lease is
         # released after it (invariant 6).
-        event = self._filled[slot]
-        await asyncio.get_running_loop().run_in_executor(
-            None, self._runtime.eventSynchronize, event)
+        await asyncio.get_running_loop().run_in_executor(None, self._synchronize, slot)
+
+    def _synchronize(self, slot: int) -> None:
+        with self._device:  # an executor thread has no current context of its own
+            self._runtime.eventSynchronize(self._filled[slot])
 
     async def copy_in(self, slot: int, src: memoryview) -> None:
         runtime, stream = self._runtime, self._stream.ptr

@@ -423,3 +423,30 @@ def test_client_gone_during_a_copy_releases_its_lease(daemon: PrivateDaemon, con
         assert again.get("big") == b"\x01" * nbytes
     finally:
         staging.close()
+
+
+def test_cuda_ipc_handle_is_unwrapped_from_torchs_layout() -> None:
+    """torch's _share_cuda_ handle is [version][type][payload]; the daemon opens the payload."""
+    from trainer.daemon_copies import StagingUnavailable, cuda_ipc_mem_handle
+
+    raw = bytes(range(64))
+    assert cuda_ipc_mem_handle(raw) == raw  # torch before versioned handles
+    for version in (2, 3):
+        assert cuda_ipc_mem_handle(bytes([version]) + b"c" + raw) == raw
+    with pytest.raises(StagingUnavailable) as expandable:
+        cuda_ipc_mem_handle(bytes([3]) + b"e" + raw + b"more")
+    assert expandable.value.reason == "expandable_segments"
+    with pytest.raises(StagingUnavailable) as unknown:
+        cuda_ipc_mem_handle(b"\x03x" + raw)
+    assert unknown.value.reason == "ipc_refused"
+
+
+def test_expandable_segments_is_a_rank_side_fallback_reason(monkeypatch) -> None:
+    from trainer.daemon_copies import StagingUnavailable, check_allocator_exportable
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True")
+    with pytest.raises(StagingUnavailable, match="unset it") as refused:
+        check_allocator_exportable()
+    assert refused.value.reason == "expandable_segments"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    check_allocator_exportable()

@@ -51,7 +51,8 @@ def test_resolve_device_picks_cuda_and_nccl() -> None:
     assert compute.device == torch.device("cuda", 0) and compute.dist_backend == "nccl"
 
 
-def _train(device: str, steps: int = 3) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _train(device: str, steps: int = 3, **extra: object
+           ) -> tuple[dict[str, torch.Tensor], list[float]]:
     import trainer
     from trainer.checkpoint import consolidate_fp32_state_dict
 
@@ -59,7 +60,7 @@ def _train(device: str, steps: int = 3) -> tuple[dict[str, torch.Tensor], list[f
             "offload_param": {"device": "cpu"}}
     model = make_model(0)
     engine, _, _, _ = trainer.initialize(model=model, config=base_config(
-        zero_optimization=zero, device=device))
+        zero_optimization=zero, device=device, **extra))
     losses = []
     try:
         for step in range(steps):
@@ -68,9 +69,13 @@ def _train(device: str, steps: int = 3) -> tuple[dict[str, torch.Tensor], list[f
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        _last_stats[:] = [engine.offload_stats()]
         return consolidate_fp32_state_dict(engine), losses
     finally:
         engine.close()
+
+
+_last_stats: list[dict] = []
 
 
 def test_zero3_offloaded_training_on_cuda_matches_cpu() -> None:
@@ -98,3 +103,25 @@ def test_engine_on_cuda_pins_the_arena() -> None:
         assert stats["rank_arena_pinned"] == "pinned"
     finally:
         engine.close()
+
+
+def test_daemon_copies_on_cuda_train_like_cpu() -> None:
+    """device_copies "daemon": the daemon (cupy) copies through the rank's IPC staging slots;
+    without cupy in the daemon it falls back to rank copies with reason no_cupy."""
+    import importlib.util
+    import warnings
+
+    cpu_state, cpu_losses = _train("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gpu_state, gpu_losses = _train("cuda", offloadd={"device_copies": "daemon"})
+    stats = _last_stats[0]
+    if importlib.util.find_spec("cupy") is not None:
+        assert (stats["rank_device_copies"], stats["rank_device_copies_reason"]) == \
+            ("daemon", ""), [str(w.message) for w in caught]
+    else:
+        assert (stats["rank_device_copies"], stats["rank_device_copies_reason"]) == \
+            ("rank", "no_cupy")
+    assert gpu_losses == pytest.approx(cpu_losses, rel=1e-4)
+    for name, value in cpu_state.items():
+        torch.testing.assert_close(gpu_state[name].cpu(), value, rtol=1e-4, atol=1e-5)

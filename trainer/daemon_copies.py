@@ -127,7 +127,7 @@ class CudaStaging(Staging):
         except RuntimeError as error:
             raise StagingUnavailable("ipc_refused", f"cannot export the staging buffer by "
                                      f"CUDA IPC: {error}") from error
-        self._ipc_handle, self._ipc_offset = bytes(shared[1]), int(shared[3])
+        self._ipc_handle, self._ipc_offset = cuda_ipc_mem_handle(bytes(shared[1])), int(shared[3])
         self.slots = [self.buffer[i * slot_nbytes : (i + 1) * slot_nbytes]
                       for i in range(num_slots)]
         self.consumed = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
@@ -151,6 +151,29 @@ class CudaStaging(Staging):
     def close(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
         self.slots = []
+
+
+CUDA_IPC_HANDLE_NBYTES = 64
+"""sizeof(cudaIpcMemHandle_t)."""
+
+
+def cuda_ipc_mem_handle(torch_handle: bytes) -> bytes:
+    """The raw ``cudaIpcMemHandle_t`` inside the handle ``_share_cuda_`` returns.
+
+    torch (c10 ``CUDACachingAllocator::shareIpcHandle``) writes ``[version][type][payload]``:
+    type ``'c'`` is a cudaMalloc block followed by its 64-byte handle, ``'e'`` an expandable
+    segment (not a cudaIpcMemHandle_t at all); torch before versioning wrote the bare 64
+    bytes."""
+    if len(torch_handle) == CUDA_IPC_HANDLE_NBYTES:
+        return torch_handle
+    if len(torch_handle) >= 2 + CUDA_IPC_HANDLE_NBYTES and torch_handle[1] == ord("c"):
+        return torch_handle[2 : 2 + CUDA_IPC_HANDLE_NBYTES]
+    if len(torch_handle) >= 2 and torch_handle[1] == ord("e"):
+        raise StagingUnavailable("expandable_segments", "the staging buffer lives in an "
+                                 "expandable segment, which cudaIpcOpenMemHandle cannot open; "
+                                 "unset expandable_segments in PYTORCH_CUDA_ALLOC_CONF")
+    raise StagingUnavailable("ipc_refused", f"unknown torch CUDA IPC handle layout "
+                             f"({len(torch_handle)} B, type byte {torch_handle[1:2]!r})")
 
 
 def check_allocator_exportable() -> None:
