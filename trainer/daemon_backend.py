@@ -53,6 +53,7 @@ MAX_INFLIGHT_STEPS = 2
 unit's five shards (20 B/param) in the arena until it runs, so an unbounded queue can fill a
 small arena with leases nothing can evict; two keep the daemon's worker busy back to back."""
 SHARD_KINDS = (*STATE_KINDS, "grad", "param")
+DEVICE_COPIES_ENV = "OFFLOADD_DEVICE_COPIES"
 
 
 class DaemonBackend(StateBackend):
@@ -355,7 +356,6 @@ class DaemonBackend(StateBackend):
         if daemon_copies is not None:  # the daemon stages them ahead into free slots
             daemon_copies.prefetch([self._names[unit][2] for unit in units
                                     if unit not in self._steps])
-            return
         if self.swaps and units:
             self.client.prefetch([self._names[unit][2] for unit in units])
 
@@ -592,6 +592,15 @@ def _leader_starts_daemon(config: EngineConfig, collectives: Collectives, job: s
     return shared.removeprefix("socket:"), daemon
 
 
+def device_copies_choice(config: EngineConfig) -> str:
+    """``offloadd.device_copies``, or ``$OFFLOADD_DEVICE_COPIES`` (rank | daemon) when set:
+    runs a whole suite, say tests/test_engine_parity.py, through the daemon path."""
+    choice = os.environ.get(DEVICE_COPIES_ENV) or config.offloadd.device_copies
+    if choice not in ("rank", "daemon"):
+        raise ValueError(f"{DEVICE_COPIES_ENV}={choice!r}: expected rank or daemon")
+    return choice
+
+
 def connect_backend(config: EngineConfig, collectives: Collectives,
                     model: nn.Module) -> DaemonBackend:
     """Connect this rank to its node's daemon (starting a private one when needed)."""
@@ -622,6 +631,6 @@ def connect_backend(config: EngineConfig, collectives: Collectives,
     return DaemonBackend(client, collectives=collectives, private=config.offloadd.socket is None,
                          private_daemon=daemon, swaps=swaps,
                          copies=select_copy_engine(resolve_device(config.device).device),
-                         device_copies=config.offloadd.device_copies,
+                         device_copies=device_copies_choice(config),
                          staging_slots=config.offloadd.staging_slots,
                          local_rank=collectives.local_rank)
