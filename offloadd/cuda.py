@@ -29,6 +29,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import concurrent.futures
+import fcntl
 import mmap
 import os
 import random
@@ -145,10 +146,14 @@ def _delayed_copy(dst: memoryview, src: memoryview, delay_s: float) -> None:
     dst[:] = src
 
 
-def open_twin_staging(peer_pid: int, fd_number: int, nbytes: int) -> int:
+def open_twin_staging(peer_pid: int, peer_uid: int, fd_number: int, nbytes: int) -> int:
     """The rank's staging memfd, opened through ``/proc/<pid>/fd``: the twin's stand-in for
     cudaIpcOpenMemHandle, with the same limits (same host, an IPC/pid namespace the daemon
-    shares with the rank, permission). An asyncio transport cannot receive SCM_RIGHTS."""
+    shares with the rank, permission). An asyncio transport cannot receive SCM_RIGHTS.
+
+    Hazard (the daemon's credentials): reopening through /proc grants the daemon's access,
+    not the rank's, so only a memfd the rank's uid owns is accepted; and it must be sealed
+    against shrinking, or the rank could truncate it under the daemon's mapping (SIGBUS)."""
     if _namespace(peer_pid) != _namespace(os.getpid()):
         raise CopiesRefused("ipc_namespace", f"rank pid {peer_pid} runs in another IPC "
                             "namespace (a container without --ipc=host); daemon copies need "
@@ -158,11 +163,31 @@ def open_twin_staging(peer_pid: int, fd_number: int, nbytes: int) -> int:
     except OSError as error:
         raise CopiesRefused("ipc_refused", f"cannot open the rank's staging memfd "
                             f"{fd_number} of pid {peer_pid}: {error.strerror}") from error
-    if os.fstat(fd).st_size < nbytes:
+    try:
+        _check_staging_file(fd, peer_uid, nbytes)
+    except BaseException:
         os.close(fd)
-        raise CopiesRefused("ipc_refused", f"the rank's staging memfd is smaller than the "
-                            f"{nbytes} B its slots need")
+        raise
     return fd
+
+
+def _check_staging_file(fd: int, peer_uid: int, nbytes: int) -> None:
+    status = os.fstat(fd)
+    if peer_uid != 0 and status.st_uid != peer_uid:
+        raise CopiesRefused("ipc_refused", f"the staging fd names a file of uid "
+                            f"{status.st_uid}, not the rank's uid {peer_uid}")
+    try:
+        file_seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError as error:
+        raise CopiesRefused("ipc_refused", "the staging fd is not a memfd "
+                            f"(F_GET_SEALS: {error.strerror})") from error
+    if not file_seals & fcntl.F_SEAL_SHRINK:
+        raise CopiesRefused("ipc_refused", "the staging memfd is not sealed against "
+                            "shrinking; create it with MFD_ALLOW_SEALING, fallocate it and add "
+                            "F_SEAL_SHRINK before staging_open")
+    if status.st_size < nbytes:
+        raise CopiesRefused("ipc_refused", f"the rank's staging memfd has {status.st_size} B, "
+                            f"its slots need {nbytes} B")
 
 
 def _namespace(pid: int) -> str:
@@ -304,7 +329,7 @@ _pinned: dict[int, int] = {}
 """Arena mappings this daemon registered with CUDA -> copiers using them."""
 
 
-def open_copier(*, kind: str, device_uuid: str, peer_pid: int, staging_fd: int,
+def open_copier(*, kind: str, device_uuid: str, peer_pid: int, peer_uid: int, staging_fd: int,
                 ipc_handle: bytes, ipc_offset: int, event_handles: list[bytes],
                 num_slots: int, slot_nbytes: int, arena: memoryview) -> DeviceCopier:
     """The copier for one rank's staging slots, or ``CopiesRefused`` naming why not."""
@@ -313,7 +338,7 @@ def open_copier(*, kind: str, device_uuid: str, peer_pid: int, staging_fd: int,
             raise CopiesRefused("gpu_not_visible", f"GPU {device_uuid!r} is not visible to "
                                 f"the daemon's twin (twin devices are named "
                                 f"{TWIN_UUID_PREFIX}<n>)")
-        fd = open_twin_staging(peer_pid, staging_fd, num_slots * slot_nbytes)
+        fd = open_twin_staging(peer_pid, peer_uid, staging_fd, num_slots * slot_nbytes)
         try:
             return TwinDeviceCopier(fd, num_slots, slot_nbytes)
         finally:

@@ -223,7 +223,8 @@ class DeviceCopiesService:
                 f" slots of >= 1 B, at most {MAX_STAGING_NBYTES} B in all")
         assert session.job is not None
         return open_copier(kind=req.kind, device_uuid=req.device_uuid, peer_pid=session.peer_pid,
-                           staging_fd=req.staging_fd, ipc_handle=req.ipc_handle,
+                           peer_uid=session.peer_uid, staging_fd=req.staging_fd,
+                           ipc_handle=req.ipc_handle,
                            ipc_offset=req.ipc_offset, event_handles=req.event_handles,
                            num_slots=req.num_slots, slot_nbytes=req.slot_nbytes,
                            arena=session.job.arena.view)

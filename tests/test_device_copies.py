@@ -9,6 +9,7 @@ through the daemon path against plain torch.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import warnings
@@ -33,9 +34,12 @@ SESSIONS = "offloadd_device_copies_sessions_total"
 class TwinSlots:
     """A raw rank's twin staging: a memfd it lends the daemon by staging_open."""
 
-    def __init__(self, num_slots: int = NUM_SLOTS, slot_nbytes: int = SLOT_NBYTES) -> None:
-        self.fd = os.memfd_create("test-staging", os.MFD_CLOEXEC)
+    def __init__(self, num_slots: int = NUM_SLOTS, slot_nbytes: int = SLOT_NBYTES,
+                 seal: bool = True) -> None:
+        self.fd = os.memfd_create("test-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, num_slots * slot_nbytes)
+        if seal:
+            fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
         self.map = mmap.mmap(self.fd, num_slots * slot_nbytes)
         self.slot_nbytes = slot_nbytes
 
@@ -450,3 +454,26 @@ def test_expandable_segments_is_a_rank_side_fallback_reason(monkeypatch) -> None
     assert refused.value.reason == "expandable_segments"
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
     check_allocator_exportable()
+
+
+def test_staging_must_be_a_sealed_memfd_of_the_rank(daemon: PrivateDaemon, connect,
+                                                    tmp_path) -> None:
+    """The daemon maps what the rank names: an unsealed memfd (the rank could shrink it under
+    the daemon's mapping) or a plain file is refused, and the daemon serves on."""
+    client = connect()
+    unsealed = TwinSlots(seal=False)
+    with open(tmp_path / "plain", "wb+") as plain:
+        plain.truncate(NUM_SLOTS * SLOT_NBYTES)
+        try:
+            for request, detail in (
+                    (unsealed.open_request(), "not sealed against shrinking"),
+                    (unsealed.open_request(staging_fd=plain.fileno()), "not a memfd")):
+                reply = client.request(request)
+                assert isinstance(reply, p.StagingOk)
+                assert (reply.path, reply.reason) == ("rank", "ipc_refused")
+                with open(daemon.log_path) as log:
+                    assert detail in log.read()
+        finally:
+            unsealed.close()
+    client.put("x", b"x")
+    assert client.get("x") == b"x"

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import fcntl
 import logging
 import mmap
 import os
@@ -91,8 +92,13 @@ class TwinStaging(Staging):
     def __init__(self, num_slots: int, slot_nbytes: int, local_rank: int) -> None:
         super().__init__(num_slots, slot_nbytes)
         self.device_uuid = os.environ.get(TWIN_GPU_UUID_ENV, f"twin-{local_rank}")
-        self.fd = os.memfd_create("offloadd-staging", os.MFD_CLOEXEC)
+        self.fd = os.memfd_create("offloadd-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(self.fd, num_slots * slot_nbytes)
+        # Backed now and sealed: the daemon maps it and must never fault on it (SIGBUS on a
+        # page tmpfs cannot supply, or on a file shrunk under its mapping).
+        os.posix_fallocate(self.fd, 0, num_slots * slot_nbytes)
+        fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
+                    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
         self._map = mmap.mmap(self.fd, num_slots * slot_nbytes)
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         self.slots = [whole[i * slot_nbytes : (i + 1) * slot_nbytes] for i in range(num_slots)]
