@@ -150,6 +150,8 @@ class SessionStaging:
         self.in_flight += 1
         # The lease goes back when the copy is done, also when this request is cancelled
         # (the client went away): the copy keeps running and still reads/writes its bytes.
+        # Registered before shield()'s own callback, so the commit and the slot's new state
+        # happen before the reply goes out (the rank acts on the reply at once).
         nbytes = placed.nbytes[0]
         task.add_done_callback(lambda done: self._copied(done, job, rank, shard_id, slot,
                                                          mode, after, leases, nbytes))
@@ -221,6 +223,8 @@ class DeviceCopiesService:
             raise InvalidRequestError(
                 f"staging of {req.num_slots} x {req.slot_nbytes} B: need 1..{MAX_STAGING_SLOTS}"
                 f" slots of >= 1 B, at most {MAX_STAGING_NBYTES} B in all")
+        if req.ipc_offset < 0:
+            raise InvalidRequestError(f"ipc_offset {req.ipc_offset}: must be >= 0")
         assert session.job is not None
         return open_copier(kind=req.kind, device_uuid=req.device_uuid, peer_pid=session.peer_pid,
                            peer_uid=session.peer_uid, staging_fd=req.staging_fd,

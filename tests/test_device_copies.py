@@ -78,7 +78,10 @@ def _opened(connect, slots: TwinSlots) -> OffloadClient:
     return client
 
 
-def test_stage_in_and_out_move_shard_bytes(connect, slots: TwinSlots) -> None:
+def test_stage_in_and_out_move_shard_bytes(daemon: PrivateDaemon, connect,
+                                           slots: TwinSlots) -> None:
+    copied = "offloadd_device_copies_bytes_total"
+    before = scrape(daemon)
     client = _opened(connect, slots)
     payload = os.urandom(1000)
     client.put("w", payload)
@@ -92,6 +95,10 @@ def test_stage_in_and_out_move_shard_bytes(connect, slots: TwinSlots) -> None:
     assert client.get("w") == gradient  # committed once the copy completed
     with client.acquire("w", "r") as lease:
         assert lease.version == 2
+    after = scrape(daemon)
+    for direction in ("h2d", "d2h"):
+        assert value(after, copied, direction=direction) == \
+            value(before, copied, direction=direction) + 1000
 
 
 def test_slot_reused_before_consumer_event_fails(connect, slots: TwinSlots) -> None:
