@@ -239,6 +239,7 @@ class Job:
         finally:
             for shard in unique:
                 shard.pins -= 1
+                self.table.note_changed(shard)  # evictable again (offloadd.eviction)
         # No await from here on: the conflict check and the grant are one atomic step.
         if leases is not None and mode is not None:
             check_grantable(shards, mode)
