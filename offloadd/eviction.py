@@ -158,8 +158,13 @@ class EvictionIndex:
         best: tuple[list[Entry], Entry, float] | None = None
         best_key: tuple[float, int, int] | None = None
         for heap in heaps:
-            while heap and self.entries.get(heap[0][4]) is not heap[0]:
-                heapq.heappop(heap)  # a stale entry: its shard was re-keyed or is no candidate
+            while heap and (self.entries.get(heap[0][4]) is not heap[0]
+                            or not self._candidate(heap[0][4])):
+                # A stale entry (its shard was re-keyed or is no candidate), or a change
+                # nobody noted: never hand out a leased, pinned or busy shard.
+                entry = heapq.heappop(heap)
+                if self.entries.get(entry[4]) is entry:
+                    self._refresh(entry[4])
             if not heap:
                 continue
             entry = heap[0]

@@ -234,6 +234,7 @@ class Job:
         self._check_pinned_fit(unique)
         for shard in unique:  # pinned: reading one shard never evicts another of the batch
             shard.pins += 1
+            self.table.note_changed(shard)
         try:
             await self._settle(unique, mode)
         finally:
