@@ -90,10 +90,10 @@ def check_state(tier: JobTier, table: ShardTable, rng: random.Random) -> None:
         floor = rng.choice(finite) if finite else None
         need = rng.randrange(1, 64 * KIB)
         skip = {s for s, _t in candidates if rng.random() < 0.2}
-        for kwargs in ({"floor": floor}, {"above": floor}, {"skip": skip}):
-            expected = reference_pick(candidates, dirty, need, kwargs.get("floor"),  # type: ignore[arg-type]
-                                      kwargs.get("above"), kwargs.get("skip", ()))  # type: ignore[arg-type]
-            assert [s for s, _t in index.pick(dirty, need, **kwargs)] == expected  # type: ignore[arg-type]
+        for bound, above, skipped in ((floor, None, ()), (None, floor, ()), (None, None, skip)):
+            expected = reference_pick(candidates, dirty, need, bound, above, skipped)
+            got = index.pick(dirty, need, floor=bound, above=above, skip=skipped)
+            assert [s for s, _t in got] == expected
     progress = {shard.io for shard in table.shards.values() if shard.io is not None
                 and shard not in tier.cleaning
                 and (shard.offset is not None or shard.residency is Residency.WRITING)}

@@ -9,7 +9,8 @@ import os
 import select
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -146,7 +147,7 @@ def test_other_jobs_are_served_during_a_200k_id_put(big_daemon: PrivateDaemon,
     sock.close()
 
 
-def footprint(sock: socket.socket, rid: int) -> tuple[int, int, int, int]:
+def footprint(sock: socket.socket, rid: int) -> tuple[object, ...]:
     stats = ask(sock, p.Stats(rid))
     assert isinstance(stats, p.StatsOk)
     s = stats.stats
@@ -210,7 +211,8 @@ def test_an_alloc_that_finds_no_room_in_its_last_slice_leaves_nothing(
         assert instance.stop() == 0
 
 
-def test_an_id_created_between_slices_fails_the_batch_and_frees_the_rest(run_async) -> None:  # type: ignore[no-untyped-def]
+def test_an_id_created_between_slices_fails_the_batch_and_frees_the_rest(
+        run_async: Callable[..., Any]) -> None:
     """Another session creates an id of the batch's last slice while the first slice is
     being made: the batch fails with ShardExistsError and only that shard is left."""
     ids = [f"s{i}" for i in range(2 * SLICE_IDS + 1)]
