@@ -87,7 +87,7 @@ async def alloc_sliced(job: Job, rank: int, ids: list[str], nbytes: list[int],
     """
     fresh: dict[str, tuple[int, str]] = {}
     seen: set[str] = set()
-    need_nbytes = 0
+    need_nbytes = new_nbytes = 0
     for start in range(0, len(ids), SLICE_IDS):
         part = slice(start, start + SLICE_IDS)
         check_shard_ids(ids[part])
@@ -96,9 +96,10 @@ async def alloc_sliced(job: Job, rank: int, ids: list[str], nbytes: list[int],
             if shard_id not in seen:
                 seen.add(shard_id)
                 need_nbytes += align_up(max(size, 1))
+                if shard_id in fresh:
+                    new_nbytes += align_up(max(size, 1))
         await asyncio.sleep(0)
-    job.check_batch_fits(need_nbytes, sum(align_up(max(n, 1)) for n, _d in fresh.values()),
-                         mode)
+    job.check_batch_fits(need_nbytes, new_nbytes, mode)
     created: dict[str, Shard] = {}
     granted: list[Shard] = []
     placed = Placed(0, [], [], [], [])
