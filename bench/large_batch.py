@@ -10,9 +10,9 @@ pairs (the witness). Its pairs before A starts are the peer: the same client on
 the same daemon with the loop idle.
 
 - batch_s: A's request round trip (daemon work for the whole batch).
-- witness_pairs_during: B's pairs completed while A's batch was being served.
-- witness_max_ms_during: B's slowest pair during the batch (the longest the
-  loop held it off); witness_p50_us_idle / _during.
+- witness_pairs_during: B's pairs started while A's batch was being served.
+- witness_max_ms_during: B's slowest of those pairs (the longest the loop held
+  it off); witness_p50_us_idle / _during.
 
 The last line printed is one JSON object; ``ratio_vs_idle_witness_p50_<op>`` is
 witness p50 idle / witness p50 during (1: the batch costs B nothing).
@@ -61,7 +61,11 @@ def witness_pairs(witness: OffloadClient, seconds: float) -> list[float]:
 
 def during_batch(sock: socket.socket, request: p.Request, witness: OffloadClient
                  ) -> tuple[float, list[float]]:
-    """(A's round trip in s, B's pair timings that ended before A's reply)."""
+    """(A's round trip in s, B's timings of the pairs it started before A's reply).
+
+    The pair in flight when the reply comes counts: unsliced, it is the one the
+    whole batch held up.
+    """
     stop, timings = threading.Event(), list[float]()
 
     def keep_asking() -> None:
@@ -69,8 +73,7 @@ def during_batch(sock: socket.socket, request: p.Request, witness: OffloadClient
             started = time.perf_counter()
             with witness.acquire("w", "r"):
                 pass
-            if not stop.is_set():
-                timings.append(time.perf_counter() - started)
+            timings.append(time.perf_counter() - started)
 
     asker = threading.Thread(target=keep_asking)
     asker.start()
