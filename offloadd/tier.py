@@ -237,8 +237,8 @@ class JobTier:
         allocator = table.arena.allocator
         if allocator.largest_free() >= need:
             return True
-        # One request at a time scans and waits; the others queue on the lock instead
-        # of all waking on every completed write-back and rescanning the table.
+        # One request at a time picks victims and waits; the others queue on the lock
+        # instead of all waking on every completed write-back and picking again.
         async with self.room_lock:
             index = self._index(table)
             while allocator.largest_free() < need:
@@ -330,8 +330,8 @@ class JobTier:
         Like the kernel's dirty_background threshold: once the job's shards outgrow
         its arena, eviction is certain and every dirty shard not needed again soon
         will have to be written, so it is written while the drive has room rather
-        than when a request is waiting for its arena range. Scans of the table are
-        batched (one per ``write_behind_nbytes / 4`` dirtied) to keep releases cheap.
+        than when a request is waiting for its arena range. Passes are batched (one
+        per ``write_behind_nbytes / 4`` dirtied) to keep releases cheap.
         """
         self.dirtied_nbytes += nbytes
         if self.dirtied_nbytes >= self.write_behind_nbytes(table) // 4:
