@@ -10,6 +10,9 @@ request once a job has 100k shards, so the candidates are kept in heaps, one per
   key (lease, release, touch, placement, pins, IO, a trace's cursor) adds the
   shard to ``ShardTable.changed``, a set add on the request path. ``sync`` re-keys
   those shards before each pick, so the cost lands on eviction, not on acquire.
+  A backlog larger than ``SYNC_SLICE`` (a step's worth of accesses, or every shard
+  when the index is made) is worked off by ``catch_up`` a slice at a time, yielding
+  to the loop: re-keying 200k shards at once holds it for about a second.
 - **Heaps with lazy deletion.** Each candidate has exactly one live entry
   (``entries``); a re-keyed or lost candidate leaves its old entry behind, which
   picks skip and ``_compact`` clears once garbage outnumbers live entries.
@@ -26,10 +29,12 @@ time is subtracted.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 import math
 from collections.abc import Container, Iterable
+from operator import itemgetter
 
 from offloadd.scheduler import AccessTrace
 from offloadd.shards import IN_ARENA, Residency, Shard, ShardTable
@@ -38,6 +43,9 @@ Entry = tuple[float, int, int, int, Shard, bool]
 """(-next_use_at, last_use, serial, push sequence, shard, dirty): a heap entry."""
 
 COMPACT_MIN_ENTRIES = 1024
+SYNC_SLICE = 2048
+"""Shards re-keyed per slice of ``catch_up`` (a few ms of loop time)."""
+_shard_of = itemgetter(0)
 
 
 class EvictionIndex:
@@ -56,21 +64,32 @@ class EvictionIndex:
 
     # -- keeping up with the table ----------------------------------------------------
 
-    def note_trace_moved(self, rank: int, trace: AccessTrace, start: int, stop: int) -> None:
-        """The trace's cursor passed ``previous[start:stop]``: those shards' next uses moved."""
-        shards = self.table.shards
-        for shard, _at in trace.previous[start:stop]:
-            live = shards.get((rank, shard.shard_id))
-            if live is not None:
-                self.changed.add(live)
+    def note_trace_moved(self, trace: AccessTrace, start: int, stop: int) -> None:
+        """The trace's cursor passed ``previous[start:stop]``: those shards' next uses moved.
 
-    def note_trace_shards(self, rank: int, shards: Iterable[tuple[Shard, float]]) -> None:
-        """A step began: every shard the old or new trace names has a new next use."""
-        table = self.table.shards
-        for shard, _at in shards:
-            live = table.get((rank, shard.shard_id))
-            if live is not None:
-                self.changed.add(live)
+        The trace holds the shard objects it saw; ``_refresh`` finds the live shard of
+        one that was dropped and made again under its id.
+        """
+        self.changed.update(map(_shard_of, trace.previous[start:stop]))
+
+    def note_trace_shards(self, trace: AccessTrace) -> None:
+        """A step begins: every shard the trace names has a new next use."""
+        self.changed.update(map(_shard_of, trace.previous))
+        self.changed.update(map(_shard_of, trace.current))
+
+    @property
+    def backlog(self) -> int:
+        """Shards noted as changed and not yet re-keyed."""
+        return len(self.changed)
+
+    async def catch_up(self) -> None:
+        """Re-key the backlog ``SYNC_SLICE`` shards at a time, yielding between slices,
+        until what is left is one slice (the pick's own ``sync`` takes that)."""
+        changed = self.changed
+        while len(changed) > SYNC_SLICE:
+            for _ in range(SYNC_SLICE):
+                self._refresh(changed.pop())
+            await asyncio.sleep(0)
 
     def sync(self) -> None:
         """Re-key every shard noted as changed since the last pick."""
@@ -87,6 +106,12 @@ class EvictionIndex:
                 and self.table.shards.get((shard.rank, shard.shard_id)) is shard)
 
     def _refresh(self, shard: Shard) -> None:
+        live = self.table.shards.get((shard.rank, shard.shard_id))
+        if live is not shard:  # dropped; one made again under its id has its own key
+            self._forget(shard)
+            if live is None:
+                return
+            shard = live
         old = self.entries.pop(shard, None)
         if old is not None:
             self.nbytes[old[5]] -= shard.arena_nbytes
@@ -101,6 +126,11 @@ class EvictionIndex:
             heapq.heappush(self.heaps.setdefault((shard.rank, dirty), []), entry)
         self.entries[shard] = entry
         self.nbytes[dirty] += shard.arena_nbytes
+
+    def _forget(self, shard: Shard) -> None:
+        old = self.entries.pop(shard, None)
+        if old is not None:
+            self.nbytes[old[5]] -= shard.arena_nbytes
 
     def _compact(self) -> None:
         for key, heap in self.heaps.items():

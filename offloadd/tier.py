@@ -10,7 +10,6 @@ chosen as a victim and a writer waits for the write-back to finish.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
 import math
@@ -22,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from offloadd.arena import align_up
 from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIOError
-from offloadd.eviction import EvictionIndex
+from offloadd.eviction import SYNC_SLICE, EvictionIndex
 from offloadd.manifests import keep_previous_generation
 from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, JobFile
 from offloadd.scheduler import AccessTrace, Priority
@@ -82,6 +81,8 @@ class JobTier:
         self.index: EvictionIndex | None = None
         """Eviction candidates in victim order, made on the first eviction (``_index``)."""
         self.in_io: set[Shard] = set()
+        self.catching_up: asyncio.Task[None] | None = None
+        """Re-keying a large backlog of the index before a background write-back pass."""
         """Shards with a read or write-back in flight (``_begin_io`` to ``_end_io``)."""
         self._stripe = 0
 
@@ -242,6 +243,9 @@ class JobTier:
         async with self.room_lock:
             index = self._index(table)
             while allocator.largest_free() < need:
+                if index.backlog > SYNC_SLICE:
+                    await index.catch_up()  # yields: the room may have come meanwhile
+                    continue
                 shortfall = need - allocator.free_nbytes if allocator.free_nbytes < need else need
                 floor = _clean_floor(index, not_before_s)
                 victims = index.pick(False, shortfall, floor=floor)
@@ -345,11 +349,28 @@ class JobTier:
         if room <= 0:
             return
         index = self._index(table)
+        if index.backlog > SYNC_SLICE:  # re-key off this release's callback, then pass
+            self._start_catch_up(table, index)
+            return
         # The dirty shards needed soonest stay dirty: they may be written again
         # before they are ever evicted, and a write-back of them would be wasted.
         excess = index.candidate_nbytes(True, skip=self.cleaning) - table.arena.nbytes // 4
         for shard, _t in index.pick(True, min(room, excess), skip=self.cleaning):
             self._start_cleaning(table, shard)
+
+    def _start_catch_up(self, table: ShardTable, index: EvictionIndex) -> None:
+        if self.catching_up is not None:
+            return
+        self.catching_up = asyncio.ensure_future(self._catch_up_and_clean(table, index))
+        self.tasks.add(self.catching_up)
+        self.catching_up.add_done_callback(self.tasks.discard)
+
+    async def _catch_up_and_clean(self, table: ShardTable, index: EvictionIndex) -> None:
+        try:
+            await index.catch_up()
+        finally:
+            self.catching_up = None
+        self._clean_background(table)
 
     async def _clean_one(self, table: ShardTable, shard: Shard) -> None:
         try:
@@ -433,7 +454,7 @@ class JobTier:
     def step_begin(self, table: ShardTable, rank: int) -> None:
         trace = self.traces.setdefault(rank, AccessTrace())
         if self.index is not None:  # every next use the trace knows is about to change
-            self.index.note_trace_shards(rank, itertools.chain(trace.previous, trace.current))
+            self.index.note_trace_shards(trace)
         trace.begin_step()
 
     def note_access(self, table: ShardTable, shard: Shard) -> None:
@@ -442,7 +463,7 @@ class JobTier:
             cursor = trace.cursor
             trace.record(shard, time.monotonic())
             if trace.cursor != cursor and self.index is not None:
-                self.index.note_trace_moved(shard.rank, trace, cursor, trace.cursor)
+                self.index.note_trace_moved(trace, cursor, trace.cursor)
         if shard.prefetched:
             shard.prefetched = False
             self.space.counters.prefetch_hits += 1

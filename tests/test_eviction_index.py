@@ -21,9 +21,10 @@ from typing import Any
 
 import pytest
 
+from offloadd.batches import SLICE_IDS
 from offloadd.config import DaemonConfig
 from offloadd.errors import OffloadError
-from offloadd.eviction import EvictionIndex
+from offloadd.eviction import SYNC_SLICE, EvictionIndex
 from offloadd.jobs import Job, JobRegistry
 from offloadd.metrics import DaemonMetrics
 from offloadd.nvme import SwapSpace
@@ -33,6 +34,7 @@ from offloadd.shards import IN_ARENA, Lease, Residency, Shard, ShardTable
 from offloadd.tier import JobTier, open_tier
 
 KIB = 1 << 10
+PAGE = 4096
 ARENA_NBYTES = 256 * KIB
 NUM_SHARDS = int(os.environ.get("OFFLOADD_TEST_EVICTION_SHARDS", "60"))
 NUM_OPS = int(os.environ.get("OFFLOADD_TEST_EVICTION_OPS", "1500"))
@@ -189,3 +191,73 @@ def test_the_index_picks_what_a_scan_of_the_table_would(
     run_async(workload(tmp_path, seed, checked), timeout_s=120)
     # The workload must make the tier evict, or the comparison proves nothing.
     assert checked[0].nonempty > 50, (checked[0].picks, checked[0].nonempty)
+
+
+def test_a_large_backlog_is_rekeyed_a_slice_at_a_time(
+        tmp_path: Path, run_async: Callable[..., Any]) -> None:
+    """The first eviction of a job with many shards (the index is made: every shard is
+    in its backlog), and one after a pass over every resident shard, re-key at most
+    about ``SYNC_SLICE`` shards between two turns of the loop."""
+    num_pages = 2 * SYNC_SLICE
+    ids = [f"s{i}" for i in range(2 * num_pages)]
+
+    async def scenario() -> None:
+        config = DaemonConfig(swap_dirs=[str(tmp_path / "nvme0")], io_engine="python",
+                              mlock=False, arena_hugepages="off")
+        space = SwapSpace(config, DaemonMetrics())
+        await space.open()
+        registry = JobRegistry(num_pages * PAGE, 1.0, lock=False)
+        job, _ = registry.open("backlog", num_pages * PAGE,
+                               make_tier=lambda: open_tier(space, "backlog"))
+        refreshes, longest = [0], [0]
+        real_refresh = EvictionIndex._refresh
+
+        def counting_refresh(index: EvictionIndex, shard: Shard) -> None:
+            refreshes[0] += 1
+            real_refresh(index, shard)
+
+        async def ticker(stop: asyncio.Event) -> None:
+            seen = refreshes[0]
+            while not stop.is_set():
+                await asyncio.sleep(0)
+                longest[0] = max(longest[0], refreshes[0] - seen)
+                seen = refreshes[0]
+
+        async def evicting_acquire(shard_id: str) -> None:
+            stop = asyncio.Event()
+            ticking = asyncio.ensure_future(ticker(stop))
+            await asyncio.sleep(0)
+            leases: dict[Shard, Lease] = {}
+            result = job.acquire(0, [shard_id], "r", leases)
+            assert not isinstance(result, Placed), "the shard was resident: no eviction"
+            await result
+            job.release(0, [shard_id], False, leases)
+            stop.set()
+            await ticking
+
+        EvictionIndex._refresh = counting_refresh  # type: ignore[method-assign, assignment]
+        try:
+            for start in range(0, len(ids), SLICE_IDS):
+                part = ids[start:start + SLICE_IDS]
+                assert isinstance(job.alloc(0, part, [PAGE] * len(part), ["uint8"] * len(part)),
+                                  Placed)
+            await evicting_acquire(ids[-1])
+            first = refreshes[0]
+            assert first >= len(ids)  # the whole table was re-keyed once...
+            assert longest[0] <= SYNC_SLICE + 16, longest  # ...a slice per loop turn
+            resident = [i for i in ids if job.table.shards[(0, i)].in_arena]
+            leases: dict[Shard, Lease] = {}
+            for start in range(0, len(resident), SLICE_IDS):  # touch every resident shard
+                part = resident[start:start + SLICE_IDS]
+                assert isinstance(job.acquire(0, part, "r", leases), Placed)
+                job.release(0, part, False, leases)
+            longest[0] = 0
+            await evicting_acquire(next(i for i in ids if not job.table.shards[(0, i)].in_arena))
+            assert refreshes[0] - first >= len(resident)
+            assert longest[0] <= SYNC_SLICE + 16, longest
+        finally:
+            EvictionIndex._refresh = real_refresh  # type: ignore[method-assign]
+            await space.close()
+            registry.close()
+
+    run_async(scenario())
