@@ -5,6 +5,9 @@ check, lease, touch and reply per shard), which stalls every other job's
 requests. Batches longer than ``SLICE_IDS`` are served ``SLICE_IDS`` ids at a
 time with an ``await asyncio.sleep(0)`` between slices.
 
+Allocs and puts (``alloc_sliced``) validate the whole batch first, then create it
+a slice at a time; single-slice batches keep the synchronous fast paths in jobs.py.
+
 Hazard: other sessions run between slices. An acquire therefore re-checks each
 slice when it leases it and, if any slice fails, gives back what the earlier
 slices leased (clean), so the batch still succeeds or fails as a whole; other
@@ -19,8 +22,9 @@ import asyncio
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING
 
+from offloadd.arena import align_up
 from offloadd.protocol import Placed
-from offloadd.shards import Lease, Shard
+from offloadd.shards import Lease, Shard, check_shard_ids
 
 if TYPE_CHECKING:
     from offloadd.jobs import Job
@@ -45,10 +49,7 @@ async def acquire_sliced(job: Job, rank: int, ids: list[str], mode: str,
             if not isinstance(result, Placed):
                 result = await result
             granted += shards
-            placed.offsets += result.offsets
-            placed.nbytes += result.nbytes
-            placed.versions += result.versions
-            placed.dtypes += result.dtypes
+            _extend(placed, result)
             await asyncio.sleep(0)
     except BaseException:
         for shard in granted:
@@ -71,3 +72,84 @@ async def drop_sliced(job: Job, rank: int, ids: list[str]) -> None:
         if pending is not None:
             await pending
         await asyncio.sleep(0)
+
+
+async def alloc_sliced(job: Job, rank: int, ids: list[str], nbytes: list[int],
+                       dtypes: list[str], leases: dict[Shard, Lease] | None,
+                       mode: str | None) -> Placed:
+    """``Job.alloc`` (and put, which leases what it creates) of a large batch, all or nothing.
+
+    The whole batch is validated first, one slice at a time, and its total is checked
+    against the arena, so a bad batch fails before anything exists. The shards are
+    then created and placed (or leased) a slice at a time; if a later slice fails
+    (no arena room, an id another session created meanwhile, a lease conflict) every
+    lease taken is given back and every shard created is removed, freeing its range.
+    """
+    fresh: dict[str, tuple[int, str]] = {}
+    seen: set[str] = set()
+    need_nbytes = new_nbytes = 0
+    for start in range(0, len(ids), SLICE_IDS):
+        part = slice(start, start + SLICE_IDS)
+        check_shard_ids(ids[part])
+        job.validate_batch(rank, ids[part], nbytes[part], dtypes[part], fresh)
+        for shard_id, size in zip(ids[part], nbytes[part]):
+            if shard_id not in seen:
+                seen.add(shard_id)
+                need_nbytes += align_up(max(size, 1))
+                if shard_id in fresh:
+                    new_nbytes += align_up(max(size, 1))
+        await asyncio.sleep(0)
+    job.check_batch_fits(need_nbytes, new_nbytes, mode)
+    created: dict[str, Shard] = {}
+    granted: list[Shard] = []
+    placed = Placed(0, [], [], [], [])
+    try:
+        for start in range(0, len(ids), SLICE_IDS):
+            part = slice(start, start + SLICE_IDS)
+            shards = _make_slice(job, rank, ids[part], nbytes[part], dtypes[part], fresh,
+                                 created)
+            if leases is None or mode is None:
+                result: Placed | Awaitable[Placed] = job.place_what_fits(shards, [])
+            else:
+                result = job.serve_batch(shards, leases, mode)
+            if not isinstance(result, Placed):
+                result = await result
+            if leases is not None and mode is not None:
+                granted += shards
+            _extend(placed, result)
+            await asyncio.sleep(0)
+    except BaseException:
+        for shard in granted:
+            if leases is not None and shard in leases:  # gone with a closed session
+                job.table.give_back(leases, shard, dirty=False)
+        job.forget_unwritten(list(created.values()))
+        raise
+    return placed
+
+
+def _make_slice(job: Job, rank: int, ids: list[str], nbytes: list[int], dtypes: list[str],
+                fresh: dict[str, tuple[int, str]], created: dict[str, Shard]) -> list[Shard]:
+    """The shards of one slice: created if validated as new, else looked up and matched.
+
+    ``table.create`` raises ShardExistsError for an id another session created since
+    the validation: the batch then fails as a whole rather than adopt its shard.
+    """
+    table = job.table
+    shards = []
+    for shard_id, size, dtype in zip(ids, nbytes, dtypes):
+        shard = created.get(shard_id)
+        if shard is None:
+            if shard_id in fresh:
+                shard = created[shard_id] = table.create(rank, shard_id, size, dtype)
+            else:
+                shard = table.get(rank, shard_id)  # dropped since the validation: unknown
+                table.matches(shard, size, dtype)
+        shards.append(shard)
+    return shards
+
+
+def _extend(placed: Placed, part: Placed) -> None:
+    placed.offsets += part.offsets
+    placed.nbytes += part.nbytes
+    placed.versions += part.versions
+    placed.dtypes += part.dtypes

@@ -44,7 +44,7 @@ class SwapTier(Protocol):
 
     prefetching: set[Shard]  # explicit prefetches in flight (offloadd.limits bounds them)
 
-    async def make_room(self, table: ShardTable, nbytes: int) -> None: ...
+    async def make_room(self, table: ShardTable, nbytes: int) -> bool: ...
     async def read_in(self, table: ShardTable, shard: Shard) -> None: ...
     def note_access(self, table: ShardTable, shard: Shard) -> None: ...
     def after_access(self, table: ShardTable, rank: int) -> None: ...
@@ -81,25 +81,31 @@ class Job:
         shards that do not fit now are placed when first acquired.
         """
         check_ids(ids, nbytes, dtypes)
+        if len(ids) > batches.SLICE_IDS:
+            return batches.alloc_sliced(self, rank, ids, nbytes, dtypes, leases, mode)
         check_shard_ids(ids)
-        fresh = self._validate_batch(rank, ids, nbytes, dtypes)
+        fresh = self.validate_batch(rank, ids, nbytes, dtypes)
         shards = [self._find_or_create(rank, i, n, d) for i, n, d in zip(ids, nbytes, dtypes)]
         created = [s for s in dict.fromkeys(shards) if s.shard_id in fresh]
         if mode is None:
-            return self._place_what_fits(shards, created)
+            return self.place_what_fits(shards, created)
         try:
             result = self._serve(shards, leases, mode)
         except Exception:
-            self._forget_unwritten(created)
+            self.forget_unwritten(created)
             raise
         if isinstance(result, Placed):
             return result
         return self._undo_on_failure(result, created)
 
-    def _validate_batch(self, rank: int, ids: list[str], nbytes: list[int], dtypes: list[str]
-                        ) -> set[str]:
-        """Raise for any entry that cannot be created; returns the ids that are new."""
-        fresh: dict[str, tuple[int, str]] = {}
+    def validate_batch(self, rank: int, ids: list[str], nbytes: list[int], dtypes: list[str],
+                        fresh: dict[str, tuple[int, str]] | None = None) -> set[str]:
+        """Raise for any entry that cannot be created; returns the ids that are new.
+
+        ``fresh`` (new id -> (nbytes, dtype)) carries the new ids across the slices of
+        one large batch (offloadd.batches), so a repeated id is checked against them all.
+        """
+        fresh = {} if fresh is None else fresh
         for shard_id, size, dtype in zip(ids, nbytes, dtypes):
             existing = self.table.shards.get((rank, shard_id))
             if existing is not None:
@@ -113,7 +119,7 @@ class Job:
                     [shard_id])
         return set(fresh)
 
-    def _place_what_fits(self, shards: list[Shard], created: list[Shard]) -> Placed:
+    def place_what_fits(self, shards: list[Shard], created: list[Shard]) -> Placed:
         """Give new shards arena space where it is free now; -1 marks 'placed on first use'.
 
         Without a swap tier there is no later: a shard that does not fit fails the batch.
@@ -122,7 +128,7 @@ class Job:
             if shard.in_arena or shard.swap is not None or shard.io is not None:
                 continue
             if not self.table.place_unwritten(shard) and self.tier is None:
-                self._forget_unwritten(created)
+                self.forget_unwritten(created)
                 self._raise_arena_full(shard)
         return Placed(
             0,
@@ -132,14 +138,34 @@ class Job:
             [s.dtype for s in shards],
         )
 
+    def check_batch_fits(self, need_nbytes: int, new_nbytes: int, mode: str | None) -> None:
+        """Refuse a large batch whose total cannot fit before any of it is created.
+
+        ``need_nbytes``: arena bytes of the batch's distinct shards; ``new_nbytes``: of
+        those it creates. Without a swap tier every new shard must be placed now; with
+        one, only a leased batch must be resident at once (as ``_check_pinned_fit``).
+        """
+        if self.tier is None and new_nbytes > self.arena.allocator.free_nbytes:
+            raise OverBudgetError(
+                f"job {self.name!r} arena is full: the batch creates {new_nbytes} bytes of "
+                f"shards, {self.arena.allocator.free_nbytes} free of {self.arena.nbytes}; drop "
+                "shards, ask for a larger arena_nbytes at hello, or start the daemon with "
+                "--swap-dir")
+        leased = self.table.leased_nbytes()
+        if self.tier is not None and mode is not None and need_nbytes + leased > self.arena.nbytes:
+            raise OverBudgetError(
+                f"job {self.name!r}: {need_nbytes} bytes requested while {leased} bytes are "
+                f"leased, arena is {self.arena.nbytes}; release leases or request fewer "
+                "shards at once")
+
     async def _undo_on_failure(self, pending: Awaitable[Placed], created: list[Shard]) -> Placed:
         try:
             return await pending
         except BaseException:
-            self._forget_unwritten(created)
+            self.forget_unwritten(created)
             raise
 
-    def _forget_unwritten(self, created: list[Shard]) -> None:
+    def forget_unwritten(self, created: list[Shard]) -> None:
         """A shard created by a request that failed never held bytes: do not keep it,
         or a later read would return whatever the arena held at its offset."""
         for shard in created:
@@ -208,11 +234,13 @@ class Job:
         self._check_pinned_fit(unique)
         for shard in unique:  # pinned: reading one shard never evicts another of the batch
             shard.pins += 1
+            self.table.note_changed(shard)
         try:
             await self._settle(unique, mode)
         finally:
             for shard in unique:
                 shard.pins -= 1
+                self.table.note_changed(shard)  # evictable again (offloadd.eviction)
         # No await from here on: the conflict check and the grant are one atomic step.
         if leases is not None and mode is not None:
             check_grantable(shards, mode)

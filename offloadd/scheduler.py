@@ -158,6 +158,18 @@ class AccessTrace:
             return self.previous[positions[index]][1] - here
         return self.previous_s - here + self.previous[positions[0]][1]  # next step
 
+    def next_use_at(self, shard: Shard) -> float:
+        """``next_use_s`` plus the elapsed time at the cursor, which all of the rank's
+        shards share: it changes only when the cursor passes one of the shard's
+        positions, so the eviction index can keep shards ordered by it."""
+        positions = self.positions.get(shard.shard_id)
+        if not positions:
+            return math.inf
+        index = bisect.bisect_left(positions, self.cursor)
+        if index < len(positions):
+            return self.previous[positions[index]][1]
+        return self.previous_s + self.previous[positions[0]][1]
+
     def upcoming(self, window_nbytes: int, horizon_s: float) -> Iterable[tuple[Shard, float]]:
         """Shards expected next, in order, within a byte window and a time horizon."""
         here = self._elapsed_at_cursor()

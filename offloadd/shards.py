@@ -91,6 +91,9 @@ class Shard:
     """A write lease ended by an exception or its client's death: the arena bytes are
     half-written. Never written back; reads raise TornShardError until a writer
     releases it dirty again; a flush keeps its last written-back version."""
+    serial: int = 0
+    """Creation order within the job's table: the order a scan of the table meets it,
+    which breaks ties between equal eviction keys (offloadd.eviction)."""
 
     @property
     def leased(self) -> bool:
@@ -148,6 +151,10 @@ class ShardTable:
         """Arena bytes every shard of the job would need at once, resident or not."""
         self._leased_nbytes = 0
         """Arena bytes of leased shards, counted as leases come and go (never a scan)."""
+        self.changed: set[Shard] | None = None
+        """Shards whose eviction candidacy or key may have changed, for the swap tier's
+        eviction index (offloadd.eviction) to re-key; None while no index exists."""
+        self._serials = itertools.count()
 
     def get(self, rank: int, shard_id: str) -> Shard:
         try:
@@ -182,7 +189,8 @@ class ShardTable:
         if (rank, shard_id) in self.shards:
             raise ShardExistsError(f"shard {shard_id!r} already exists", [shard_id])
         self.check_fits(nbytes)
-        shard = Shard(rank, shard_id, nbytes, dtype, residency=Residency.NVME)
+        shard = Shard(rank, shard_id, nbytes, dtype, residency=Residency.NVME,
+                      serial=next(self._serials))
         self.shards[(rank, shard_id)] = shard
         self.total_nbytes += shard.arena_nbytes
         return shard
@@ -201,6 +209,7 @@ class ShardTable:
         if offset is None:
             return False
         shard.offset = offset
+        self.note_changed(shard)
         return True
 
     def place_unwritten(self, shard: Shard) -> bool:
@@ -216,15 +225,26 @@ class ShardTable:
         assert shard.offset is not None and not shard.leased
         self.arena.allocator.free(shard.offset, shard.arena_nbytes)
         shard.offset = None
+        self.note_changed(shard)
 
     def remove(self, shard: Shard) -> None:
         if shard.offset is not None:
             self.unplace(shard)
         del self.shards[(shard.rank, shard.shard_id)]
         self.total_nbytes -= shard.arena_nbytes
+        self.note_changed(shard)
 
     def touch(self, shard: Shard) -> None:
         shard.last_use = next(self._clock)
+        changed = self.changed
+        if changed is not None:
+            changed.add(shard)
+
+    def note_changed(self, shard: Shard) -> None:
+        """Residency, pins, IO or lease of ``shard`` changed (see ``changed``)."""
+        changed = self.changed
+        if changed is not None:
+            changed.add(shard)
 
     def overcommitted(self) -> bool:
         """True when the job's shards cannot all be resident: eviction is certain."""
@@ -241,6 +261,9 @@ class ShardTable:
         if not shard.leased:
             self._leased_nbytes += shard.arena_nbytes
         grant(leases, shard, mode)
+        changed = self.changed
+        if changed is not None:
+            changed.add(shard)
 
     def give_back(self, leases: dict[Shard, Lease], shard: Shard, dirty: bool,
                   torn: bool = False) -> bool:
@@ -248,6 +271,9 @@ class ShardTable:
         dirtied = give_back(leases, shard, dirty, torn)
         if not shard.leased:
             self._leased_nbytes -= shard.arena_nbytes
+        changed = self.changed
+        if changed is not None:
+            changed.add(shard)
         return dirtied
 
 

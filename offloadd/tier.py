@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from offloadd.arena import align_up
 from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIOError
+from offloadd.eviction import SYNC_SLICE, EvictionIndex
 from offloadd.manifests import keep_previous_generation
 from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, JobFile
-from offloadd.scheduler import AccessTrace, Priority, pick_victims
-from offloadd.shards import IN_ARENA, Chunk, Residency, Shard, ShardTable, SwapPlacement
+from offloadd.scheduler import AccessTrace, Priority
+from offloadd.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement
 
 if TYPE_CHECKING:
     from offloadd.nvme import SwapSpace
@@ -77,6 +78,12 @@ class JobTier:
         self.background_error: OffloadError | None = None
         self.dirtied_nbytes = 0
         """Bytes released dirty since the last background write-back pass."""
+        self.index: EvictionIndex | None = None
+        """Eviction candidates in victim order, made on the first eviction (``_index``)."""
+        self.in_io: set[Shard] = set()
+        self.catching_up: asyncio.Task[None] | None = None
+        """Re-keying a large backlog of the index before a background write-back pass."""
+        """Shards with a read or write-back in flight (``_begin_io`` to ``_end_io``)."""
         self._stripe = 0
 
     # -- chunks -------------------------------------------------------------------
@@ -144,14 +151,17 @@ class JobTier:
 
     # -- residency transitions ----------------------------------------------------------
 
-    def _begin_io(self, shard: Shard, state: Residency) -> None:
+    def _begin_io(self, table: ShardTable, shard: Shard, state: Residency) -> None:
         shard.io = asyncio.get_running_loop().create_future()
         shard.pins += 1
         shard.residency = state
+        self.in_io.add(shard)
+        table.note_changed(shard)
 
-    @staticmethod
-    def _end_io(shard: Shard) -> None:
+    def _end_io(self, table: ShardTable, shard: Shard) -> None:
         shard.pins -= 1
+        self.in_io.discard(shard)
+        table.note_changed(shard)
         future, shard.io = shard.io, None
         if future is not None and not future.done():
             future.set_result(None)
@@ -165,7 +175,7 @@ class JobTier:
             # Hazard: a flush lists dirty shards, then writes them; a peer rank's drop
             # in between frees the arena range (the residency is left as it was).
             return False
-        self._begin_io(shard, Residency.WRITING)
+        self._begin_io(table, shard, Residency.WRITING)
         await _run_to_completion(self._write_back(table, shard, priority))
         return True
 
@@ -183,13 +193,13 @@ class JobTier:
                 raise _first_error(results)
         except BaseException:
             shard.residency = Residency.ARENA_DIRTY
-            self._end_io(shard)
+            self._end_io(table, shard)
             raise
         self._free_placement(shard.swap)
         shard.swap = SwapPlacement(chunks, shard.version)
         shard.residency = Residency.ARENA_CLEAN
         self.space.counters.writeback_nbytes += shard.arena_nbytes
-        self._end_io(shard)
+        self._end_io(table, shard)
 
     def evict(self, table: ShardTable, shard: Shard) -> None:
         """ARENA_CLEAN -> NVME: give the arena range back; the swap copy is current."""
@@ -228,29 +238,31 @@ class JobTier:
         allocator = table.arena.allocator
         if allocator.largest_free() >= need:
             return True
-        # One request at a time scans and waits; the others queue on the lock instead
-        # of all waking on every completed write-back and rescanning the table.
+        # One request at a time picks victims and waits; the others queue on the lock
+        # instead of all waking on every completed write-back and picking again.
         async with self.room_lock:
+            index = self._index(table)
             while allocator.largest_free() < need:
+                if index.backlog > SYNC_SLICE:
+                    await index.catch_up()  # yields: the room may have come meanwhile
+                    continue
                 shortfall = need - allocator.free_nbytes if allocator.free_nbytes < need else need
-                candidates, progress = self._scan(table)
-                floor = _clean_floor(candidates, not_before_s)
-                clean = [(s, t) for s, t in candidates if s.residency is Residency.ARENA_CLEAN]
-                victims = _pick_clean(clean, shortfall, floor)
-                for victim in victims:
+                floor = _clean_floor(index, not_before_s)
+                victims = index.pick(False, shortfall, floor=floor)
+                for victim, _next_use in victims:
                     self.evict(table, victim)
                 if victims or allocator.largest_free() >= need:
                     continue  # room now, or freed ranges that may need more to merge
                 if (self.background_error is not None and not self.cleaning
                         and not_before_s is None):
                     self._raise_background_error()  # no write-back left that could help
-                self._clean(table, candidates, shortfall, not_before_s, floor)
+                self._clean(table, shortfall, not_before_s, floor)
                 if not_before_s is not None:
                     return False
-                progress += self.cleaning.values()
+                progress = self._io_progress(table) + list(self.cleaning.values())
                 if not progress and floor is not None:
                     # No write-back can help: a clean shard needed soon is the only room.
-                    for victim in pick_victims(clean, shortfall):
+                    for victim, _next_use in index.pick(False, shortfall):
                         self.evict(table, victim)
                     continue
                 if not progress:
@@ -264,28 +276,25 @@ class JobTier:
                                    return_when=asyncio.FIRST_COMPLETED)
         return True
 
-    def _scan(self, table: ShardTable
-              ) -> tuple[list[tuple[Shard, float]], list[asyncio.Future[Any]]]:
-        """One pass over the table: eviction candidates, and IO whose end may free room.
+    def _index(self, table: ShardTable) -> EvictionIndex:
+        if self.index is None:
+            self.index = EvictionIndex(table, self.traces)
+        return self.index
+
+    def _io_progress(self, table: ShardTable) -> list[asyncio.Future[Any]]:
+        """IO in flight whose end may free room (``in_io``, not a pass over the table).
 
         A write-behind shard is waited on through its task, not its ``io`` future:
         the task is done only after it recorded its error for us to raise.
         """
-        candidates: list[tuple[Shard, float]] = []
-        progress: list[asyncio.Future[Any]] = []
         cleaning = self.cleaning
-        for shard in table.shards.values():
-            io = shard.io
-            if io is None:
-                if shard.residency in IN_ARENA and not shard.pins and not shard.leased:
-                    candidates.append((shard, self.next_use_s(shard)))
-            elif shard not in cleaning and (shard.offset is not None
-                                            or shard.residency is Residency.WRITING):
-                progress.append(io)
-        return candidates, progress
+        return [shard.io for shard in self.in_io
+                if shard.io is not None and shard not in cleaning
+                and (shard.offset is not None or shard.residency is Residency.WRITING)
+                and table.shards.get((shard.rank, shard.shard_id)) is shard]
 
-    def _clean(self, table: ShardTable, candidates: list[tuple[Shard, float]], shortfall: int,
-               not_before_s: float | None, floor: float | None = None) -> None:
+    def _clean(self, table: ShardTable, shortfall: int, not_before_s: float | None,
+               floor: float | None = None) -> None:
         """Write back the next dirty victims in the background (write-behind).
 
         Keeps up to ``write_behind_nbytes`` (beyond the shortfall) clean or being
@@ -294,19 +303,17 @@ class JobTier:
         """
         if self.background_error is not None:
             return  # report the failure before retrying: a full drive must not spin
+        index = self._index(table)
         in_flight = self._cleaning_nbytes()
-        ready = in_flight + sum(s.arena_nbytes for s, t in candidates
-                                if s.residency is Residency.ARENA_CLEAN
-                                and (floor is None or t >= floor))
         target = shortfall + self.write_behind_nbytes(table)
+        # Clean room needed no sooner than the floor, counted only up to the target.
+        clean = index.pick(False, target - in_flight, floor=floor)
+        ready = in_flight + sum(s.arena_nbytes for s, _t in clean)
         if ready >= target:
             return
-        for shard in pick_victims(self._dirty(candidates), target - ready, not_before_s):
+        for shard, _t in index.pick(True, target - ready, above=not_before_s,
+                                    skip=self.cleaning):
             self._start_cleaning(table, shard)
-
-    def _dirty(self, candidates: list[tuple[Shard, float]]) -> list[tuple[Shard, float]]:
-        return [(s, t) for s, t in candidates
-                if s.residency is Residency.ARENA_DIRTY and s not in self.cleaning]
 
     def _start_cleaning(self, table: ShardTable, shard: Shard) -> None:
         task = asyncio.ensure_future(self._clean_one(table, shard))
@@ -327,8 +334,8 @@ class JobTier:
         Like the kernel's dirty_background threshold: once the job's shards outgrow
         its arena, eviction is certain and every dirty shard not needed again soon
         will have to be written, so it is written while the drive has room rather
-        than when a request is waiting for its arena range. Scans of the table are
-        batched (one per ``write_behind_nbytes / 4`` dirtied) to keep releases cheap.
+        than when a request is waiting for its arena range. Passes are batched (one
+        per ``write_behind_nbytes / 4`` dirtied) to keep releases cheap.
         """
         self.dirtied_nbytes += nbytes
         if self.dirtied_nbytes >= self.write_behind_nbytes(table) // 4:
@@ -341,13 +348,29 @@ class JobTier:
         room = self.write_behind_nbytes(table) - self._cleaning_nbytes()
         if room <= 0:
             return
-        candidates, _ = self._scan(table)
-        dirty = self._dirty(candidates)
+        index = self._index(table)
+        if index.backlog > SYNC_SLICE:  # re-key off this release's callback, then pass
+            self._start_catch_up(table, index)
+            return
         # The dirty shards needed soonest stay dirty: they may be written again
         # before they are ever evicted, and a write-back of them would be wasted.
-        excess = sum(s.arena_nbytes for s, _t in dirty) - table.arena.nbytes // 4
-        for shard in pick_victims(dirty, min(room, excess)):
+        excess = index.candidate_nbytes(True, skip=self.cleaning) - table.arena.nbytes // 4
+        for shard, _t in index.pick(True, min(room, excess), skip=self.cleaning):
             self._start_cleaning(table, shard)
+
+    def _start_catch_up(self, table: ShardTable, index: EvictionIndex) -> None:
+        if self.catching_up is not None:
+            return
+        self.catching_up = asyncio.ensure_future(self._catch_up_and_clean(table, index))
+        self.tasks.add(self.catching_up)
+        self.catching_up.add_done_callback(self.tasks.discard)
+
+    async def _catch_up_and_clean(self, table: ShardTable, index: EvictionIndex) -> None:
+        try:
+            await index.catch_up()
+        finally:
+            self.catching_up = None
+        self._clean_background(table)
 
     async def _clean_one(self, table: ShardTable, shard: Shard) -> None:
         try:
@@ -391,7 +414,7 @@ class JobTier:
             return
         if priority is Priority.DEMAND:
             self.space.counters.demand_reads += 1
-        self._begin_io(shard, Residency.READING)
+        self._begin_io(table, shard, Residency.READING)
         await _run_to_completion(self._read_in(table, shard, priority, not_before_s))
 
     async def _read_in(self, table: ShardTable, shard: Shard, priority: Priority,
@@ -420,7 +443,7 @@ class JobTier:
             shard.residency = Residency.NVME
             raise
         finally:
-            self._end_io(shard)
+            self._end_io(table, shard)
         shard.residency = Residency.ARENA_CLEAN
         shard.prefetched = priority is Priority.PREFETCH
         if shard.prefetched:
@@ -429,12 +452,18 @@ class JobTier:
     # -- learned and explicit prefetch ------------------------------------------------
 
     def step_begin(self, table: ShardTable, rank: int) -> None:
-        self.traces.setdefault(rank, AccessTrace()).begin_step()
+        trace = self.traces.setdefault(rank, AccessTrace())
+        if self.index is not None:  # every next use the trace knows is about to change
+            self.index.note_trace_shards(trace)
+        trace.begin_step()
 
     def note_access(self, table: ShardTable, shard: Shard) -> None:
         trace = self.traces.get(shard.rank)
         if trace is not None:
+            cursor = trace.cursor
             trace.record(shard, time.monotonic())
+            if trace.cursor != cursor and self.index is not None:
+                self.index.note_trace_moved(trace, cursor, trace.cursor)
         if shard.prefetched:
             shard.prefetched = False
             self.space.counters.prefetch_hits += 1
@@ -552,6 +581,7 @@ class JobTier:
             if (shard.swap is not None and id(shard.swap) in unsure
                     and shard.residency is Residency.ARENA_CLEAN and not shard.torn):
                 shard.residency = Residency.ARENA_DIRTY
+                table.note_changed(shard)
         self.failed = SwapIOError(
             f"job {self.job!r}: {error.message}; data written to swap since the last flush "
             f"(generation {self.generation}) may be lost, so this job writes no more manifests. "
@@ -662,8 +692,7 @@ def check_geometry(job: str, entry: dict[str, Any], chunks: list[Chunk],
             "`offloadd gc`")
 
 
-def _clean_floor(candidates: list[tuple[Shard, float]], not_before_s: float | None
-                 ) -> float | None:
+def _clean_floor(index: EvictionIndex, not_before_s: float | None) -> float | None:
     """Soonest next use a clean victim may have, or None for any.
 
     Clean-first alone evicts a clean shard needed in milliseconds (a prefetched
@@ -675,16 +704,8 @@ def _clean_floor(candidates: list[tuple[Shard, float]], not_before_s: float | No
     """
     if not_before_s is not None:
         return not_before_s
-    dirty = [t for s, t in candidates if s.residency is Residency.ARENA_DIRTY]
-    return max(dirty) if dirty else None
-
-
-def _pick_clean(clean: list[tuple[Shard, float]], shortfall: int, floor: float | None
-                ) -> list[Shard]:
-    if floor is None:
-        return pick_victims(clean, shortfall)
-    # >= : with no trace yet every next use is inf, and clean-first still applies.
-    return pick_victims([(s, t) for s, t in clean if t >= floor], shortfall)
+    # >= in the pick: with no trace yet every next use is inf, and clean-first still applies.
+    return index.furthest_next_use(dirty=True)
 
 
 async def _settle_all(coros: Iterable[Awaitable[T]]) -> list[T | BaseException]:

@@ -1,0 +1,217 @@
+"""The eviction index: a job's eviction candidates in victim order, without a table scan.
+
+The swap tier's acquire slow path needs the next victims (clean before dirty,
+furthest next use first, least recently used among equals; see
+``scheduler.pick_victims``). Scanning every shard for them costs milliseconds per
+request once a job has 100k shards, so the candidates are kept in heaps, one per
+(rank, clean/dirty), and a pick pops only the entries it returns.
+
+- **Changes are noted, not applied.** Whatever can change a shard's candidacy or
+  key (lease, release, touch, placement, pins, IO, a trace's cursor) adds the
+  shard to ``ShardTable.changed``, a set add on the request path. ``sync`` re-keys
+  those shards before each pick, so the cost lands on eviction, not on acquire.
+  A backlog larger than ``SYNC_SLICE`` (a step's worth of accesses, or every shard
+  when the index is made) is worked off by ``catch_up`` a slice at a time, yielding
+  to the loop: re-keying 200k shards at once holds it for about a second.
+- **Heaps with lazy deletion.** Each candidate has exactly one live entry
+  (``entries``); a re-keyed or lost candidate leaves its old entry behind, which
+  picks skip and ``_compact`` clears once garbage outnumbers live entries.
+- **Next use without a rescan.** A rank's next uses all shrink together as its
+  trace's cursor advances, so a heap is keyed by ``AccessTrace.next_use_at`` (the
+  next use on the trace's own clock), which changes only for the shards the cursor
+  passes; ranks are merged on the real ``next_use_s``.
+
+The order is the one ``pick_victims`` gives a scan of the table, ties included
+(equal keys keep the table's order, the shards' ``serial``), except where two next
+uses that differ on the trace's clock round to the same float once the cursor's
+time is subtracted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+from collections.abc import Container, Iterable
+from operator import itemgetter
+
+from offloadd.scheduler import AccessTrace
+from offloadd.shards import IN_ARENA, Residency, Shard, ShardTable
+
+Entry = tuple[float, int, int, int, Shard, bool]
+"""(-next_use_at, last_use, serial, push sequence, shard, dirty): a heap entry."""
+
+COMPACT_MIN_ENTRIES = 1024
+SYNC_SLICE = 2048
+"""Shards re-keyed per slice of ``catch_up`` (a few ms of loop time)."""
+_shard_of = itemgetter(0)
+
+
+class EvictionIndex:
+    """Eviction candidates of one job's table (see the module docstring)."""
+
+    def __init__(self, table: ShardTable, traces: dict[int, AccessTrace]) -> None:
+        self.table = table
+        self.traces = traces
+        self.heaps: dict[tuple[int, bool], list[Entry]] = {}
+        self.entries: dict[Shard, Entry] = {}
+        self.nbytes = {False: 0, True: 0}
+        """Arena bytes of the clean and of the dirty candidates (exact after ``sync``)."""
+        self._sequence = itertools.count()
+        self.changed: set[Shard] = set(table.shards.values())
+        table.changed = self.changed
+
+    # -- keeping up with the table ----------------------------------------------------
+
+    def note_trace_moved(self, trace: AccessTrace, start: int, stop: int) -> None:
+        """The trace's cursor passed ``previous[start:stop]``: those shards' next uses moved.
+
+        The trace holds the shard objects it saw; ``_refresh`` finds the live shard of
+        one that was dropped and made again under its id.
+        """
+        self.changed.update(map(_shard_of, trace.previous[start:stop]))
+
+    def note_trace_shards(self, trace: AccessTrace) -> None:
+        """A step begins: every shard the trace names has a new next use."""
+        self.changed.update(map(_shard_of, trace.previous))
+        self.changed.update(map(_shard_of, trace.current))
+
+    @property
+    def backlog(self) -> int:
+        """Shards noted as changed and not yet re-keyed."""
+        return len(self.changed)
+
+    async def catch_up(self) -> None:
+        """Re-key the backlog ``SYNC_SLICE`` shards at a time, yielding between slices,
+        until what is left is one slice (the pick's own ``sync`` takes that)."""
+        changed = self.changed
+        while len(changed) > SYNC_SLICE:
+            for _ in range(SYNC_SLICE):
+                self._refresh(changed.pop())
+            await asyncio.sleep(0)
+
+    def sync(self) -> None:
+        """Re-key every shard noted as changed since the last pick."""
+        for shard in self.changed:
+            self._refresh(shard)
+        self.changed.clear()
+        garbage = sum(map(len, self.heaps.values())) - len(self.entries)
+        if garbage > max(len(self.entries), COMPACT_MIN_ENTRIES):
+            self._compact()
+
+    def _candidate(self, shard: Shard) -> bool:
+        return (shard.io is None and shard.residency in IN_ARENA and not shard.pins
+                and not shard.leased
+                and self.table.shards.get((shard.rank, shard.shard_id)) is shard)
+
+    def _refresh(self, shard: Shard) -> None:
+        live = self.table.shards.get((shard.rank, shard.shard_id))
+        if live is not shard:  # dropped; one made again under its id has its own key
+            self._forget(shard)
+            if live is None:
+                return
+            shard = live
+        old = self.entries.pop(shard, None)
+        if old is not None:
+            self.nbytes[old[5]] -= shard.arena_nbytes
+        if not self._candidate(shard):
+            return
+        dirty = shard.residency is Residency.ARENA_DIRTY
+        neg_at = -self._next_use_at(shard)
+        if old is not None and old[0] == neg_at and old[1] == shard.last_use and old[5] == dirty:
+            entry = old  # unchanged: its entry is still in place
+        else:
+            entry = (neg_at, shard.last_use, shard.serial, next(self._sequence), shard, dirty)
+            heapq.heappush(self.heaps.setdefault((shard.rank, dirty), []), entry)
+        self.entries[shard] = entry
+        self.nbytes[dirty] += shard.arena_nbytes
+
+    def _forget(self, shard: Shard) -> None:
+        old = self.entries.pop(shard, None)
+        if old is not None:
+            self.nbytes[old[5]] -= shard.arena_nbytes
+
+    def _compact(self) -> None:
+        for key, heap in self.heaps.items():
+            live = [entry for entry in heap if self.entries.get(entry[4]) is entry]
+            heapq.heapify(live)
+            self.heaps[key] = live
+
+    def _next_use_at(self, shard: Shard) -> float:
+        trace = self.traces.get(shard.rank)
+        return trace.next_use_at(shard) if trace is not None and trace.known else math.inf
+
+    def next_use_s(self, shard: Shard) -> float:
+        trace = self.traces.get(shard.rank)
+        return trace.next_use_s(shard) if trace is not None and trace.known else math.inf
+
+    # -- picks ------------------------------------------------------------------------
+
+    def pick(self, dirty: bool, need_nbytes: int, *, floor: float | None = None,
+             above: float | None = None, skip: Container[Shard] = ()
+             ) -> list[tuple[Shard, float]]:
+        """Clean (or dirty) candidates in victim order, with their next use, until their
+        bytes reach ``need_nbytes``: ``pick_victims`` over a scan's candidates.
+
+        ``floor``: only shards next used at or after it; ``above``: only after it
+        (a prefetch's ``not_before_s``); ``skip``: shards passed over uncounted.
+        """
+        self.sync()
+        heaps = [heap for (_rank, is_dirty), heap in self.heaps.items() if is_dirty == dirty]
+        taken: list[tuple[list[Entry], Entry]] = []
+        chosen: list[tuple[Shard, float]] = []
+        total = 0
+        try:
+            while total < need_nbytes:
+                best = self._best_head(heaps)
+                if best is None:
+                    break
+                heap, entry, next_use = best
+                if (floor is not None and next_use < floor) or (
+                        above is not None and next_use <= above):
+                    break  # every later candidate is needed at least as soon
+                taken.append((heap, heapq.heappop(heap)))
+                shard = entry[4]
+                if shard in skip:
+                    continue
+                chosen.append((shard, next_use))
+                total += shard.arena_nbytes
+        finally:
+            for heap, entry in taken:
+                heapq.heappush(heap, entry)
+        return chosen
+
+    def _best_head(self, heaps: list[list[Entry]]
+                   ) -> tuple[list[Entry], Entry, float] | None:
+        """The rank heads' first victim: furthest real next use, then LRU, then table order."""
+        best: tuple[list[Entry], Entry, float] | None = None
+        best_key: tuple[float, int, int] | None = None
+        for heap in heaps:
+            while heap and (self.entries.get(heap[0][4]) is not heap[0]
+                            or not self._candidate(heap[0][4])):
+                # A stale entry (its shard was re-keyed or is no candidate), or a change
+                # nobody noted: never hand out a leased, pinned or busy shard.
+                entry = heapq.heappop(heap)
+                if self.entries.get(entry[4]) is entry:
+                    self._refresh(entry[4])
+            if not heap:
+                continue
+            entry = heap[0]
+            next_use = self.next_use_s(entry[4])
+            key = (-next_use, entry[1], entry[2])
+            if best_key is None or key < best_key:
+                best, best_key = (heap, entry, next_use), key
+        return best
+
+    def furthest_next_use(self, dirty: bool) -> float | None:
+        """The latest next use among the clean (dirty) candidates; None if there are none."""
+        first = self.pick(dirty, 1)
+        return first[0][1] if first else None
+
+    def candidate_nbytes(self, dirty: bool, skip: Iterable[Shard] = ()) -> int:
+        """Arena bytes of the clean (dirty) candidates, less those of ``skip``."""
+        self.sync()
+        skipped = sum(s.arena_nbytes for s in skip
+                      if (entry := self.entries.get(s)) is not None and entry[5] == dirty)
+        return self.nbytes[dirty] - skipped

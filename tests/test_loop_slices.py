@@ -1,0 +1,237 @@
+"""Large allocs and puts are created in slices: other jobs are served while a 200k-id
+batch is made, and a batch that fails in a late slice leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import select
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import JOB_ARENA_NBYTES, raw_socket, read_reply, start_daemon
+
+from offloadd import protocol as p
+from offloadd.arena import Arena
+from offloadd.batches import SLICE_IDS
+from offloadd.embedded import PrivateDaemon
+from offloadd.errors import LeaseConflictError, OverBudgetError, ShardExistsError
+from offloadd.jobs import Job
+from trainer.client import OffloadClient
+
+NUM_IDS = int(os.environ.get("OFFLOADD_TEST_BATCH_IDS", "200000"))
+PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def big_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateDaemon]:
+    workdir = tmp_path_factory.mktemp("offloadd")
+    swap_dir = workdir / "swap"
+    swap_dir.mkdir()
+    instance = start_daemon(workdir, arena_size=f"{2 * NUM_IDS * PAGE // (1 << 20) + 128}MiB",
+                            extra_args=["--swap-dir", str(swap_dir)])
+    yield instance
+    assert instance.stop() == 0
+
+
+def hello(daemon: PrivateDaemon, job: str, arena_nbytes: int
+          ) -> tuple[socket.socket, mmap.mmap]:
+    """A raw session of ``job`` (rank 0) and its arena mapped here."""
+    sock = raw_socket(daemon.socket_path, timeout_s=120)
+    sock.sendall(p.encode_frame(p.Hello(1, p.PROTOCOL_VERSION, job, 0, 1, 0, "cpu",
+                                        arena_nbytes)))
+    reply, fds = read_reply(sock)
+    assert isinstance(reply, p.HelloOk), reply
+    arena = mmap.mmap(fds[0], reply.arena_nbytes)
+    for fd in fds:
+        os.close(fd)
+    return sock, arena
+
+
+def ask(sock: socket.socket, request: p.Request) -> p.Reply:
+    sock.sendall(p.encode_frame(request))
+    reply = read_reply(sock)[0]
+    assert reply is not None and reply.rid == request.rid
+    return reply
+
+
+def served_during(sock: socket.socket, request: p.Request, witness: OffloadClient
+                  ) -> tuple[p.Reply, int]:
+    """Send ``request`` and count the witness's acquire+release pairs completed before
+    its reply arrived (the witness is a session of another job)."""
+    sent, arrived, stop = threading.Event(), threading.Event(), threading.Event()
+    during = [0]
+
+    def keep_asking() -> None:
+        while not stop.is_set():
+            was_sent = sent.is_set()
+            with witness.acquire("w", "r"):
+                pass
+            # Not readable and not yet flagged: this pair finished before the reply came.
+            if was_sent and not select.select([sock], [], [], 0)[0] and not arrived.is_set():
+                during[0] += 1
+
+    asker = threading.Thread(target=keep_asking)
+    asker.start()
+    try:
+        sock.sendall(p.encode_frame(request))
+        sent.set()
+        select.select([sock], [], [], 120)
+        arrived.set()
+        reply = read_reply(sock)[0]
+    finally:
+        stop.set()
+        asker.join()
+    assert reply is not None
+    return reply, during[0]
+
+
+@pytest.fixture
+def witness(big_daemon: PrivateDaemon) -> Iterator[OffloadClient]:
+    client = OffloadClient.connect(big_daemon.socket_path, job="witness",
+                                   arena_nbytes=JOB_ARENA_NBYTES, timeout_s=60)
+    client.put("w", b"witness")
+    yield client
+    client.close()
+
+
+def test_other_jobs_are_served_during_a_200k_id_alloc(big_daemon: PrivateDaemon,
+                                                      witness: OffloadClient) -> None:
+    ids = [f"a{i}" for i in range(NUM_IDS)]
+    sock, arena = hello(big_daemon, "alloc", NUM_IDS * PAGE)
+    reply, during = served_during(sock, p.Alloc(2, ids, [1] * NUM_IDS, ["uint8"] * NUM_IDS),
+                                  witness)
+    assert isinstance(reply, p.Placed), reply
+    # Unsliced, the whole alloc runs in one callback and the witness gets nothing.
+    assert during > 3, during
+    assert len(set(reply.offsets)) == NUM_IDS and min(reply.offsets) >= 0
+    assert reply.nbytes == [1] * NUM_IDS and reply.dtypes == ["uint8"] * NUM_IDS
+    stats = ask(sock, p.Stats(3))
+    assert isinstance(stats, p.StatsOk)
+    assert stats.stats["num_shards"] == NUM_IDS
+    assert stats.stats["arena_used_nbytes"] == NUM_IDS * PAGE
+    assert isinstance(ask(sock, p.CloseJob(4)), p.Ok)
+    arena.close()
+    sock.close()
+
+
+def test_other_jobs_are_served_during_a_200k_id_put(big_daemon: PrivateDaemon,
+                                                    witness: OffloadClient) -> None:
+    ids = [f"p{i}" for i in range(NUM_IDS)]
+    sock, arena = hello(big_daemon, "put", NUM_IDS * PAGE)
+    reply, during = served_during(
+        sock, p.Acquire(2, ids, "w", [2] * NUM_IDS, ["uint8"] * NUM_IDS), witness)
+    assert isinstance(reply, p.Placed), reply
+    assert during > 3, during
+    view = np.frombuffer(arena, dtype=np.uint8)
+    expected = (np.arange(NUM_IDS) % 251).astype(np.uint8)
+    offsets = np.asarray(reply.offsets)
+    view[offsets] = expected
+    view[offsets + 1] = expected ^ 0xFF
+    assert isinstance(ask(sock, p.Release(3, ids, True)), p.Ok)
+    read = ask(sock, p.Acquire(4, ids, "r"))
+    assert isinstance(read, p.Placed)
+    assert read.versions == [1] * NUM_IDS and read.nbytes == [2] * NUM_IDS
+    offsets = np.asarray(read.offsets)
+    assert np.array_equal(view[offsets], expected)
+    assert np.array_equal(view[offsets + 1], expected ^ 0xFF)
+    del view
+    assert isinstance(ask(sock, p.Release(5, ids, False)), p.Ok)
+    assert isinstance(ask(sock, p.CloseJob(6)), p.Ok)
+    arena.close()
+    sock.close()
+
+
+def footprint(sock: socket.socket, rid: int) -> tuple[object, ...]:
+    stats = ask(sock, p.Stats(rid))
+    assert isinstance(stats, p.StatsOk)
+    s = stats.stats
+    return (s["num_shards"], s["arena_used_nbytes"], s["swap_used_nbytes"], s["leased_nbytes"])
+
+
+def test_a_put_that_conflicts_in_its_last_slice_leaves_nothing(
+        big_daemon: PrivateDaemon) -> None:
+    """The last id of a 3-slice put is leased by another session: the put fails after
+    two slices were created and leased, and every one of them is gone again."""
+    existing = "held"
+    sock, arena = hello(big_daemon, "conflict", 64 << 20)
+    other, other_arena = hello(big_daemon, "conflict", 0)
+    assert isinstance(ask(other, p.Acquire(2, [existing], "w", [100], ["uint8"])), p.Placed)
+    assert isinstance(ask(other, p.Release(3, [existing], True)), p.Ok)
+    assert isinstance(ask(other, p.Acquire(4, [existing], "r")), p.Placed)
+    before = footprint(sock, 2)
+    ids = [f"c{i}" for i in range(2 * SLICE_IDS + 7)] + [existing]
+    sizes = [1] * (len(ids) - 1) + [100]
+    reply = ask(sock, p.Acquire(3, ids, "w", sizes, ["uint8"] * len(ids)))
+    assert isinstance(reply, p.ErrorReply) and reply.code == LeaseConflictError.code.value
+    assert footprint(sock, 4) == before
+    assert isinstance(ask(other, p.Release(5, [existing], False)), p.Ok)
+    # Nothing of the failed batch is left: the same put now succeeds from scratch.
+    assert isinstance(ask(sock, p.Acquire(5, ids, "w", sizes, ["uint8"] * len(ids))), p.Placed)
+    assert isinstance(ask(sock, p.Release(6, ids, False)), p.Ok)
+    for client in (other, sock):
+        client.close()
+    arena.close()
+    other_arena.close()
+
+
+def test_an_alloc_that_finds_no_room_in_its_last_slice_leaves_nothing(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Without swap, a batch whose total fits the free bytes but whose last shard fits no
+    free extent (the arena is a comb of one-page holes) fails and frees what it placed."""
+    instance = start_daemon(tmp_path_factory.mktemp("offloadd"), arena_size="64MiB")
+    try:
+        num_pages = 3 * SLICE_IDS
+        sock, arena = hello(instance, "comb", num_pages * PAGE)
+        comb = [f"k{i}" for i in range(num_pages)]
+        assert isinstance(ask(sock, p.Alloc(2, comb, [PAGE] * num_pages,
+                                            ["uint8"] * num_pages)), p.Placed)
+        assert isinstance(ask(sock, p.Drop(3, comb[::2])), p.Ok)
+        before = footprint(sock, 4)
+        ids = [f"n{i}" for i in range(SLICE_IDS + 5)] + ["wide"]
+        sizes = [1] * (len(ids) - 1) + [2 * PAGE]
+        reply = ask(sock, p.Alloc(5, ids, sizes, ["uint8"] * len(ids)))
+        assert isinstance(reply, p.ErrorReply) and reply.code == OverBudgetError.code.value
+        assert "wide" in reply.message
+        assert footprint(sock, 6) == before
+        # Over the free bytes in total: refused before anything is created.
+        too_many = [f"m{i}" for i in range(num_pages // 2 + 1)]
+        reply = ask(sock, p.Alloc(7, too_many, [1] * len(too_many), ["uint8"] * len(too_many)))
+        assert isinstance(reply, p.ErrorReply) and reply.code == OverBudgetError.code.value
+        assert "the batch creates" in reply.message
+        assert footprint(sock, 8) == before
+        arena.close()
+        sock.close()
+    finally:
+        assert instance.stop() == 0
+
+
+def test_an_id_created_between_slices_fails_the_batch_and_frees_the_rest(
+        run_async: Callable[..., Any]) -> None:
+    """Another session creates an id of the batch's last slice while the first slice is
+    being made: the batch fails with ShardExistsError and only that shard is left."""
+    ids = [f"s{i}" for i in range(2 * SLICE_IDS + 1)]
+
+    async def scenario() -> None:
+        job = Job("between", Arena("between", len(ids) * PAGE, lock=False))
+        try:
+            pending = asyncio.ensure_future(job.alloc(0, ids, [1] * len(ids),  # type: ignore[arg-type]
+                                                      ["uint8"] * len(ids), {}, "w"))
+            while (0, ids[0]) not in job.table.shards:
+                await asyncio.sleep(0)
+            assert (0, ids[-1]) not in job.table.shards
+            job.alloc(0, [ids[-1]], [1], ["uint8"])
+            with pytest.raises(ShardExistsError, match=ids[-1]):
+                await pending
+            assert list(job.table.shards) == [(0, ids[-1])]
+            assert job.arena.allocator.used_nbytes == PAGE
+            assert job.table.leased_nbytes() == 0
+        finally:
+            job.arena.close()
+
+    run_async(scenario())
