@@ -15,6 +15,9 @@ with a note (bench/train_step.py runs DeepSpeed on CPU/gloo).
 
     python bench/gpu_train_step.py --device cuda --gpt 2048,20,16 --steps 6
     python bench/gpu_train_step.py --device cpu --gpt 64,2,4 --steps 3   # smoke, no GPU
+    python bench/gpu_train_step.py --device-copies daemon ...   # the daemon copies (cupy)
+
+``bench/train_step.py --device cuda ...`` runs this script with the same arguments.
 
 Last line: JSON.
 """
@@ -37,8 +40,9 @@ import trainer
 from offloadd.demo_train import TinyGPT
 
 
-def _config(swap_dir: str, device: str, micro_batch: int) -> dict:
+def _config(swap_dir: str, device: str, micro_batch: int, device_copies: str) -> dict:
     return {
+        "offloadd": {"device_copies": device_copies},
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
@@ -86,6 +90,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--swap-dir", default=None)
+    parser.add_argument("--device-copies", choices=["rank", "daemon"], default="rank",
+                        help="who copies arena <-> GPU: the rank's streams or the daemon's")
     args = parser.parse_args()
     width, depth, heads = (int(part) for part in args.gpt.split(","))
     model = TinyGPT(vocab=args.vocab, width=width, depth=depth, heads=heads,
@@ -93,7 +99,8 @@ def main() -> None:
     num_params = sum(param.numel() for param in model.parameters())
     swap_dir = args.swap_dir or tempfile.mkdtemp(prefix="offloadd-gpu-swap-")
     engine, _, _, _ = trainer.initialize(
-        model=model, config=_config(swap_dir, args.device, args.micro_batch))
+        model=model, config=_config(swap_dir, args.device, args.micro_batch,
+                                    args.device_copies))
     device = engine.collectives.device
     step_s: list[float] = []
 
@@ -125,6 +132,8 @@ def main() -> None:
         "step_s_median": median_s, "tokens_per_s": tokens / median_s,
         "gpu_busy_fraction": busy, "copy_engine": stats.get("rank_copy_engine"),
         "arena_pinned": stats.get("rank_arena_pinned"),
+        "device_copies": stats.get("rank_device_copies"),
+        "device_copies_fallback": stats.get("rank_device_copies_reason") or None,
         "ratio_vs_deepspeed": None,
         "note": "DeepSpeed ZeRO-3 GPU comparison not wired into this script yet",
     }))

@@ -15,6 +15,7 @@ WarmupLR):
 
     python bench/train_step.py [--steps 12] [--warmup 2] [--rounds 2]
     OFFLOADD_BENCH_DEVICE=cpu python bench/train_step.py   # force the offload device
+    python bench/train_step.py --device cuda [bench/gpu_train_step.py args]   # on a GPU
 
 Contenders run once per round, in rotated order (other load on the host moves
 all of them alike); a step's time is that of its slowest rank, and each figure
@@ -309,8 +310,27 @@ def measure(names: list[str], rounds: int, steps: int, warmup: int,
     return results
 
 
+def _delegate_to_gpu_train_step() -> bool:
+    """``--device cuda``: the GPU train step (bench/gpu_train_step.py) with the other args."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    known, rest = parser.parse_known_args()
+    if known.device != "cuda":
+        return False
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_train_step
+
+    sys.argv = [gpu_train_step.__file__, "--device", "cuda", *rest]
+    gpu_train_step.main()
+    return True
+
+
 def main() -> None:
+    if _delegate_to_gpu_train_step():
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cuda: run bench/gpu_train_step.py (a GPT on the GPU) instead")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2)

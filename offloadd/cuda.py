@@ -30,6 +30,7 @@ import abc
 import asyncio
 import concurrent.futures
 import fcntl
+import logging
 import mmap
 import os
 import random
@@ -38,6 +39,7 @@ from typing import Any
 
 from offloadd.arena import buffer_address
 
+log = logging.getLogger(__name__)
 FALLBACK_REASONS = ("no_cupy", "gpu_not_visible", "expandable_segments", "ipc_refused",
                     "ipc_namespace", "cuda_unavailable", "host_compute")
 """Why a job's rank copies itself although it asked for daemon copies (a metric label)."""
@@ -274,9 +276,10 @@ class CupyDeviceCopier(DeviceCopier):
                 try:  # cudaHostRegisterPortable: pinned for every context of the daemon
                     self._runtime.hostRegister(address, nbytes, 1)
                 except Exception as error:  # memlock: copies still work, staged and slower
-                    raise CopiesRefused("ipc_refused", f"cudaHostRegister of the arena failed "
-                                        f"(raise LimitMEMLOCK of the daemon): {error}") \
-                        from error
+                    log.warning("event=arena_pin_failed nbytes=%d error=%r: daemon copies run "
+                                "from pageable memory; raise LimitMEMLOCK of the daemon",
+                                nbytes, str(error))
+                    return
         _pinned[address] = _pinned.get(address, 0) + 1
         self._arena_address = address
 
@@ -347,9 +350,5 @@ def open_copier(*, kind: str, device_uuid: str, peer_pid: int, peer_uid: int, st
     device_index = find_device(cupy, device_uuid)
     copier = CupyDeviceCopier(cupy, device_index, ipc_handle, ipc_offset, event_handles,
                               num_slots, slot_nbytes)
-    try:
-        copier.register_arena(buffer_address(arena), len(arena))
-    except CopiesRefused:
-        copier.close()
-        raise
+    copier.register_arena(buffer_address(arena), len(arena))
     return copier

@@ -204,7 +204,7 @@ class DeviceCopiesService:
                         session.job.name, session.rank, refused.reason, refused.message)
             return p.StagingOk(req.rid, "rank", refused.reason)
         session.staging = SessionStaging(copier, self.metrics)
-        self.metrics.sessions.add(("daemon", ""))
+        self.metrics.sessions.add(("daemon", "none"))
         log.info("event=device_copies_open job=%s rank=%d kind=%s device=%s slots=%d "
                  "slot_nbytes=%d", session.job.name, session.rank, copier.kind,
                  req.device_uuid, req.num_slots, req.slot_nbytes)

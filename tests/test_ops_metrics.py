@@ -50,6 +50,9 @@ CORE_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "offloadd_optimizer_steps_total": ("counter", frozenset({"status"})),
     "offloadd_optimizer_elements_total": ("counter", frozenset()),
     "offloadd_optimizer_step_duration_seconds": ("histogram", frozenset()),
+    "offloadd_device_copies_sessions_total": ("counter", frozenset({"path", "reason"})),
+    "offloadd_device_copies_bytes_total": ("counter", frozenset({"direction"})),
+    "offloadd_arena_pinned_sessions_total": ("counter", frozenset({"outcome"})),
 }
 """What the daemon exports without --swap-dir."""
 
@@ -98,6 +101,7 @@ def _make_traffic(daemon: PrivateDaemon) -> None:
         assert client.get("u0.master") != state.numpy().tobytes()
         with pytest.raises(OffloadError):
             client.get("u0.missing")
+        _device_copies_traffic(client)
         if HAS_NVME:  # overfill the 32 MiB arena: evictions, a demand read (a stall), a flush
             block = torch.zeros(1 << 20, dtype=torch.float32)
             for i in range(1, 13):
@@ -109,6 +113,24 @@ def _make_traffic(daemon: PrivateDaemon) -> None:
         raw.sendall(p.HEADER.pack(3) + b"\xc1\xc1\xc1")  # never valid msgpack
         (length,) = p.HEADER.unpack(raw.recv(p.HEADER_NBYTES))
         assert isinstance(p.reply_decoder.decode(raw.recv(length)), p.ErrorReply)
+
+
+def _device_copies_traffic(client: OffloadClient) -> None:
+    """Daemon device copies on the CPU twin: a session's path, its pinning, bytes both ways."""
+    from trainer.copy_engine import TwinCopyEngine
+    from trainer.daemon_copies import open_daemon_copies
+
+    engine = TwinCopyEngine()
+    copies, _ = open_daemon_copies(client, engine, num_slots=2, slot_nbytes=1024,
+                                   local_rank=0, arena_pinned="pinned")
+    assert copies is not None
+    try:
+        out = torch.empty(256)
+        copies.read_into("u0.grad", out)
+        copies.write_from("u0.grad", out)
+    finally:
+        copies.close()
+        engine.close()
 
 
 @pytest.fixture(scope="module")

@@ -48,6 +48,8 @@ TWIN_GPU_UUID_ENV = "OFFLOADD_TWIN_GPU_UUID"
 for the gpu_not_visible fallback."""
 SLOT_ALIGNMENT = 512
 """Slot starts are aligned for any dtype and for DMA."""
+MAX_UNREAD_ACKS = 64
+"""slot_done replies left unread before reading them (bounds the client's inbox)."""
 
 
 class StagingUnavailable(Exception):
@@ -214,6 +216,10 @@ class DaemonCopies:
         self._draining: collections.OrderedDict[str, tuple[int, Any]] = (
             collections.OrderedDict())
         """Shard id -> (slot, reply handle of its stage_out): committed at the reply."""
+        self._acks: list[Any] = []
+        """Reply handles of slot_done requests not yet read (one round trip saved per read:
+        the daemon handles a connection's requests in order, so the slot is free for any
+        later stage_in even before this reply is read)."""
         self.staged_ahead = 0
         """Stage-ins issued by ``prefetch`` (ahead of use)."""
         self.prefetch_hits = 0
@@ -230,8 +236,21 @@ class DaemonCopies:
 
     def _consumed(self, slot: int) -> None:
         self.staging.record_consumed(slot)
-        self.client.request(p.SlotDone(0, slot))
+        self._acks.append(self.client.request_async(p.SlotDone(0, slot)))
         self._free.append(slot)
+        if len(self._acks) >= MAX_UNREAD_ACKS:
+            self._read_acks()
+
+    def _read_acks(self) -> None:
+        acks, self._acks = self._acks, []
+        failure: BaseException | None = None
+        for ack in acks:
+            try:
+                ack.wait()
+            except BaseException as error:  # read the rest: their replies must not linger
+                failure = failure or error
+        if failure is not None:
+            raise failure
 
     def _settle_out(self, shard_id: str) -> None:
         slot, handle = self._draining.pop(shard_id)
@@ -321,6 +340,10 @@ class DaemonCopies:
                 self.discard(shard_id)
             except BaseException as error:
                 failure = failure or error
+        try:
+            self._read_acks()
+        except BaseException as error:
+            failure = failure or error
         if failure is not None:
             raise failure
 
