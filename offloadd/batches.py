@@ -6,7 +6,8 @@ requests. Batches longer than ``SLICE_IDS`` are served ``SLICE_IDS`` ids at a
 time with an ``await asyncio.sleep(0)`` between slices.
 
 Allocs and puts (``alloc_sliced``) validate the whole batch first, then create it
-a slice at a time; single-slice batches keep the synchronous fast paths in jobs.py.
+a slice at a time, and undo a failed one a slice at a time; single-slice batches
+keep the synchronous fast paths in jobs.py.
 
 Hazard: other sessions run between slices. An acquire therefore re-checks each
 slice when it leases it and, if any slice fails, gives back what the earlier
@@ -119,12 +120,25 @@ async def alloc_sliced(job: Job, rank: int, ids: list[str], nbytes: list[int],
             _extend(placed, result)
             await asyncio.sleep(0)
     except BaseException:
-        for shard in granted:
-            if leases is not None and shard in leases:  # gone with a closed session
-                job.table.give_back(leases, shard, dirty=False)
-        job.forget_unwritten(list(created.values()))
+        # The undo runs to its end even if this request is cancelled (its session closed).
+        undo = asyncio.ensure_future(_undo(job, granted, leases, list(created.values())))
+        await asyncio.shield(undo)
         raise
     return placed
+
+
+async def _undo(job: Job, granted: list[Shard], leases: dict[Shard, Lease] | None,
+                created: list[Shard]) -> None:
+    """Give back a failed batch's leases and remove the shards it created, a slice at a
+    time: undoing 200k shards at once holds the loop for over a second."""
+    for start in range(0, len(granted), SLICE_IDS):
+        for shard in granted[start : start + SLICE_IDS]:
+            if leases is not None and shard in leases:  # gone with a closed session
+                job.table.give_back(leases, shard, dirty=False)
+        await asyncio.sleep(0)
+    for start in range(0, len(created), SLICE_IDS):
+        job.forget_unwritten(created[start : start + SLICE_IDS])
+        await asyncio.sleep(0)
 
 
 def _make_slice(job: Job, rank: int, ids: list[str], nbytes: list[int], dtypes: list[str],

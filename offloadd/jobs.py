@@ -99,8 +99,9 @@ class Job:
         return self._undo_on_failure(result, created)
 
     def validate_batch(self, rank: int, ids: list[str], nbytes: list[int], dtypes: list[str],
-                        fresh: dict[str, tuple[int, str]] | None = None) -> set[str]:
-        """Raise for any entry that cannot be created; returns the ids that are new.
+                       fresh: dict[str, tuple[int, str]] | None = None
+                       ) -> dict[str, tuple[int, str]]:
+        """Raise for any entry that cannot be created; returns the new ids' (nbytes, dtype).
 
         ``fresh`` (new id -> (nbytes, dtype)) carries the new ids across the slices of
         one large batch (offloadd.batches), so a repeated id is checked against them all.
@@ -117,7 +118,7 @@ class Job:
                 raise InvalidRequestError(
                     f"shard {shard_id!r} appears twice in one alloc with different sizes",
                     [shard_id])
-        return set(fresh)
+        return fresh
 
     def place_what_fits(self, shards: list[Shard], created: list[Shard]) -> Placed:
         """Give new shards arena space where it is free now; -1 marks 'placed on first use'.

@@ -22,6 +22,7 @@ from offloadd.batches import SLICE_IDS
 from offloadd.embedded import PrivateDaemon
 from offloadd.errors import LeaseConflictError, OverBudgetError, ShardExistsError
 from offloadd.jobs import Job
+from offloadd.shards import Lease, Shard, ShardTable
 from trainer.client import OffloadClient
 
 NUM_IDS = int(os.environ.get("OFFLOADD_TEST_BATCH_IDS", "200000"))
@@ -211,26 +212,89 @@ def test_an_alloc_that_finds_no_room_in_its_last_slice_leaves_nothing(
         assert instance.stop() == 0
 
 
+class LoopTurns:
+    """Counts shards removed from ``table`` between two turns of the loop."""
+
+    def __init__(self, table: ShardTable) -> None:
+        self.removed = 0
+        self.most_per_turn = 0
+        real_remove = table.remove
+
+        def counting_remove(shard: Shard) -> None:
+            self.removed += 1
+            real_remove(shard)
+
+        table.remove = counting_remove  # type: ignore[method-assign]
+        self.stop = asyncio.Event()
+        self.task = asyncio.ensure_future(self.tick())
+
+    async def tick(self) -> None:
+        seen = 0  # from construction on, not from this task's first turn
+        while True:
+            self.most_per_turn = max(self.most_per_turn, self.removed - seen)
+            seen = self.removed
+            if self.stop.is_set():
+                return
+            await asyncio.sleep(0)
+
+    async def close(self) -> None:
+        self.stop.set()
+        await self.task
+
+
 def test_an_id_created_between_slices_fails_the_batch_and_frees_the_rest(
         run_async: Callable[..., Any]) -> None:
-    """Another session creates an id of the batch's last slice while the first slice is
-    being made: the batch fails with ShardExistsError and only that shard is left."""
-    ids = [f"s{i}" for i in range(2 * SLICE_IDS + 1)]
+    """Another session creates an id of the batch's last slice while the first slices
+    are being made: the batch fails with ShardExistsError, only that shard is left, and
+    the undo removed the others a slice per turn of the loop."""
+    ids = [f"s{i}" for i in range(3 * SLICE_IDS + 1)]
 
     async def scenario() -> None:
         job = Job("between", Arena("between", len(ids) * PAGE, lock=False))
         try:
             pending = asyncio.ensure_future(job.alloc(0, ids, [1] * len(ids),  # type: ignore[arg-type]
                                                       ["uint8"] * len(ids), {}, "w"))
-            while (0, ids[0]) not in job.table.shards:
+            while (0, ids[2 * SLICE_IDS]) not in job.table.shards:
                 await asyncio.sleep(0)
             assert (0, ids[-1]) not in job.table.shards
             job.alloc(0, [ids[-1]], [1], ["uint8"])
+            turns = LoopTurns(job.table)
             with pytest.raises(ShardExistsError, match=ids[-1]):
                 await pending
+            await turns.close()
+            assert turns.removed == 3 * SLICE_IDS
+            assert turns.most_per_turn <= SLICE_IDS, turns.most_per_turn
             assert list(job.table.shards) == [(0, ids[-1])]
             assert job.arena.allocator.used_nbytes == PAGE
             assert job.table.leased_nbytes() == 0
+        finally:
+            job.arena.close()
+
+    run_async(scenario())
+
+
+def test_a_batch_cancelled_mid_way_is_undone_completely(
+        run_async: Callable[..., Any]) -> None:
+    """A put whose session closes while its second slice is made (the request's task is
+    cancelled) still gives back every lease and removes every shard it created."""
+    ids = [f"s{i}" for i in range(3 * SLICE_IDS)]
+
+    async def scenario() -> None:
+        job = Job("cancelled", Arena("cancelled", len(ids) * PAGE, lock=False))
+        leases: dict[Shard, Lease] = {}
+        try:
+            pending = asyncio.ensure_future(job.alloc(0, ids, [1] * len(ids),  # type: ignore[arg-type]
+                                                      ["uint8"] * len(ids), leases, "w"))
+            while (0, ids[SLICE_IDS]) not in job.table.shards:
+                await asyncio.sleep(0)
+            assert job.table.leased_nbytes() == 2 * SLICE_IDS * PAGE
+            pending.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await pending
+            while job.table.shards:  # the undo goes on in its own task
+                await asyncio.sleep(0)
+            assert job.arena.allocator.used_nbytes == 0
+            assert job.table.leased_nbytes() == 0 and not leases
         finally:
             job.arena.close()
 
