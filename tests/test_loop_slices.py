@@ -113,11 +113,19 @@ def test_other_jobs_are_served_during_a_200k_id_alloc(big_daemon: PrivateDaemon,
     assert during > 3, during
     assert len(set(reply.offsets)) == NUM_IDS and min(reply.offsets) >= 0
     assert reply.nbytes == [1] * NUM_IDS and reply.dtypes == ["uint8"] * NUM_IDS
-    stats = ask(sock, p.Stats(3))
+    # Its stats count 200k shards, a slice per loop turn: the witness is served meanwhile.
+    stats, during = served_during(sock, p.Stats(3), witness)
     assert isinstance(stats, p.StatsOk)
-    assert stats.stats["num_shards"] == NUM_IDS
+    assert during > 3, during
+    assert stats.stats["num_shards"] == NUM_IDS and stats.stats["shard_nbytes"] == NUM_IDS
+    residency = stats.stats["residency"]
+    assert isinstance(residency, dict) and residency["arena_clean"] == NUM_IDS
+    assert sum(residency.values()) == NUM_IDS
     assert stats.stats["arena_used_nbytes"] == NUM_IDS * PAGE
-    assert isinstance(ask(sock, p.CloseJob(4)), p.Ok)
+    status = ask(sock, p.NodeStatus(4))
+    assert isinstance(status, p.StatsOk)
+    assert status.stats["jobs"]["alloc"]["residency"] == residency  # type: ignore[index]
+    assert isinstance(ask(sock, p.CloseJob(5)), p.Ok)
     arena.close()
     sock.close()
 
