@@ -53,9 +53,8 @@ async def acquire_sliced(job: Job, rank: int, ids: list[str], mode: str,
             _extend(placed, result)
             await asyncio.sleep(0)
     except BaseException:
-        for shard in granted:
-            if shard in leases:  # a session that went away already gave back everything
-                job.table.give_back(leases, shard, dirty=False)
+        # The undo runs to its end even if this request is cancelled (its session closed).
+        await asyncio.shield(asyncio.ensure_future(_undo(job, granted, leases, [])))
         raise
     return placed
 
@@ -121,8 +120,8 @@ async def alloc_sliced(job: Job, rank: int, ids: list[str], nbytes: list[int],
             await asyncio.sleep(0)
     except BaseException:
         # The undo runs to its end even if this request is cancelled (its session closed).
-        undo = asyncio.ensure_future(_undo(job, granted, leases, list(created.values())))
-        await asyncio.shield(undo)
+        await asyncio.shield(asyncio.ensure_future(
+            _undo(job, granted, leases, list(created.values()))))
         raise
     return placed
 

@@ -21,6 +21,7 @@ import msgspec
 
 from offloadd import device_copies
 from offloadd import protocol as p
+from offloadd.batches import SLICE_IDS
 from offloadd.errors import (
     BadFrameError,
     InternalError,
@@ -380,21 +381,43 @@ class Session(asyncio.Protocol):
         persisted = await self.job.flush(req.tag_name)
         return p.StatsOk(req.rid, {"persisted_shards": persisted})
 
-    def on_stats(self, req: p.Stats) -> p.Reply:
-        assert self.job is not None
-        stats = self.job.stats()
+    def on_stats(self, req: p.Stats) -> p.Reply | Awaitable[p.Reply]:
+        job = self.job
+        assert job is not None
+        if len(job.table.shards) > SLICE_IDS:  # counted a slice per loop turn
+            return self.stats_reply(req, job.name, job.stats_sliced())
+        stats = job.stats()
         stats.update(self.daemon.node_stats())
         stats["rank"] = self.rank
-        stats["job"] = self.job.name
+        stats["job"] = job.name
         return p.StatsOk(req.rid, stats)
 
-    def on_node_status(self, req: p.NodeStatus) -> p.Reply:
+    async def stats_reply(self, req: p.Stats, name: str,
+                          pending: Awaitable[dict[str, object]]) -> p.Reply:
+        stats = await pending
+        stats.update(self.daemon.node_stats())
+        stats["rank"] = self.rank
+        stats["job"] = name
+        return p.StatsOk(req.rid, stats)
+
+    def on_node_status(self, req: p.NodeStatus) -> p.Reply | Awaitable[p.Reply]:
         if self.hello_timer is not None:  # an admin connection: it never says hello
             self.hello_timer.cancel()
             self.hello_timer = None
         auth, uid = self.daemon.auth, self.peer_uid
-        jobs = {name: job.stats() for name, job in list(self.daemon.jobs.jobs.items())
-                if auth.visible(name, uid)}
+        visible = [job for name, job in list(self.daemon.jobs.jobs.items())
+                   if auth.visible(name, uid)]
+        if sum(len(job.table.shards) for job in visible) > SLICE_IDS:
+            return self.node_status_sliced(req, visible)
+        return self.node_status_reply(req, {job.name: job.stats() for job in visible})
+
+    async def node_status_sliced(self, req: p.NodeStatus, visible: list[Job]) -> p.Reply:
+        """Each job's per-shard counts a slice per loop turn (offloadd.batches)."""
+        return self.node_status_reply(req, {job.name: await job.stats_sliced()
+                                            for job in visible})
+
+    def node_status_reply(self, req: p.NodeStatus, jobs: dict[str, object]) -> p.Reply:
+        auth, uid = self.daemon.auth, self.peer_uid
         swap_dirs = list(self.daemon.config.swap_dirs)
         return p.StatsOk(req.rid, {"node": self.daemon.node_stats(), "jobs": jobs,
                                    "swap_dirs": swap_dirs, "scope": auth.scope(uid)})

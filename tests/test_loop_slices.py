@@ -22,6 +22,7 @@ from offloadd.batches import SLICE_IDS
 from offloadd.embedded import PrivateDaemon
 from offloadd.errors import LeaseConflictError, OverBudgetError, ShardExistsError
 from offloadd.jobs import Job
+from offloadd.protocol import Placed
 from offloadd.shards import Lease, Shard, ShardTable
 from trainer.client import OffloadClient
 
@@ -112,11 +113,19 @@ def test_other_jobs_are_served_during_a_200k_id_alloc(big_daemon: PrivateDaemon,
     assert during > 3, during
     assert len(set(reply.offsets)) == NUM_IDS and min(reply.offsets) >= 0
     assert reply.nbytes == [1] * NUM_IDS and reply.dtypes == ["uint8"] * NUM_IDS
-    stats = ask(sock, p.Stats(3))
+    # Its stats count 200k shards, a slice per loop turn: the witness is served meanwhile.
+    stats, during = served_during(sock, p.Stats(3), witness)
     assert isinstance(stats, p.StatsOk)
-    assert stats.stats["num_shards"] == NUM_IDS
+    assert during > 3, during
+    assert stats.stats["num_shards"] == NUM_IDS and stats.stats["shard_nbytes"] == NUM_IDS
+    residency = stats.stats["residency"]
+    assert isinstance(residency, dict) and residency["arena_clean"] == NUM_IDS
+    assert sum(residency.values()) == NUM_IDS
     assert stats.stats["arena_used_nbytes"] == NUM_IDS * PAGE
-    assert isinstance(ask(sock, p.CloseJob(4)), p.Ok)
+    status = ask(sock, p.NodeStatus(4))
+    assert isinstance(status, p.StatsOk)
+    assert status.stats["jobs"]["alloc"]["residency"] == residency  # type: ignore[index]
+    assert isinstance(ask(sock, p.CloseJob(5)), p.Ok)
     arena.close()
     sock.close()
 
@@ -213,18 +222,19 @@ def test_an_alloc_that_finds_no_room_in_its_last_slice_leaves_nothing(
 
 
 class LoopTurns:
-    """Counts shards removed from ``table`` between two turns of the loop."""
+    """Counts calls of ``table.<method>`` (removals, lease give-backs) between two turns
+    of the loop."""
 
-    def __init__(self, table: ShardTable) -> None:
+    def __init__(self, table: ShardTable, method: str = "remove") -> None:
         self.removed = 0
         self.most_per_turn = 0
-        real_remove = table.remove
+        real = getattr(table, method)
 
-        def counting_remove(shard: Shard) -> None:
+        def counting(*args: Any, **kwargs: Any) -> Any:
             self.removed += 1
-            real_remove(shard)
+            return real(*args, **kwargs)
 
-        table.remove = counting_remove  # type: ignore[method-assign]
+        setattr(table, method, counting)
         self.stop = asyncio.Event()
         self.task = asyncio.ensure_future(self.tick())
 
@@ -295,6 +305,33 @@ def test_a_batch_cancelled_mid_way_is_undone_completely(
                 await asyncio.sleep(0)
             assert job.arena.allocator.used_nbytes == 0
             assert job.table.leased_nbytes() == 0 and not leases
+        finally:
+            job.arena.close()
+
+    run_async(scenario())
+
+
+def test_a_sliced_acquire_gives_back_a_slice_per_loop_turn(
+        run_async: Callable[..., Any]) -> None:
+    """The last id of a 3-slice acquire is leased for writing by another session: the
+    acquire fails and gives back the two slices it leased a slice per turn of the loop."""
+    ids = [f"s{i}" for i in range(3 * SLICE_IDS)]
+
+    async def scenario() -> None:
+        job = Job("giveback", Arena("giveback", len(ids) * PAGE, lock=False))
+        try:
+            assert isinstance(await job.alloc(0, ids, [1] * len(ids),  # type: ignore[misc]
+                                              ["uint8"] * len(ids)), Placed)
+            writer: dict[Shard, Lease] = {}
+            assert isinstance(job.acquire(0, [ids[-1]], "w", writer), Placed)
+            turns = LoopTurns(job.table, "give_back")
+            leases: dict[Shard, Lease] = {}
+            with pytest.raises(LeaseConflictError):
+                await job.acquire(0, ids, "r", leases)  # type: ignore[misc]
+            await turns.close()
+            assert turns.removed == 2 * SLICE_IDS
+            assert turns.most_per_turn <= SLICE_IDS, turns.most_per_turn
+            assert not leases and job.table.leased_nbytes() == PAGE
         finally:
             job.arena.close()
 
