@@ -9,9 +9,13 @@ copy engine of ``--device`` (``cuda``: streams + events; ``cpu``: the inline or 
 engine, for a smoke run without a GPU).
 
 Reported: tokens/s (median step), and on CUDA the GPU busy fraction = CUDA kernel
-time / wall time of one profiled step (torch.profiler). DeepSpeed ZeRO-3 with the
-same offload config is not run by this script yet: ``ratio_vs_deepspeed`` is null
-with a note (bench/train_step.py runs DeepSpeed on CPU/gloo).
+time / wall time of one profiled step (torch.profiler). When ``import deepspeed``
+works, DeepSpeed ZeRO-3 with the same model, batches and offload config (params +
+optimizer on NVMe under its own swap dir) runs in the same invocation, each
+contender in a child process of its own (one distributed init per process), and
+``ratio_vs_deepspeed`` = DeepSpeed's median step / ours (> 1: ours faster);
+``--no-deepspeed`` skips it. On ``--device cpu`` DeepSpeed runs with
+``DS_ACCELERATOR=cpu`` and gloo (a smoke run of the comparison without a GPU).
 
     python bench/gpu_train_step.py --device cuda --gpt 2048,20,16 --steps 6
     python bench/gpu_train_step.py --device cpu --gpt 64,2,4 --steps 3   # smoke, no GPU
@@ -25,12 +29,17 @@ Last line: JSON.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -80,6 +89,99 @@ def _busy_fraction(step_fn) -> float | None:
     return min(1.0, kernel_us * 1e-6 / wall_s) if wall_s > 0 else None
 
 
+def _timed(one_step: Callable[[int], None], device: torch.device, warmup: int,
+           steps: int) -> list[float]:
+    step_s: list[float] = []
+    for step in range(warmup + steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        one_step(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step >= warmup:
+            step_s.append(time.perf_counter() - started)
+    return step_s
+
+
+def _model(args: argparse.Namespace) -> TinyGPT:
+    width, depth, heads = (int(part) for part in args.gpt.split(","))
+    torch.manual_seed(0)
+    return TinyGPT(vocab=args.vocab, width=width, depth=depth, heads=heads,
+                   max_len=args.seq_len)
+
+
+def run_ours(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
+    model = _model(args)
+    num_params = sum(param.numel() for param in model.parameters())
+    engine, _, _, _ = trainer.initialize(
+        model=model, config=_config(swap_dir, args.device, args.micro_batch,
+                                    args.device_copies))
+    device = engine.collectives.device
+
+    def one_step(step: int) -> None:
+        loss = engine(_batch(step, args.vocab, args.micro_batch, args.seq_len, device))
+        engine.backward(loss)
+        engine.step()
+
+    try:
+        step_s = _timed(one_step, device, args.warmup, args.steps)
+        busy = _busy_fraction(lambda: one_step(args.warmup + args.steps))
+        stats = engine.offload_stats()
+    finally:
+        engine.close()
+    return {"device": str(device), "num_params": num_params, "step_s": step_s,
+            "world_size": engine.collectives.world_size, "gpu_busy_fraction": busy,
+            "copy_engine": stats.get("rank_copy_engine"),
+            "arena_pinned": stats.get("rank_arena_pinned"),
+            "device_copies": stats.get("rank_device_copies"),
+            "device_copies_fallback": stats.get("rank_device_copies_reason") or None}
+
+
+def run_deepspeed(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
+    """DeepSpeed ZeRO-3, same model, batches and offload (params + optimizer on NVMe)."""
+    import warnings
+
+    if args.device == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    for key, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"),
+                       ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(args.port))):
+        os.environ.setdefault(key, value)
+    warnings.simplefilter("ignore", FutureWarning)  # DeepSpeed calls deprecated c10d names
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo",
+                               verbose=False)
+    config = _config(swap_dir, args.device, args.micro_batch, "rank")
+    for ours_only in ("offloadd", "device", "units"):
+        config.pop(ours_only)
+    config["steps_per_print"] = 10**9
+    model = _model(args)
+    num_params = sum(param.numel() for param in model.parameters())
+    engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=None)
+    device = engine.device if isinstance(engine.device, torch.device) \
+        else torch.device(engine.device)
+
+    def one_step(step: int) -> None:
+        loss = engine(_batch(step, args.vocab, args.micro_batch, args.seq_len, device))
+        engine.backward(loss)
+        engine.step()
+
+    step_s = _timed(one_step, device, args.warmup, args.steps)
+    return {"device": str(device), "num_params": num_params, "step_s": step_s,
+            "world_size": engine.world_size}
+
+
+def _child(args: argparse.Namespace, contender: str) -> tuple[dict[str, Any] | None, str]:
+    """Run one contender in a child process; its last stdout line is its JSON."""
+    argv = [sys.executable, __file__, "--contender", contender, *sys.argv[1:]]
+    result = subprocess.run(argv, capture_output=True, text=True, check=False)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        return None, f"{contender} failed (rc {result.returncode}): {result.stderr[-600:]}"
+    return json.loads(lines[-1]), ""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
@@ -92,50 +194,47 @@ def main() -> None:
     parser.add_argument("--swap-dir", default=None)
     parser.add_argument("--device-copies", choices=["rank", "daemon"], default="rank",
                         help="who copies arena <-> GPU: the rank's streams or the daemon's")
+    parser.add_argument("--no-deepspeed", action="store_true",
+                        help="skip DeepSpeed ZeRO-3 even where it is installed")
+    parser.add_argument("--port", type=int, default=29533, help="DeepSpeed's rendezvous port")
+    parser.add_argument("--contender", choices=["ours", "deepspeed"], default=None,
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
-    width, depth, heads = (int(part) for part in args.gpt.split(","))
-    model = TinyGPT(vocab=args.vocab, width=width, depth=depth, heads=heads,
-                    max_len=args.seq_len)
-    num_params = sum(param.numel() for param in model.parameters())
-    swap_dir = args.swap_dir or tempfile.mkdtemp(prefix="offloadd-gpu-swap-")
-    engine, _, _, _ = trainer.initialize(
-        model=model, config=_config(swap_dir, args.device, args.micro_batch,
-                                    args.device_copies))
-    device = engine.collectives.device
-    step_s: list[float] = []
-
-    def one_step(step: int) -> None:
-        loss = engine(_batch(step, args.vocab, args.micro_batch, args.seq_len, device))
-        engine.backward(loss)
-        engine.step()
-
-    try:
-        for step in range(args.warmup + args.steps):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            one_step(step)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if step >= args.warmup:
-                step_s.append(time.perf_counter() - started)
-        busy = _busy_fraction(lambda: one_step(args.warmup + args.steps))
-        stats = engine.offload_stats()
-    finally:
-        engine.close()
-    tokens = args.micro_batch * args.seq_len * engine.collectives.world_size
-    median_s = statistics.median(step_s)
+    if args.contender is not None:  # a child: one contender, its JSON on the last line
+        swap_dir = os.path.join(args.swap_dir or tempfile.mkdtemp(prefix="offloadd-gpu-swap-"),
+                                args.contender)
+        os.makedirs(swap_dir, exist_ok=True)
+        run = run_ours if args.contender == "ours" else run_deepspeed
+        print(json.dumps(run(args, swap_dir)))
+        return
+    notes: list[str] = []
+    ours, failure = _child(args, "ours")
+    if ours is None:
+        raise SystemExit(failure)
+    peer = None
+    if args.no_deepspeed:
+        notes.append("DeepSpeed skipped (--no-deepspeed)")
+    elif importlib.util.find_spec("deepspeed") is None:
+        notes.append("deepspeed not importable here (pip install deepspeed): no ratio")
+    else:
+        peer, failure = _child(args, "deepspeed")
+        if peer is None:
+            notes.append(f"deepspeed: {failure}")
+    tokens = args.micro_batch * args.seq_len * ours["world_size"]
+    median_s = statistics.median(ours["step_s"])
+    peer_s = statistics.median(peer["step_s"]) if peer else None
     print(json.dumps({
-        "bench": "gpu_train_step", "device": str(device),
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-        "num_params": num_params, "gpt": args.gpt, "world_size": engine.collectives.world_size,
+        "bench": "gpu_train_step", "device": ours["device"],
+        "gpu": torch.cuda.get_device_name(0) if ours["device"].startswith("cuda") else None,
+        "num_params": ours["num_params"], "gpt": args.gpt, "world_size": ours["world_size"],
         "step_s_median": median_s, "tokens_per_s": tokens / median_s,
-        "gpu_busy_fraction": busy, "copy_engine": stats.get("rank_copy_engine"),
-        "arena_pinned": stats.get("rank_arena_pinned"),
-        "device_copies": stats.get("rank_device_copies"),
-        "device_copies_fallback": stats.get("rank_device_copies_reason") or None,
-        "ratio_vs_deepspeed": None,
-        "note": "DeepSpeed ZeRO-3 GPU comparison not wired into this script yet",
+        "gpu_busy_fraction": ours["gpu_busy_fraction"], "copy_engine": ours["copy_engine"],
+        "arena_pinned": ours["arena_pinned"], "device_copies": ours["device_copies"],
+        "device_copies_fallback": ours["device_copies_fallback"],
+        "deepspeed_step_s_median": peer_s,
+        "deepspeed_tokens_per_s": tokens / peer_s if peer_s else None,
+        "ratio_vs_deepspeed": round(peer_s / median_s, 3) if peer_s else None,
+        "notes": notes,
     }))
 
 
