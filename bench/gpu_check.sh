@@ -6,9 +6,33 @@
 #   3. bench/gpu_train_step.py --device cuda with a >= 1B-parameter GPT (ZeRO-3, nvme offload)
 #   4. the same with --device-copies daemon on a smaller GPT (GPU_CHECK_DAEMON_GPT)
 # Results go to ${OUT:-/tmp}/gpu_check/*.{log,json}. GPT size: GPU_CHECK_GPT=WIDTH,DEPTH,HEADS.
+#
+# The device image has CUDA torch, cupy, uvloop, xxhash, nanobind and pytest but no package
+# registry. Carry the rest as wheels in the ignored folder wheels/ (run here, where PyPI is
+# reachable, then pass `carry: ["wheels"]` to the device call):
+#   for v in 3.10 3.11 3.12 3.13; do pip download msgspec --only-binary=:all: --python-version $v \
+#     --platform manylinux2014_x86_64 -d wheels; done
+#   pip download --no-deps prometheus-client sortedcontainers pytest-timeout pytest-asyncio \
+#     scikit-build-core pathspec packaging tomli exceptiongroup typing-extensions -d wheels
+# This script installs them offline, then offloadd itself (native build) without build isolation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD
+if [ -d wheels ]; then
+  python -m pip install -q --no-index --no-deps --find-links wheels \
+    $(python - <<'PY'
+import glob, sys
+tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
+wheels = glob.glob("wheels/*.whl")
+print(" ".join(w for w in wheels if "-cp3" not in w or f"-{tag}-" in w))
+PY
+) || echo "gpu_check: installing carried wheels failed" >&2
+fi
+if python -m pip install -q --no-deps --no-build-isolation -e . ; then
+  echo "gpu_check: offloadd installed with its native module" >&2
+else
+  echo "gpu_check: native build failed; running from the tree (Python IO and Adam)" >&2
+  export PYTHONPATH=$PWD
+fi
 out=${OUT:-/tmp}/gpu_check
 mkdir -p "$out"
 nvidia-smi -L > "$out/device.txt" 2>&1 || echo "nvidia-smi failed" > "$out/device.txt"
