@@ -103,6 +103,10 @@ def test_close_job_deletes_swap_files_of_a_never_flushed_job(tmp_path: Path,
         assert list(swap_root.glob("**/kept/manifest.json"))  # flushed: left for --recover
 
 
+REGION_SLACK = 12
+"""Mapped regions a few lazily started executor threads may add (see the test)."""
+
+
 def daemon_resources(pid: int) -> tuple[int, int, int]:
     """(open fds, mapped regions, resident bytes) of a process."""
     fds = len(os.listdir(f"/proc/{pid}/fd"))
@@ -149,7 +153,11 @@ def test_many_short_jobs_leave_fds_mappings_and_memory_where_they_started(
         after_fds, after_regions, after_rss = settled_resources(daemon, pid)
         assert live_jobs(daemon) == []
         assert after_fds == fds
-        assert after_regions == regions
+        # A job leaking one mapping would add CYCLES regions. The slack is for the daemon's
+        # executor threads, which start lazily (up to max_workers) when a task finds no idle
+        # thread, as can happen under load after the warm-up: each adds a stack, its guard
+        # page and a malloc arena.
+        assert after_regions - regions <= REGION_SLACK, (regions, after_regions)
         assert after_rss - rss < 8 << 20, (rss, after_rss)
 
 
