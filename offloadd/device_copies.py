@@ -18,6 +18,26 @@ Afterwards the rank names shards by id and slots by index:
   releases the lease torn, so nothing half-written is published.
 - ``slot_done(slot)``: the rank consumed a staged slot.
 
+Read-ahead (``staging_open(readahead_slots=n)``): the rank lends its last ``n``
+slots to the daemon. The session learns the rank's stage_in order per step
+(``offloadd.scheduler.AccessTrace``, steps cut by ``step_begin``); after each
+stage_in and slot_done it copies the next shards of that trace that fit a
+slot and are resident (or being read in from NVMe) into free read-ahead slots.
+A stage_in of a shard staged ahead is answered with that slot (``Staged``
+reply: slot, version, outcome ``hit``); one written since (another version, or
+another shard of the same id) is copied again into it (``stale``), never served
+from old bytes; anything else is copied into the named slot (``miss``). The rank
+consumes a read-ahead slot and sends ``slot_done`` as for its own; only then
+may the daemon fill it again. Counted in
+``offloadd_device_copies_readahead_total{outcome}``.
+
+Hazard (a speculative copy must not refuse a writer): a read-ahead copy pins
+its shard (no eviction, no drop, so the arena range stays valid until the copy
+completed: invariant 6) instead of taking a read lease, which would make the
+rank's next write of the shard (an optimizer step, a stage_out) fail with
+LeaseConflictError. A writer that changes the shard during or after the copy
+bumps its version (or tears it), which the stage_in that claims the slot sees.
+
 Each slot is a small state machine (``SlotState``). A slot is reused only after
 its last use finished: ``stage_in`` into a slot the rank has not reported
 consumed, or any request on a slot whose copy is in flight, fails with
@@ -29,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +64,8 @@ from offloadd.cuda import (
 )
 from offloadd.errors import InvalidRequestError, SlotBusyError
 from offloadd.metrics import Counters
-from offloadd.shards import Lease, Shard
+from offloadd.scheduler import AccessTrace, Priority
+from offloadd.shards import Lease, Shard, check_grantable
 
 if TYPE_CHECKING:
     from offloadd.jobs import Job
@@ -58,6 +80,12 @@ class SlotState(enum.Enum):
     FREE = "free"  # the daemon may fill it (stage_in); the rank may write it (stage_out)
     COPYING = "copying"  # a daemon copy reads or writes it: nobody else may touch it
     STAGED = "staged"  # filled by stage_in; the rank has not reported slot_done yet
+    AHEAD = "ahead"  # a read-ahead slot filled ahead of use, not handed to the rank yet
+
+
+READAHEAD_OUTCOMES = ("hit", "miss", "stale")
+READAHEAD_SCAN = 8
+"""Trace entries looked at per read-ahead slot when choosing what to stage next."""
 
 
 class DeviceCopiesMetrics:
@@ -75,27 +103,63 @@ class DeviceCopiesMetrics:
         self.copied = Counters(
             "offloadd_device_copies_bytes",
             "Bytes the daemon copied between arenas and GPU staging slots.", ["direction"])
+        self.readahead = Counters(
+            "offloadd_device_copies_readahead",
+            "stage_in requests of sessions with read-ahead slots, by outcome: hit (served "
+            "from a slot staged ahead), miss, stale (staged ahead, written since: copied "
+            "again).", ["outcome"])
 
     def families(self) -> Iterator[Any]:
         yield self.sessions.family()
         yield self.arena_pinned.family()
         yield self.copied.family()
+        yield self.readahead.family()
+
+
+class _Ahead:
+    """A shard the daemon stages ahead of use into a read-ahead slot."""
+
+    __slots__ = ("claimed", "shard", "slot", "task", "version")
+
+    def __init__(self, shard: Shard, slot: int) -> None:
+        self.shard, self.slot = shard, slot
+        self.claimed = False
+        """A stage_in took it: the slot is that request's, whatever the copy's outcome."""
+        self.version = -1
+        """The shard's version when the copy started (-1 until then)."""
+        self.task: asyncio.Future[bool] | None = None
+        """The copy; True once the slot holds the shard's bytes of ``version``."""
 
 
 class SessionStaging:
     """One rank's staging slots and the copier that fills and drains them."""
 
-    def __init__(self, copier: DeviceCopier, metrics: DeviceCopiesMetrics) -> None:
+    def __init__(self, copier: DeviceCopier, metrics: DeviceCopiesMetrics,
+                 readahead_slots: int = 0) -> None:
         self.copier = copier
         self.metrics = metrics
         self.states = [SlotState.FREE] * copier.num_slots
         self.in_flight = 0
         self.closed = False
+        self.own_slots = copier.num_slots - readahead_slots
+        """Slots ``[0, own_slots)`` are the rank's; the rest are lent for read-ahead."""
+        self.trace = AccessTrace()
+        """The rank's stage_in order, step by step (read-ahead only)."""
+        self.ahead: dict[str, _Ahead] = {}
+        """Shard id -> its read-ahead copy not claimed by a stage_in yet."""
+
+    @property
+    def readahead(self) -> bool:
+        return self.own_slots < len(self.states)
 
     def _take(self, slot: int, want: SlotState, op: str) -> None:
         if not 0 <= slot < len(self.states):
             raise InvalidRequestError(f"{op}: slot {slot} out of range (the rank opened "
                                       f"{len(self.states)} slots)")
+        if slot >= self.own_slots and op != "slot_done":
+            raise InvalidRequestError(
+                f"{op}: slot {slot} is lent to the daemon for read-ahead (slots "
+                f"{self.own_slots}..{len(self.states) - 1}); name one of the rank's own slots")
         state = self.states[slot]
         if state is not want:
             raise SlotBusyError(
@@ -109,12 +173,142 @@ class SessionStaging:
                 f"shard {shard_id!r} has {nbytes} B, a staging slot {self.copier.slot_nbytes} B;"
                 " open the staging slots as large as the largest shard", [shard_id])
 
-    def stage_in(self, job: Job, rank: int, req: p.StageIn) -> Awaitable[None]:
+    def stage_in(self, job: Job, rank: int, req: p.StageIn) -> Awaitable[p.Reply | None]:
         self._take(req.slot, SlotState.FREE, "stage_in")
         shard = job.table.lookup(rank, [req.shard_id])[0]
         self._check_fits(shard.nbytes, req.shard_id)
-        self.states[req.slot] = SlotState.COPYING
-        return self._copy(job, rank, req.shard_id, req.slot, "r", SlotState.STAGED)
+        if not self.readahead:
+            self.states[req.slot] = SlotState.COPYING
+            return self._copied_ok(
+                self._copy(job, rank, req.shard_id, req.slot, "r", SlotState.STAGED))
+        self.trace.record(shard, time.monotonic())
+        entry = self.ahead.pop(req.shard_id, None)
+        if entry is None:
+            self.states[req.slot] = SlotState.COPYING
+            # Started before the read-ahead below, so the demand copy goes first.
+            copy = asyncio.ensure_future(
+                self._copy(job, rank, req.shard_id, req.slot, "r", SlotState.STAGED))
+            reply = self._staged(copy, req.slot, "miss")
+        else:
+            entry.claimed = True
+            reply = self._claim(job, rank, entry)
+        self.read_ahead(job, rank)
+        return reply
+
+    @staticmethod
+    async def _copied_ok(copy: Awaitable[int]) -> None:
+        await copy
+
+    async def _staged(self, copy: Awaitable[int], slot: int, outcome: str) -> p.Staged:
+        version = await copy
+        self.metrics.readahead.add((outcome,))
+        return p.Staged(0, slot, version, outcome)
+
+    async def _claim(self, job: Job, rank: int, entry: _Ahead) -> p.Staged:
+        """A stage_in of a shard staged ahead: its slot, once the copy completed and if the
+        shard is unchanged since; otherwise the shard is copied into that slot again."""
+        assert entry.task is not None
+        shard_id, slot = entry.shard.shard_id, entry.slot
+        copied = await asyncio.shield(entry.task)  # _ahead_copied ran first: slot's state
+        current = job.table.shards.get((rank, shard_id))
+        if copied and current is entry.shard and current.version == entry.version:
+            try:
+                check_grantable([current], "r")  # torn, or being written: as a stage_in
+            except BaseException:
+                self.states[slot] = SlotState.FREE
+                raise
+            self.states[slot] = SlotState.STAGED
+            self.metrics.readahead.add(("hit",))
+            return p.Staged(0, slot, entry.version, "hit")
+        self.states[slot] = SlotState.COPYING
+        outcome = "stale" if copied else "miss"
+        return await self._staged(self._copy(job, rank, shard_id, slot, "r", SlotState.STAGED),
+                                  slot, outcome)
+
+    def step_begin(self, job: Job, rank: int) -> None:
+        """A new step: the last one's stage_in order is the trace; stage its start."""
+        if self.readahead:
+            self.trace.begin_step()
+            self.read_ahead(job, rank)
+
+    def read_ahead(self, job: Job, rank: int) -> None:
+        """Fill free read-ahead slots with the next shards of the rank's learned trace."""
+        if self.closed or not self.readahead or not self.trace.known:
+            return
+        count = len(self.states) - self.own_slots
+        wanted: list[str] = []
+        upcoming = self.trace.upcoming(1 << 62, float("inf"))
+        for scanned, (seen, _due) in enumerate(upcoming):
+            if scanned >= READAHEAD_SCAN * count or len(wanted) == count:
+                break
+            if seen.shard_id not in wanted:
+                wanted.append(seen.shard_id)
+        for shard_id in wanted:
+            if shard_id in self.ahead:
+                continue
+            shard = job.table.shards.get((rank, shard_id))
+            if shard is None or shard.nbytes > self.copier.slot_nbytes or shard.writer \
+                    or shard.torn or not (shard.in_arena or shard.io is not None):
+                continue  # gone, too large, being written, or on NVMe with no read in flight
+            slot = self._ahead_slot(wanted)
+            if slot is None:
+                return
+            self._start_ahead(job, shard, slot)
+
+    def _ahead_slot(self, wanted: list[str]) -> int | None:
+        """A free read-ahead slot, or one holding a shard the trace does not want soon."""
+        for slot in range(self.own_slots, len(self.states)):
+            if self.states[slot] is SlotState.FREE:
+                return slot
+        for shard_id, entry in list(self.ahead.items()):
+            if shard_id not in wanted and self.states[entry.slot] is SlotState.AHEAD:
+                del self.ahead[shard_id]
+                self.states[entry.slot] = SlotState.FREE
+                return entry.slot
+        return None
+
+    def _start_ahead(self, job: Job, shard: Shard, slot: int) -> None:
+        entry = _Ahead(shard, slot)
+        self.ahead[shard.shard_id] = entry
+        self.states[slot] = SlotState.COPYING
+        shard.pins += 1  # no eviction or drop under the copy (see the module's Hazard)
+        job.table.note_changed(shard)
+        self.in_flight += 1
+        entry.task = asyncio.ensure_future(self._ahead_copy(job, shard, entry))
+        entry.task.add_done_callback(lambda task: self._ahead_copied(task, job, entry))
+
+    async def _ahead_copy(self, job: Job, shard: Shard, entry: _Ahead) -> bool:
+        if not shard.in_arena and job.tier is not None:
+            await job.tier.read_in(job.table, shard, Priority.PREFETCH)
+        alive = job.table.shards.get((shard.rank, shard.shard_id)) is shard
+        if not alive or not shard.in_arena or shard.writer or shard.torn:
+            return False
+        assert shard.offset is not None
+        entry.version = shard.version
+        arena = job.arena.slice(shard.offset, shard.nbytes)
+        # Its own task, as _copy's: demand copies started before it run first.
+        await asyncio.ensure_future(self.copier.copy_in(entry.slot, arena))
+        return True
+
+    def _ahead_copied(self, task: asyncio.Future[bool], job: Job, entry: _Ahead) -> None:
+        self.in_flight -= 1
+        shard = entry.shard
+        shard.pins -= 1
+        job.table.note_changed(shard)
+        copied = not task.cancelled() and task.exception() is None and task.result()
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("event=readahead_failed job=%s shard=%s error=%r", job.name,
+                        shard.shard_id, task.exception())
+        if copied:
+            self.metrics.copied.add(("h2d",), shard.nbytes)
+        if copied:
+            self.states[entry.slot] = SlotState.AHEAD
+        elif not entry.claimed:  # a claimed slot stays taken: its stage_in copies again
+            self.states[entry.slot] = SlotState.FREE
+        if not copied and self.ahead.get(shard.shard_id) is entry:
+            del self.ahead[shard.shard_id]
+        if self.closed and not self.in_flight:
+            self.copier.close()
 
     def stage_out(self, job: Job, rank: int, req: p.StageOut) -> Awaitable[None]:
         self._take(req.slot, SlotState.FREE, "stage_out")
@@ -124,15 +318,18 @@ class SessionStaging:
             raise InvalidRequestError(f"stage_out of {req.nbytes} B into shard "
                                       f"{req.shard_id!r} of {shard.nbytes} B", [req.shard_id])
         self.states[req.slot] = SlotState.COPYING
-        return self._copy(job, rank, req.shard_id, req.slot, "w", SlotState.FREE)
+        return self._copied_ok(
+            self._copy(job, rank, req.shard_id, req.slot, "w", SlotState.FREE))
 
-    def slot_done(self, req: p.SlotDone) -> None:
+    def slot_done(self, req: p.SlotDone, job: Job | None = None, rank: int = 0) -> None:
         self._take(req.slot, SlotState.STAGED, "slot_done")
         self.states[req.slot] = SlotState.FREE
         self.copier.consumed(req.slot)
+        if req.slot >= self.own_slots and job is not None:
+            self.read_ahead(job, rank)  # a read-ahead slot came back
 
     async def _copy(self, job: Job, rank: int, shard_id: str, slot: int, mode: str,
-                    after: SlotState) -> None:
+                    after: SlotState) -> int:
         leases: dict[Shard, Lease] = {}
         try:
             placed = job.acquire(rank, [shard_id], mode, leases)
@@ -156,6 +353,7 @@ class SessionStaging:
         task.add_done_callback(lambda done: self._copied(done, job, rank, shard_id, slot,
                                                          mode, after, leases, nbytes))
         await asyncio.shield(task)
+        return placed.versions[0]
 
     def _copied(self, task: asyncio.Future[None], job: Job, rank: int, shard_id: str, slot: int,
                 mode: str, after: SlotState, leases: dict[Shard, Lease], nbytes: int) -> None:
@@ -203,12 +401,13 @@ class DeviceCopiesService:
             log.warning("event=device_copies_fallback job=%s rank=%d reason=%s detail=%r",
                         session.job.name, session.rank, refused.reason, refused.message)
             return p.StagingOk(req.rid, "rank", refused.reason)
-        session.staging = SessionStaging(copier, self.metrics)
+        session.staging = SessionStaging(copier, self.metrics, req.readahead_slots)
         self.metrics.sessions.add(("daemon", "none"))
         log.info("event=device_copies_open job=%s rank=%d kind=%s device=%s slots=%d "
-                 "slot_nbytes=%d", session.job.name, session.rank, copier.kind,
-                 req.device_uuid, req.num_slots, req.slot_nbytes)
-        return p.StagingOk(req.rid, "daemon", "")
+                 "slot_nbytes=%d readahead_slots=%d", session.job.name, session.rank,
+                 copier.kind, req.device_uuid, req.num_slots, req.slot_nbytes,
+                 req.readahead_slots)
+        return p.StagingOk(req.rid, "daemon", "", req.readahead_slots)
 
     def _copier(self, session: Session, req: p.StagingOpen) -> DeviceCopier:
         if req.rank_reason:
@@ -225,6 +424,10 @@ class DeviceCopiesService:
                 f" slots of >= 1 B, at most {MAX_STAGING_NBYTES} B in all")
         if req.ipc_offset < 0:
             raise InvalidRequestError(f"ipc_offset {req.ipc_offset}: must be >= 0")
+        if not 0 <= req.readahead_slots < req.num_slots:
+            raise InvalidRequestError(
+                f"readahead_slots {req.readahead_slots} of {req.num_slots} slots: lend the "
+                "daemon 0..num_slots-1 (the rank keeps at least one slot of its own)")
         assert session.job is not None
         return open_copier(kind=req.kind, device_uuid=req.device_uuid, peer_pid=session.peer_pid,
                            peer_uid=session.peer_uid, staging_fd=req.staging_fd,
@@ -249,7 +452,7 @@ def handlers(session: Session) -> dict[type, Callable[[Any], Any]]:
         service: DeviceCopiesService = session.daemon.device_copies
         return service.open(session, req)
 
-    def stage_in(req: p.StageIn) -> Awaitable[None]:
+    def stage_in(req: p.StageIn) -> Awaitable[p.Reply | None]:
         assert session.job is not None
         return _staging(session).stage_in(session.job, session.rank, req)
 
@@ -257,11 +460,22 @@ def handlers(session: Session) -> dict[type, Callable[[Any], Any]]:
         assert session.job is not None
         return _staging(session).stage_out(session.job, session.rank, req)
 
+    def slot_done(req: p.SlotDone) -> None:
+        assert session.job is not None
+        _staging(session).slot_done(req, session.job, session.rank)
+
+    def step_begin(req: p.StepBegin) -> None:
+        session.on_step_begin(req)  # the swap tier's trace
+        if session.staging is not None:  # and the read-ahead's
+            assert session.job is not None
+            session.staging.step_begin(session.job, session.rank)
+
     return {
         p.StagingOpen: staging_open,
         p.StageIn: stage_in,
         p.StageOut: stage_out,
-        p.SlotDone: lambda req: _staging(session).slot_done(req),
+        p.SlotDone: slot_done,
+        p.StepBegin: step_begin,
     }
 
 

@@ -137,6 +137,7 @@ class StagingOpen(Request, tag="staging_open"):
     event_handles: list[bytes] = []  # cuda: per slot, the rank's then the daemon's event
     rank_reason: str = ""  # the rank cannot export (a fallback reason): count it, copy nothing
     arena_pinned: str = "not_attempted"  # the rank's cudaHostRegister of its arena mapping
+    readahead_slots: int = 0  # the last n slots are lent to the daemon to stage ahead of use
 
 
 class StageIn(Request, tag="stage_in"):
@@ -205,9 +206,19 @@ class StagingOk(Reply, tag="staging_ok"):
 
     path: str
     reason: str = ""
+    readahead_slots: int = 0  # read-ahead slots the daemon took (0: it stages on demand only)
 
 
-AnyReply = HelloOk | Placed | Ok | StatsOk | ErrorReply | StagingOk
+class Staged(Reply, tag="staged"):
+    """A stage_in's reply on a session with read-ahead slots: the slot that holds the shard
+    (the one named, or a read-ahead slot) and the version copied; outcome hit|miss|stale."""
+
+    slot: int
+    version: int
+    outcome: str = ""
+
+
+AnyReply = HelloOk | Placed | Ok | StatsOk | ErrorReply | StagingOk | Staged
 
 DECODE_ERRORS = (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError)
 """What decoding a hostile payload may raise (msgspec reports bad UTF-8 in a str as

@@ -281,11 +281,13 @@ class StepHandle:
 
     def __init__(self, client: OffloadClient, rid: int) -> None:
         self._client, self._rid, self._done = client, rid, False
+        self.reply: p.Reply | None = None
+        """The reply, once ``wait()`` read it."""
 
     def wait(self) -> None:
         if not self._done:
             self._done = True
-            self._client._wait_reply(self._rid)
+            self.reply = self._client._wait_reply(self._rid)
 
     def done(self) -> bool:
         return self._done

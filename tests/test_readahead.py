@@ -1,0 +1,172 @@
+"""The daemon stages shards ahead of use from each rank's learned stage_in trace
+(offloadd.device_copies read-ahead, trainer.daemon_copies) on the CPU twin.
+
+A real daemon process copies into read-ahead slots the rank lent it at
+staging_open; raw clients check the protocol (hit, miss, stale, slot reuse only
+after slot_done, leases and pins back after a disconnect), and two gloo ranks
+train stage 3 through it against plain torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from test_daemon_metrics import scrape, value
+from test_device_copies import TwinSlots
+
+from offloadd import protocol as p
+from offloadd.embedded import PrivateDaemon
+from offloadd.errors import InvalidRequestError, SlotBusyError
+from trainer.client import OffloadClient
+
+READAHEAD = "offloadd_device_copies_readahead_total"
+SLOTS, LENT = 4, 2  # slots 0, 1 are the rank's; 2, 3 the daemon's read-ahead slots
+NBYTES = 512
+
+
+def _open(connect, staging: TwinSlots, **fields: object) -> OffloadClient:
+    client = connect(**fields)
+    reply = client.request(staging.open_request(num_slots=SLOTS, readahead_slots=LENT))
+    assert isinstance(reply, p.StagingOk)
+    assert (reply.path, reply.readahead_slots) == ("daemon", LENT)
+    return client
+
+
+def _read(client: OffloadClient, staging: TwinSlots, shard_id: str, nbytes: int = NBYTES,
+          done: bool = True) -> tuple[p.Staged, bytes]:
+    """One stage_in into the rank's slot 0; the bytes come from the slot the reply names."""
+    reply = client.request(p.StageIn(0, shard_id, 0))
+    assert isinstance(reply, p.Staged)
+    assert reply.slot == 0 or reply.slot >= SLOTS - LENT
+    data = staging.slot(reply.slot, nbytes)
+    if done:
+        client.request(p.SlotDone(0, reply.slot))
+    return reply, data
+
+
+def _learn(client: OffloadClient, staging: TwinSlots, ids: list[str]) -> None:
+    """One step of stage_ins: the daemon learns the order."""
+    client.step_begin()
+    for shard_id in ids:
+        assert _read(client, staging, shard_id)[0].outcome == "miss"
+    client.step_begin()
+
+
+@pytest.fixture
+def staging() -> TwinSlots:
+    slots = TwinSlots(num_slots=SLOTS, slot_nbytes=NBYTES)
+    yield slots
+    slots.close()
+
+
+def test_second_step_is_served_from_read_ahead(daemon: PrivateDaemon, connect,
+                                               staging: TwinSlots) -> None:
+    before = scrape(daemon)
+    client = _open(connect, staging)
+    values = {f"u{i}": os.urandom(NBYTES) for i in range(6)}
+    client.put_many(values)
+    order = [*values, *reversed(values)]  # a forward and a backward pass, as stage 3 reads
+    _learn(client, staging, order)
+    for _round in range(2):
+        for shard_id in order:
+            reply, data = _read(client, staging, shard_id)
+            assert data == values[shard_id]
+            assert (reply.outcome, reply.version) == ("hit", 1), (shard_id, reply)
+            assert reply.slot >= SLOTS - LENT
+        client.step_begin()
+    after = scrape(daemon)
+    for outcome, count in (("miss", len(order)), ("hit", 2 * len(order)), ("stale", 0)):
+        assert value(after, READAHEAD, outcome=outcome) == \
+            value(before, READAHEAD, outcome=outcome) + count, outcome
+
+
+def test_shard_written_after_staged_ahead_is_copied_again(daemon: PrivateDaemon, connect,
+                                                          staging: TwinSlots) -> None:
+    """A put (acquire w, release dirty) and a stage_out after the read-ahead copy: the next
+    stage_in re-copies (stale) and the rank sees the new bytes, never the staged ones."""
+    before = value(scrape(daemon), READAHEAD, outcome="stale")
+    client = _open(connect, staging)
+    client.put_many({"a": b"a" * NBYTES, "b": b"b" * NBYTES, "c": b"c" * NBYTES})
+    _learn(client, staging, ["a", "b", "c"])  # step_begin staged a and b ahead
+    client.put("a", b"A" * NBYTES)
+    staging.write(1, b"B" * NBYTES)
+    client.request(p.StageOut(0, "b", 1, NBYTES))
+    first, data = _read(client, staging, "a")
+    assert (first.outcome, first.version, data) == ("stale", 2, b"A" * NBYTES)
+    second, data = _read(client, staging, "b")
+    assert (second.outcome, second.version, data) == ("stale", 2, b"B" * NBYTES)
+    third, data = _read(client, staging, "c")
+    assert (third.outcome, data) == ("hit", b"c" * NBYTES)
+    assert value(scrape(daemon), READAHEAD, outcome="stale") == before + 2
+
+
+def test_read_ahead_slot_reused_only_after_slot_done(connect, staging: TwinSlots) -> None:
+    """A hit hands the rank a read-ahead slot: the daemon fills it again only after the
+    rank's slot_done, and the twin refuses a second slot_done or a rank copy into it."""
+    client = _open(connect, staging)
+    values = {name: name.encode() * NBYTES for name in "abcd"}
+    client.put_many({name: data[:NBYTES] for name, data in values.items()})
+    _learn(client, staging, list(values))
+    held, _ = _read(client, staging, "a", done=False)  # the rank still reads this slot
+    assert held.outcome == "hit"
+    for _round in range(2):  # the daemon stages the rest around the held slot
+        for name in "bcd":
+            reply, data = _read(client, staging, name)
+            assert reply.slot != held.slot
+            assert data == values[name][:NBYTES]
+        client.step_begin()
+        assert staging.slot(held.slot, NBYTES) == values["a"][:NBYTES]  # never overwritten
+    with pytest.raises(InvalidRequestError, match="lent to the daemon"):
+        client.request(p.StageIn(0, "b", held.slot))
+    with pytest.raises(InvalidRequestError, match="lent to the daemon"):
+        client.request(p.StageOut(0, "b", held.slot, NBYTES))
+    client.request(p.SlotDone(0, held.slot))
+    with pytest.raises(SlotBusyError, match="consumer event"):
+        client.request(p.SlotDone(0, held.slot))
+
+
+def test_readahead_slots_must_leave_the_rank_a_slot(connect, staging: TwinSlots) -> None:
+    client = connect()
+    for lent in (SLOTS, -1):
+        with pytest.raises(InvalidRequestError, match="readahead_slots"):
+            client.request(staging.open_request(num_slots=SLOTS, readahead_slots=lent))
+    reply = client.request(staging.open_request(num_slots=SLOTS))  # none lent: as before
+    assert isinstance(reply, p.StagingOk) and reply.readahead_slots == 0
+    client.put("x", b"x" * 8)
+    assert isinstance(client.request(p.StageIn(0, "x", 3)), p.Ok)
+
+
+def test_disconnect_with_read_ahead_in_flight_leaks_no_lease_or_pin(
+        monkeypatch, tmp_path) -> None:
+    """The rank goes away while the daemon's read-ahead copies run (a twin of up to 0.2 s a
+    copy): they finish, their pins go back (the shards can be dropped) and no lease is left."""
+    from conftest import start_daemon
+
+    from offloadd.cuda import TWIN_MAX_DELAY_ENV
+
+    monkeypatch.setenv(TWIN_MAX_DELAY_ENV, "200000")
+    daemon = start_daemon(tmp_path)
+    staging = TwinSlots(num_slots=SLOTS, slot_nbytes=NBYTES)
+    try:
+        def connect() -> OffloadClient:
+            return OffloadClient.connect(daemon.socket_path, job="gone", arena_nbytes=1 << 20,
+                                         timeout_s=10)
+
+        client = _open(connect, staging)
+        ids = [f"s{i}" for i in range(4)]
+        client.put_many({shard_id: bytes([i]) * NBYTES for i, shard_id in enumerate(ids)})
+        _learn(client, staging, ids)  # its last step_begin starts two read-ahead copies
+        client.request_async(p.StageIn(0, ids[0], 0))  # claims one copy still running
+        client.close()
+        again = connect()
+        again.request(p.Drop(0, ids))  # waits for pins: one left behind would hang here
+        stats = again.stats()
+        assert stats["leased_nbytes"] == 0 and stats["num_shards"] == 0, stats
+        again.close()
+        with open(daemon.log_path) as log:
+            text = log.read()
+        assert "never retrieved" not in text and "readahead_failed" not in text
+    finally:
+        staging.close()
+        assert daemon.stop() == 0
