@@ -86,6 +86,9 @@ class SlotState(enum.Enum):
 READAHEAD_OUTCOMES = ("hit", "miss", "stale")
 READAHEAD_SCAN = 8
 """Trace entries looked at per read-ahead slot when choosing what to stage next."""
+READAHEAD_TRACE_MAX = 1 << 16
+"""stage_ins a step's trace records at most (a rank that never sends step_begin would
+grow it without end)."""
 
 
 class DeviceCopiesMetrics:
@@ -146,8 +149,8 @@ class SessionStaging:
         self.closed = False
         self.own_slots = copier.num_slots - readahead_slots
         """Slots ``[0, own_slots)`` are the rank's; the rest are lent for read-ahead."""
-        self.trace = AccessTrace()
-        """The rank's stage_in order, step by step (read-ahead only)."""
+        self.trace = AccessTrace() if readahead_slots else None
+        """The rank's stage_in order, step by step (at most READAHEAD_TRACE_MAX a step)."""
         self.ahead: dict[str, _Ahead] = {}
         """Shard id -> its read-ahead copy not claimed by a stage_in yet."""
         self.writes: dict[str, int] = {}
@@ -187,7 +190,8 @@ class SessionStaging:
             self.states[req.slot] = SlotState.COPYING
             return self._copied_ok(
                 self._copy(job, rank, req.shard_id, req.slot, "r", SlotState.STAGED))
-        self.trace.record(shard, time.monotonic())
+        if self.trace is not None and len(self.trace.current) < READAHEAD_TRACE_MAX:
+            self.trace.record(shard, time.monotonic())
         entry = self.ahead.pop(req.shard_id, None)
         if entry is None:
             self.states[req.slot] = SlotState.COPYING
@@ -255,13 +259,13 @@ class SessionStaging:
 
     def step_begin(self, job: Job, rank: int) -> None:
         """A new step: the last one's stage_in order is the trace; stage its start."""
-        if self.readahead:
+        if self.trace is not None:
             self.trace.begin_step()
             self.read_ahead(job, rank)
 
     def read_ahead(self, job: Job, rank: int) -> None:
         """Fill free read-ahead slots with the next shards of the rank's learned trace."""
-        if self.closed or not self.readahead or not self.trace.known:
+        if self.closed or self.trace is None or not self.trace.known:
             return
         count = len(self.states) - self.own_slots
         wanted: list[str] = []
