@@ -14,8 +14,16 @@ registered with the copy engine (``cudaHostRegister`` on CUDA), and:
   CUDA, its worker thread on the twin) then the slot into the device buffer;
   the device gradient into a slot then ``stage_out`` committed by the daemon.
   Null with the fallback reason when the daemon cannot (say no cupy in the daemon).
+- ``readahead``: a stage-3-like read order (``--readahead-units`` parameter shards
+  of ``--readahead-mib``, forward then backward, ``step_begin`` per step) read
+  through daemon copies with half of 4 staging slots lent to the daemon's
+  read-ahead, against the same reads staged on demand (no slots lent). Reports
+  the read-ahead hit fraction after the first step (the daemon learned the
+  order then) and ``ratio_vs_on_demand_readahead`` (on-demand read seconds /
+  read-ahead read seconds per step; > 1: read-ahead is faster).
 
     python bench/gpu_path.py [--sizes-mib 4,64,256] [--repeats 5] [--engine cuda|twin]
+                             [--readahead-units 8] [--readahead-mib 16] [--readahead-steps 4]
 
 Without CUDA it runs on the CPU twin (numbers then measure the twin, not a GPU: the
 JSON says which; the twin's daemon path is two memcpys, arena -> slot -> buffer, so
@@ -99,6 +107,54 @@ def _time_daemon_path(copies: DaemonCopies, engine: CopyEngine, nbytes: int,
     return _gbps(nbytes, statistics.median(h2d)), _gbps(nbytes, statistics.median(d2h))
 
 
+def _readahead_case(socket_path: str, engine: CopyEngine, units: int, unit_nbytes: int,
+                    steps: int) -> dict[str, Any]:
+    """Per-step read seconds of a forward+backward read order, with and without read-ahead
+    slots lent to the daemon, and the read-ahead's hit fraction after the first step."""
+    names = [f"u{unit}.param" for unit in range(units)]
+    order = [*names, *reversed(names)]
+    result: dict[str, Any] = {"units": units, "unit_nbytes": unit_nbytes, "steps": steps}
+    for lent in (0, 2):
+        client = OffloadClient.connect(socket_path, job=f"gpu-path-readahead{lent}",
+                                       arena_nbytes=units * unit_nbytes + 16 * MIB,
+                                       timeout_s=30)
+        copies, fallback = open_daemon_copies(client, engine, num_slots=4,
+                                              slot_nbytes=unit_nbytes, local_rank=0,
+                                              arena_pinned="not_attempted",
+                                              readahead_slots=lent)
+        if copies is None:
+            client.close()
+            return {**result, "fallback": fallback}
+        try:
+            client.put_many({name: torch.full((unit_nbytes // 4,), float(index))
+                             for index, name in enumerate(names)})
+            out = engine.empty(unit_nbytes // 4, torch.float32)
+            seconds, learned = [], dict(copies.readahead)
+            for step in range(steps):
+                if step == 1:
+                    learned = dict(copies.readahead)
+                client.step_begin()
+                _sync(engine)
+                started = time.perf_counter()
+                for name in order:
+                    copies.read_into(name, out)
+                _sync(engine)
+                seconds.append(time.perf_counter() - started)
+            later = {outcome: copies.readahead[outcome] - learned[outcome]
+                     for outcome in copies.readahead}
+        finally:
+            copies.close()
+            client.close()
+        key = "readahead" if lent else "on_demand"
+        result[f"{key}_step_s"] = statistics.median(seconds[1:])
+        if lent:
+            result["readahead_outcomes_after_step1"] = later
+            result["readahead_hit_fraction"] = later["hit"] / max(1, sum(later.values()))
+    result["ratio_vs_on_demand_readahead"] = (result["on_demand_step_s"]
+                                              / result["readahead_step_s"])
+    return result
+
+
 def _time_pinned(device: torch.device, nbytes: int, repeats: int) -> tuple[float, float] | None:
     if device.type != "cuda":
         return None
@@ -124,15 +180,22 @@ def main() -> None:
     parser.add_argument("--sizes-mib", default="4,64,256")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--engine", choices=["cuda", "twin"], default=None)
+    parser.add_argument("--readahead-units", type=int, default=8)
+    parser.add_argument("--readahead-mib", type=int, default=16)
+    parser.add_argument("--readahead-steps", type=int, default=4)
     args = parser.parse_args()
+    if args.readahead_steps < 2:
+        parser.error("--readahead-steps must be >= 2 (the first step only teaches the order)")
     sizes = [int(size) * MIB for size in args.sizes_mib.split(",")]
     kind = args.engine or ("cuda" if torch.cuda.is_available() else "twin")
     device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
     engine = select_copy_engine(device, kind)
     arena_nbytes = 2 * max(sizes) + 64 * MIB
+    readahead_nbytes = args.readahead_units * args.readahead_mib * MIB + 16 * MIB
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="offloadd-gpu-path-") as workdir:
-        daemon = PrivateDaemon.start(workdir, arena_size=arena_nbytes + 64 * MIB)
+        daemon = PrivateDaemon.start(workdir, arena_size=arena_nbytes + 64 * MIB
+                                     + 2 * readahead_nbytes)
         try:
             client = OffloadClient.connect(daemon.socket_path, job="gpu-path",
                                            arena_nbytes=arena_nbytes, timeout_s=30)
@@ -161,6 +224,9 @@ def main() -> None:
             if pinned_arena:
                 engine.unregister_host(host_address(client.arena.view))
             client.close()
+            readahead = _readahead_case(daemon.socket_path, engine, args.readahead_units,
+                                        args.readahead_mib * MIB, args.readahead_steps)
+            print(json.dumps({"readahead": readahead}), file=sys.stderr)
         finally:
             engine.close()
             daemon.stop()
@@ -179,6 +245,9 @@ def main() -> None:
         "ratio_vs_pinned_memcpy_h2d_daemon": ratio["h2d_daemon"],
         "ratio_vs_pinned_memcpy_d2h_daemon": ratio["d2h_daemon"],
         "device_copies_fallback": fallback or None,
+        "readahead_hit_fraction": readahead.get("readahead_hit_fraction"),
+        "ratio_vs_on_demand_readahead": readahead.get("ratio_vs_on_demand_readahead"),
+        "readahead": readahead,
         "note": ("twin numbers measure CPU threads (memcpy through the daemon's worker "
                  "thread), not a GPU" if kind == "twin" else None),
     }))

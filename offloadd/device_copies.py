@@ -86,6 +86,9 @@ class SlotState(enum.Enum):
 READAHEAD_OUTCOMES = ("hit", "miss", "stale")
 READAHEAD_SCAN = 8
 """Trace entries looked at per read-ahead slot when choosing what to stage next."""
+READAHEAD_TRACE_MAX = 1 << 16
+"""stage_ins a step's trace records at most (a rank that never sends step_begin would
+grow it without end)."""
 
 
 class DeviceCopiesMetrics:
@@ -119,12 +122,15 @@ class DeviceCopiesMetrics:
 class _Ahead:
     """A shard the daemon stages ahead of use into a read-ahead slot."""
 
-    __slots__ = ("claimed", "shard", "slot", "task", "version")
+    __slots__ = ("claimed", "settled", "shard", "slot", "task", "version")
 
     def __init__(self, shard: Shard, slot: int) -> None:
         self.shard, self.slot = shard, slot
         self.claimed = False
         """A stage_in took it: the slot is that request's, whatever the copy's outcome."""
+        self.settled = False
+        """The copy's end was accounted (pin back, slot state): once, by whoever sees it
+        first (the task's done callback, or a stage_in that awaited the finished task)."""
         self.version = -1
         """The shard's version when the copy started (-1 until then)."""
         self.task: asyncio.Future[bool] | None = None
@@ -143,10 +149,13 @@ class SessionStaging:
         self.closed = False
         self.own_slots = copier.num_slots - readahead_slots
         """Slots ``[0, own_slots)`` are the rank's; the rest are lent for read-ahead."""
-        self.trace = AccessTrace()
-        """The rank's stage_in order, step by step (read-ahead only)."""
+        self.trace = AccessTrace() if readahead_slots else None
+        """The rank's stage_in order, step by step (at most READAHEAD_TRACE_MAX a step)."""
         self.ahead: dict[str, _Ahead] = {}
         """Shard id -> its read-ahead copy not claimed by a stage_in yet."""
+        self.writes: dict[str, int] = {}
+        """Shard id -> the rank's writes of it in flight (optimizer steps, stage_outs): not
+        staged ahead until they are done, as the copy would be stale before its use."""
 
     @property
     def readahead(self) -> bool:
@@ -181,7 +190,8 @@ class SessionStaging:
             self.states[req.slot] = SlotState.COPYING
             return self._copied_ok(
                 self._copy(job, rank, req.shard_id, req.slot, "r", SlotState.STAGED))
-        self.trace.record(shard, time.monotonic())
+        if self.trace is not None and len(self.trace.current) < READAHEAD_TRACE_MAX:
+            self.trace.record(shard, time.monotonic())
         entry = self.ahead.pop(req.shard_id, None)
         if entry is None:
             self.states[req.slot] = SlotState.COPYING
@@ -209,7 +219,12 @@ class SessionStaging:
         shard is unchanged since; otherwise the shard is copied into that slot again."""
         assert entry.task is not None
         shard_id, slot = entry.shard.shard_id, entry.slot
-        copied = await asyncio.shield(entry.task)  # _ahead_copied ran first: slot's state
+        try:
+            copied = await asyncio.shield(entry.task)
+        finally:
+            # A task already done when awaited returns at once, before its done callbacks.
+            if entry.task.done():
+                self._ahead_copied(entry.task, job, entry)
         current = job.table.shards.get((rank, shard_id))
         if copied and current is entry.shard and current.version == entry.version:
             try:
@@ -225,15 +240,32 @@ class SessionStaging:
         return await self._staged(self._copy(job, rank, shard_id, slot, "r", SlotState.STAGED),
                                   slot, outcome)
 
+    async def writing(self, job: Job, rank: int, shard_id: str,
+                      pending: Awaitable[Any]) -> Any:
+        """Await a request that writes ``shard_id``; read-ahead skips the shard meanwhile,
+        drops a copy made before it, and looks again afterwards."""
+        self.writes[shard_id] = self.writes.get(shard_id, 0) + 1
+        entry = self.ahead.get(shard_id)
+        if entry is not None and self.states[entry.slot] is SlotState.AHEAD:
+            del self.ahead[shard_id]  # about to be stale: the slot can hold something else
+            self.states[entry.slot] = SlotState.FREE
+        try:
+            return await pending
+        finally:
+            left = self.writes.pop(shard_id) - 1
+            if left:
+                self.writes[shard_id] = left
+            self.read_ahead(job, rank)
+
     def step_begin(self, job: Job, rank: int) -> None:
         """A new step: the last one's stage_in order is the trace; stage its start."""
-        if self.readahead:
+        if self.trace is not None:
             self.trace.begin_step()
             self.read_ahead(job, rank)
 
     def read_ahead(self, job: Job, rank: int) -> None:
         """Fill free read-ahead slots with the next shards of the rank's learned trace."""
-        if self.closed or not self.readahead or not self.trace.known:
+        if self.closed or self.trace is None or not self.trace.known:
             return
         count = len(self.states) - self.own_slots
         wanted: list[str] = []
@@ -244,7 +276,7 @@ class SessionStaging:
             if seen.shard_id not in wanted:
                 wanted.append(seen.shard_id)
         for shard_id in wanted:
-            if shard_id in self.ahead:
+            if shard_id in self.ahead or shard_id in self.writes:
                 continue
             shard = job.table.shards.get((rank, shard_id))
             if shard is None or shard.nbytes > self.copier.slot_nbytes or shard.writer \
@@ -291,6 +323,9 @@ class SessionStaging:
         return True
 
     def _ahead_copied(self, task: asyncio.Future[bool], job: Job, entry: _Ahead) -> None:
+        if entry.settled:
+            return
+        entry.settled = True
         self.in_flight -= 1
         shard = entry.shard
         shard.pins -= 1
@@ -318,8 +353,10 @@ class SessionStaging:
             raise InvalidRequestError(f"stage_out of {req.nbytes} B into shard "
                                       f"{req.shard_id!r} of {shard.nbytes} B", [req.shard_id])
         self.states[req.slot] = SlotState.COPYING
-        return self._copied_ok(
-            self._copy(job, rank, req.shard_id, req.slot, "w", SlotState.FREE))
+        copy = self._copied_ok(self._copy(job, rank, req.shard_id, req.slot, "w", SlotState.FREE))
+        if not self.readahead:
+            return copy
+        return self.writing(job, rank, req.shard_id, copy)
 
     def slot_done(self, req: p.SlotDone, job: Job | None = None, rank: int = 0) -> None:
         self._take(req.slot, SlotState.STAGED, "slot_done")
@@ -464,6 +501,14 @@ def handlers(session: Session) -> dict[type, Callable[[Any], Any]]:
         assert session.job is not None
         _staging(session).slot_done(req, session.job, session.rank)
 
+    def optimizer_step(req: p.OptimizerStep) -> Awaitable[None]:
+        step = session.on_optimizer_step(req)
+        staging = session.staging
+        if staging is None or not staging.readahead:
+            return step
+        assert session.job is not None  # the step rewrites the unit's parameter shard
+        return staging.writing(session.job, session.rank, f"{req.unit}.param", step)
+
     def step_begin(req: p.StepBegin) -> None:
         session.on_step_begin(req)  # the swap tier's trace
         if session.staging is not None:  # and the read-ahead's
@@ -476,6 +521,7 @@ def handlers(session: Session) -> dict[type, Callable[[Any], Any]]:
         p.StageOut: stage_out,
         p.SlotDone: slot_done,
         p.StepBegin: step_begin,
+        p.OptimizerStep: optimizer_step,
     }
 
 

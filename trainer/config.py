@@ -276,6 +276,9 @@ class OffloaddConfig:
     staging_slots: int = 4
     """Staging slots for device_copies "daemon" (each as large as the largest unit
     partition); >= 2."""
+    staging_readahead_slots: int | None = None
+    """Of the staging slots, how many the rank lends the daemon to stage parameters ahead
+    of use from the rank's learned access trace; 0..staging_slots-1, unset: half."""
 
     def __post_init__(self) -> None:
         _check(self.arena_size is None or self.arena_size > 0, "offloadd.arena_size",
@@ -283,6 +286,17 @@ class OffloaddConfig:
         _check(self.connect_timeout_s > 0, "offloadd.connect_timeout_s",
                self.connect_timeout_s, "> 0")
         _check(self.staging_slots >= 2, "offloadd.staging_slots", self.staging_slots, ">= 2")
+        _check(self.staging_readahead_slots is None
+               or 0 <= self.staging_readahead_slots < self.staging_slots,
+               "offloadd.staging_readahead_slots", self.staging_readahead_slots,
+               "0..staging_slots-1 (the rank keeps a slot of its own)")
+
+    @property
+    def readahead_slots(self) -> int:
+        """``staging_readahead_slots``, or half the staging slots when unset."""
+        if self.staging_readahead_slots is None:
+            return self.staging_slots // 2
+        return self.staging_readahead_slots
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -62,7 +62,8 @@ class DaemonBackend(StateBackend):
     def __init__(self, client: Any, *, collectives: Collectives, private: bool,
                  private_daemon: Any | None = None, swaps: bool = False,
                  copies: CopyEngine | None = None, device_copies: str = "rank",
-                 staging_slots: int = 4, local_rank: int = 0) -> None:
+                 staging_slots: int = 4, local_rank: int = 0,
+                 staging_readahead_slots: int = 0) -> None:
         self.client = client
         self.copies = copies or InlineCopyEngine()
         """Moves lease bytes to/from the compute device (see trainer.copy_engine)."""
@@ -74,6 +75,7 @@ class DaemonBackend(StateBackend):
         self._daemon_copies_pending = device_copies == "daemon"
         """Opened at the first copy, once every unit is registered (slots fit the largest)."""
         self._staging_slots, self._local_rank = staging_slots, local_rank
+        self._readahead_slots = staging_readahead_slots
         self.releases = ReleaseQueue(self.copies)
         """Leases whose copies are in flight: released/committed only after their event."""
         self._leased_for_copy: set[str] = set()
@@ -221,7 +223,7 @@ class DaemonBackend(StateBackend):
             self._daemon_copies, self.device_copies_reason = open_daemon_copies(
                 self.client, self.copies, num_slots=self._staging_slots,
                 slot_nbytes=slot_nbytes, local_rank=self._local_rank,
-                arena_pinned=self.arena_pinned)
+                arena_pinned=self.arena_pinned, readahead_slots=self._readahead_slots)
             if self._daemon_copies is not None:
                 self.device_copies_path = "daemon"
         return self._daemon_copies
@@ -361,7 +363,8 @@ class DaemonBackend(StateBackend):
 
     def begin_step(self) -> None:
         self.releases.poll()
-        if self.swaps:  # the access order only steers the NVMe tier's prefetch
+        if self.swaps or self._daemon_copies is not None:
+            # The access order steers the NVMe tier's prefetch and the daemon's read-ahead.
             self.client.step_begin()
 
     def get_state(self, unit: int) -> dict[str, torch.Tensor]:
@@ -403,6 +406,8 @@ class DaemonBackend(StateBackend):
         if self._daemon_copies is not None:
             rank_side["rank_staged_ahead"] = self._daemon_copies.staged_ahead
             rank_side["rank_staged_hits"] = self._daemon_copies.prefetch_hits
+            for outcome, count in self._daemon_copies.readahead.items():
+                rank_side[f"rank_readahead_{outcome}"] = count
         try:
             return {**self.client.stats(), **rank_side}
         except OffloadError as error:  # diagnostics only: never fail training over them
@@ -633,4 +638,5 @@ def connect_backend(config: EngineConfig, collectives: Collectives,
                          copies=select_copy_engine(resolve_device(config.device).device),
                          device_copies=device_copies_choice(config),
                          staging_slots=config.offloadd.staging_slots,
-                         local_rank=collectives.local_rank)
+                         local_rank=collectives.local_rank,
+                         staging_readahead_slots=config.offloadd.readahead_slots)

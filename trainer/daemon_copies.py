@@ -10,6 +10,11 @@ daemon maps. It then asks for shards by id:
   rank copies the slot into its own buffer, records the slot's "consumed"
   event and reports ``slot_done``. ``prefetch`` stages upcoming units ahead of
   use, in free slots only.
+- read-ahead: the rank may lend its last slots to the daemon
+  (``readahead_slots``), which stages the shards the rank's learned trace says
+  come next into them; a stage_in of such a shard is answered with the
+  read-ahead slot (``Staged`` reply), the rank's own slot stays free, and the
+  rank consumes the read-ahead slot and reports ``slot_done`` as for its own.
 - gradients (D2H): the rank writes the reduced gradient into a free slot,
   records "consumed" (the daemon's stream waits on it) and sends
   ``stage_out``; the daemon commits the shard after its copy completed. The
@@ -207,10 +212,12 @@ def make_staging(copies: CopyEngine, num_slots: int, slot_nbytes: int,
 class DaemonCopies:
     """Shards in and out of the rank's staging slots by the daemon's copies."""
 
-    def __init__(self, client: Any, staging: Staging) -> None:
+    def __init__(self, client: Any, staging: Staging, readahead_slots: int = 0) -> None:
         self.client = client
         self.staging = staging
-        self._free = collections.deque(range(staging.num_slots))
+        self.own_slots = staging.num_slots - readahead_slots
+        """Slots ``[0, own_slots)`` are the rank's; the rest the daemon's read-ahead slots."""
+        self._free = collections.deque(range(self.own_slots))
         self._staged: collections.OrderedDict[str, tuple[int, Any]] = collections.OrderedDict()
         """Shard id -> (slot, reply handle of its stage_in), oldest first."""
         self._draining: collections.OrderedDict[str, tuple[int, Any]] = (
@@ -224,6 +231,8 @@ class DaemonCopies:
         """Stage-ins issued by ``prefetch`` (ahead of use)."""
         self.prefetch_hits = 0
         """Reads served by a slot staged ahead."""
+        self.readahead = {"hit": 0, "miss": 0, "stale": 0}
+        """The daemon's answers to this rank's stage_ins: from its read-ahead or not."""
 
     # -- slots ----------------------------------------------------------------------
 
@@ -237,7 +246,8 @@ class DaemonCopies:
     def _consumed(self, slot: int) -> None:
         self.staging.record_consumed(slot)
         self._acks.append(self.client.request_async(p.SlotDone(0, slot)))
-        self._free.append(slot)
+        if slot < self.own_slots:  # a read-ahead slot goes back to the daemon
+            self._free.append(slot)
         if len(self._acks) >= MAX_UNREAD_ACKS:
             self._read_acks()
 
@@ -258,6 +268,22 @@ class DaemonCopies:
             handle.wait()
         finally:
             self._free.append(slot)
+
+    def _filled(self, slot: int, handle: Any) -> int:
+        """Wait for a stage_in into ``slot``; returns the slot holding the shard (a read-ahead
+        slot of the daemon's when it staged the shard ahead: ``slot`` is free again)."""
+        try:
+            handle.wait()
+        except BaseException:
+            self._free.append(slot)  # the daemon freed the slot of a failed stage_in
+            raise
+        reply = handle.reply
+        if not isinstance(reply, p.Staged):  # no read-ahead: the slot named
+            return slot
+        self.readahead[reply.outcome] = self.readahead.get(reply.outcome, 0) + 1
+        if reply.slot != slot:
+            self._free.append(slot)
+        return reply.slot
 
     def _stage(self, shard_id: str) -> tuple[int, Any]:
         slot = self._take_slot()
@@ -280,11 +306,7 @@ class DaemonCopies:
         entry = self._staged.pop(shard_id, None)
         hit = entry is not None
         slot, handle = entry if entry is not None else self._stage(shard_id)
-        try:
-            handle.wait()
-        except BaseException:
-            self._free.append(slot)  # the daemon freed the slot of a failed stage_in
-            raise
+        slot = self._filled(slot, handle)
         self.staging.wait_filled(slot)
         out.view(-1).copy_(self.staging.slots[slot][: out.nbytes].view(out.dtype))
         self._consumed(slot)
@@ -319,13 +341,7 @@ class DaemonCopies:
         entry = self._staged.pop(shard_id, None)
         if entry is None:
             return
-        slot, handle = entry
-        try:
-            handle.wait()
-        except BaseException:
-            self._free.append(slot)
-            raise
-        self._consumed(slot)
+        self._consumed(self._filled(*entry))
 
     def drain(self) -> None:
         """Every copy finished and every slot free (first failure re-raised)."""
@@ -356,15 +372,19 @@ class DaemonCopies:
 
 
 def open_daemon_copies(client: Any, copies: CopyEngine, *, num_slots: int, slot_nbytes: int,
-                       local_rank: int, arena_pinned: str) -> tuple[DaemonCopies | None, str]:
-    """Daemon copies for this rank, or (None, reason) after one logged fallback warning."""
+                       local_rank: int, arena_pinned: str, readahead_slots: int = 0
+                       ) -> tuple[DaemonCopies | None, str]:
+    """Daemon copies for this rank, or (None, reason) after one logged fallback warning.
+
+    ``readahead_slots`` of the ``num_slots`` are lent to the daemon to stage shards ahead
+    of use from the rank's learned trace (a daemon without read-ahead takes none)."""
     from trainer.client import OffloadError
 
     slot_nbytes = -(-slot_nbytes // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
     staging: Staging | None = None
     detail = ""
     request = p.StagingOpen(0, copies.kind, "", num_slots, slot_nbytes,
-                            arena_pinned=arena_pinned)
+                            arena_pinned=arena_pinned, readahead_slots=readahead_slots)
     try:
         staging = make_staging(copies, num_slots, slot_nbytes, local_rank)
         request.kind, request.device_uuid = staging.kind, staging.device_uuid
@@ -378,7 +398,7 @@ def open_daemon_copies(client: Any, copies: CopyEngine, *, num_slots: int, slot_
         reason = reply.reason
         if reply.path == "daemon":
             assert staging is not None
-            return DaemonCopies(client, staging), ""
+            return DaemonCopies(client, staging, reply.readahead_slots), ""
         if not request.rank_reason:
             detail = "refused by the daemon (see its log)"
     except OffloadError as error:  # a daemon without staging_open, say
