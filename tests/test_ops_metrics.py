@@ -52,6 +52,7 @@ CORE_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "offloadd_optimizer_step_duration_seconds": ("histogram", frozenset()),
     "offloadd_device_copies_sessions_total": ("counter", frozenset({"path", "reason"})),
     "offloadd_device_copies_bytes_total": ("counter", frozenset({"direction"})),
+    "offloadd_device_copies_readahead_total": ("counter", frozenset({"outcome"})),
     "offloadd_arena_pinned_sessions_total": ("counter", frozenset({"outcome"})),
 }
 """What the daemon exports without --swap-dir."""
@@ -116,13 +117,14 @@ def _make_traffic(daemon: PrivateDaemon) -> None:
 
 
 def _device_copies_traffic(client: OffloadClient) -> None:
-    """Daemon device copies on the CPU twin: a session's path, its pinning, bytes both ways."""
+    """Daemon device copies on the CPU twin: a session's path, its pinning, bytes both ways,
+    a stage_in of a session with a read-ahead slot (a miss: nothing learned yet)."""
     from trainer.copy_engine import TwinCopyEngine
     from trainer.daemon_copies import open_daemon_copies
 
     engine = TwinCopyEngine()
-    copies, _ = open_daemon_copies(client, engine, num_slots=2, slot_nbytes=1024,
-                                   local_rank=0, arena_pinned="pinned")
+    copies, _ = open_daemon_copies(client, engine, num_slots=3, slot_nbytes=1024,
+                                   local_rank=0, arena_pinned="pinned", readahead_slots=1)
     assert copies is not None
     try:
         out = torch.empty(256)
