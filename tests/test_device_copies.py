@@ -260,22 +260,17 @@ def _train_cases(rank: int, world: int, device: str, cases: list[dict]) -> list[
 
     import torch.distributed as dist
     from _dist import make_batch, make_model
+    from test_engine_parity import _shared_daemon
 
     import trainer
     from trainer.checkpoint import consolidate_fp32_state_dict
 
     swap_dir = tempfile.mkdtemp(prefix="offloadd-swap-") if device == "nvme" else None
-    daemon, box = None, [""]
-    if rank == 0:
-        daemon = PrivateDaemon.start(tempfile.mkdtemp(prefix="offloadd-test-"),
-                                     arena_size=256 << 20,
-                                     swap_dirs=[swap_dir] if swap_dir else [])
-        box = [daemon.socket_path]
-    dist.broadcast_object_list(box, src=0)
+    socket_path, daemon = _shared_daemon(rank, swap_dir, arena_size=256 << 20)
     results = []
     try:
         for index, config in enumerate(cases):
-            config = {**config, "offloadd": {"socket": box[0], "job": f"dc{device}{index}",
+            config = {**config, "offloadd": {"socket": socket_path, "job": f"dc{device}{index}",
                                              "arena_size": 16 << 20,
                                              "device_copies": "daemon", "staging_slots": 3}}
             if swap_dir:

@@ -47,13 +47,16 @@ def parity_cases(device: str) -> list[dict[str, Any]]:
     return cases
 
 
-def _shared_daemon(rank: int, swap_dir: str | None) -> tuple[str, Any]:
+def _shared_daemon(rank: int, swap_dir: str | None,
+                   arena_size: int = 512 << 20) -> tuple[str, Any]:
+    """Rank 0 starts one daemon for every rank; each rank gets (socket path, daemon or None).
+    The caller stops it after a barrier."""
     daemon, box = None, [""]
     if rank == 0:
         from offloadd.embedded import PrivateDaemon
 
         daemon = PrivateDaemon.start(tempfile.mkdtemp(prefix="offloadd-test-"),
-                                     arena_size=512 << 20,
+                                     arena_size=arena_size,
                                      swap_dirs=[swap_dir] if swap_dir else [])
         box = [daemon.socket_path]
     dist.broadcast_object_list(box, src=0)
