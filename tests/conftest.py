@@ -14,8 +14,10 @@ import asyncio
 import itertools
 import os
 import re
+import select
 import socket
 import tempfile
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -157,6 +159,37 @@ def _recv_with_fds(sock: socket.socket, nbytes: int) -> tuple[bytes, list[int]]:
             break
         data += chunk
     return data, list(fds)
+
+
+def served_during(sock: socket.socket, request: p.Request, witness: OffloadClient
+                  ) -> tuple[p.Reply, int]:
+    """Send ``request`` and count the witness's acquire+release pairs completed before
+    its reply arrived (the witness is a session of another job)."""
+    sent, arrived, stop = threading.Event(), threading.Event(), threading.Event()
+    during = [0]
+
+    def keep_asking() -> None:
+        while not stop.is_set():
+            was_sent = sent.is_set()
+            with witness.acquire("w", "r"):
+                pass
+            # Not readable and not yet flagged: this pair finished before the reply came.
+            if was_sent and not select.select([sock], [], [], 0)[0] and not arrived.is_set():
+                during[0] += 1
+
+    asker = threading.Thread(target=keep_asking)
+    asker.start()
+    try:
+        sock.sendall(p.encode_frame(request))
+        sent.set()
+        select.select([sock], [], [], 120)
+        arrived.set()
+        reply = read_reply(sock)[0]
+    finally:
+        stop.set()
+        asker.join()
+    assert reply is not None
+    return reply, during[0]
 
 
 def is_closed(sock: socket.socket) -> bool:

@@ -4,11 +4,9 @@ runs, and the sliced acquire still succeeds or fails as a whole."""
 from __future__ import annotations
 
 import os
-import select
-import threading
 
 import pytest
-from conftest import JOB_ARENA_NBYTES, raw_socket, read_reply
+from conftest import JOB_ARENA_NBYTES, raw_socket, read_reply, served_during
 
 from offloadd import protocol as p
 from offloadd.batches import SLICE_IDS
@@ -47,32 +45,10 @@ def test_other_jobs_are_served_during_a_200k_id_acquire(big_daemon: PrivateDaemo
     witness = OffloadClient.connect(big_daemon.socket_path, job="witness",
                                     arena_nbytes=JOB_ARENA_NBYTES, timeout_s=60)
     witness.put("w", b"witness")
-    sent, arrived, stop = threading.Event(), threading.Event(), threading.Event()
-    during = [0]
-
-    def keep_asking() -> None:
-        while not stop.is_set():
-            was_sent = sent.is_set()
-            with witness.acquire("w", "r"):
-                pass
-            # See test_arena_hello: not readable and not yet flagged = before the reply.
-            if was_sent and not select.select([sock], [], [], 0)[0] and not arrived.is_set():
-                during[0] += 1
-
-    asker = threading.Thread(target=keep_asking)
-    asker.start()
-    try:
-        sock.sendall(p.encode_frame(p.Acquire(3, ids, "r")))
-        sent.set()
-        select.select([sock], [], [], 120)
-        arrived.set()
-        reply, _ = read_reply(sock)
-    finally:
-        stop.set()
-        asker.join()
+    reply, during = served_during(sock, p.Acquire(3, ids, "r"), witness)
     assert isinstance(reply, p.Placed) and len(reply.offsets) == NUM_IDS
     # Unsliced, the whole acquire runs in one callback and the witness gets nothing.
-    assert during[0] > 3, during
+    assert during > 3, during
     sock.sendall(p.encode_frame(p.Stats(4)))
     stats = read_reply(sock)[0]
     assert stats.stats["leased_nbytes"] == NUM_IDS * 4096  # type: ignore[union-attr]

@@ -6,15 +6,13 @@ from __future__ import annotations
 import asyncio
 import mmap
 import os
-import select
 import socket
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from conftest import JOB_ARENA_NBYTES, raw_socket, read_reply, start_daemon
+from conftest import JOB_ARENA_NBYTES, raw_socket, read_reply, served_during, start_daemon
 
 from offloadd import protocol as p
 from offloadd.arena import Arena
@@ -60,37 +58,6 @@ def ask(sock: socket.socket, request: p.Request) -> p.Reply:
     reply = read_reply(sock)[0]
     assert reply is not None and reply.rid == request.rid
     return reply
-
-
-def served_during(sock: socket.socket, request: p.Request, witness: OffloadClient
-                  ) -> tuple[p.Reply, int]:
-    """Send ``request`` and count the witness's acquire+release pairs completed before
-    its reply arrived (the witness is a session of another job)."""
-    sent, arrived, stop = threading.Event(), threading.Event(), threading.Event()
-    during = [0]
-
-    def keep_asking() -> None:
-        while not stop.is_set():
-            was_sent = sent.is_set()
-            with witness.acquire("w", "r"):
-                pass
-            # Not readable and not yet flagged: this pair finished before the reply came.
-            if was_sent and not select.select([sock], [], [], 0)[0] and not arrived.is_set():
-                during[0] += 1
-
-    asker = threading.Thread(target=keep_asking)
-    asker.start()
-    try:
-        sock.sendall(p.encode_frame(request))
-        sent.set()
-        select.select([sock], [], [], 120)
-        arrived.set()
-        reply = read_reply(sock)[0]
-    finally:
-        stop.set()
-        asker.join()
-    assert reply is not None
-    return reply, during[0]
 
 
 @pytest.fixture
