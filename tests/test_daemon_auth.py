@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import call, error_code, hello, raw_socket, read_reply, start_daemon
-from test_daemon_sessions import open_to_everyone
+from test_daemon_sessions import as_uid, open_to_everyone
 
 from offloadd import protocol as p
 from offloadd.embedded import PrivateDaemon
@@ -23,30 +23,6 @@ from trainer.client import OffloadClient
 NOBODY = 65534
 OTHER = 65533
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="peers with other uids need root")
-
-
-def as_uid(uid: int, action: Callable[[], str]) -> str:
-    """Run ``action`` in a forked child with uid and gid ``uid``; return what it returned."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        outcome = "crashed"
-        try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            outcome = action()
-        except PermissionDeniedError as exc:
-            outcome = f"denied: {exc}"
-        except BaseException as exc:  # report everything to the parent
-            outcome = f"error: {exc!r}"
-        finally:
-            os.write(write_end, outcome.encode())
-            os._exit(0)
-    os.close(write_end)
-    os.waitpid(pid, 0)
-    with os.fdopen(read_end, "rb") as pipe:
-        return pipe.read().decode()
 
 
 def attach(daemon: PrivateDaemon, job: str) -> Callable[[], str]:

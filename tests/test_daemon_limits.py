@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 from conftest import call, error_code, hello, is_closed, raw_socket, read_reply, start_daemon
-from test_daemon_auth import as_uid
 from test_daemon_metrics import scrape, value
-from test_daemon_sessions import open_to_everyone
+from test_daemon_sessions import as_uid, open_to_everyone
 
 from offloadd import protocol as p
 from offloadd.config import DaemonConfig

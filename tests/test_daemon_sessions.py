@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -115,12 +116,8 @@ def test_hello_with_another_protocol_version_is_a_version_mismatch(daemon: Priva
 # -- SO_PEERCRED ------------------------------------------------------------------------
 
 
-def first_reply_as(uid: int, socket_path: str, job: str) -> str:
-    """In a forked child running as ``uid``: connect, say hello; return what happened.
-
-    SO_PEERCRED reports the uid of the process that called connect(), so the child
-    drops its uid before connecting. Needs root (to setuid) and a socket others may open.
-    """
+def as_uid(uid: int, action: Callable[[], str]) -> str:
+    """Run ``action`` in a forked child with uid and gid ``uid``; return what it returned."""
     read_end, write_end = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
@@ -129,12 +126,9 @@ def first_reply_as(uid: int, socket_path: str, job: str) -> str:
             os.setgroups([])
             os.setgid(uid)
             os.setuid(uid)
-            try:
-                client = OffloadClient.connect(socket_path, job=job, timeout_s=10)
-            except PermissionDeniedError as exc:
-                outcome = f"denied: {exc}"
-            else:
-                outcome = f"connected uid={os.getuid()} arena={client.arena.nbytes}"
+            outcome = action()
+        except PermissionDeniedError as exc:
+            outcome = f"denied: {exc}"
         except BaseException as exc:  # report everything to the parent
             outcome = f"error: {exc!r}"
         finally:
@@ -144,6 +138,19 @@ def first_reply_as(uid: int, socket_path: str, job: str) -> str:
     os.waitpid(pid, 0)
     with os.fdopen(read_end, "rb") as pipe:
         return pipe.read().decode()
+
+
+def first_reply_as(uid: int, socket_path: str, job: str) -> str:
+    """In a forked child running as ``uid``: connect, say hello; return what happened.
+
+    SO_PEERCRED reports the uid of the process that called connect(), so the child
+    drops its uid before connecting. Needs root (to setuid) and a socket others may open.
+    """
+    def connect() -> str:
+        client = OffloadClient.connect(socket_path, job=job, timeout_s=10)
+        return f"connected uid={os.getuid()} arena={client.arena.nbytes}"
+
+    return as_uid(uid, connect)
 
 
 def open_to_everyone(daemon: PrivateDaemon) -> None:
