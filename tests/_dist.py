@@ -201,6 +201,20 @@ def lm_tokens(step: int, rank: int, vocab: int = 97, seq_len: int = 16) -> torch
     return torch.randint(0, vocab, (2, seq_len), generator=generator)
 
 
+def lm_engine_train(engine: Any, steps: int, rank: int,
+                    tokens: Callable[[int, int], torch.Tensor] = lm_tokens) -> list[float]:
+    """Train a causal-LM ``engine`` ``steps`` steps on this rank's batches ``tokens(step,
+    rank)`` (the batches lm_adamw_reference feeds); the losses."""
+    losses = []
+    for step in range(steps):
+        ids = tokens(step, rank)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def lm_adamw_reference(model: torch.nn.Module, steps: int,
                        tokens: Callable[[int, int], torch.Tensor], lr: float,
                        weight_decay: float = 0.0, world_size: int = 2

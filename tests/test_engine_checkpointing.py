@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import TinyNet, lm_tokens, make_batch, max_relative_error, run_ranks
+from _dist import (
+    TinyNet,
+    lm_adamw_reference,
+    lm_engine_train,
+    lm_tokens,
+    make_batch,
+    max_relative_error,
+    run_ranks,
+)
 from torch.utils.checkpoint import checkpoint
 
 import trainer
@@ -122,10 +130,7 @@ def train_gpt2(rank: int, world: int) -> dict[str, torch.Tensor]:
     engine, _, _, _ = trainer.initialize(model=model, config=ds)
     try:
         engine.train()
-        for step in range(STEPS):
-            ids = lm_tokens(step, rank)
-            engine.backward(engine(input_ids=ids, labels=ids).loss)
-            engine.step()
+        lm_engine_train(engine, STEPS, rank)
         return consolidate_fp32_state_dict(engine)
     finally:
         engine.close()
@@ -133,15 +138,7 @@ def train_gpt2(rank: int, world: int) -> dict[str, torch.Tensor]:
 
 def test_hf_gradient_checkpointing_under_zero3() -> None:
     state = run_ranks(train_gpt2, 2, timeout_s=120)[0]
-    model = make_gpt2()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        for rank in range(2):
-            ids = lm_tokens(step, rank)
-            (model(input_ids=ids, labels=ids).loss / 2).backward()
-        optimizer.step()
-    expected = model.state_dict()
+    expected = lm_adamw_reference(make_gpt2(), STEPS, lm_tokens, 3e-3)
     # GPT-2's attention key bias has an exactly-zero true gradient (see test_engine_hf).
     exact = {name: value for name, value in expected.items() if "c_attn.bias" not in name}
     assert max_relative_error({name: state[name] for name in exact}, exact) < 1e-4

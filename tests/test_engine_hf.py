@@ -8,7 +8,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import lm_adamw_reference, lm_tokens, max_relative_error, run_ranks
+from _dist import (
+    lm_adamw_reference,
+    lm_engine_train,
+    lm_tokens,
+    max_relative_error,
+    run_ranks,
+)
 from test_engine_parity import _shared_daemon
 
 import trainer
@@ -18,6 +24,11 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytestmark = pytest.mark.slow
 
 STEPS = 6
+
+
+def alternating_tokens(step: int, rank: int) -> torch.Tensor:
+    """Two batches per rank, alternating, so the loss can fall in a few steps."""
+    return lm_tokens(step % 2, rank)
 LR = 3e-3
 
 
@@ -48,13 +59,7 @@ def train_rank(rank: int, world: int) -> list[Any]:
             if offload != "none":
                 config["offloadd"] = {"socket": socket_path, "job": "gpt2", "arena_size": 8 << 20}
             engine, _, _, _ = trainer.initialize(model=make_gpt2(), config=config)
-            losses = []
-            for step in range(STEPS):
-                ids = lm_tokens(step % 2, rank)
-                loss = engine(input_ids=ids, labels=ids).loss
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
+            losses = lm_engine_train(engine, STEPS, rank, alternating_tokens)
             results.append((consolidate_fp32_state_dict(engine), losses))
             engine.close()
     finally:
@@ -65,7 +70,7 @@ def train_rank(rank: int, world: int) -> list[Any]:
 
 
 def reference() -> dict[str, torch.Tensor]:
-    return lm_adamw_reference(make_gpt2(), STEPS, lambda step, rank: lm_tokens(step % 2, rank), LR)
+    return lm_adamw_reference(make_gpt2(), STEPS, alternating_tokens, LR)
 
 
 def test_gpt2_trains_under_zero3() -> None:

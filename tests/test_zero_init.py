@@ -10,7 +10,13 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import lm_adamw_reference, lm_tokens, max_relative_error, run_ranks
+from _dist import (
+    lm_adamw_reference,
+    lm_engine_train,
+    lm_tokens,
+    max_relative_error,
+    run_ranks,
+)
 from test_engine_parity import HAS_NVME_TIER, _shared_daemon
 
 import trainer
@@ -21,6 +27,11 @@ from trainer.zero_init import ZeroInitError
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 STEPS = 4
+
+
+def alternating_tokens(step: int, rank: int) -> torch.Tensor:
+    """Two batches per rank, alternating, so the loss can fall in a few steps."""
+    return lm_tokens(step % 2, rank)
 LR = 3e-3
 N_LAYER = 2
 
@@ -81,13 +92,7 @@ def train_rank(rank: int, world: int, device: str) -> list[Any]:
             on_meta = all(p.device.type == "meta" for p in model.parameters())
             engine, _, _, _ = trainer.initialize(model=model, config=config)
             initial = consolidate_fp32_state_dict(engine)
-            losses = []
-            for step in range(STEPS):
-                ids = lm_tokens(step % 2, rank)
-                loss = engine(input_ids=ids, labels=ids).loss
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
+            losses = lm_engine_train(engine, STEPS, rank, alternating_tokens)
             final = consolidate_fp32_state_dict(engine)
             edits = _edit_and_check(engine, model, rank) if device == "none" else None
             results.append({"stage": stage, "on_meta": on_meta, "initial": initial,
@@ -103,7 +108,7 @@ def train_rank(rank: int, world: int, device: str) -> list[Any]:
 def reference(initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     model = transformers.GPT2LMHeadModel(gpt2_config())
     model.load_state_dict(initial)
-    return lm_adamw_reference(model, STEPS, lambda step, rank: lm_tokens(step % 2, rank), LR)
+    return lm_adamw_reference(model, STEPS, alternating_tokens, LR)
 
 
 def _check_init(initial: dict[str, torch.Tensor]) -> None:
