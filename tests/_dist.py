@@ -201,6 +201,12 @@ def lm_tokens(step: int, rank: int, vocab: int = 97, seq_len: int = 16) -> torch
     return torch.randint(0, vocab, (2, seq_len), generator=generator)
 
 
+def lm_tokens_alternating(step: int, rank: int) -> torch.Tensor:
+    """``lm_tokens`` of steps 0 and 1, alternating: two batches per rank, so the loss of a
+    short run can fall."""
+    return lm_tokens(step % 2, rank)
+
+
 def lm_engine_train(engine: Any, steps: int, rank: int,
                     tokens: Callable[[int, int], torch.Tensor] = lm_tokens) -> list[float]:
     """Train a causal-LM ``engine`` ``steps`` steps on this rank's batches ``tokens(step,

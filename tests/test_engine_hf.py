@@ -11,7 +11,7 @@ import torch.distributed as dist
 from _dist import (
     lm_adamw_reference,
     lm_engine_train,
-    lm_tokens,
+    lm_tokens_alternating,
     max_relative_error,
     run_ranks,
 )
@@ -24,11 +24,6 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytestmark = pytest.mark.slow
 
 STEPS = 6
-
-
-def alternating_tokens(step: int, rank: int) -> torch.Tensor:
-    """Two batches per rank, alternating, so the loss can fall in a few steps."""
-    return lm_tokens(step % 2, rank)
 LR = 3e-3
 
 
@@ -59,7 +54,7 @@ def train_rank(rank: int, world: int) -> list[Any]:
             if offload != "none":
                 config["offloadd"] = {"socket": socket_path, "job": "gpt2", "arena_size": 8 << 20}
             engine, _, _, _ = trainer.initialize(model=make_gpt2(), config=config)
-            losses = lm_engine_train(engine, STEPS, rank, alternating_tokens)
+            losses = lm_engine_train(engine, STEPS, rank, lm_tokens_alternating)
             results.append((consolidate_fp32_state_dict(engine), losses))
             engine.close()
     finally:
@@ -70,7 +65,7 @@ def train_rank(rank: int, world: int) -> list[Any]:
 
 
 def reference() -> dict[str, torch.Tensor]:
-    return lm_adamw_reference(make_gpt2(), STEPS, alternating_tokens, LR)
+    return lm_adamw_reference(make_gpt2(), STEPS, lm_tokens_alternating, LR)
 
 
 def test_gpt2_trains_under_zero3() -> None:

@@ -14,6 +14,7 @@ from _dist import (
     lm_adamw_reference,
     lm_engine_train,
     lm_tokens,
+    lm_tokens_alternating,
     max_relative_error,
     run_ranks,
 )
@@ -27,11 +28,6 @@ from trainer.zero_init import ZeroInitError
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 STEPS = 4
-
-
-def alternating_tokens(step: int, rank: int) -> torch.Tensor:
-    """Two batches per rank, alternating, so the loss can fall in a few steps."""
-    return lm_tokens(step % 2, rank)
 LR = 3e-3
 N_LAYER = 2
 
@@ -92,7 +88,7 @@ def train_rank(rank: int, world: int, device: str) -> list[Any]:
             on_meta = all(p.device.type == "meta" for p in model.parameters())
             engine, _, _, _ = trainer.initialize(model=model, config=config)
             initial = consolidate_fp32_state_dict(engine)
-            losses = lm_engine_train(engine, STEPS, rank, alternating_tokens)
+            losses = lm_engine_train(engine, STEPS, rank, lm_tokens_alternating)
             final = consolidate_fp32_state_dict(engine)
             edits = _edit_and_check(engine, model, rank) if device == "none" else None
             results.append({"stage": stage, "on_meta": on_meta, "initial": initial,
@@ -108,7 +104,7 @@ def train_rank(rank: int, world: int, device: str) -> list[Any]:
 def reference(initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     model = transformers.GPT2LMHeadModel(gpt2_config())
     model.load_state_dict(initial)
-    return lm_adamw_reference(model, STEPS, alternating_tokens, LR)
+    return lm_adamw_reference(model, STEPS, lm_tokens_alternating, LR)
 
 
 def _check_init(initial: dict[str, torch.Tensor]) -> None:
