@@ -1,22 +1,46 @@
 #!/usr/bin/env bash
-# Every GPU check of issue 11 in one command (one `device` call in a session with a GPU):
+# Every GPU check of issues 11 and 23 in one command (one `device` call in a session with a GPU):
 #   1. pytest -m gpu                       (CUDA copy engine, pinned arena, ZeRO-3 on cuda)
 #   2. bench/gpu_path.py                   (H2D/D2H GB/s vs pinned cudaMemcpyAsync, rank and
 #                                           daemon copy paths)
-#   3. bench/gpu_train_step.py --device cuda with a >= 1B-parameter GPT (ZeRO-3, nvme offload)
+#   3. bench/gpu_train_step.py --device cuda with a >= 1B-parameter GPT (ZeRO-3, nvme offload),
+#      DeepSpeed ZeRO-Infinity on the same model and tier in the same run
 #   4. the same with --device-copies daemon on a smaller GPT (GPU_CHECK_DAEMON_GPT)
-# Results go to ${OUT:-/tmp}/gpu_check/*.{log,json}. GPT size: GPU_CHECK_GPT=WIDTH,DEPTH,HEADS.
+# Each step has its own time limit (GPU_CHECK_LIMIT_S, default 150 s) so one hang cannot eat the
+# device call. Logs go to ${OUT:-/tmp}/gpu_check/*.log, every step's JSON to summary.jsonl.
+# GPT size: GPU_CHECK_GPT=WIDTH,DEPTH,HEADS; GPU_CHECK_ONLY="pytest path train daemon" picks steps.
 #
-# The device image has CUDA torch, cupy, uvloop, xxhash, nanobind and pytest but no package
-# registry. Carry the rest as wheels in the ignored folder wheels/ (run here, where PyPI is
-# reachable, then pass `carry: ["wheels"]` to the device call):
-#   for v in 3.10 3.11 3.12 3.13; do pip download msgspec --only-binary=:all: --python-version $v \
-#     --platform manylinux2014_x86_64 -d wheels; done
-#   pip download --no-deps prometheus-client sortedcontainers pytest-timeout pytest-asyncio \
-#     scikit-build-core pathspec packaging tomli exceptiongroup typing-extensions -d wheels
+# The device image has CUDA torch, cupy, uvloop, xxhash, nanobind, cmake, ninja and pytest but
+# no package registry. Carry the rest, fetched here where PyPI is reachable (both folders are
+# ignored by git; pass `carry: ["wheels", "debs"]` to the device call):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux2014_x86_64 -d wheels msgspec pydantic-core==2.41.5
+#   pip download --no-deps -d wheels pytest-asyncio hjson pydantic==2.12.5 annotated-types \
+#     typing-inspection
+#   pip download --no-deps --no-binary=:all: -d wheels deepspeed==0.19.8     # sdist
+#   (mkdir -p debs && cd debs && apt-get download libaio1 libaio-dev)       # DeepSpeed's aio
 # This script installs them offline, then offloadd itself (native build) without build isolation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+out=${OUT:-/tmp}/gpu_check
+mkdir -p "$out"
+install_log="$out/install.log"
+limit=${GPU_CHECK_LIMIT_S:-150}
+only=${GPU_CHECK_ONLY:-pytest path train daemon}
+export PYTHONUNBUFFERED=1
+{
+  nvidia-smi -L || echo "nvidia-smi failed"
+  python -c 'import sys, torch; print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
+} > "$install_log" 2>&1
+if [ -d debs ]; then  # libaio for DeepSpeed's async_io op, unpacked beside the system
+  mkdir -p /tmp/carried
+  for f in debs/*.deb; do dpkg -x "$f" /tmp/carried; done
+  libdir=/tmp/carried/usr/lib/x86_64-linux-gnu
+  [ -e "$libdir/libaio.so" ] || ln -sf "$(ls "$libdir"/libaio.so.1* | head -1)" "$libdir/libaio.so"
+  export CFLAGS="-I/tmp/carried/usr/include ${CFLAGS:-}" CPATH="/tmp/carried/usr/include"
+  export LDFLAGS="-L$libdir ${LDFLAGS:-}" LIBRARY_PATH="$libdir"
+  export LD_LIBRARY_PATH="$libdir:${LD_LIBRARY_PATH:-}"
+fi
 if [ -d wheels ]; then
   python -m pip install -q --no-index --no-deps --find-links wheels \
     $(python - <<'PY'
@@ -25,25 +49,40 @@ tag = f"cp{sys.version_info.major}{sys.version_info.minor}"
 wheels = glob.glob("wheels/*.whl")
 print(" ".join(w for w in wheels if "-cp3" not in w or f"-{tag}-" in w))
 PY
-) || echo "gpu_check: installing carried wheels failed" >&2
+) >> "$install_log" 2>&1 || echo "gpu_check: installing carried wheels failed" >> "$install_log"
+  for sdist in wheels/deepspeed-*.tar.gz; do
+    [ -e "$sdist" ] || continue
+    DS_BUILD_OPS=0 python -m pip install -q --no-index --no-deps --no-build-isolation "$sdist" \
+      >> "$install_log" 2>&1 || echo "gpu_check: installing DeepSpeed failed" >> "$install_log"
+  done
 fi
-if python -m pip install -q --no-deps --no-build-isolation -e . ; then
-  echo "gpu_check: offloadd installed with its native module" >&2
+if python -m pip install -q --no-deps --no-build-isolation -e . >> "$install_log" 2>&1; then
+  echo "gpu_check: offloadd installed with its native module" >> "$install_log"
 else
-  echo "gpu_check: native build failed; running from the tree (Python IO and Adam)" >&2
+  echo "gpu_check: native build failed; running from the tree (Python IO and Adam)" >> "$install_log"
   export PYTHONPATH=$PWD
 fi
-out=${OUT:-/tmp}/gpu_check
-mkdir -p "$out"
-nvidia-smi -L > "$out/device.txt" 2>&1 || echo "nvidia-smi failed" > "$out/device.txt"
 status=0
-python -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/pytest_gpu.log" \
-  || status=1
-python bench/gpu_path.py 2> "$out/gpu_path.log" | tail -1 | tee "$out/gpu_path.json" || status=1
-python bench/gpu_train_step.py --device cuda --gpt "${GPU_CHECK_GPT:-2048,20,16}" \
-  --steps "${GPU_CHECK_STEPS:-4}" 2> "$out/gpu_train_step.log" | tail -1 \
-  | tee "$out/gpu_train_step.json" || status=1
-python bench/gpu_train_step.py --device cuda --device-copies daemon \
-  --gpt "${GPU_CHECK_DAEMON_GPT:-1024,8,16}" --steps "${GPU_CHECK_STEPS:-4}" \
-  2> "$out/gpu_train_step_daemon.log" | tail -1 | tee "$out/gpu_train_step_daemon.json" || status=1
+step() {  # step NAME COMMAND...: run under the time limit, log, keep its last line as JSON
+  local name=$1; shift
+  case " $only " in *" $name "*) ;; *) return 0 ;; esac
+  local started=$SECONDS
+  timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  echo "gpu_check: $name rc=$rc in $((SECONDS - started)) s" | tee -a "$install_log"
+  [ "$rc" = 0 ] || status=1
+  if [ "$name" != pytest ]; then
+    tail -1 "$out/$name.log" | python -c 'import json,sys
+line = sys.stdin.read().strip()
+try: print(json.dumps({"step": sys.argv[1], **json.loads(line)}))
+except ValueError: print(json.dumps({"step": sys.argv[1], "failed": line[-300:]}))' "$name" \
+      >> "$out/summary.jsonl"
+  fi
+}
+step pytest python -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py
+step path python bench/gpu_path.py
+step train python bench/gpu_train_step.py --device cuda --gpt "${GPU_CHECK_GPT:-2048,20,16}" \
+  --steps "${GPU_CHECK_STEPS:-4}"
+step daemon python bench/gpu_train_step.py --device cuda --device-copies daemon \
+  --gpt "${GPU_CHECK_DAEMON_GPT:-1024,8,16}" --steps "${GPU_CHECK_STEPS:-4}" --no-deepspeed
 exit $status

@@ -458,9 +458,12 @@ class ReleaseQueue:
 def select_copy_engine(device: torch.device | str, kind: str | None = None) -> CopyEngine:
     """The engine for ``device``: ``kind`` or ``$OFFLOADD_COPY_ENGINE``, else by device."""
     device = torch.device(device)
+    from_env = kind is None
     kind = kind or os.environ.get(COPY_ENGINE_ENV) or None
     if kind is not None and kind not in ENGINE_KINDS:
         raise ValueError(f"{COPY_ENGINE_ENV}={kind!r}: expected one of {', '.join(ENGINE_KINDS)}")
+    if from_env and kind in ("twin", "inline") and device.type == "cuda":
+        kind = None  # the variable picks the engine of CPU compute; a GPU copies on CUDA
     if kind is None:
         kind = "cuda" if device.type == "cuda" else "inline"
     if kind == "cuda":

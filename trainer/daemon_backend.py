@@ -286,7 +286,12 @@ class DaemonBackend(StateBackend):
     def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
                         want_sq_norm: bool) -> torch.Tensor | None:
         self._settle(unit)
-        if not self.copies.zero_copy and unit not in self._dropped_grads:
+        if not self.copies.zero_copy:
+            if unit in self._dropped_grads:  # re-create the dropped shard; the copy fills it
+                assert first, "a gradient window starts with first=True after each step"
+                self.client.alloc([self._names[unit][1]], [self._specs[unit].part_numel * 4],
+                                  ["float32"])
+                self._dropped_grads.discard(unit)
             return self._accumulate_staged(unit, grad, first=first, want_sq_norm=want_sq_norm)
         if unit in self._dropped_grads:
             assert first, "a gradient window starts with first=True after each step"
