@@ -38,6 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="restore jobs from the last flushed manifests in the swap dirs")
     serve.add_argument("--release-swap-at-exit", action="store_true", default=None,
                        help="delete the swap files of the jobs this daemon created when it stops")
+    serve.add_argument("--exit-when-idle", type=float, dest="exit_when_idle_s",
+                       metavar="SECONDS",
+                       help="stop once no rank has been attached for SECONDS, and at once "
+                            "when the last rank left after closing its job (private daemon)")
+    serve.add_argument("--scratch-dir", action="append", dest="scratch_dirs",
+                       help="directory deleted, whole, when the daemon exits (repeatable)")
 
     demo = commands.add_parser("demo", help="run the end-to-end demo on a private daemon")
     demo.add_argument("--mode", choices=["train", "data"], default="train",
@@ -69,7 +75,8 @@ def serve_config(args: argparse.Namespace) -> DaemonConfig:
         "swap_size": args.swap_size, "metrics_addr": args.metrics_addr,
         "log_level": args.log_level, "io_engine": args.io_engine, "recover": args.recover,
         "release_swap_at_exit": args.release_swap_at_exit,
-        "arena_hugepages": args.arena_hugepages,
+        "arena_hugepages": args.arena_hugepages, "exit_when_idle_s": args.exit_when_idle_s,
+        "scratch_dirs": args.scratch_dirs,
     }
     if args.config:
         return DaemonConfig.from_toml(args.config, **overrides)

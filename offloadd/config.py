@@ -69,6 +69,14 @@ class DaemonConfig:
     release_swap_at_exit: bool = False
     """At stop, delete the swap files of every job this daemon created (flushed or not;
     recovered jobs are kept). The trainer's private daemon sets it."""
+    exit_when_idle_s: float | None = None
+    """A private daemon's lifetime: stop once no rank session has been attached for this
+    many seconds (counted from the start and from the moment the last session left), and
+    at once when the last session left after every job was closed. None: serve until
+    SIGTERM (a node daemon)."""
+    scratch_dirs: list[str] = field(default_factory=list)
+    """Directories the daemon deletes, whole, when it exits (a private daemon's own swap
+    and socket dirs: nobody else is left to remove them)."""
     metrics_addr: str | None = None
     """HOST:PORT for the Prometheus /metrics endpoint; None disables it."""
     log_level: LogLevel = "info"
@@ -136,6 +144,9 @@ class DaemonConfig:
         check_limits(self.limits())
         if self.job_linger_s < 0:
             raise ValueError(f"job_linger_s must be >= 0 seconds, got {self.job_linger_s}")
+        if self.exit_when_idle_s is not None and self.exit_when_idle_s < 0:
+            raise ValueError(f"exit_when_idle_s must be >= 0 seconds (or unset: never), "
+                             f"got {self.exit_when_idle_s}")
 
     def limits(self) -> Limits:
         from offloadd.limits import Limits

@@ -32,12 +32,22 @@ class PrivateDaemon:
         """The daemon's one ready line (``offloadd ready socket=... metrics_addr=...``)."""
         self.remove_on_stop: list[str] = []
         """Scratch dirs (e.g. private swap dirs) deleted once the daemon has exited."""
+        self.scratch_dirs: list[str] = []
+        """Dirs the daemon itself deletes when it exits (``start(scratch_dirs=...)``)."""
 
     @classmethod
     def start(cls, workdir: str | os.PathLike[str] | None = None, *,
               arena_size: int | str = 256 << 20, swap_dirs: list[str] | None = None,
               extra_args: list[str] | None = None, timeout_s: float = 30.0,
-              release_swap_at_exit: bool = False) -> PrivateDaemon:
+              release_swap_at_exit: bool = False, exit_when_idle_s: float | None = None,
+              scratch_dirs: list[str] | None = None) -> PrivateDaemon:
+        """Start ``offloadd serve`` and wait for its ready line.
+
+        ``exit_when_idle_s``: the daemon ends by itself once its ranks are gone
+        (``DaemonConfig.exit_when_idle_s``) and runs in a session of its own, so it
+        outlives this process and the signals of its process group (a terminal's Ctrl-C,
+        a launcher's killpg) until the last rank is done; ``scratch_dirs`` are deleted
+        by the daemon when it exits."""
         owned = None
         if workdir is None:
             owned = tempfile.TemporaryDirectory(prefix="offloadd-")
@@ -51,11 +61,17 @@ class PrivateDaemon:
             args += ["--swap-dir", str(swap_dir)]
         if release_swap_at_exit:  # a private daemon's swap files are its own: gone at its exit
             args.append("--release-swap-at-exit")
+        if exit_when_idle_s is not None:
+            args += ["--exit-when-idle", str(exit_when_idle_s)]
+        for path in scratch_dirs or []:
+            args += ["--scratch-dir", str(path)]
         args += extra_args or []
         log_path = os.path.join(workdir, "offloadd.log")
         with open(log_path, "ab") as log_file:
-            process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log_file)
+            process = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log_file,
+                                       start_new_session=exit_when_idle_s is not None)
         daemon = cls(process, socket_path, workdir, log_path, owned)
+        daemon.scratch_dirs = [str(path) for path in scratch_dirs or []]
         daemon._wait_ready(timeout_s)
         return daemon
 

@@ -1,5 +1,5 @@
 """Jobs end: a job with no sessions left is freed after ``job_linger_s``, or at once after
-``close_job``.
+``close_job``; a private daemon ends when no rank of its jobs is left (``IdleExit``).
 
 The linger lets a restarting rank reattach to its shards; a job whose ranks said
 ``close_job`` has nothing to come back to. Freeing a job unmaps and unlocks its arena,
@@ -44,15 +44,18 @@ class JobLifecycle:
         timer = self.timers.pop(job.name, None)
         if timer is not None:
             timer.cancel()
+        if self.daemon.idle_exit is not None:
+            self.daemon.idle_exit.attached()
 
     def detached(self, job: Job) -> None:
         """A session of ``job`` ended (closed, or sent close_job)."""
-        if job.num_sessions > 0 or self.daemon.jobs.jobs.get(job.name) is not job:
-            return
-        if job.name in self.closing:
-            self._expire(job)
-        else:
-            self._schedule(job, self.linger_s)
+        if job.num_sessions == 0 and self.daemon.jobs.jobs.get(job.name) is job:
+            if job.name in self.closing:
+                self._expire(job)
+            else:
+                self._schedule(job, self.linger_s)
+        if self.daemon.idle_exit is not None:
+            self.daemon.idle_exit.check()
 
     def close_requested(self, job: Job) -> None:
         """A rank sent close_job: free the job once no session is left (now, if none is)."""
@@ -84,10 +87,12 @@ class JobLifecycle:
         log.info("event=job_freed job=%s shards=%d", job.name, len(job.table.shards))
         if job.tier is None or self.daemon.swap is None:
             job.arena.close()
-            return
-        task = asyncio.ensure_future(self._free_swap(job))
-        self.freeing.add(task)
-        task.add_done_callback(self.freeing.discard)
+        else:
+            task = asyncio.ensure_future(self._free_swap(job))
+            self.freeing.add(task)
+            task.add_done_callback(self.freeing.discard)
+        if self.daemon.idle_exit is not None:
+            self.daemon.idle_exit.check()
 
     async def _free_swap(self, job: Job) -> None:
         try:
@@ -104,3 +109,65 @@ class JobLifecycle:
         self.timers.clear()
         if self.freeing:
             await asyncio.gather(*self.freeing, return_exceptions=True)
+
+
+class IdleExit:
+    """The end of a private daemon (``DaemonConfig.exit_when_idle_s``): it serves the ranks
+    of one training job, and nobody stops it once they are gone.
+
+    - Every rank closed its job and left: stop at once (the clean end of a run, whichever
+      rank finishes last; the daemon must outlive local rank 0 while other ranks work).
+    - No rank attached for ``idle_s`` (all ranks died, by SIGKILL or the OOM killer, or
+      none ever came): stop, giving up lingering jobs. Socket EOF is the peer-death watch:
+      the kernel closes a dead rank's connection, whatever killed it.
+    """
+
+    def __init__(self, daemon: Daemon, idle_s: float) -> None:
+        self.daemon = daemon
+        self.idle_s = idle_s
+        self.timer: asyncio.TimerHandle | None = None
+        self.served = False
+        """A rank attached once: before that, an empty daemon is starting, not finished."""
+
+    def start(self) -> None:
+        """The daemon listens: the ranks have ``idle_s`` to say hello."""
+        self._arm()
+
+    def attached(self) -> None:
+        self.served = True
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def check(self) -> None:
+        """A session left or a job was freed: stop when nobody is left."""
+        if self._ranks_present():
+            return
+        if self.served and not self.daemon.jobs.jobs:
+            self._stop("every_job_closed")
+        elif self.timer is None:
+            self._arm()
+
+    def _ranks_present(self) -> bool:
+        # A hello still making its job's arena counts: its rank is about to attach.
+        return any(session.job is not None or session.hello_pending
+                   for session in self.daemon.sessions)
+
+    def _arm(self) -> None:
+        self.timer = asyncio.get_running_loop().call_later(self.idle_s, self._timed_out)
+
+    def _timed_out(self) -> None:
+        self.timer = None
+        if self._ranks_present():
+            return
+        self._stop("idle")
+
+    def close(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _stop(self, reason: str) -> None:
+        log.info("event=idle_exit reason=%s idle_s=%s jobs=%d", reason, self.idle_s,
+                 len(self.daemon.jobs.jobs))
+        self.daemon.request_stop()

@@ -8,6 +8,7 @@ import itertools
 import logging
 import os
 import platform
+import shutil
 import signal
 import socket
 import sys
@@ -20,7 +21,7 @@ from offloadd.auth import JobAuthority
 from offloadd.config import DaemonConfig, parse_host_port
 from offloadd.device_copies import DeviceCopiesService
 from offloadd.jobs import Job, JobRegistry
-from offloadd.lifecycle import JobLifecycle
+from offloadd.lifecycle import IdleExit, JobLifecycle
 from offloadd.limits import LimitGuard
 from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
 from offloadd.optimizer import OptimizerService
@@ -63,6 +64,9 @@ class Daemon:
         self.sessions: set[Session] = set()
         self.auth = JobAuthority(require_job_secret=config.require_job_secret)
         self.lifecycle = JobLifecycle(self, config.job_linger_s)
+        self.idle_exit = (IdleExit(self, config.exit_when_idle_s)
+                          if config.exit_when_idle_s is not None else None)
+        """A private daemon's end once its ranks are gone; None for a node daemon."""
         self.limits = LimitGuard(config.limits(), self.metrics)
         self.swap: Any = None
         self._session_ids = itertools.count(1)
@@ -93,6 +97,8 @@ class Daemon:
             host, port = parse_host_port(self.config.metrics_addr)
             self._metrics_server = serve_metrics(build_registry(self.metrics), host, port)
         self._background.append(asyncio.ensure_future(self._watch_loop_lag()))
+        if self.idle_exit is not None:
+            self.idle_exit.start()
         sd_notify("READY=1")
 
     async def _listen(self) -> asyncio.AbstractServer:
@@ -122,6 +128,8 @@ class Daemon:
         await asyncio.sleep(0)
         for task in self._background:
             task.cancel()
+        if self.idle_exit is not None:
+            self.idle_exit.close()
         await self.lifecycle.close()
         if self.swap is not None:
             await self.swap.close()
@@ -134,6 +142,9 @@ class Daemon:
         if self._server is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.socket)
+            # A private daemon may outlive the rank that made these dirs: it removes them.
+            for path in self.config.scratch_dirs:
+                shutil.rmtree(path, ignore_errors=True)
         self._stopped.set()
 
     def open_job(self, name: str, arena_nbytes: int) -> Job:

@@ -1,0 +1,132 @@
+"""The private daemon's lifetime, at the daemon: ``offloadd serve --exit-when-idle S`` serves
+its ranks until the last one is done, then exits and deletes its ``--scratch-dir`` dirs.
+
+A rank's connection closed without ``close_job`` is what the daemon sees when the rank is
+killed (kill -9, the OOM killer): the kernel closes its socket. The same lifetime under
+torchrun, with real rank processes, is in ``test_private_daemon_ranks.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import JOB_ARENA_NBYTES, call, hello, raw_socket
+
+from offloadd import protocol as p
+from offloadd.embedded import PrivateDaemon
+from trainer.client import OffloadClient
+
+EXIT_WAIT_S = 60.0
+"""Longest wait for a daemon that should exit (a bound for a hang, not a speed claim)."""
+NEVER_S = 3600.0
+"""An idle grace no test outlives: an exit then proves the at-once path."""
+
+
+def start_private(tmp_path: Path, idle_s: float) -> PrivateDaemon:
+    """A daemon as the trainer starts it, its swap dir and another dir its scratch (the
+    trainer's socket dir is one too; here the log must outlive the daemon)."""
+    scratch, swap_dir = tmp_path / "scratch", tmp_path / "swap"
+    swap_dir.mkdir()
+    scratch.mkdir()
+    (scratch / "left-by-the-rank").write_bytes(b"x")
+    return PrivateDaemon.start(tmp_path / "d", arena_size="32MiB", swap_dirs=[str(swap_dir)],
+                               release_swap_at_exit=True, exit_when_idle_s=idle_s,
+                               scratch_dirs=[str(scratch), str(swap_dir)])
+
+
+def connect(daemon: PrivateDaemon, job: str, rank: int = 0) -> OffloadClient:
+    return OffloadClient.connect(daemon.socket_path, job=job, rank=rank, world_size=2,
+                                 arena_nbytes=JOB_ARENA_NBYTES, timeout_s=10)
+
+
+def exit_code(daemon: PrivateDaemon) -> int:
+    """Wait for a daemon that should exit by itself; a hang fails the test (and kills it)."""
+    try:
+        return daemon.process.wait(EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        daemon.stop()
+        pytest.fail(f"the private daemon did not exit; log: {daemon.log_path}")
+
+
+def log_of(daemon: PrivateDaemon) -> str:
+    return Path(daemon.log_path).read_text(errors="replace")
+
+
+@pytest.fixture
+def private_daemons():
+    """Started daemons, stopped at teardown whatever the test did (a no-op once exited)."""
+    started: list[PrivateDaemon] = []
+    yield started
+    for daemon in started:
+        daemon.stop()
+
+
+def test_the_daemon_serves_the_last_rank_after_the_first_closed(
+        tmp_path: Path, private_daemons, job: str) -> None:
+    daemon = start_private(tmp_path, NEVER_S)
+    private_daemons.append(daemon)
+    rank0, rank1 = connect(daemon, job, 0), connect(daemon, job, 1)
+    rank1.put("u0.master", b"rank 1 still trains")
+    rank0.put("u0.master", b"rank 0 is done")
+    rank0.close_job()  # local rank 0, which started the daemon, finishes first
+    assert daemon.process.poll() is None
+    assert rank1.get("u0.master") == b"rank 1 still trains"
+    swap_dir = Path(daemon.scratch_dirs[1])
+    assert swap_dir.exists()
+    rank1.close_job()
+    assert exit_code(daemon) == 0
+    assert "reason=every_job_closed" in log_of(daemon)
+    assert all(not Path(path).exists() for path in daemon.scratch_dirs)
+    assert not Path(daemon.socket_path).exists()
+
+
+def test_killed_ranks_end_the_daemon_after_the_grace(
+        tmp_path: Path, private_daemons, job: str) -> None:
+    daemon = start_private(tmp_path, 1.0)
+    private_daemons.append(daemon)
+    ranks = [raw_socket(daemon.socket_path) for _ in range(2)]
+    for rank, sock in enumerate(ranks):
+        assert isinstance(hello(sock, job, rank=rank, world_size=2), p.HelloOk)
+    ranks[0].close()  # a kill -9: the connection ends without close_job
+    assert daemon.process.poll() is None, "rank 1 still holds the job"
+    reply = call(ranks[1], p.Alloc(2, ["u0.master"], [4096], ["float32"]))
+    assert reply is not None and not isinstance(reply, p.ErrorReply), reply
+    ranks[1].close()
+    assert exit_code(daemon) == 0
+    assert "reason=idle" in log_of(daemon)
+    assert all(not Path(path).exists() for path in daemon.scratch_dirs)
+
+
+def test_a_daemon_no_rank_ever_reaches_exits_after_the_grace(
+        tmp_path: Path, private_daemons) -> None:
+    daemon = start_private(tmp_path, 1.0)  # its starter died before saying hello
+    private_daemons.append(daemon)
+    assert exit_code(daemon) == 0
+    assert all(not Path(path).exists() for path in daemon.scratch_dirs)
+
+
+def test_an_admin_query_is_not_a_rank(tmp_path: Path, private_daemons) -> None:
+    daemon = start_private(tmp_path, 1.0)
+    private_daemons.append(daemon)
+    with raw_socket(daemon.socket_path) as admin:  # `offloadd status` held open
+        admin.sendall(p.encode_frame(p.NodeStatus(1)))
+        assert exit_code(daemon) == 0
+
+
+def test_a_node_daemon_without_the_flag_keeps_serving(tmp_path: Path, private_daemons,
+                                                        job: str) -> None:
+    daemon = PrivateDaemon.start(tmp_path / "d", arena_size="32MiB")
+    private_daemons.append(daemon)
+    connect(daemon, job).close_job()
+    with connect(daemon, job) as again:  # the daemon is still there for the next job
+        again.put("a", b"x")
+    assert daemon.process.poll() is None
+
+
+def test_exit_when_idle_must_not_be_negative(tmp_path: Path) -> None:
+    from offloadd.config import DaemonConfig
+
+    with pytest.raises(ValueError, match="exit_when_idle_s must be >= 0"):
+        DaemonConfig(socket=str(tmp_path / "s"), exit_when_idle_s=-1.0)
