@@ -152,7 +152,7 @@ def test_backend_d2h_of_a_gradient_survives_reuse_of_the_grad_buffer(
     from trainer.daemon_backend import DaemonBackend
     from trainer.offload import UnitSpec
 
-    backend = DaemonBackend(connect(), collectives=Collectives(), private=False, copies=twin)
+    backend = DaemonBackend(connect(), collectives=Collectives(), copies=twin)
     backend.register(UnitSpec(index=0, part_numel=32, param_dtype=torch.float32),
                      torch.zeros(32))
     grad = torch.full((32,), 2.0)
@@ -173,8 +173,7 @@ def test_a_refused_arena_registration_warns_with_the_fix_and_copies_still_work(
 
     twin = TwinCopyEngine(memlock_nbytes=64 << 10)  # far below the 4 MiB arena
     with pytest.warns(RuntimeWarning, match="ulimit -l unlimited"):
-        backend = DaemonBackend(connect(), collectives=Collectives(), private=False,
-                                copies=twin)
+        backend = DaemonBackend(connect(), collectives=Collectives(), copies=twin)
     try:
         assert backend.stats()["rank_arena_pinned"] == "failed"
         assert twin.registered == {}

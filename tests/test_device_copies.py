@@ -359,7 +359,7 @@ def test_backend_reports_pinning_and_rank_path(daemon: PrivateDaemon, connect) -
     engines = [TwinCopyEngine(), TwinCopyEngine(memlock_nbytes=1)]  # the second cannot pin
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the refused pinning warns (tested elsewhere)
-        backends = [DaemonBackend(connect(), collectives=Collectives(), private=False,
+        backends = [DaemonBackend(connect(), collectives=Collectives(),
                                   copies=engine) for engine in engines]
     after = scrape(daemon)
     for backend in backends:
@@ -378,7 +378,7 @@ def test_backend_daemon_copies_accumulate_and_read(connect) -> None:
     from trainer.offload import UnitSpec
 
     twin = TwinCopyEngine()
-    backend = DaemonBackend(connect(), collectives=Collectives(), private=False, copies=twin,
+    backend = DaemonBackend(connect(), collectives=Collectives(), copies=twin,
                             device_copies="daemon", staging_slots=2)
     try:
         for unit in range(3):

@@ -166,7 +166,7 @@ def test_the_engine_backend_closes_its_job_on_a_shared_daemon(daemon, job) -> No
 
     client = OffloadClient.connect(daemon.socket_path, job=job)
     client.put("u0.master", b"\0" * 64)
-    backend = DaemonBackend(client, collectives=None, private=False)  # type: ignore[arg-type]
+    backend = DaemonBackend(client, collectives=None)  # type: ignore[arg-type]
     backend.close()
     assert client.closed
     assert job not in live_jobs(daemon)  # freed at close, not after the 300 s linger

@@ -269,6 +269,10 @@ class OffloaddConfig:
     """Directory for the private daemon's socket and files; unset: a fresh temp dir."""
     connect_timeout_s: float = 120.0
     """Seconds to wait for the daemon socket to accept connections; > 0."""
+    private_exit_grace_s: float = 15.0
+    """Seconds the private daemon waits, once no rank of its job is attached and the job
+    was not closed (its ranks were killed), before it exits and deletes its scratch dirs;
+    > 0. A run whose ranks all finish stops it at once, whichever rank ends last."""
     device_copies: Literal["rank", "daemon"] = "rank"
     """Who copies between the arena and the GPU: "rank" (the rank's own CUDA streams) or
     "daemon" (the daemon's streams into the rank's IPC-exported staging slots; falls back
@@ -285,6 +289,8 @@ class OffloaddConfig:
                self.arena_size, "> 0 bytes")
         _check(self.connect_timeout_s > 0, "offloadd.connect_timeout_s",
                self.connect_timeout_s, "> 0")
+        _check(self.private_exit_grace_s > 0, "offloadd.private_exit_grace_s",
+               self.private_exit_grace_s, "> 0 seconds")
         _check(self.staging_slots >= 2, "offloadd.staging_slots", self.staging_slots, ">= 2")
         _check(self.staging_readahead_slots is None
                or 0 <= self.staging_readahead_slots < self.staging_slots,

@@ -10,8 +10,9 @@ also rewrites ``u{N}.param`` in the training dtype.
 ``connect_backend`` finds the daemon: ``offloadd.socket`` when configured,
 otherwise local rank 0 of each node starts a private daemon
 (``offloadd.embedded.PrivateDaemon``) and shares its socket path with the
-node's other ranks through a collective; the daemon stops when the engine
-closes (or at interpreter exit).
+node's other ranks through a collective. No rank stops that daemon: it ends by
+itself once the node's last rank is done (``_start_private_daemon``). Each rank
+closes its job when its engine closes, or at interpreter exit (``_close_at_exit``).
 """
 
 from __future__ import annotations
@@ -24,13 +25,12 @@ import tempfile
 import time
 import uuid
 import warnings
+import weakref
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from trainer.collectives import Collectives, node_key
@@ -59,7 +59,7 @@ DEVICE_COPIES_ENV = "OFFLOADD_DEVICE_COPIES"
 class DaemonBackend(StateBackend):
     """Optimizer state as daemon shards; Adam runs in the daemon."""
 
-    def __init__(self, client: Any, *, collectives: Collectives, private: bool,
+    def __init__(self, client: Any, *, collectives: Collectives,
                  private_daemon: Any | None = None, swaps: bool = False,
                  copies: CopyEngine | None = None, device_copies: str = "rank",
                  staging_slots: int = 4, local_rank: int = 0,
@@ -89,9 +89,9 @@ class DaemonBackend(StateBackend):
         self.swaps = swaps
         """The state may live on NVMe: prefetch hints are worth their round trip."""
         self.collectives = collectives
-        self._private = private
-        """Ranks share a private daemon: all of them meet before its owner stops it."""
-        self._daemon = private_daemon
+        self.private_daemon = private_daemon
+        """The private daemon this rank started (local rank 0), else None. Not stopped by
+        this rank: it ends by itself after the node's last rank (see _start_private_daemon)."""
         self._specs: dict[int, UnitSpec] = {}
         self._names: dict[int, tuple[str, str, str]] = {}
         """Per unit: the step's unit name, the grad shard id, the param shard id."""
@@ -106,6 +106,7 @@ class DaemonBackend(StateBackend):
         """Bytes this rank copied into or out of arena leases."""
         self.wait_s = 0.0
         """Seconds this rank spent blocked on the daemon (leases, step completion)."""
+        _OPEN_BACKENDS.add(self)
 
     @staticmethod
     def _ids(unit: int, *kinds: str) -> list[str]:
@@ -419,6 +420,7 @@ class DaemonBackend(StateBackend):
             return {"stats_error": str(error), **rank_side}
 
     def close(self) -> None:
+        _OPEN_BACKENDS.discard(self)
         if self.client.closed:
             return
         failure: BaseException | None = None
@@ -440,13 +442,32 @@ class DaemonBackend(StateBackend):
         except OffloadError:
             self.client.close()
         self.copies.close()
-        if self._private:
-            _wait_for_node_peers(self.collectives)
-        if self._daemon is not None:
-            self._daemon.stop()
-            self._daemon = None
         if failure is not None:
             raise failure
+
+
+_OPEN_BACKENDS: weakref.WeakSet[DaemonBackend] = weakref.WeakSet()
+"""Backends not closed yet: what ``_close_at_exit`` closes."""
+
+
+def _close_at_exit() -> None:
+    """Close the job of every engine the script never closed (DeepSpeed-style scripts end
+    without ``engine.close()``): the daemon gives its arena and swap back now instead of
+    keeping them ``job_linger_s`` for a rank that will not come back.
+
+    Registered at import, after torch: atexit runs it before torch's own exit handlers,
+    while the connection and the copy engine still work. No collectives here: peers may
+    already be gone."""
+    for backend in list(_OPEN_BACKENDS):
+        try:
+            backend.close()
+        except Exception as error:  # exiting anyway: say why the job may linger
+            warnings.warn(f"could not close offloadd job {backend.client.job!r} at exit "
+                          f"(the daemon frees it after job_linger_s): {error}",
+                          RuntimeWarning, stacklevel=1)
+
+
+atexit.register(_close_at_exit)
 
 
 class _TimedHandle:
@@ -471,18 +492,6 @@ def _nothing() -> None:
 def _dtype_tag(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16",
             torch.float16: "float16"}[dtype]
-
-
-def _wait_for_node_peers(collectives: Collectives) -> None:
-    """Let every rank close its client before the private daemon goes away."""
-    if collectives.world_size == 1:
-        return
-    try:
-        dist.monitored_barrier(group=collectives.object_group, timeout=timedelta(seconds=60),
-                               wait_all_ranks=True)
-    except RuntimeError as error:  # a peer died; stopping the daemon is still right
-        warnings.warn(f"peers did not reach the daemon shutdown barrier: {error}",
-                      RuntimeWarning, stacklevel=2)
 
 
 # ---------------------------------------------------------------------------
@@ -565,41 +574,71 @@ def _swap_dirs(config: EngineConfig, job: str, subdir: str = "") -> list[str]:
 
 def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
                           subdir: str = "") -> Any:
+    """Start the node's private daemon; it ends by itself when its ranks are gone.
+
+    Hazard, lifetime: the daemon must outlive local rank 0 while other ranks still train
+    (rank 0 of a DeepSpeed-style script often prints and exits first), so no rank stops
+    it: it stops once every rank closed the job and left, or ``private_exit_grace_s``
+    after the last rank vanished without closing (kill -9, the OOM killer), and then
+    deletes its scratch dirs, which only it can still know are unused.
+    """
     from offloadd.embedded import PrivateDaemon
 
-    workdir = config.offloadd.workdir or tempfile.mkdtemp(prefix="offloadd-private-")
-    # A scratch dir of its own under each nvme_path: a swap dir belongs to one daemon
-    # (it is locked), and jobs on one node commonly share one nvme_path.
-    scratch = [tempfile.mkdtemp(prefix=f"offloadd-private-{job}-", dir=path)
-               for path in _swap_dirs(config, job, subdir)]
+    base = Path(config.offloadd.workdir) / subdir if config.offloadd.workdir else None
+    if base is not None:
+        base.mkdir(parents=True, exist_ok=True)
+    # Dirs of its own: a second job on the node (or the same workdir) gets another
+    # socket, and a swap dir belongs to one daemon (it is locked).
+    scratch = [tempfile.mkdtemp(prefix="offloadd-", dir=base)]
+    scratch += [tempfile.mkdtemp(prefix=f"offloadd-private-{job}-", dir=path)
+                for path in _swap_dirs(config, job, subdir)]
     try:
-        daemon = PrivateDaemon.start(Path(workdir) / subdir, arena_size=arena_nbytes,
-                                     swap_dirs=scratch, release_swap_at_exit=True)
+        return PrivateDaemon.start(scratch[0], arena_size=arena_nbytes, swap_dirs=scratch[1:],
+                                   release_swap_at_exit=True, scratch_dirs=scratch,
+                                   exit_when_idle_s=config.offloadd.private_exit_grace_s)
     except BaseException:
         for path in scratch:
             shutil.rmtree(path, ignore_errors=True)
         raise
-    daemon.remove_on_stop = scratch
-    atexit.register(daemon.stop)
-    return daemon
 
 
-def _leader_starts_daemon(config: EngineConfig, collectives: Collectives, job: str,
-                          arena_nbytes: int) -> tuple[str, Any]:
-    """Local rank 0 starts the daemon; every rank of the node gets its socket path."""
-    daemon, outcome = None, ""
+def _connect(config: EngineConfig, collectives: Collectives, socket_path: str, job: str,
+             arena_nbytes: int) -> Any:
+    from trainer.client import OffloadClient, OffloadError
+
+    try:
+        return OffloadClient.connect(
+            socket_path, job=job, rank=collectives.rank, world_size=collectives.world_size,
+            local_rank=collectives.local_rank, arena_nbytes=arena_nbytes,
+            timeout_s=config.offloadd.connect_timeout_s)
+    except (OffloadError, OSError) as error:
+        raise RuntimeError(f"cannot connect to offloadd at {socket_path} "
+                           f"(config key offloadd.socket): {error}") from error
+
+
+def _connect_private(config: EngineConfig, collectives: Collectives, job: str,
+                     arena_nbytes: int) -> tuple[Any, Any]:
+    """Local rank 0 starts the daemon and attaches at once, so the daemon never sees an
+    empty node while slower ranks reach ``initialize``; then every rank of the node gets
+    its socket path. Returns this rank's client and the daemon it started (or None)."""
+    daemon, client, outcome = None, None, ""
     subdir = _node_subdir(collectives)
     if collectives.local_rank == 0:
         try:
             daemon = _start_private_daemon(config, job, arena_nbytes, subdir)
+            client = _connect(config, collectives, daemon.socket_path, job, arena_nbytes)
             outcome = "socket:" + daemon.socket_path
         except Exception as error:  # reported on every rank below, not only here
+            if daemon is not None:
+                daemon.stop()
             outcome = f"error:{type(error).__name__}: {error}"
     shared = collectives.node_leader_value(outcome)
     if shared.startswith("error:"):
         raise RuntimeError("local rank 0 could not start a private offloadd "
                            f"(set offloadd.socket to use a running daemon): {shared[6:]}")
-    return shared.removeprefix("socket:"), daemon
+    if client is None:
+        client = _connect(config, collectives, shared.removeprefix("socket:"), job, arena_nbytes)
+    return client, daemon
 
 
 def device_copies_choice(config: EngineConfig) -> str:
@@ -614,32 +653,20 @@ def device_copies_choice(config: EngineConfig) -> str:
 def connect_backend(config: EngineConfig, collectives: Collectives,
                     model: nn.Module) -> DaemonBackend:
     """Connect this rank to its node's daemon (starting a private one when needed)."""
-    from trainer.client import OffloadClient, OffloadError
-
     job = config.offloadd.job or collectives.all_gather_object(
         f"train-{uuid.uuid4().hex[:12]}")[0]
     arena_nbytes = config.offloadd.arena_size or default_arena_nbytes(model, config, collectives)
     daemon = None
-    socket_path = config.offloadd.socket
-    if socket_path is None:
-        socket_path, daemon = _leader_starts_daemon(config, collectives, job, arena_nbytes)
-    try:
-        client = OffloadClient.connect(
-            socket_path, job=job, rank=collectives.rank, world_size=collectives.world_size,
-            local_rank=collectives.local_rank, arena_nbytes=arena_nbytes,
-            timeout_s=config.offloadd.connect_timeout_s)
-    except (OffloadError, OSError) as error:
-        if daemon is not None:
-            daemon.stop()
-        raise RuntimeError(f"cannot connect to offloadd at {socket_path} "
-                           f"(config key offloadd.socket): {error}") from error
+    if config.offloadd.socket is None:
+        client, daemon = _connect_private(config, collectives, job, arena_nbytes)
+    else:
+        client = _connect(config, collectives, config.offloadd.socket, job, arena_nbytes)
     zero = config.zero_optimization
     swaps = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
     from trainer.copy_engine import select_copy_engine
     from trainer.device import resolve_device
 
-    return DaemonBackend(client, collectives=collectives, private=config.offloadd.socket is None,
-                         private_daemon=daemon, swaps=swaps,
+    return DaemonBackend(client, collectives=collectives, private_daemon=daemon, swaps=swaps,
                          copies=select_copy_engine(resolve_device(config.device).device),
                          device_copies=device_copies_choice(config),
                          staging_slots=config.offloadd.staging_slots,
