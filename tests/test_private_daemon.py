@@ -130,3 +130,33 @@ def test_exit_when_idle_must_not_be_negative(tmp_path: Path) -> None:
 
     with pytest.raises(ValueError, match="exit_when_idle_s must be >= 0"):
         DaemonConfig(socket=str(tmp_path / "s"), exit_when_idle_s=-1.0)
+
+
+def test_a_second_job_on_the_node_gets_a_daemon_of_its_own(tmp_path: Path,
+                                                             private_daemons) -> None:
+    """Two torchrun jobs on one node, same config (workdir and nvme_path): each local
+    rank 0 starts a daemon, and neither takes the other's socket or swap dir."""
+    from trainer.config import parse_config
+    from trainer.daemon_backend import _start_private_daemon
+
+    offload = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
+    config = parse_config({
+        "train_micro_batch_size_per_gpu": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": {"stage": 3, "offload_optimizer": offload},
+        "offloadd": {"workdir": str(tmp_path / "work"), "private_exit_grace_s": NEVER_S}})
+    first = _start_private_daemon(config, "train", 32 << 20)
+    private_daemons.append(first)
+    second = _start_private_daemon(config, "train", 32 << 20)
+    private_daemons.append(second)
+    assert first.socket_path != second.socket_path
+    assert not set(first.scratch_dirs) & set(second.scratch_dirs)
+    first_rank, second_rank = connect(first, "train"), connect(second, "train")
+    first_rank.put("u0.master", b"first job")
+    second_rank.put("u0.master", b"second job")
+    first_rank.close_job()
+    assert exit_code(first) == 0
+    assert second_rank.get("u0.master") == b"second job"  # the second job trains on
+    second_rank.close_job()
+    assert exit_code(second) == 0
+    assert list((tmp_path / "nvme").iterdir()) == []
