@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from offloadd.jobs import Job
     from offloadd.server import Daemon
+    from offloadd.session import Session
 
 log = logging.getLogger(__name__)
 BUSY_RETRY_S = 0.5
@@ -118,8 +120,13 @@ class IdleExit:
     - Every rank closed its job and left: stop at once (the clean end of a run, whichever
       rank finishes last; the daemon must outlive local rank 0 while other ranks work).
     - No rank attached for ``idle_s`` (all ranks died, by SIGKILL or the OOM killer, or
-      none ever came): stop, giving up lingering jobs. Socket EOF is the peer-death watch:
-      the kernel closes a dead rank's connection, whatever killed it.
+      none ever came): stop, giving up lingering jobs.
+
+    Hazard, inherited sockets: the kernel closes a dead rank's connection only when no
+    process holds it any more, and a child the rank forked (a DataLoader worker, a pool
+    process blocked on a pipe) keeps it open after the rank is killed. So the daemon also
+    watches each rank's own process (a pidfd of the SO_PEERCRED pid) and ends the session
+    when that process exits, whoever still holds its socket.
     """
 
     def __init__(self, daemon: Daemon, idle_s: float) -> None:
@@ -128,6 +135,8 @@ class IdleExit:
         self.timer: asyncio.TimerHandle | None = None
         self.served = False
         """A rank attached once: before that, an empty daemon is starting, not finished."""
+        self.watches: dict[Session, int] = {}
+        """The pidfd of each attached session's peer process."""
 
     def start(self) -> None:
         """The daemon listens: the ranks have ``idle_s`` to say hello."""
@@ -138,9 +147,14 @@ class IdleExit:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        for session in self.daemon.sessions:
+            if session.job is not None and session not in self.watches:
+                self._watch(session)
 
     def check(self) -> None:
         """A session left or a job was freed: stop when nobody is left."""
+        for session in [s for s in self.watches if s.closed or s.job is None]:
+            self._unwatch(session)
         if self._ranks_present():
             return
         if self.served and not self.daemon.jobs.jobs:
@@ -152,6 +166,27 @@ class IdleExit:
         # A hello still making its job's arena counts: its rank is about to attach.
         return any(session.job is not None or session.hello_pending
                    for session in self.daemon.sessions)
+
+    def _watch(self, session: Session) -> None:
+        try:
+            pidfd = os.pidfd_open(session.peer_pid)
+        except OSError:  # gone already, or no pidfd (Linux < 5.3): socket EOF still ends it
+            return
+        self.watches[session] = pidfd
+        asyncio.get_running_loop().add_reader(pidfd, self._peer_exited, session)
+
+    def _unwatch(self, session: Session) -> None:
+        pidfd = self.watches.pop(session, None)
+        if pidfd is not None:
+            asyncio.get_running_loop().remove_reader(pidfd)
+            os.close(pidfd)
+
+    def _peer_exited(self, session: Session) -> None:
+        self._unwatch(session)
+        if not session.closed and session.transport is not None:
+            log.info("event=peer_exited session=%d pid=%d", session.session_id,
+                     session.peer_pid)
+            session.transport.close()
 
     def _arm(self) -> None:
         self.timer = asyncio.get_running_loop().call_later(self.idle_s, self._timed_out)
@@ -166,6 +201,8 @@ class IdleExit:
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+        for session in list(self.watches):
+            self._unwatch(session)
 
     def _stop(self, reason: str) -> None:
         log.info("event=idle_exit reason=%s idle_s=%s jobs=%d", reason, self.idle_s,

@@ -8,7 +8,10 @@ torchrun, with real rank processes, is in ``test_private_daemon_ranks.py``.
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -96,6 +99,42 @@ def test_killed_ranks_end_the_daemon_after_the_grace(
     ranks[1].close()
     assert exit_code(daemon) == 0
     assert "reason=idle" in log_of(daemon)
+    assert all(not Path(path).exists() for path in daemon.scratch_dirs)
+
+
+def fork_rank_that_leaves_a_child_holding_its_socket(daemon: PrivateDaemon, job: str) -> int:
+    """A rank process says hello, forks a child that inherits its connection (as a forked
+    DataLoader or pool worker does) and dies; returns the child's pid."""
+    read_end, write_end = os.pipe()
+    rank_pid = os.fork()
+    if rank_pid == 0:  # pragma: no cover - runs in the forked rank
+        try:
+            sock = raw_socket(daemon.socket_path)
+            hello(sock, job)
+            child = os.fork()
+            if child == 0:
+                os.close(write_end)  # the test reads until the rank's end closes
+                time.sleep(EXIT_WAIT_S * 2)  # holds the socket; killed by the test
+                os._exit(0)
+            os.write(write_end, str(child).encode())
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    os.waitpid(rank_pid, 0)
+    with os.fdopen(read_end, "rb") as pipe:
+        return int(pipe.read())
+
+
+def test_a_dead_ranks_session_ends_while_a_child_still_holds_its_socket(
+        tmp_path: Path, private_daemons, job: str) -> None:
+    daemon = start_private(tmp_path, 1.0)
+    private_daemons.append(daemon)
+    child = fork_rank_that_leaves_a_child_holding_its_socket(daemon, job)
+    try:
+        assert exit_code(daemon) == 0
+    finally:
+        os.kill(child, signal.SIGKILL)
+    assert "event=peer_exited" in log_of(daemon)
     assert all(not Path(path).exists() for path in daemon.scratch_dirs)
 
 
