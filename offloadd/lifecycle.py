@@ -137,6 +137,7 @@ class IdleExit:
         """A rank attached once: before that, an empty daemon is starting, not finished."""
         self.watches: dict[Session, int] = {}
         """The pidfd of each attached session's peer process."""
+        self.stopped = False
 
     def start(self) -> None:
         """The daemon listens: the ranks have ``idle_s`` to say hello."""
@@ -193,7 +194,8 @@ class IdleExit:
 
     def _timed_out(self) -> None:
         self.timer = None
-        if self._ranks_present():
+        if self._ranks_present():  # a hello still making its arena: it may yet fail
+            self._arm()
             return
         self._stop("idle")
 
@@ -205,6 +207,9 @@ class IdleExit:
             self._unwatch(session)
 
     def _stop(self, reason: str) -> None:
+        if self.stopped:  # a freed job and its session's end both report the same end
+            return
+        self.stopped = True
         log.info("event=idle_exit reason=%s idle_s=%s jobs=%d", reason, self.idle_s,
                  len(self.daemon.jobs.jobs))
         self.daemon.request_stop()
