@@ -145,7 +145,10 @@ class CudaStaging(Staging):
                       for i in range(num_slots)]
         self.consumed = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
         self.filled = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
-        self.device_uuid = str(torch.cuda.get_device_properties(device).uuid)
+        properties = torch.cuda.get_device_properties(device)
+        self.device_uuid = str(properties.uuid)
+        self.device_pci_bus_id = (f"{properties.pci_domain_id:04x}:{properties.pci_bus_id:02x}:"
+                                  f"{properties.pci_device_id:02x}.0")
 
     def export(self) -> dict[str, Any]:
         handles = []
@@ -388,6 +391,7 @@ def open_daemon_copies(client: Any, copies: CopyEngine, *, num_slots: int, slot_
     try:
         staging = make_staging(copies, num_slots, slot_nbytes, local_rank)
         request.kind, request.device_uuid = staging.kind, staging.device_uuid
+        request.device_pci_bus_id = getattr(staging, "device_pci_bus_id", "")
         for key, value in staging.export().items():
             setattr(request, key, value)
     except StagingUnavailable as unavailable:
