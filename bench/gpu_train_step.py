@@ -279,6 +279,7 @@ def main() -> None:
         "tokens_per_step": tokens, "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum, "seq_len": args.seq_len,
         "step_s_median": median_s, "tokens_per_s": tokens / median_s,
+        "step_s": ours["step_s"], "deepspeed_step_s": peer["step_s"] if peer else None,
         "sm_busy_fraction": ours.get("sm_busy_fraction"),
         "h2d_busy_s": ours.get("h2d_busy_s"), "d2h_busy_s": ours.get("d2h_busy_s"),
         "adam_s_per_step": ours["adam_s"], "profiled_step_s": ours.get("profiled_step_s"),

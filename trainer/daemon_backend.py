@@ -110,6 +110,11 @@ class DaemonBackend(StateBackend):
         without NVMe the whole working set is resident and nothing needs bounding."""
         self._inflight_step_nbytes: dict[int, int] = {}
         self._dropped_grads: set[int] = set()
+        self._device_sums: dict[int, torch.Tensor] = {}
+        """Running gradient sums of open accumulation windows, on the compute device."""
+        self._device_sums_nbytes = 0
+        self.device_sum_room_nbytes = _device_sum_room(self.copies)
+        """Device memory the running sums may take (a quarter of what is free at start)."""
         self.grad_drops_refused = 0
         """Units whose ``u{N}.grad`` shard was dropped after its step (NVMe only)."""
         self.moved_nbytes = 0
@@ -308,8 +313,37 @@ class DaemonBackend(StateBackend):
 
     # ------------------------------------------------------------------ grads
 
+    def _sum_on_device(self, unit: int, grad: torch.Tensor, *, first: bool,
+                       last: bool) -> tuple[torch.Tensor, bool] | None:
+        """Gradient accumulation on the compute device: the window's running fp32 sum stays
+        there and crosses to the arena once, at the window's last micro-batch, instead of
+        a D2H + H2D + add per micro-batch. Returns what to write then (and whether it is
+        the whole window: ``first``); None while the window goes on. Sums beyond
+        ``device_sum_room_nbytes`` take the per-micro-batch path."""
+        held = self._device_sums.pop(unit, None)
+        if held is not None and not first:
+            held.add_(grad)
+            if not last:
+                self._device_sums[unit] = held
+                return None
+            return held, True
+        if held is not None:  # a window that ended without its last micro-batch
+            self._device_sums_nbytes -= held.nbytes
+        if last or self._device_sums_nbytes + grad.numel() * 4 > self.device_sum_room_nbytes:
+            return grad, first
+        self._device_sums[unit] = grad.to(torch.float32, copy=True)
+        self._device_sums_nbytes += grad.numel() * 4
+        return None
+
     def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
-                        want_sq_norm: bool) -> torch.Tensor | None:
+                        want_sq_norm: bool, last: bool = True) -> torch.Tensor | None:
+        if not self.copies.zero_copy:
+            summed = self._sum_on_device(unit, grad, first=first, last=last)
+            if summed is None:
+                return None
+            if summed[0] is not grad:  # the window's sum leaves the device now
+                self._device_sums_nbytes -= summed[0].nbytes
+            grad, first = summed
         self._settle(unit)
         if not self.copies.zero_copy:
             if unit in self._dropped_grads:  # re-create the dropped shard; the copy fills it
@@ -495,6 +529,21 @@ class _TimedHandle:
 
 def _nothing() -> None:
     return None
+
+
+DEVICE_SUM_ROOM_FRACTION = 4
+"""Running gradient sums may take 1/4 of the device memory free when the backend starts."""
+TWIN_DEVICE_NBYTES = 1 << 30
+"""What the twin's "device" counts as free memory."""
+
+
+def _device_sum_room(copies: CopyEngine) -> int:
+    if copies.zero_copy:
+        return 0
+    if copies.device.type == "cuda":
+        free_nbytes, _ = torch.cuda.mem_get_info(copies.device)
+        return free_nbytes // DEVICE_SUM_ROOM_FRACTION
+    return TWIN_DEVICE_NBYTES // DEVICE_SUM_ROOM_FRACTION
 
 
 def _dtype_tag(dtype: torch.dtype) -> str:
