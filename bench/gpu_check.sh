@@ -63,6 +63,9 @@ else
   echo "gpu_check: native build failed; running from the tree (Python IO and Adam)" >> "$install_log"
   export PYTHONPATH=$PWD
 fi
+# DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST as numbers: the image's "9.0a" breaks
+# its JIT builds (async_io for ZeRO-Infinity), so its ops are built for plain sm_90.
+export TORCH_CUDA_ARCH_LIST="$(echo "${TORCH_CUDA_ARCH_LIST:-9.0}" | sed 's/\([0-9]\)a/\1/g')"
 status=0
 step() {  # step NAME COMMAND...: run under the time limit, log, keep its last line as JSON
   local name=$1; shift
