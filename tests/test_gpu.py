@@ -153,3 +153,23 @@ def test_daemon_finds_the_rank_gpu_by_pci_bus_id() -> None:
               f"{properties.pci_device_id:02x}.0")
     assert find_device(cupy, "GPU-not-this-uuid", bus_id) == 0
     assert find_device(cupy, str(properties.uuid)) == 0
+
+
+def test_closed_staging_gives_its_ipc_exported_memory_back() -> None:
+    """The staging buffer is exported by CUDA IPC to the daemon's cupy, which never takes
+    part in torch's IPC reference counting: closing it must free the block all the same."""
+    import gc
+
+    from trainer.daemon_copies import CudaStaging
+
+    torch.cuda.synchronize()
+    gc.collect()
+    before = torch.cuda.memory_allocated(0)
+    staging = CudaStaging(torch.device("cuda", 0), num_slots=2, slot_nbytes=8 << 20)
+    assert staging.export()["ipc_handle"]
+    assert torch.cuda.memory_allocated(0) >= before + (16 << 20)
+    staging.close()
+    del staging
+    gc.collect()
+    torch.cuda.ipc_collect()
+    assert torch.cuda.memory_allocated(0) == before

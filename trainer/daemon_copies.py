@@ -141,6 +141,10 @@ class CudaStaging(Staging):
             raise StagingUnavailable("ipc_refused", f"cannot export the staging buffer by "
                                      f"CUDA IPC: {error}") from error
         self._ipc_handle, self._ipc_offset = cuda_ipc_mem_handle(bytes(shared[1])), int(shared[3])
+        self._ipc_ref_counter: tuple[Any, ...] | None = (shared[4], shared[5])
+        """torch's cross-process count of this export. Its consumer is the daemon's cupy,
+        which never decrements it, so torch would keep the block forever ("producer
+        terminated before all shared CUDA tensors released"): ``close`` gives it back."""
         self.slots = [self.buffer[i * slot_nbytes : (i + 1) * slot_nbytes]
                       for i in range(num_slots)]
         self.consumed = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
@@ -167,6 +171,10 @@ class CudaStaging(Staging):
     def close(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
         self.slots = []
+        if self._ipc_ref_counter is not None:
+            counter, self._ipc_ref_counter = self._ipc_ref_counter, None
+            torch.UntypedStorage._release_ipc_counter(*counter, device=self.device)
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
 
 
 CUDA_IPC_HANDLE_NBYTES = 64
