@@ -162,11 +162,12 @@ def test_many_short_jobs_leave_fds_mappings_and_memory_where_they_started(
 
 
 def test_the_engine_backend_closes_its_job_on_a_shared_daemon(daemon, job) -> None:
+    from trainer.collectives import Collectives
     from trainer.daemon_backend import DaemonBackend
 
     client = OffloadClient.connect(daemon.socket_path, job=job)
     client.put("u0.master", b"\0" * 64)
-    backend = DaemonBackend(client, collectives=None)  # type: ignore[arg-type]
+    backend = DaemonBackend(client, collectives=Collectives())
     backend.close()
     assert client.closed
     assert job not in live_jobs(daemon)  # freed at close, not after the 300 s linger
