@@ -35,6 +35,7 @@ from trainer.offload import StateBackend, UnitSpec
 from trainer.optimizer import ZeroOptimizer
 from trainer.partition import Unit, build_units
 from trainer.precision import Precision
+from trainer.pretrained import pending_source
 from trainer.reduce_order import ReduceOrder
 from trainer.scheduler import WarmupLR, build_scheduler
 from trainer.trace import GatherTrace
@@ -119,10 +120,13 @@ class Engine(nn.Module):
 
     def _adopt_parameters(self) -> None:
         """Rank 0's initial values everywhere, then hand units to backend and placement."""
-        materialise_untracked(self)  # zero.Init: meta parameters get storage unit by unit
+        # zero.Init: meta parameters get storage unit by unit, from a pretrained checkpoint
+        # (load_pretrained / from_pretrained under zero.Init) or else the model's own init.
+        pretrained = pending_source(self.module)
+        materialise_untracked(self, pretrained)
         self._broadcast_untracked_state()
         for unit in self.units:
-            materialise_unit(self, unit)
+            materialise_unit(self, unit, pretrained)
             flat = unit.flatten_params(self.precision.dtype)
             self.collectives.broadcast(flat)
             spec = UnitSpec(index=unit.index, part_numel=unit.part_numel,

@@ -40,6 +40,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from trainer.agreement import agree
+from trainer.pretrained import PretrainedSource, fill_materialised
+
 if TYPE_CHECKING:
     from trainer.engine import Engine
     from trainer.partition import Unit
@@ -180,20 +183,36 @@ def _malloc_trim() -> Any:
     return getattr(ctypes.CDLL(name), "malloc_trim", None) if name is not None else None
 
 
-def materialise_untracked(engine: Engine) -> None:
-    """Meta parameters outside every unit (frozen ones in stages 0-2): materialise them whole."""
+def materialise_untracked(engine: Engine, pretrained: PretrainedSource | None = None) -> None:
+    """Meta parameters outside every unit (frozen ones in stages 0-2): materialise them whole;
+    rank 0 fills them (and the model's buffers) from ``pretrained`` before they are
+    broadcast."""
     tracked = {id(slot.param) for unit in engine.units for slot in unit.slots}
     rest = [p for p in engine.module.parameters() if id(p) not in tracked]
+    meta = {id(p) for p in rest if p.is_meta}
     materialise(engine.module, engine.module, rest, "<untracked>", engine.collectives.device)
+    if pretrained is not None:
+        named = [(name, p) for name, p in engine.module.named_parameters() if id(p) in meta]
+        named += list(engine.module.named_buffers())
+        with agree(engine.collectives, "loading pretrained weights outside the units"):
+            if engine.collectives.rank == 0:
+                fill_materialised(pretrained, named)
 
 
-def materialise_unit(engine: Engine, unit: Unit) -> None:
-    """Engine hook, once per unit before its flat parameters are built."""
-    had_meta = any(slot.param.device.type == "meta" for slot in unit.slots)
-    if had_meta:
+def materialise_unit(engine: Engine, unit: Unit,
+                     pretrained: PretrainedSource | None = None) -> None:
+    """Engine hook, once per unit before its flat parameters are built. With ``pretrained``
+    rank 0 overwrites the unit's freshly materialised parameters from the checkpoint (the
+    engine broadcasts rank 0's values)."""
+    meta = [(slot.name, slot.param) for slot in unit.slots if slot.param.is_meta]
+    if meta:
         _return_free_heap()  # the previous unit's buffers, before this unit's are allocated
     materialise(engine.module, unit.module, [slot.param for slot in unit.slots], unit.name,
                 engine.collectives.device)
+    if pretrained is not None and meta:
+        with agree(engine.collectives, f"loading pretrained weights into unit {unit.name}"):
+            if engine.collectives.rank == 0:
+                fill_materialised(pretrained, meta)
     for slot in unit.slots:
         slot.param._zero_engine = weakref.ref(engine)  # type: ignore[attr-defined]
         slot.param._zero_unit = unit  # type: ignore[attr-defined]
@@ -220,6 +239,12 @@ class GatheredParameters:
         self._targets: list[tuple[Engine, Unit]] = []
         seen: set[tuple[int, int]] = set()
         for param in params:
+            if param.is_meta and getattr(param, "_zero_init", None) is not None:
+                raise ZeroInitError(
+                    "GatheredParameters on parameters built under zero.Init before "
+                    "trainer.initialize: they have no values yet and edits would be lost; load "
+                    "weights with trainer.load_pretrained(model, checkpoint_dir) before "
+                    "initialize, or gather and edit them after initialize")
             ref = getattr(param, "_zero_engine", None)
             engine = ref() if ref is not None else None
             if engine is None:
