@@ -7,10 +7,13 @@ What ``save_pretrained`` writes, in the order ``from_pretrained`` looks for it:
 - ``pytorch_model.bin.index.json`` + ``pytorch_model-0000i-of-0000n.bin``,
 - ``pytorch_model.bin``.
 
-``CheckpointReader`` never loads a file whole: safetensors are read through
-``safe_open`` slices (a flat element range reads only the rows it covers) and
-``.bin`` files are memory-mapped (``torch.load(mmap=True)``), so a reader's
-footprint is the tensor (or range) asked for. ``ShardWriter`` is the reverse:
+``CheckpointReader`` never loads a file whole: a safetensors file is a JSON
+header of byte offsets followed by raw little-endian tensors, so a tensor, or a
+flat element range of one, is read with one positioned read (``os.preadv``)
+into a fresh tensor, and nothing stays mapped (a memory map would leave every
+page read counted in the rank's RSS until the file is closed). ``.bin`` files
+are memory-mapped (``torch.load(mmap=True)``). A reader's footprint is the
+tensor (or range) asked for. ``ShardWriter`` is the reverse:
 it is told every tensor's name and size up front, plans HF-named shards under
 ``max_shard_bytes`` in that order, and writes each shard as soon as its last
 tensor arrives, so a writer holds at most one shard.
@@ -22,9 +25,9 @@ import json
 import math
 import os
 import re
+import struct
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -90,12 +93,59 @@ def _indexed_files(index_path: Path) -> list[Path]:
     return files
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class _SafetensorsFile:
+    """One safetensors file read by byte range (header: 8-byte length, then JSON)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with path.open("rb") as file:
+            (length,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(length))
+        header.pop("__metadata__", None)
+        self.data_start = 8 + length
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
+        for name, entry in header.items():
+            if entry["dtype"] not in _SAFETENSORS_DTYPES:
+                raise CheckpointError(f"{path}: tensor {name} has dtype {entry['dtype']}, "
+                                      f"which this reader does not support")
+            self.entries[name] = (_SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]),
+                                  self.data_start + entry["data_offsets"][0])
+
+    def read(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of the flattened tensor, as a new 1-D tensor."""
+        dtype, _, offset = self.entries[name]
+        out = torch.empty(max(stop - start, 0), dtype=dtype)
+        nbytes = out.numel() * out.element_size()
+        if nbytes == 0:
+            return out
+        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        descriptor = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            position, done = offset + start * out.element_size(), 0
+            while done < nbytes:
+                got = os.preadv(descriptor, [view[done:]], position + done)
+                if got == 0:
+                    raise CheckpointError(f"{self.path} is truncated inside tensor {name}")
+                done += got
+        finally:
+            os.close(descriptor)
+        return out
+
+
 class CheckpointReader:
     """Tensors of an HF checkpoint by name, read lazily (see module docstring)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self._safe: dict[Path, Any] = {}
+        self._safe: dict[Path, _SafetensorsFile] = {}
         self._bin: dict[Path, dict[str, torch.Tensor]] = {}
         self._file_of: dict[str, Path] = {}
         self._shape: dict[str, tuple[int, ...]] = {}
@@ -106,12 +156,9 @@ class CheckpointReader:
 
     def _open(self, file: Path) -> dict[str, tuple[int, ...]]:
         if file.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            handle = safe_open(str(file), framework="pt")
+            handle = _SafetensorsFile(file)
             self._safe[file] = handle
-            names = handle.keys()
-            return {name: tuple(handle.get_slice(name).get_shape()) for name in names}
+            return {name: shape for name, (_, shape, _) in handle.entries.items()}
         try:
             tensors = torch.load(file, mmap=True, weights_only=True, map_location="cpu")
         except RuntimeError as error:
@@ -127,23 +174,19 @@ class CheckpointReader:
         return self._shape[name]
 
     def read(self, name: str) -> torch.Tensor:
-        """The whole tensor ``name`` (a fresh tensor, or a view of the mapped file)."""
+        """The whole tensor ``name`` (a fresh tensor, or a view of the mapped ``.bin``)."""
         file = self._file_of[name]
         if file in self._safe:
-            return self._safe[file].get_tensor(name)  # type: ignore[no-any-return]
+            shape = self._shape[name]
+            return self._safe[file].read(name, 0, math.prod(shape)).view(shape)
         return self._bin[file][name]
 
     def read_flat(self, name: str, start: int, stop: int) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the flattened tensor ``name``, reading only the
-        rows of dimension 0 that cover them."""
+        """Elements ``[start, stop)`` of the flattened tensor ``name`` (only those bytes)."""
         file = self._file_of[name]
-        shape = self._shape[name]
-        if file not in self._safe or len(shape) == 0:
-            return self.read(name).reshape(-1)[start:stop]
-        row = math.prod(shape[1:])
-        first, last = start // row, -(-stop // row)
-        rows = self._safe[file].get_slice(name)[first:last].reshape(-1)
-        return rows[start - first * row: stop - first * row]
+        if file in self._safe:
+            return self._safe[file].read(name, start, stop)
+        return self._bin[file][name].reshape(-1)[start:stop]
 
 
 # ---------------------------------------------------------------------------
