@@ -107,6 +107,9 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
                "untracked": _untracked_state(engine), "client_state": client_state or {}}
     _atomic_save(payload, _rank_file(tag_dir, engine.collectives.rank))
     if engine.collectives.rank == 0:
+        from trainer.export import HF_CONFIG_DIR, write_hf_configs
+
+        write_hf_configs(engine.module, tag_dir / HF_CONFIG_DIR, engine.precision.dtype)
         _atomic_write_text(tag_dir / "meta.json", json.dumps(_meta(engine), indent=2))
     engine.collectives.barrier()
     if engine.collectives.rank == 0:

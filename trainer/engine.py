@@ -319,10 +319,13 @@ class Engine(nn.Module):
         return load_checkpoint(self, load_dir, tag)
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str],
-                         save_filename: str = "pytorch_model.bin") -> bool:
+                         save_filename: str = "model.safetensors", *,
+                         max_shard_size: int | str = "5GB") -> bool:
+        """An HF model directory ``from_pretrained`` loads (``trainer.export``); a
+        ``save_filename`` ending in ``.bin`` writes torch.save files instead."""
         from trainer.export import save_16bit_model
 
-        return save_16bit_model(self, save_dir, save_filename)
+        return save_16bit_model(self, save_dir, save_filename, max_shard_size=max_shard_size)
 
     def close(self) -> None:
         """Remove hooks and release the backend (daemon connection, private daemon)."""

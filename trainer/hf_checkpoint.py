@@ -197,16 +197,17 @@ class ShardWriter:
     """Writes named tensors into HF-named shards as they arrive (see module docstring).
 
     ``sizes`` lists every tensor's name and byte size in the order ``add`` will be
-    called; ``fmt`` is ``"safetensors"`` or ``"bin"``.
+    called. ``weights_name`` is the single-file name (``model.safetensors``,
+    ``pytorch_model.bin``); several shards are named as HF names them
+    (``model-00001-of-00003.safetensors``) with ``<weights_name>.index.json``.
     """
 
     def __init__(self, directory: str | os.PathLike[str], sizes: Iterable[tuple[str, int]], *,
-                 fmt: str = "safetensors",
+                 weights_name: str = SAFE_WEIGHTS,
                  max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-        if fmt not in ("safetensors", "bin"):
-            raise ValueError(f"weight format must be 'safetensors' or 'bin', got {fmt!r}")
+        self.fmt = weights_format(weights_name)
         self.directory = Path(directory)
-        self.fmt = fmt
+        self.weights_name = weights_name
         self._plan = _plan_shards(list(sizes), max_shard_bytes)
         self._shard_of = {name: i for i, shard in enumerate(self._plan) for name in shard}
         self._pending: list[dict[str, torch.Tensor]] = [{} for _ in self._plan]
@@ -214,12 +215,15 @@ class ShardWriter:
         self.files: list[Path] = []
         self._written: set[int] = set()
 
+    @property
+    def index_name(self) -> str:
+        return self.weights_name + ".index.json"
+
     def filename(self, shard: int) -> str:
-        stem, ext = (("model", "safetensors") if self.fmt == "safetensors"
-                     else ("pytorch_model", "bin"))
         if len(self._plan) == 1:
-            return f"{stem}.{ext}"
-        return f"{stem}-{shard + 1:05d}-of-{len(self._plan):05d}.{ext}"
+            return self.weights_name
+        stem, dot, ext = self.weights_name.rpartition(".")
+        return f"{stem}-{shard + 1:05d}-of-{len(self._plan):05d}{dot}{ext}"
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         shard = self._shard_of[name]
@@ -249,13 +253,23 @@ class ShardWriter:
                    for name in shard if name not in self._pending[i]]
         assert not missing, f"tensors planned but never added: {missing}"
         if len(self._plan) > 1:
-            index_name = SAFE_INDEX if self.fmt == "safetensors" else BIN_INDEX
+            index_name = self.index_name
             weight_map = {name: self.filename(i) for i, shard in enumerate(self._plan)
                           for name in shard}
             index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
             (self.directory / index_name).write_text(json.dumps(index, indent=2) + "\n",
                                                      encoding="utf-8")
         return self.files
+
+
+def weights_format(weights_name: str) -> str:
+    """``"safetensors"`` or ``"bin"`` (torch.save) from a weight file's name."""
+    if weights_name.endswith(".safetensors"):
+        return "safetensors"
+    if weights_name.endswith((".bin", ".pt", ".pth")):
+        return "bin"
+    raise ValueError(f"weight file name {weights_name!r} must end in .safetensors (HF's "
+                     f"default) or .bin/.pt/.pth (torch.save)")
 
 
 def _plan_shards(sizes: list[tuple[str, int]], max_shard_bytes: int) -> list[list[str]]:
