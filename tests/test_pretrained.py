@@ -22,6 +22,7 @@ from _dist import lm_tokens, run_ranks
 from test_engine_parity import _shared_daemon
 
 import trainer
+from trainer.checkpoint import consolidate_fp32_state_dict
 from trainer.hf_checkpoint import CheckpointError
 from trainer.pretrained import PretrainedError
 from trainer.zero import GatheredParameters, Init
@@ -173,7 +174,43 @@ def test_load_pretrained_errors_name_the_fix(tmp_path: Path) -> None:
     deeper = transformers.LlamaForCausalLM(llama_config(num_layers=3))
     with pytest.raises(PretrainedError, match="strict=False"):
         trainer.load_pretrained(deeper, tmp_path / "llama")
+    base = transformers.LlamaModel(llama_config())  # saved without the "model." prefix
+    base.save_pretrained(tmp_path / "base")
+    target = transformers.LlamaForCausalLM(llama_config())
+    report = trainer.load_pretrained(target, tmp_path / "base", strict=False)
+    assert report.missing == ["lm_head.weight"] and not report.unexpected
+    assert torch.equal(target.model.layers[0].self_attn.q_proj.weight,
+                       base.layers[0].self_attn.q_proj.weight)
     report = trainer.load_pretrained(deeper, tmp_path / "llama", strict=False)
     assert report.missing and all(name.startswith("model.layers.2.") for name in report.missing)
     assert torch.equal(deeper.model.layers[1].mlp.up_proj.weight,
                        model.model.layers[1].mlp.up_proj.weight)
+
+
+def test_load_after_initialize_fills_frozen_units_and_gathered_edits_stick(
+        tmp_path: Path) -> None:
+    """Stage 3 with frozen units, one process, fp32: the engine's weights are the
+    checkpoint's exactly; an edit of a frozen weight under GatheredParameters is kept."""
+    pretrained("gpt2").save_pretrained(tmp_path)
+    expected = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).state_dict()
+    model = MODELS["gpt2"]()
+    frozen = [p for n, p in model.named_parameters() if n.startswith("transformer.h.0.")]
+    for param in frozen:
+        param.requires_grad_(False)
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, _, _, _ = trainer.initialize(model=model, config=config)
+    try:
+        assert any(not unit.trainable for unit in engine.units)
+        report = trainer.load_pretrained(model, tmp_path)  # the engine's model: after init
+        assert not report.missing
+        state = consolidate_fp32_state_dict(engine)
+        for name, value in expected.items():
+            assert torch.equal(state[name], value), name
+        weight = model.transformer.h[0].mlp.c_fc.weight
+        with GatheredParameters(weight, modifier_rank=0), torch.no_grad():
+            weight[0].fill_(3.0)
+        state = consolidate_fp32_state_dict(engine)
+        assert torch.equal(state["transformer.h.0.mlp.c_fc.weight"][0], torch.full((128,), 3.0))
+    finally:
+        engine.close()

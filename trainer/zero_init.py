@@ -16,12 +16,17 @@ submodules (``param_init_fn(module)`` when given, else HF
 an RNG seeded from the unit's name (so it does not depend on rank or on
 which units were materialised before), the engine broadcasts rank 0's
 values and hands the partition to the backend, and stage 3 frees the full
-tensors again. Peak rank memory during init is about one unit.
+tensors again. Peak rank memory during init is about one unit. When a
+pretrained checkpoint is pending (``trainer.load_pretrained`` before
+``initialize``, or ``from_pretrained`` under ``Init``: ``trainer.pretrained``),
+rank 0 overwrites each freshly materialised unit from it, one tensor at a time.
 
 ``GatheredParameters(params, modifier_rank=None)`` gathers engine-managed
 parameters outside forward on every rank (collective) and, with
 ``modifier_rank``, scatters that rank's changes back into the partitions
-and the fp32 master (in the rank or in the daemon).
+and the fp32 master (in the rank or in the daemon). On parameters that are
+still meta (before ``initialize``) it raises ``ZeroInitError``: there is
+nothing to gather yet and an edit would be lost.
 """
 
 from __future__ import annotations
@@ -282,7 +287,9 @@ def _write_back(engine: Engine, unit: Unit, before: torch.Tensor, modifier_rank:
     after = unit.flatten_params(engine.precision.dtype)
     engine.collectives.broadcast(after, modifier_rank)
     changed = unit.part_slice(after) != unit.part_slice(before)
-    if bool(changed.any()):
+    if bool(changed.any()) and not unit.trainable:  # frozen: the partition is all there is
+        engine.backend.set_state(unit.index, {"param": unit.part_slice(after).clone()})
+    elif bool(changed.any()):
         state = engine.backend.get_state(unit.index)
         master = state["master"]
         master[changed] = unit.part_slice(after)[changed].float()
