@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import lm_tokens, run_ranks
+from safetensors import safe_open
 from test_engine_parity import _shared_daemon
 
 import trainer
@@ -212,5 +213,11 @@ def test_load_after_initialize_fills_frozen_units_and_gathered_edits_stick(
             weight[0].fill_(3.0)
         state = consolidate_fp32_state_dict(engine)
         assert torch.equal(state["transformer.h.0.mlp.c_fc.weight"][0], torch.full((128,), 3.0))
+        # DeepSpeed's exclude_frozen_parameters: only the trained part is exported.
+        engine.save_16bit_model(tmp_path / "trained", exclude_frozen_parameters=True)
+        with safe_open(str(tmp_path / "trained" / "model.safetensors"), "pt") as exported:
+            names = set(exported.keys())
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert names == trainable and "transformer.h.0.mlp.c_fc.weight" not in names
     finally:
         engine.close()

@@ -35,7 +35,7 @@ from trainer.offload import StateBackend, UnitSpec
 from trainer.optimizer import ZeroOptimizer
 from trainer.partition import Unit, build_units
 from trainer.precision import Precision
-from trainer.pretrained import pending_source
+from trainer.pretrained import forget_pending, pending_source
 from trainer.reduce_order import ReduceOrder
 from trainer.scheduler import WarmupLR, build_scheduler
 from trainer.trace import GatherTrace
@@ -134,6 +134,7 @@ class Engine(nn.Module):
             with agree(self.collectives, f"registering unit {unit.index} ({unit.name})"):
                 self.backend.register(spec, unit.part_slice(flat).float())
                 self.placement.setup(unit, flat)
+        forget_pending(self.module)
 
     def _broadcast_untracked_state(self) -> None:
         """Buffers and frozen parameters outside units are replicated as-is from rank 0."""
@@ -319,13 +320,15 @@ class Engine(nn.Module):
         return load_checkpoint(self, load_dir, tag)
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str],
-                         save_filename: str = "model.safetensors", *,
+                         save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False, *,
                          max_shard_size: int | str = "5GB") -> bool:
         """An HF model directory ``from_pretrained`` loads (``trainer.export``); a
         ``save_filename`` ending in ``.bin`` writes torch.save files instead."""
         from trainer.export import save_16bit_model
 
-        return save_16bit_model(self, save_dir, save_filename, max_shard_size=max_shard_size)
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters,
+                                max_shard_size=max_shard_size)
 
     def close(self) -> None:
         """Remove hooks and release the backend (daemon connection, private daemon)."""

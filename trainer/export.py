@@ -118,35 +118,40 @@ def _export_names(names: list[str], fmt: str) -> list[str]:
 
 
 def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str],
-                     save_filename: str = SAFE_WEIGHTS, *,
-                     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> bool:
+                     save_filename: str = SAFE_WEIGHTS, exclude_frozen_parameters: bool = False,
+                     *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> bool:
     """Write the model in the training dtype as an HF directory (see module docstring):
-    ``save_filename`` ending in ``.bin`` writes torch.save shards instead of safetensors."""
+    ``save_filename`` ending in ``.bin`` writes torch.save shards instead of safetensors;
+    ``exclude_frozen_parameters`` leaves out parameters that do not require grad (a
+    LoRA-style export of the trained part), as DeepSpeed's does."""
     fmt = weights_format(save_filename)
-    max_shard_bytes = parse_size(max_shard_size)
-    rank0 = engine.collectives.rank == 0
     names = _names_of(engine)
+    kept = {unit.index: [(slot, _export_names(names.get(id(slot.param), [slot.name]), fmt))
+                         for slot in unit.slots
+                         if slot.param.requires_grad or not exclude_frozen_parameters]
+            for unit in engine.units}
     writer: ShardWriter | None = None
-    untracked = _untracked(engine) if rank0 else {}
-    if rank0:
-        target = Path(save_dir)
-        target.mkdir(parents=True, exist_ok=True)
-        remove_stale_weights(target)
+    untracked: dict[str, torch.Tensor] = {}
+    if engine.collectives.rank == 0:
+        untracked = _untracked(engine)
+        if exclude_frozen_parameters:
+            frozen = {name for name, param in engine.module.named_parameters(
+                remove_duplicate=False) if not param.requires_grad}
+            untracked = {name: value for name, value in untracked.items() if name not in frozen}
         element = torch.empty(0, dtype=engine.precision.dtype).element_size()
-        sizes = [(name, slot.numel * element) for unit in engine.units for slot in unit.slots
-                 for name in _export_names(names.get(id(slot.param), [slot.name]), fmt)]
+        sizes = [(name, slot.numel * element) for unit in engine.units
+                 for slot, slot_names in kept[unit.index] for name in slot_names]
         sizes += [(name, value.numel() * value.element_size())
                   for name, value in untracked.items()]
-        writer = ShardWriter(target, sizes, weights_name=save_filename,
-                             max_shard_bytes=max_shard_bytes)
+        writer = _open_writer(Path(save_dir), sizes, save_filename, max_shard_size)
     full = getattr(engine.placement, "full", None)  # stage 3's gatherer
     for unit in engine.units:
         was_free = full is not None and full.state(unit).value == "free"
         engine.placement.gather(unit)
         if writer is not None:
-            for slot in unit.slots:
+            for slot, slot_names in kept[unit.index]:
                 value = slot.param.detach().clone()
-                for name in _export_names(names.get(id(slot.param), [slot.name]), fmt):
+                for name in slot_names:
                     writer.add(name, value)
         if was_free:
             engine.placement.release(unit)
@@ -157,6 +162,15 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str],
         write_hf_configs(engine.module, save_dir, engine.precision.dtype)
     engine.collectives.barrier()
     return True
+
+
+def _open_writer(target: Path, sizes: list[tuple[str, int]], weights_name: str,
+                 max_shard_size: int | str) -> ShardWriter:
+    """A writer into ``target``, with the weights an earlier export left there removed."""
+    target.mkdir(parents=True, exist_ok=True)
+    remove_stale_weights(target)
+    return ShardWriter(target, sizes, weights_name=weights_name,
+                       max_shard_bytes=parse_size(max_shard_size))
 
 
 # ---------------------------------------------------------------------------
@@ -236,15 +250,12 @@ def export_checkpoint(save_dir: str | os.PathLike[str], out: str | os.PathLike[s
         torch.save(state, out)
         return out
     fmt = weights_format(weights_name)
-    out.mkdir(parents=True, exist_ok=True)
-    remove_stale_weights(out)
     element = torch.empty(0, dtype=dtype).element_size()
     sizes = [(name, slot["numel"] * element) for slots in meta["layout"] for slot in slots
              for name in _export_names(slot["names"], fmt)]
     sizes += [(name, value.numel() * value.element_size())
               for name, value in ranks[0]["untracked"].items()]
-    writer = ShardWriter(out, sizes, weights_name=weights_name,
-                         max_shard_bytes=parse_size(max_shard_size))
+    writer = _open_writer(out, sizes, weights_name, max_shard_size)
     for _, tensors in _iter_units(meta, ranks, dtype):
         written: set[int] = set()
         for name, value in tensors.items():

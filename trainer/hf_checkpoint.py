@@ -126,7 +126,7 @@ class _SafetensorsFile:
         nbytes = out.numel() * out.element_size()
         if nbytes == 0:
             return out
-        view = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        view = memoryview(out.view(torch.uint8).numpy())  # type: ignore[arg-type]
         descriptor = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             position, done = offset + start * out.element_size(), 0

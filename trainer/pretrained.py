@@ -30,6 +30,7 @@ checkpoint; ``initialize`` sees the flags and streams the same files as
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -183,7 +184,8 @@ def _engine_of(model: nn.Module) -> Engine | None:
     for param in model.parameters():
         ref = getattr(param, "_zero_engine", None)
         if ref is not None and ref() is not None:
-            return ref()  # type: ignore[no-any-return]
+            engine: Engine = ref()
+            return engine
     return None
 
 
@@ -224,6 +226,12 @@ def pending_source(model: nn.Module) -> PretrainedSource | None:
     return source
 
 
+def forget_pending(model: nn.Module) -> None:
+    """``initialize`` has filled every unit: drop the pending checkpoint (and its open
+    ``.bin`` memory maps) so a later ``initialize`` does not read it again."""
+    model.__dict__.pop("_zero_pretrained", None)
+
+
 def _resolve_hf_checkpoint(model: nn.Module) -> Path:
     name_or_path = str(getattr(model, "name_or_path", "") or "")
     if name_or_path and Path(name_or_path).is_dir():
@@ -243,7 +251,7 @@ def _resolve_hf_checkpoint(model: nn.Module) -> Path:
 
 
 def fill_materialised(source: PretrainedSource,
-                      named: list[tuple[str, torch.Tensor]]) -> None:
+                      named: Sequence[tuple[str, torch.Tensor]]) -> None:
     """Overwrite freshly materialised tensors with their checkpoint values."""
     for name, tensor in named:
         source.read_into(name, tensor)

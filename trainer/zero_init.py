@@ -197,7 +197,8 @@ def materialise_untracked(engine: Engine, pretrained: PretrainedSource | None = 
     meta = {id(p) for p in rest if p.is_meta}
     materialise(engine.module, engine.module, rest, "<untracked>", engine.collectives.device)
     if pretrained is not None:
-        named = [(name, p) for name, p in engine.module.named_parameters() if id(p) in meta]
+        named: list[tuple[str, torch.Tensor]] = [
+            (name, p) for name, p in engine.module.named_parameters() if id(p) in meta]
         named += list(engine.module.named_buffers())
         with agree(engine.collectives, "loading pretrained weights outside the units"):
             if engine.collectives.rank == 0:
