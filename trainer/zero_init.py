@@ -245,7 +245,7 @@ class GatheredParameters:
         self._targets: list[tuple[Engine, Unit]] = []
         seen: set[tuple[int, int]] = set()
         for param in params:
-            if param.is_meta and getattr(param, "_zero_init", None) is not None:
+            if enabled and param.is_meta and getattr(param, "_zero_init", None) is not None:
                 raise ZeroInitError(
                     "GatheredParameters on parameters built under zero.Init before "
                     "trainer.initialize: they have no values yet and edits would be lost; load "
