@@ -471,7 +471,8 @@ class DeviceCopiesService:
                            ipc_handle=req.ipc_handle,
                            ipc_offset=req.ipc_offset, event_handles=req.event_handles,
                            num_slots=req.num_slots, slot_nbytes=req.slot_nbytes,
-                           arena=session.job.arena.view)
+                           arena=session.job.arena.view,
+                           device_pci_bus_id=req.device_pci_bus_id)
 
 
 def _staging(session: Session) -> SessionStaging:
