@@ -83,7 +83,10 @@ def _model_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
 
 
 class PretrainedSource:
-    """A checkpoint matched to a model: which file tensor fills which model tensor."""
+    """A checkpoint matched to a model: which file tensor fills which model tensor.
+
+    ``shapes`` overrides tensor shapes by ``id`` (stage 3 parameters are empty between
+    gathers)."""
 
     def __init__(self, path: str | os.PathLike[str], model: nn.Module, *,
                  strict: bool, shapes: dict[int, torch.Size] | None = None) -> None:
@@ -92,26 +95,7 @@ class PretrainedSource:
         self.report = LoadReport()
         self._key_of: dict[str, str] = {}
         """Model state-dict name (every alias of a tied tensor) -> checkpoint name."""
-        available = set(self.reader.names())
-        prefix = getattr(model, "base_model_prefix", "") or ""
-        used: set[str] = set()
-        mismatched: list[str] = []
-        shapes = shapes or {}
-        for names, tensor in _model_tensors(model):
-            shape = tuple(shapes.get(id(tensor), tensor.shape))
-            key = next((key for name in names for key in _candidates(name, prefix)
-                        if key in available), None)
-            if key is None:
-                self.report.missing.append(names[0])
-                continue
-            if tuple(self.reader.shape(key)) != shape:
-                mismatched.append(f"{names[0]}: model {shape}, "
-                                  f"checkpoint {tuple(self.reader.shape(key))}")
-                continue
-            self._key_of.update(dict.fromkeys(names, key))
-            self.report.loaded.append(names[0])
-            used.add(key)
-        self.report.unexpected = sorted(available - used)
+        mismatched = self._match(model, shapes or {})
         if mismatched:
             raise PretrainedError(f"{self.path} does not fit the model (shapes differ): "
                                   f"{mismatched[:8]}; build the model from the checkpoint's "
@@ -120,6 +104,26 @@ class PretrainedSource:
             raise PretrainedError(
                 f"{self.path} lacks {len(self.report.missing)} tensor(s) of the model: "
                 f"{self.report.missing[:8]}; pass strict=False to keep their init")
+
+    def _match(self, model: nn.Module, shapes: dict[int, torch.Size]) -> list[str]:
+        """Fill the name map and the report; the shape mismatches."""
+        available = set(self.reader.names())
+        prefix = getattr(model, "base_model_prefix", "") or ""
+        mismatched: list[str] = []
+        for names, tensor in _model_tensors(model):
+            key = next((key for name in names for key in _candidates(name, prefix)
+                        if key in available), None)
+            shape = tuple(shapes.get(id(tensor), tensor.shape))
+            if key is None:
+                self.report.missing.append(names[0])
+            elif tuple(self.reader.shape(key)) != shape:
+                mismatched.append(f"{names[0]}: model {shape}, "
+                                  f"checkpoint {tuple(self.reader.shape(key))}")
+            else:
+                self._key_of.update(dict.fromkeys(names, key))
+                self.report.loaded.append(names[0])
+        self.report.unexpected = sorted(available - set(self._key_of.values()))
+        return mismatched
 
     def key_of(self, name: str) -> str | None:
         """The checkpoint name holding the model tensor ``name`` (None: the checkpoint lacks
