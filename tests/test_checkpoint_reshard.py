@@ -1,6 +1,7 @@
 """Checkpoints that reshard (issue 19, items 5 and 10): saved at 2 gloo ranks after 3
 steps, resumed at 1 rank and at 2 ranks; the next 3 steps match the uninterrupted 2-rank
-run (parameters, fp32 master, both Adam moments, step counts, LR scheduler).
+run (parameters, fp32 master, both Adam moments, step counts, LR scheduler). The 1-rank
+run's checkpoint loads back at 2 ranks as the same state.
 
 At 1 rank the global batch is the same (2 accumulated micro-batches: rank 0's then rank
 1's), so only the gradients' summation order differs from the 2-rank run; at 2 ranks the
@@ -92,15 +93,22 @@ def save_and_continue(rank: int, world: int, root: str) -> dict[str, Any]:
     return results
 
 
-def resume(rank: int, world: int, root: str, name: str, socket_path: str) -> dict[str, Any]:
+def _engine(name: str, world: int, socket_path: str, job: str) -> Any:
     config = {**CONFIGS[name], "gradient_accumulation_steps": 2 // world}
     engine, _, _, _ = trainer.initialize(
-        model=make_model(1), config=_with_daemon(config, socket_path, f"r{name}{world}"))
+        model=make_model(1), config=_with_daemon(config, socket_path, job))
+    return engine
+
+
+def resume(rank: int, world: int, root: str, name: str, socket_path: str) -> dict[str, Any]:
+    engine = _engine(name, world, socket_path, f"r{name}{world}")
     try:
         _, client_state = engine.load_checkpoint(Path(root) / name)
         assert client_state == {"data_step": SAVE_AT}
         assert engine.global_steps == SAVE_AT and engine.optimizer.step_count == SAVE_AT
         losses = [_step(engine, step, rank, world) for step in range(SAVE_AT, STEPS)]
+        if world == 1:  # for load_at_two: a checkpoint written by one rank
+            engine.save_checkpoint(Path(root) / f"{name}-one")
         return {**_state(engine), "losses": losses}
     finally:
         engine.close()
@@ -110,10 +118,28 @@ def resume_alone(rank: int, world: int, root: str) -> dict[str, Any]:
     return {name: resume(rank, world, root, name, "") for name in CONFIGS}
 
 
+def load_at_two(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The 1-rank checkpoint loaded at 2 ranks, before any step."""
+    socket_path, daemon = _shared_daemon(rank, None)
+    results = {}
+    try:
+        for name in CONFIGS:
+            engine = _engine(name, world, socket_path, f"t{name}")
+            engine.load_checkpoint(Path(root) / f"{name}-one")
+            results[name] = _state(engine)
+            engine.close()
+    finally:
+        dist.barrier()
+        if daemon is not None:
+            daemon.stop()
+    return results
+
+
 def test_checkpoint_saved_at_two_ranks_resumes_at_one_and_two() -> None:
     with tempfile.TemporaryDirectory() as root:
         two = run_ranks(save_and_continue, 2, root)
         one = run_ranks(resume_alone, 1, root)[0]
+        up = run_ranks(load_at_two, 2, root)[0]
     for name in CONFIGS:
         straight, again = two[0][name], two[0][f"{name}-resumed"]
         alone = one[name]
@@ -132,3 +158,8 @@ def test_checkpoint_saved_at_two_ranks_resumes_at_one_and_two() -> None:
             assert result["global_steps"] == straight["global_steps"] == STEPS, name
             assert result["adam_steps"] == straight["adam_steps"] == STEPS, name
             assert result["lr"] == straight["lr"], name
+        # and back up: the 1-rank checkpoint at 2 ranks is the same state, bit for bit
+        for key in ("params", "moments"):
+            for tensor_name, value in alone[key].items():
+                assert torch.equal(value, up[name][key][tensor_name]), (name, tensor_name)
+        assert up[name]["global_steps"] == STEPS and up[name]["lr"] == alone["lr"], name
