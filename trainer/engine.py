@@ -122,7 +122,8 @@ class Engine(nn.Module):
         """Rank 0's initial values everywhere, then hand units to backend and placement."""
         # zero.Init: meta parameters get storage unit by unit, from a pretrained checkpoint
         # (load_pretrained / from_pretrained under zero.Init) or else the model's own init.
-        pretrained = pending_source(self.module)
+        with agree(self.collectives, "matching the pretrained checkpoint to the model"):
+            pretrained = pending_source(self.module)
         materialise_untracked(self, pretrained)
         self._broadcast_untracked_state()
         for unit in self.units:
