@@ -142,6 +142,7 @@ def reference(path: Path, rank: int) -> tuple[torch.Tensor, float]:
     return logits, loss
 
 
+@pytest.mark.slow
 def test_pretrained_weights_reach_zero_init_models() -> None:
     paths = save_checkpoints(Path(tempfile.mkdtemp(prefix="offloadd-pretrained-")))
     assert len(list(paths["llama"].glob("model-*-of-*.safetensors"))) > 3  # really sharded
