@@ -15,6 +15,7 @@ from test_engine_parity import _shared_daemon
 
 import trainer
 from trainer.checkpoint import consolidate_fp32_state_dict
+from trainer.reshard import ReshardError
 
 pytestmark = pytest.mark.slow
 
@@ -94,12 +95,15 @@ def test_checkpoint_round_trip_is_exact() -> None:
             assert torch.equal(value, resumed["state"][name]), (name, config)
 
 
-def test_load_rejects_other_world_size(tmp_path: Path) -> None:
+def test_load_at_other_world_size_needs_every_rank_file(tmp_path: Path) -> None:
     engine, _, _, _ = trainer.initialize(model=make_model(), config=base_config(
         zero_optimization={"stage": 2}))
     engine.save_checkpoint(tmp_path, tag="t")
     meta = tmp_path / "t" / "meta.json"
     meta.write_text(meta.read_text().replace('"world_size": 1', '"world_size": 4'))
-    with pytest.raises(ValueError, match="world_size=4"):
+    with pytest.raises(ReshardError, match=r"saved by 4 ranks but \['rank_00001.pt'"):
+        engine.load_checkpoint(tmp_path, tag="t")
+    meta.write_text(meta.read_text().replace('"stage": 2', '"stage": 1'))
+    with pytest.raises(ValueError, match="stage=1"):
         engine.load_checkpoint(tmp_path, tag="t")
     assert engine.load_checkpoint(tmp_path / "missing") == (None, {})

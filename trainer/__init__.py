@@ -28,11 +28,13 @@ from trainer.engine import Engine
 from trainer.groups import resolve_param_groups
 from trainer.offload import InProcessBackend, StateBackend
 from trainer.optimizer import ZeroOptimizer
+from trainer.pretrained import LoadReport, PretrainedError, load_pretrained
 from trainer.scheduler import WarmupLR
 from trainer.trace import TraceDivergenceError
 
-__all__ = ["Engine", "EngineConfig", "TraceDivergenceError", "ZeroOptimizer",
-           "add_config_arguments", "comm", "init_distributed", "initialize", "parse_config"]
+__all__ = ["Engine", "EngineConfig", "LoadReport", "PretrainedError", "TraceDivergenceError",
+           "ZeroOptimizer", "add_config_arguments", "comm", "init_distributed", "initialize",
+           "load_pretrained", "parse_config"]
 
 
 def initialize(

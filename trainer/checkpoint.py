@@ -25,9 +25,14 @@ Each ``rank_NNNNN.pt`` holds a dict:
 - ``untracked``: buffers and frozen parameters (replicated; same on every rank).
 - ``client_state``: the caller's ``client_state`` dict.
 
+Rank 0 also keeps the model's HF configs (``config.json``,
+``generation_config.json``) in ``<tag>/hf/`` for ``python -m trainer.export``.
 Rank files are written first, then a barrier, then rank 0 writes
 ``latest``, so ``latest`` never names a partial checkpoint. Loading needs
-the same world size, stage and unit geometry; it restores bit-exactly.
+the same stage, dtype and units; at the same world size it restores
+bit-exactly, at another one ``trainer.reshard`` re-partitions every unit's
+parameters, fp32 master and Adam moments (an optimizer step then differs from
+the uninterrupted run only by the summation order of the gradients).
 ``consolidate_fp32_state_dict(engine)`` all-gathers the fp32 masters into a
 regular ``state_dict`` on rank 0 (other ranks get ``{}``).
 """
@@ -40,6 +45,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from trainer.reshard import check_reshardable, load_resharded
 
 if TYPE_CHECKING:
     from trainer.engine import Engine
@@ -107,6 +114,9 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
                "untracked": _untracked_state(engine), "client_state": client_state or {}}
     _atomic_save(payload, _rank_file(tag_dir, engine.collectives.rank))
     if engine.collectives.rank == 0:
+        from trainer.export import HF_CONFIG_DIR, write_hf_configs
+
+        write_hf_configs(engine.module, tag_dir / HF_CONFIG_DIR, engine.precision.dtype)
         _atomic_write_text(tag_dir / "meta.json", json.dumps(_meta(engine), indent=2))
     engine.collectives.barrier()
     if engine.collectives.rank == 0:
@@ -139,27 +149,39 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str],
             return None, {}
         tag = latest.read_text(encoding="utf-8").strip()
     tag_dir = Path(load_dir) / tag
-    _check_meta(engine, tag_dir)
-    payload = torch.load(_rank_file(tag_dir, engine.collectives.rank), weights_only=True)
-    _restore_units(engine, payload["units"])
+    saved = _check_meta(engine, tag_dir)
+    if saved["world_size"] != engine.collectives.world_size:
+        payload = load_resharded(engine, tag_dir, saved, _rank_file)
+    else:
+        payload = torch.load(_rank_file(tag_dir, engine.collectives.rank), weights_only=True)
+        _restore_units(engine, payload["units"])
     _restore_engine(engine, payload["engine"])
     _restore_untracked(engine, payload["untracked"])
     engine.collectives.barrier()
     return str(tag_dir), payload["client_state"]
 
 
-def _check_meta(engine: Engine, tag_dir: Path) -> None:
+def _check_meta(engine: Engine, tag_dir: Path) -> dict[str, Any]:
+    """The checkpoint's meta.json, checked against this engine (a world size change is
+    resharded, see ``trainer.reshard``)."""
     meta_path = tag_dir / "meta.json"
     if not meta_path.exists():
         raise FileNotFoundError(f"no checkpoint at {tag_dir} (missing meta.json)")
-    saved = json.loads(meta_path.read_text(encoding="utf-8"))
+    saved: dict[str, Any] = json.loads(meta_path.read_text(encoding="utf-8"))
     current = _meta(engine)
-    for key in ("format_version", "world_size", "stage", "dtype", "units"):
+    for key in ("format_version", "stage", "dtype"):
         if saved.get(key) != current[key]:
             raise ValueError(
                 f"checkpoint {tag_dir} has {key}={saved.get(key)!r} but this engine has "
-                f"{current[key]!r}; load it with the same world size, stage, dtype and model"
+                f"{current[key]!r}; load it with the same stage, dtype and model"
             )
+    if saved["world_size"] != current["world_size"]:
+        check_reshardable(engine, saved, tag_dir)
+    elif saved["units"] != current["units"]:
+        raise ValueError(
+            f"checkpoint {tag_dir} has units={saved['units']!r} but this engine has "
+            f"{current['units']!r}; load it with the same model and 'units' config")
+    return saved
 
 
 def _restore_units(engine: Engine, units: dict[int, dict[str, torch.Tensor]]) -> None:

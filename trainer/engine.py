@@ -35,6 +35,7 @@ from trainer.offload import StateBackend, UnitSpec
 from trainer.optimizer import ZeroOptimizer
 from trainer.partition import Unit, build_units
 from trainer.precision import Precision
+from trainer.pretrained import forget_pending, pending_source
 from trainer.reduce_order import ReduceOrder
 from trainer.scheduler import WarmupLR, build_scheduler
 from trainer.trace import GatherTrace
@@ -119,10 +120,14 @@ class Engine(nn.Module):
 
     def _adopt_parameters(self) -> None:
         """Rank 0's initial values everywhere, then hand units to backend and placement."""
-        materialise_untracked(self)  # zero.Init: meta parameters get storage unit by unit
+        # zero.Init: meta parameters get storage unit by unit, from a pretrained checkpoint
+        # (load_pretrained / from_pretrained under zero.Init) or else the model's own init.
+        with agree(self.collectives, "matching the pretrained checkpoint to the model"):
+            pretrained = pending_source(self.module)
+        materialise_untracked(self, pretrained)
         self._broadcast_untracked_state()
         for unit in self.units:
-            materialise_unit(self, unit)
+            materialise_unit(self, unit, pretrained)
             flat = unit.flatten_params(self.precision.dtype)
             self.collectives.broadcast(flat)
             spec = UnitSpec(index=unit.index, part_numel=unit.part_numel,
@@ -130,6 +135,7 @@ class Engine(nn.Module):
             with agree(self.collectives, f"registering unit {unit.index} ({unit.name})"):
                 self.backend.register(spec, unit.part_slice(flat).float())
                 self.placement.setup(unit, flat)
+        forget_pending(self.module)
 
     def _broadcast_untracked_state(self) -> None:
         """Buffers and frozen parameters outside units are replicated as-is from rank 0."""
@@ -315,10 +321,15 @@ class Engine(nn.Module):
         return load_checkpoint(self, load_dir, tag)
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str],
-                         save_filename: str = "pytorch_model.bin") -> bool:
+                         save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False, *,
+                         max_shard_size: int | str = "5GB") -> bool:
+        """An HF model directory ``from_pretrained`` loads (``trainer.export``); a
+        ``save_filename`` ending in ``.bin`` writes torch.save files instead."""
         from trainer.export import save_16bit_model
 
-        return save_16bit_model(self, save_dir, save_filename)
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters,
+                                max_shard_size=max_shard_size)
 
     def close(self) -> None:
         """Remove hooks and release the backend (daemon connection, private daemon)."""

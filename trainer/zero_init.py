@@ -16,12 +16,17 @@ submodules (``param_init_fn(module)`` when given, else HF
 an RNG seeded from the unit's name (so it does not depend on rank or on
 which units were materialised before), the engine broadcasts rank 0's
 values and hands the partition to the backend, and stage 3 frees the full
-tensors again. Peak rank memory during init is about one unit.
+tensors again. Peak rank memory during init is about one unit. When a
+pretrained checkpoint is pending (``trainer.load_pretrained`` before
+``initialize``, or ``from_pretrained`` under ``Init``: ``trainer.pretrained``),
+rank 0 overwrites each freshly materialised unit from it, one tensor at a time.
 
 ``GatheredParameters(params, modifier_rank=None)`` gathers engine-managed
 parameters outside forward on every rank (collective) and, with
 ``modifier_rank``, scatters that rank's changes back into the partitions
-and the fp32 master (in the rank or in the daemon).
+and the fp32 master (in the rank or in the daemon). On parameters that are
+still meta (before ``initialize``) it raises ``ZeroInitError``: there is
+nothing to gather yet and an edit would be lost.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from trainer.agreement import agree
+from trainer.pretrained import PretrainedSource, fill_materialised
 
 if TYPE_CHECKING:
     from trainer.engine import Engine
@@ -180,20 +188,37 @@ def _malloc_trim() -> Any:
     return getattr(ctypes.CDLL(name), "malloc_trim", None) if name is not None else None
 
 
-def materialise_untracked(engine: Engine) -> None:
-    """Meta parameters outside every unit (frozen ones in stages 0-2): materialise them whole."""
+def materialise_untracked(engine: Engine, pretrained: PretrainedSource | None = None) -> None:
+    """Meta parameters outside every unit (frozen ones in stages 0-2): materialise them whole;
+    rank 0 fills them (and the model's buffers) from ``pretrained`` before they are
+    broadcast."""
     tracked = {id(slot.param) for unit in engine.units for slot in unit.slots}
     rest = [p for p in engine.module.parameters() if id(p) not in tracked]
+    meta = {id(p) for p in rest if p.is_meta}
     materialise(engine.module, engine.module, rest, "<untracked>", engine.collectives.device)
+    if pretrained is not None:
+        named: list[tuple[str, torch.Tensor]] = [
+            (name, p) for name, p in engine.module.named_parameters() if id(p) in meta]
+        named += list(engine.module.named_buffers())
+        with agree(engine.collectives, "loading pretrained weights outside the units"):
+            if engine.collectives.rank == 0:
+                fill_materialised(pretrained, named)
 
 
-def materialise_unit(engine: Engine, unit: Unit) -> None:
-    """Engine hook, once per unit before its flat parameters are built."""
-    had_meta = any(slot.param.device.type == "meta" for slot in unit.slots)
-    if had_meta:
+def materialise_unit(engine: Engine, unit: Unit,
+                     pretrained: PretrainedSource | None = None) -> None:
+    """Engine hook, once per unit before its flat parameters are built. With ``pretrained``
+    rank 0 overwrites the unit's freshly materialised parameters from the checkpoint (the
+    engine broadcasts rank 0's values)."""
+    meta = [(slot.name, slot.param) for slot in unit.slots if slot.param.is_meta]
+    if meta:
         _return_free_heap()  # the previous unit's buffers, before this unit's are allocated
     materialise(engine.module, unit.module, [slot.param for slot in unit.slots], unit.name,
                 engine.collectives.device)
+    if pretrained is not None and meta:
+        with agree(engine.collectives, f"loading pretrained weights into unit {unit.name}"):
+            if engine.collectives.rank == 0:
+                fill_materialised(pretrained, meta)
     for slot in unit.slots:
         slot.param._zero_engine = weakref.ref(engine)  # type: ignore[attr-defined]
         slot.param._zero_unit = unit  # type: ignore[attr-defined]
@@ -220,6 +245,12 @@ class GatheredParameters:
         self._targets: list[tuple[Engine, Unit]] = []
         seen: set[tuple[int, int]] = set()
         for param in params:
+            if enabled and param.is_meta and getattr(param, "_zero_init", None) is not None:
+                raise ZeroInitError(
+                    "GatheredParameters on parameters built under zero.Init before "
+                    "trainer.initialize: they have no values yet and edits would be lost; load "
+                    "weights with trainer.load_pretrained(model, checkpoint_dir) before "
+                    "initialize, or gather and edit them after initialize")
             ref = getattr(param, "_zero_engine", None)
             engine = ref() if ref is not None else None
             if engine is None:
@@ -257,7 +288,9 @@ def _write_back(engine: Engine, unit: Unit, before: torch.Tensor, modifier_rank:
     after = unit.flatten_params(engine.precision.dtype)
     engine.collectives.broadcast(after, modifier_rank)
     changed = unit.part_slice(after) != unit.part_slice(before)
-    if bool(changed.any()):
+    if bool(changed.any()) and not unit.trainable:  # frozen: the partition is all there is
+        engine.backend.set_state(unit.index, {"param": unit.part_slice(after).clone()})
+    elif bool(changed.any()):
         state = engine.backend.get_state(unit.index)
         master = state["master"]
         master[changed] = unit.part_slice(after)[changed].float()
