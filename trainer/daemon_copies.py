@@ -149,7 +149,7 @@ class CudaStaging(Staging):
                       for i in range(num_slots)]
         self.consumed = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
         self.filled = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
-        properties = torch.cuda.get_device_properties(device)
+        properties: Any = torch.cuda.get_device_properties(device)  # pci_* are not typed
         self.device_uuid = str(properties.uuid)
         self.device_pci_bus_id = (f"{properties.pci_domain_id:04x}:{properties.pci_bus_id:02x}:"
                                   f"{properties.pci_device_id:02x}.0")
