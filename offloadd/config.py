@@ -101,6 +101,8 @@ class DaemonConfig:
     """Explicit prefetches one job may have in flight, a request's ids included."""
     max_partial_frame_nbytes: int = 16 << 20
     """Bytes of one request frame the daemon buffers for a connection (<= 16 MiB)."""
+    frame_timeout_s: float = 30.0
+    """Seconds a request frame may take to arrive in full, from its first byte."""
     require_job_secret: bool = False
     """Refuse hellos without a job secret (OFFLOADD_JOB_SECRET in every rank's env)."""
 

@@ -150,7 +150,10 @@ class Daemon:
     async def open_job_async(self, name: str, arena_nbytes: int) -> Job:
         """``open_job`` with a new arena made off the loop (see ``JobRegistry.open_async``)."""
         make_tier = (lambda: self._open_tier(name)) if self.swap is not None else None
-        return await self.jobs.open_async(name, arena_nbytes, make_tier)
+        # The lifecycle owns the job from its creation: a hello that is cancelled (its
+        # client left, or its hello timer fired) while the arena is made leaves no leak.
+        return await self.jobs.open_async(name, arena_nbytes, make_tier,
+                                          on_created=self.lifecycle.created)
 
     # -- health and stats ---------------------------------------------------------
 
