@@ -47,7 +47,7 @@ def keep_previous_generation(path: Path) -> None:
 def parse_manifest(path: Path, job: str) -> dict[str, Any]:
     try:
         manifest = json.loads(path.read_bytes())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise ManifestError(f"{path} is unreadable or torn: {exc}") from exc
     if not isinstance(manifest, dict) or any(key not in manifest for key in REQUIRED_KEYS):
         raise ManifestError(f"{path} lacks the keys {list(REQUIRED_KEYS)}")

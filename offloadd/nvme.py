@@ -32,13 +32,12 @@ import xxhash
 from offloadd.arena import Allocator, align_up
 from offloadd.errors import (
     JobQuarantinedError,
-    OffloadError,
     OverBudgetError,
     ShardExistsError,
     SwapIOError,
 )
 from offloadd.ioengine import IOEngineError, VolatileCacheEngine, open_engine
-from offloadd.manifests import ManifestError, jobs_with_manifests, read_job_manifest
+from offloadd.manifests import jobs_with_manifests, read_job_manifest
 from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
 from offloadd.scheduler import IOQueue, IOTicket, Priority
 from offloadd.shards import Chunk
@@ -62,7 +61,9 @@ class JobOpener(Protocol):
 
 LAYOUT_DIR = "offloadd"
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
+"""2: chunk checksums bound to their place, and the job's owner recorded; 1 is still read."""
+READABLE_FORMATS = (1, 2)
 POWER_LOSS_FAULT = "power_loss"
 """``OFFLOADD_IO_FAULT=power_loss``: writes stay in a volatile cache until synced (tests)."""
 SEGMENT_NBYTES = 256 << 20
@@ -299,14 +300,18 @@ class SwapSpace:
 
     async def recover(self, registry: JobOpener, open_tier: Callable[[str], Any]) -> None:
         """Re-open every job whose manifest is in the first swap dir; a job whose manifest
-        is bad is quarantined (logged, in status, refused at hello), the others recover."""
+        is bad is quarantined (logged, in status, refused at hello), the others recover.
+
+        Whatever a manifest holds costs its job only: any exception while one is read or
+        loaded (deep nesting is a RecursionError, odd types an AttributeError) quarantines it.
+        """
         for job_dir in jobs_with_manifests(self.dirs[0].root):
             name = job_dir.name
             try:
                 manifest = read_job_manifest(job_dir)
                 count = await self._recover_job(registry, name, manifest,
                                                 functools.partial(open_tier, name))
-            except (ManifestError, OffloadError, ValueError, KeyError, TypeError, OSError) as exc:
+            except Exception as exc:
                 self.quarantined[name] = (
                     f"job {name!r} is quarantined: its manifest in {job_dir} could not be "
                     f"recovered ({exc}); its swap files are kept. Restart with the swap dirs "
@@ -398,11 +403,11 @@ class SwapSpace:
             self.counters.io_errors.add(("sync",))
             raise SwapIOError(f"fdatasync of {jobfile.path} failed: {exc}") from exc
 
-    async def checksum(self, view: memoryview) -> int:
+    async def checksum(self, view: memoryview, seed: int = 0) -> int:
         if self.hash_pool is None:
-            return xxhash.xxh3_64_intdigest(view)
+            return xxhash.xxh3_64_intdigest(view, seed)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.hash_pool, xxhash.xxh3_64_intdigest, view)
+        return await loop.run_in_executor(self.hash_pool, xxhash.xxh3_64_intdigest, view, seed)
 
     def stats(self) -> dict[str, Any]:
         c = self.counters

@@ -88,6 +88,8 @@ class Daemon:
             if self.config.recover:
                 await self.swap.recover(self.jobs,
                                         lambda name: self._open_tier(name, recovering=True))
+                for name, tier in self.swap.tiers.items():  # a restart keeps who owns a job
+                    self.auth.restore(name, tier.recovered_owner)
         self._server = await self._listen()
         if self.config.metrics_addr:
             host, port = parse_host_port(self.config.metrics_addr)
@@ -145,7 +147,8 @@ class Daemon:
         from offloadd.tier import open_tier  # with the swap space: only for --swap-dir
 
         assert self.swap is not None
-        return open_tier(self.swap, name, recovering=recovering)
+        return open_tier(self.swap, name, recovering=recovering,
+                         owner_record=lambda: self.auth.record(name))
 
     async def open_job_async(self, name: str, arena_nbytes: int) -> Job:
         """``open_job`` with a new arena made off the loop (see ``JobRegistry.open_async``)."""

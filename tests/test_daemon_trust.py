@@ -10,10 +10,15 @@ from pathlib import Path
 
 import pytest
 from conftest import call, error_code, hello, is_closed, raw_socket, read_reply, start_daemon
+from test_daemon_sessions import as_uid, open_to_everyone
 
 from offloadd import protocol as p
 from offloadd.embedded import PrivateDaemon
 from trainer.client import OffloadClient
+
+NOBODY = 65534
+OTHER = 65533
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="peers with other uids need root")
 
 FORGED = "ts=2026-01-01T00:00:00.000Z level=error logger=offloadd.lifecycle event=forged"
 
@@ -155,3 +160,46 @@ def test_one_ranks_close_job_keeps_the_linger_for_a_peer_that_crashes(
         assert rank1.get("b") == payload
     rank1.close_job()  # the last rank is done: freed at once
     assert job not in node_status(daemon)["jobs"]
+
+
+# -- a restart keeps who owns a job --------------------------------------------------------
+
+
+@needs_root
+def test_a_restart_keeps_who_owns_a_job_and_its_secret(tmp_path: Path, swap_root: Path) -> None:
+    config = tmp_path / "offloadd.toml"
+    config.write_text(f"allowed_uids = [{NOBODY}, {OTHER}]\n")
+    payload = os.urandom(100_000)
+
+    def as_owner(secret: str, action) -> str:
+        def run() -> str:
+            os.environ[p.JOB_SECRET_ENV] = secret
+            with OffloadClient.connect(daemon.socket_path, job="owned") as client:
+                return action(client)
+        return run
+
+    def write(client: OffloadClient) -> str:
+        client.put("x", payload)
+        client.flush("one")
+        return "flushed"
+
+    def read(client: OffloadClient) -> str:
+        return "match" if client.get("x") == payload else "other bytes"
+
+    extra = ["--config", str(config)]
+    with PrivateDaemon.start(None, swap_dirs=[str(swap_root)], extra_args=extra) as daemon:
+        open_to_everyone(daemon)
+        assert as_uid(NOBODY, as_owner("s3cret", write)) == "flushed"
+    with PrivateDaemon.start(None, swap_dirs=[str(swap_root)],
+                             extra_args=[*extra, "--recover"]) as daemon:
+        open_to_everyone(daemon)
+        # The first hello after the restart claims nothing: another uid is refused...
+        refused = as_uid(OTHER, as_owner("s3cret", read))
+        assert refused.startswith("denied:") and f"belongs to uid {NOBODY}" in refused, refused
+        # ... and so is the owner's uid without the job's secret ...
+        refused = as_uid(NOBODY, as_owner("guess", read))
+        assert refused.startswith("denied:") and "job secret" in refused, refused
+        # ... while the owner with it reads its shards, byte for byte.
+        assert as_uid(NOBODY, as_owner("s3cret", read)) == "match"
+        manifest = (swap_root / "offloadd" / "owned" / "manifest.json").read_text()
+        assert "s3cret" not in manifest  # the secret is kept only as a salted digest
