@@ -16,8 +16,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from offloadd import __version__
-from offloadd.auth import JobAuthority
-from offloadd.config import DaemonConfig, parse_host_port
+from offloadd.auth import JobAuthority, socket_peer
+from offloadd.config import SERVICE_SOCKET_DIR, DaemonConfig, parse_host_port
 from offloadd.device_copies import DeviceCopiesService
 from offloadd.jobs import Job, JobRegistry
 from offloadd.lifecycle import JobLifecycle
@@ -99,6 +99,8 @@ class Daemon:
 
     async def _listen(self) -> asyncio.AbstractServer:
         path = self.config.socket
+        if os.path.dirname(path) == SERVICE_SOCKET_DIR:  # the default of a root daemon
+            os.makedirs(SERVICE_SOCKET_DIR, mode=0o755, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             if os.path.exists(path) and not _socket_in_use(path):
                 os.unlink(path)
@@ -222,7 +224,9 @@ def _socket_in_use(path: str) -> bool:
             probe.connect(path)
         except OSError:
             return False
-    raise RuntimeError(f"another daemon is listening on {path}; stop it or pick another --socket")
+        pid, uid = socket_peer(probe)
+    raise RuntimeError(f"another process (pid {pid}, uid {uid}) is listening on {path}; stop "
+                       "it or pick another --socket (in a dir only the daemon's uid can write)")
 
 
 def run(config: DaemonConfig, *, ready_message: bool = True) -> int:

@@ -4,17 +4,26 @@ close_job. Each against a real daemon process over real sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import socket
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from conftest import call, error_code, hello, is_closed, raw_socket, read_reply, start_daemon
-from test_daemon_sessions import as_uid, open_to_everyone
+from test_daemon_sessions import as_uid, open_to_everyone, serve
 
 from offloadd import protocol as p
+from offloadd.auth import DAEMON_UID_ENV, expected_daemon_uid
+from offloadd.config import default_socket_path
 from offloadd.embedded import PrivateDaemon
-from trainer.client import OffloadClient
+from offloadd.errors import UntrustedDaemonError
+from offloadd.status import DaemonUnreachableError, query_node_status
+from trainer.client import AsyncOffloadClient, OffloadClient
 
 NOBODY = 65534
 OTHER = 65533
@@ -203,3 +212,109 @@ def test_a_restart_keeps_who_owns_a_job_and_its_secret(tmp_path: Path, swap_root
         assert as_uid(NOBODY, as_owner("s3cret", read)) == "match"
         manifest = (swap_root / "offloadd" / "owned" / "manifest.json").read_text()
         assert "s3cret" not in manifest  # the secret is kept only as a salted digest
+
+
+# -- socket squatting --------------------------------------------------------------------------
+
+
+@contextmanager
+def squatter(uid: int = NOBODY) -> Iterator[tuple[str, Callable[[], bytes]]]:
+    """A process of ``uid`` listening first on a socket path in a world-writable sticky dir
+    (as /tmp is); yields the path and a function returning what its first connection sent
+    until that connection closed."""
+    shared = tempfile.mkdtemp(prefix="offloadd-squat-")
+    os.chmod(shared, 0o1777)
+    path = os.path.join(shared, "offloadd.sock")
+    ready_read, ready_write = os.pipe()
+    report_read, report_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.bind(path)
+            server.listen(8)
+            os.write(ready_write, b"r")
+            server.settimeout(30)
+            conn, _addr = server.accept()
+            conn.settimeout(10)
+            data = b""
+            while chunk := conn.recv(1 << 16):
+                data += chunk
+            os.write(report_write, data[:4096])
+        finally:
+            os._exit(0)
+    os.close(ready_write)
+    os.close(report_write)
+    assert os.read(ready_read, 1) == b"r", "the squatter did not listen"
+
+    def received() -> bytes:
+        with os.fdopen(report_read, "rb") as report:
+            return report.read()
+
+    try:
+        yield path, received
+    finally:
+        os.waitpid(pid, 0)
+        os.close(ready_read)
+        os.unlink(path)
+        os.rmdir(shared)
+
+
+@needs_root
+def test_clients_send_nothing_to_a_socket_another_uid_squats(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(p.JOB_SECRET_ENV, "s3cret")
+    monkeypatch.delenv(DAEMON_UID_ENV, raising=False)
+    with squatter() as (path, received):
+        with pytest.raises(UntrustedDaemonError, match=f"runs as uid {NOBODY}"):
+            OffloadClient.connect(path, job="victim", timeout_s=10)
+        assert received() == b""
+    with squatter() as (path, received):
+        with pytest.raises(UntrustedDaemonError, match=f"runs as uid {NOBODY}"):
+            asyncio.run(AsyncOffloadClient.connect(path, job="victim", timeout_s=10))
+        assert received() == b""
+    with squatter() as (path, received):  # gc would delete what a fake status leaves out
+        with pytest.raises(DaemonUnreachableError, match=f"runs as uid {NOBODY}"):
+            query_node_status(path)
+        assert received() == b""
+    # The reference: told that the daemon runs as that uid, the client trusts it and sends
+    # its hello, secret included; so the check above is what kept the secret home.
+    with squatter() as (path, received):
+        with pytest.raises(OSError):  # the squatter never answers
+            OffloadClient.connect(path, job="victim", timeout_s=1, daemon_uid="nobody")
+        assert b"s3cret" in received()
+
+
+@needs_root
+def test_serve_on_a_squatted_socket_exits_1_naming_the_squatter() -> None:
+    with squatter() as (path, _received):
+        process = serve("--socket", path, "--arena-size", "8MiB")
+        _out, err = process.communicate(timeout=60)
+    assert process.returncode == 1
+    assert f"uid {NOBODY}) is listening on {path}" in err
+
+
+def test_the_daemon_uid_is_configurable_by_number_or_name(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(DAEMON_UID_ENV, str(OTHER))
+    assert expected_daemon_uid() == OTHER
+    assert expected_daemon_uid("nobody") == NOBODY  # the argument wins
+    monkeypatch.setenv(DAEMON_UID_ENV, "no-such-user-here")
+    with pytest.raises(ValueError, match=DAEMON_UID_ENV):
+        expected_daemon_uid()
+
+
+@needs_root
+def test_the_default_socket_is_in_a_runtime_dir_not_in_tmp(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", f"/run/user/{NOBODY}")
+    assert default_socket_path() == "/run/offloadd/offloadd.sock"  # root: the node daemon's
+    expected = ("/run/offloadd/offloadd.sock" if os.path.isdir("/run/offloadd")
+                else f"/run/user/{NOBODY}/offloadd.sock")
+    assert as_uid(NOBODY, default_socket_path) == expected  # a user: its own runtime dir
+    monkeypatch.setenv("RUNTIME_DIRECTORY", "/run/offloadd-test")  # systemd's RuntimeDirectory=
+    assert default_socket_path() == "/run/offloadd-test/offloadd.sock"

@@ -627,7 +627,7 @@ def connect_backend(config: EngineConfig, collectives: Collectives,
         client = OffloadClient.connect(
             socket_path, job=job, rank=collectives.rank, world_size=collectives.world_size,
             local_rank=collectives.local_rank, arena_nbytes=arena_nbytes,
-            timeout_s=config.offloadd.connect_timeout_s)
+            timeout_s=config.offloadd.connect_timeout_s, daemon_uid=config.offloadd.daemon_uid)
     except (OffloadError, OSError) as error:
         if daemon is not None:
             daemon.stop()
