@@ -13,7 +13,6 @@ import asyncio
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -25,7 +24,7 @@ from offloadd.arena import align_up
 from offloadd.auth import JobOwner
 from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIOError
 from offloadd.eviction import SYNC_SLICE, EvictionIndex
-from offloadd.manifests import keep_previous_generation
+from offloadd.manifests import keep_previous_generation, write_atomically
 from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, READABLE_FORMATS, JobFile
 from offloadd.scheduler import AccessTrace, Priority
 from offloadd.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement
@@ -584,8 +583,9 @@ class JobTier:
                 for dir_index in sorted({c.dir_index for p in placements for c in p.chunks}):
                     await self.space.sync(self.files[dir_index])
                 loop = asyncio.get_running_loop()
-                await loop.run_in_executor(None, keep_previous_generation, self.manifest_path())
-                await loop.run_in_executor(None, write_atomically, self.manifest_path(), manifest)
+                dir_fd = self.files[0].dir_fd  # the job's dir, checked (offloadd.swapdirs)
+                await loop.run_in_executor(None, keep_previous_generation, dir_fd)
+                await loop.run_in_executor(None, write_atomically, dir_fd, MANIFEST, manifest)
             except SwapIOError as exc:
                 raise self._fail_stop(table, placements, exc) from exc
             except OSError as exc:
@@ -776,18 +776,3 @@ async def _run_to_completion(transition: Awaitable[None]) -> None:
 def _consume_orphan_result(task: asyncio.Future[None]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved; whoever awaited it (if anyone) got it already
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write temp, fsync, rename, fsync the directory: the old or the new file, never half."""
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
