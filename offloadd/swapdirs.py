@@ -112,11 +112,10 @@ def _open_dir(parent_fd: int, name: str, where: Path, path: Path) -> int:
     try:
         return os.open(name, DIR_FLAGS, dir_fd=parent_fd)
     except OSError as exc:
-        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+        if exc.errno == errno.ELOOP or (exc.errno == errno.ENOTDIR and os.path.islink(where)):
             raise SwapDirUnsafeError(
-                exc.errno, f"swap dir {path}: {where} is a symbolic link or no directory; "
-                "the daemon follows no links under its swap dirs (give --swap-dir the real "
-                "path)") from None
+                exc.errno, f"swap dir {path}: {where} is a symbolic link; the daemon follows "
+                "no links under its swap dirs (give --swap-dir the real path)") from None
         raise
 
 
