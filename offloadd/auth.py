@@ -13,9 +13,8 @@ read every arena through /proc, and see every job in ``node_status``. The job
 secret still binds root's hellos, but root can read it from the ranks'
 environment.
 
-The other direction: a client trusts the socket only once the kernel says who listens
-on it (``check_daemon_peer``), before it sends its hello and job secret. A socket path in
-a world-writable dir can be taken by anyone first; the listener's uid cannot be forged.
+The other direction, a client checking who listens on the socket before it sends its
+secret, is ``offloadd.protocol.check_daemon_peer`` (clients import only the protocol).
 
 Ownership outlives the daemon: every flush manifest records the owner (``record``),
 the secret only as a salted HMAC-SHA256, and ``--recover`` restores it (``restore``),
@@ -27,22 +26,11 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import pwd
-import socket
-import struct
 from dataclasses import dataclass
 from typing import Any
 
-from offloadd.errors import PermissionDeniedError, UntrustedDaemonError
-from offloadd.protocol import JOB_SECRET_ENV
-
-ROOT_UID = 0
-DAEMON_UID_ENV = "OFFLOADD_DAEMON_UID"
-"""The uid (or user name) the node daemon runs as, for clients that check the socket."""
-DAEMON_USER = "offloadd"
-"""The system user deploy/ runs the daemon as; trusted where it exists."""
-_PEERCRED = struct.Struct("3i")
-
+from offloadd.errors import PermissionDeniedError
+from offloadd.protocol import JOB_SECRET_ENV, ROOT_UID
 
 SALT_NBYTES = 16
 DIGEST_NBYTES = 32
@@ -143,45 +131,3 @@ class JobAuthority:
         """'all' when node_status shows every job to ``uid``, else 'own'."""
         return "all" if uid == ROOT_UID else "own"
 
-
-# -- a client checks the daemon --------------------------------------------------------------
-
-
-def socket_peer(sock: socket.socket) -> tuple[int, int]:
-    """(pid, uid) of the process on the other end of a connected unix socket."""
-    pid, uid, _gid = _PEERCRED.unpack(
-        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
-    return pid, uid
-
-
-def expected_daemon_uid(daemon_uid: int | str | None = None) -> int:
-    """The daemon's uid: ``daemon_uid`` (a uid or a user name), else $OFFLOADD_DAEMON_UID,
-    else the ``offloadd`` system user where one exists, else root."""
-    value = daemon_uid if daemon_uid is not None else os.environ.get(DAEMON_UID_ENV) or None
-    if value is None:
-        try:
-            return pwd.getpwnam(DAEMON_USER).pw_uid
-        except KeyError:
-            return ROOT_UID
-    if isinstance(value, int) or value.isdigit():
-        return int(value)
-    try:
-        return pwd.getpwnam(value).pw_uid
-    except KeyError:
-        raise ValueError(f"daemon uid {value!r} ({DAEMON_UID_ENV} or daemon_uid) is neither "
-                         "a number nor a user on this host") from None
-
-
-def check_daemon_peer(sock: socket.socket, socket_path: str,
-                      daemon_uid: int | str | None = None) -> None:
-    """Raise UntrustedDaemonError unless the listener runs as root, as this process's own
-    uid (a private daemon), or as the expected daemon uid (``expected_daemon_uid``)."""
-    pid, uid = socket_peer(sock)
-    expected = expected_daemon_uid(daemon_uid)
-    if uid in (ROOT_UID, os.geteuid(), expected):
-        return
-    raise UntrustedDaemonError(
-        f"the process listening on {socket_path} (pid {pid}) runs as uid {uid}, not as the "
-        f"daemon's uid {expected}; it may have taken the socket before the daemon, so "
-        f"nothing was sent to it. Connect to the daemon's --socket, or set {DAEMON_UID_ENV} "
-        "(or daemon_uid=) to the uid offloadd runs as")

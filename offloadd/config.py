@@ -47,7 +47,7 @@ def default_socket_path() -> str:
 
     Hazard: in a world-writable dir anyone can create the path first, so the daemon cannot
     start and clients would talk to the squatter (they check who listens, see
-    ``offloadd.auth.check_daemon_peer``, but the daemon is still kept out).
+    ``offloadd.protocol.check_daemon_peer``, but the daemon is still kept out).
     """
     runtime = os.environ.get("RUNTIME_DIRECTORY")
     if not runtime and (os.geteuid() == 0 or os.path.isdir(SERVICE_SOCKET_DIR)):

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from offloadd import __version__
-from offloadd.auth import JobAuthority, socket_peer
+from offloadd.auth import JobAuthority
 from offloadd.config import SERVICE_SOCKET_DIR, DaemonConfig, parse_host_port
 from offloadd.device_copies import DeviceCopiesService
 from offloadd.jobs import Job, JobRegistry
@@ -24,6 +24,7 @@ from offloadd.lifecycle import JobLifecycle
 from offloadd.limits import LimitGuard
 from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
 from offloadd.optimizer import OptimizerService
+from offloadd.protocol import socket_peer
 from offloadd.session import Session
 
 log = logging.getLogger(__name__)

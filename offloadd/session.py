@@ -82,6 +82,8 @@ class Session(asyncio.Protocol):
         self.hello_timer: asyncio.TimerHandle | None = None
         self.frame_timer: asyncio.TimerHandle | None = None
         """Runs while a partial frame is buffered: the frame must arrive in frame_timeout_s."""
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The loop of the connection (its timers run there); None until connection_made."""
         self.leases: dict[Shard, Lease] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.closed = False
@@ -109,6 +111,7 @@ class Session(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        self.loop = asyncio.get_running_loop()
         pid, uid, _gid = peer_credentials(transport)
         self.peer_pid, self.peer_uid = pid, uid
         if uid != 0 and uid not in self.daemon.config.allowed_uids:
@@ -132,8 +135,9 @@ class Session(asyncio.Protocol):
         connection's next node_status."""
         if self.hello_timer is not None:
             self.hello_timer.cancel()
-        self.hello_timer = asyncio.get_running_loop().call_later(
-            self.daemon.config.hello_timeout_s, self.hello_timed_out)
+        if self.loop is not None:
+            self.hello_timer = self.loop.call_later(
+                self.daemon.config.hello_timeout_s, self.hello_timed_out)
 
     def hello_timed_out(self) -> None:
         self.hello_timer = None
@@ -212,8 +216,9 @@ class Session(asyncio.Protocol):
     def frame_started(self) -> None:
         if self.frame_timer is not None:
             self.frame_timer.cancel()
-        self.frame_timer = asyncio.get_running_loop().call_later(
-            self.daemon.config.frame_timeout_s, self.frame_timed_out)
+        if self.loop is not None:  # None: frames fed without a connection (protocol tests)
+            self.frame_timer = self.loop.call_later(
+                self.daemon.config.frame_timeout_s, self.frame_timed_out)
 
     def frame_timed_out(self) -> None:
         self.frame_timer = None

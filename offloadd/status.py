@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from offloadd import protocol as p
-from offloadd.auth import check_daemon_peer
 from offloadd.errors import UntrustedDaemonError
+from offloadd.protocol import check_daemon_peer
 
 SWAP_SUBDIR = "offloadd"
 """Folder inside each swap dir that holds one folder per job."""

@@ -18,10 +18,10 @@ from conftest import call, error_code, hello, is_closed, raw_socket, read_reply,
 from test_daemon_sessions import as_uid, open_to_everyone, serve
 
 from offloadd import protocol as p
-from offloadd.auth import DAEMON_UID_ENV, expected_daemon_uid
 from offloadd.config import default_socket_path
 from offloadd.embedded import PrivateDaemon
 from offloadd.errors import UntrustedDaemonError
+from offloadd.protocol import DAEMON_UID_ENV, expected_daemon_uid
 from offloadd.status import DaemonUnreachableError, query_node_status
 from trainer.client import AsyncOffloadClient, OffloadClient
 

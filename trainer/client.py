@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from offloadd import protocol as p
-from offloadd.auth import check_daemon_peer
 from offloadd.errors import (
     DaemonUnavailableError,
     InvalidRequestError,
@@ -31,6 +30,7 @@ from offloadd.errors import (
     UnknownShardError,
     error_from_code,
 )
+from offloadd.protocol import check_daemon_peer
 from trainer import lease_debug
 from trainer.lease_debug import StaleLeaseError
 
@@ -265,7 +265,7 @@ def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
 
 def connect_socket(socket_path: str, timeout_s: float,
                    daemon_uid: int | str | None = None) -> socket.socket:
-    """Connect, then check who listens (``offloadd.auth.check_daemon_peer``) before the
+    """Connect, then check who listens (``offloadd.protocol.check_daemon_peer``) before the
     caller sends anything: a hello carries the job secret."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
