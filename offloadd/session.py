@@ -382,6 +382,8 @@ class Session(asyncio.Protocol):
             self.reply_error(req.rid, "hello", InternalError(f"hello failed: {exc!r}"),
                              time.perf_counter())
         self.hello_pending = False
+        if self.job is None and self.hello_timer is None and not self.closed:
+            self.arm_hello_timer()  # it fired while the arena was made: a failed hello may retry
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
             if self.buffer:
@@ -498,6 +500,7 @@ class Session(asyncio.Protocol):
         log.info("event=close_job session=%d job=%s rank=%d", self.session_id, job.name,
                  self.rank)
         self.daemon.lifecycle.close_requested(job)
+        self.arm_hello_timer()  # a connection without a job: a new hello, or it is closed
 
     def on_optimizer_step(self, req: p.OptimizerStep) -> Awaitable[None]:
         assert self.job is not None

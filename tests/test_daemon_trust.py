@@ -152,6 +152,17 @@ def test_node_status_does_not_keep_an_admin_connection_open_for_ever(tmp_path: P
         assert is_closed(sock)
 
 
+def test_a_connection_left_without_a_job_by_close_job_is_closed_after_the_hello_timeout(
+        tmp_path: Path) -> None:
+    with daemon_with(tmp_path, "hello_timeout_s = 0.5\n") as daemon:
+        sock = raw_socket(daemon.socket_path)
+        assert isinstance(hello(sock, "done"), p.HelloOk)
+        assert isinstance(call(sock, p.CloseJob(2)), p.Ok)
+        reply, _fds = read_reply(sock)  # it says no new hello: closed, no slot held for ever
+        assert error_code(reply) == "limit" and "hello_timeout_s" in reply.message, reply
+        assert is_closed(sock)
+
+
 # -- one rank's close_job ------------------------------------------------------------------
 
 
