@@ -12,25 +12,71 @@ container whose processes map to uid 0 on the host, can attach to every job,
 read every arena through /proc, and see every job in ``node_status``. The job
 secret still binds root's hellos, but root can read it from the ranks'
 environment.
+
+The other direction, a client checking who listens on the socket before it sends its
+secret, is ``offloadd.protocol.check_daemon_peer`` (clients import only the protocol).
+
+Ownership outlives the daemon: every flush manifest records the owner (``record``),
+the secret only as a salted HMAC-SHA256, and ``--recover`` restores it (``restore``),
+so after a restart the job still belongs to the uid that created it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import os
 from dataclasses import dataclass
+from typing import Any
 
 from offloadd.errors import PermissionDeniedError
-from offloadd.protocol import JOB_SECRET_ENV
+from offloadd.protocol import JOB_SECRET_ENV, ROOT_UID
 
-ROOT_UID = 0
+SALT_NBYTES = 16
+DIGEST_NBYTES = 32
+
+
+def _secret_digest(salt: bytes, secret: str) -> bytes:
+    return hmac.new(salt, secret.encode(), hashlib.sha256).digest()
 
 
 @dataclass(frozen=True)
 class JobOwner:
-    """Who created a job: their uid and the secret every rank must present ('' = none)."""
+    """Who created a job: their uid, and the secret every rank must present ('' = none),
+    kept only as a salted digest (it is written to manifests)."""
 
     uid: int
-    secret: str
+    salt: bytes
+    secret_digest: bytes
+
+    @classmethod
+    def create(cls, uid: int, secret: str) -> JobOwner:
+        salt = os.urandom(SALT_NBYTES)
+        return cls(uid, salt, _secret_digest(salt, secret))
+
+    def secret_matches(self, secret: str) -> bool:
+        return hmac.compare_digest(_secret_digest(self.salt, secret), self.secret_digest)
+
+    def record(self) -> dict[str, Any]:
+        """The owner as a manifest stores it."""
+        return {"uid": self.uid, "salt": self.salt.hex(),
+                "secret_hmac_sha256": self.secret_digest.hex()}
+
+    @classmethod
+    def from_record(cls, record: Any) -> JobOwner:
+        """Parse ``record()``'s output; ValueError naming what is wrong."""
+        if not isinstance(record, dict) or set(record) != {"uid", "salt", "secret_hmac_sha256"}:
+            raise ValueError(f"the owner record {str(record)[:200]!r} is malformed")
+        uid, salt, digest = record["uid"], record["salt"], record["secret_hmac_sha256"]
+        if not isinstance(uid, int) or isinstance(uid, bool) or not 0 <= uid < 2**32:
+            raise ValueError(f"the owner record names no uid: {uid!r}")
+        try:
+            owner = cls(uid, bytes.fromhex(salt), bytes.fromhex(digest))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the owner record's salt or digest is not hex: {exc}") from exc
+        if len(owner.salt) != SALT_NBYTES or len(owner.secret_digest) != DIGEST_NBYTES:
+            raise ValueError("the owner record's salt or digest has the wrong length")
+        return owner
 
 
 class JobAuthority:
@@ -53,14 +99,25 @@ class JobAuthority:
             raise PermissionDeniedError(
                 f"job {job!r} belongs to uid {owner.uid}; uid {uid} may not attach to it "
                 "(pick another job name)")
-        if not hmac.compare_digest(secret.encode(), owner.secret.encode()):
+        if not owner.secret_matches(secret):
             raise PermissionDeniedError(
                 f"wrong or missing job secret for job {job!r}; every rank must present the "
                 f"secret of the rank that created the job ({JOB_SECRET_ENV})")
 
     def claim(self, job: str, uid: int, secret: str) -> None:
         """Record the creator of a job (first successful hello); later hellos keep it."""
-        self.owners.setdefault(job, JobOwner(uid, secret))
+        if job not in self.owners:
+            self.owners[job] = JobOwner.create(uid, secret)
+
+    def record(self, job: str) -> dict[str, Any] | None:
+        """The owner of ``job`` as its flush manifest stores it (None: not claimed yet)."""
+        owner = self.owners.get(job)
+        return owner.record() if owner is not None else None
+
+    def restore(self, job: str, owner: JobOwner | None) -> None:
+        """At ``--recover``: the owner its manifest recorded. A manifest of an older daemon
+        names none: its job is then root's, since no uid can prove it created it."""
+        self.owners[job] = owner if owner is not None else JobOwner.create(ROOT_UID, "")
 
     def forget(self, job: str) -> None:
         self.owners.pop(job, None)
@@ -73,3 +130,4 @@ class JobAuthority:
     def scope(self, uid: int) -> str:
         """'all' when node_status shows every job to ``uid``, else 'own'."""
         return "all" if uid == ROOT_UID else "own"
+

@@ -7,7 +7,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from offloadd.config import DaemonConfig, default_socket_path, parse_size
+from offloadd.config import SERVICE_SOCKET_DIR, DaemonConfig, default_socket_path, parse_size
 from offloadd.logs import setup_logging
 
 
@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 2
 
 
-SERVICE_SOCKET = "/run/offloadd/offloadd.sock"
+SERVICE_SOCKET = f"{SERVICE_SOCKET_DIR}/offloadd.sock"
 """Where the systemd unit and the container put the socket; status and gc look there first."""
 
 

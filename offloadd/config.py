@@ -37,8 +37,22 @@ def parse_size(text: str | int, *, knob: str = "size") -> int:
     return int(float(number) * scale)
 
 
+SERVICE_SOCKET_DIR = "/run/offloadd"
+"""The node daemon's runtime dir (systemd's RuntimeDirectory=, or made by a root daemon)."""
+
+
 def default_socket_path() -> str:
-    runtime = os.environ.get("RUNTIME_DIRECTORY") or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    """``offloadd.sock`` in a runtime dir: $RUNTIME_DIRECTORY (systemd), /run/offloadd where it
+    exists or for root, else $XDG_RUNTIME_DIR; /tmp only where none of them is.
+
+    Hazard: in a world-writable dir anyone can create the path first, so the daemon cannot
+    start and clients would talk to the squatter (they check who listens, see
+    ``offloadd.protocol.check_daemon_peer``, but the daemon is still kept out).
+    """
+    runtime = os.environ.get("RUNTIME_DIRECTORY")
+    if not runtime and (os.geteuid() == 0 or os.path.isdir(SERVICE_SOCKET_DIR)):
+        runtime = SERVICE_SOCKET_DIR
+    runtime = runtime or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
     return str(Path(runtime) / "offloadd.sock")
 
 
@@ -109,6 +123,8 @@ class DaemonConfig:
     """Explicit prefetches one job may have in flight, a request's ids included."""
     max_partial_frame_nbytes: int = 16 << 20
     """Bytes of one request frame the daemon buffers for a connection (<= 16 MiB)."""
+    frame_timeout_s: float = 30.0
+    """Seconds a request frame may take to arrive in full, from its first byte."""
     require_job_secret: bool = False
     """Refuse hellos without a job secret (OFFLOADD_JOB_SECRET in every rank's env)."""
 

@@ -143,6 +143,11 @@ class ReplyTimeoutError(OffloadError, TimeoutError):
     code = ErrorCode.INTERNAL
 
 
+class UntrustedDaemonError(PermissionDeniedError):
+    """Raised on the client side, before anything is sent, when the process listening on
+    the socket runs as a uid the client does not trust as the daemon's (socket squatting)."""
+
+
 ERROR_CLASSES: dict[ErrorCode, type[OffloadError]] = {
     cls.code: cls
     for cls in (

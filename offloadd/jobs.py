@@ -480,13 +480,15 @@ class JobRegistry:
         return job, True
 
     async def open_async(self, name: str, requested_nbytes: int,
-                         make_tier: Callable[[], SwapTier] | None = None) -> Job:
+                         make_tier: Callable[[], SwapTier] | None = None,
+                         on_created: Callable[[Job], None] | None = None) -> Job:
         """``open`` with the arena made on an executor thread.
 
         memfd sizing, fallocate, MAP_POPULATE and mlock take 0.5-0.9 s per GiB; on the
         loop a large arena would stall every other job's requests (and the systemd
         watchdog). Its bytes stay reserved against the budget while it is made, and
-        concurrent hellos of the job share one creation, which no cancelled hello stops.
+        concurrent hellos of the job share one creation, which no cancelled hello stops;
+        ``on_created`` gets the job once it is made, whether or not a hello is left to.
         """
         job = self.jobs.get(name)
         if job is not None:
@@ -496,11 +498,12 @@ class JobRegistry:
             nbytes, free = self._size_new(name, requested_nbytes)
             self._creating_nbytes[name] = nbytes
             creating = self.creating[name] = asyncio.ensure_future(
-                self._create(name, nbytes, free, make_tier))
+                self._create(name, nbytes, free, make_tier, on_created))
         return await asyncio.shield(creating)
 
     async def _create(self, name: str, nbytes: int, free: int,
-                      make_tier: Callable[[], SwapTier] | None) -> Job:
+                      make_tier: Callable[[], SwapTier] | None,
+                      on_created: Callable[[Job], None] | None) -> Job:
         try:
             arena = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: Arena(name, nbytes, lock=self.lock, hugepages=self.hugepages,
@@ -511,6 +514,8 @@ class JobRegistry:
                 arena.close()
                 raise
             job = self.jobs[name] = Job(name, arena, tier)
+            if on_created is not None:
+                on_created(job)
             return job
         finally:
             del self.creating[name], self._creating_nbytes[name]

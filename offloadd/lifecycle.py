@@ -1,10 +1,16 @@
-"""Jobs end: a job with no sessions left is freed after ``job_linger_s``, or at once after
-``close_job``; a private daemon ends when no rank of its jobs is left (``IdleExit``).
+"""Jobs end: a job with no sessions left is freed after ``job_linger_s``, or at once when its
+last session left by ``close_job``; a private daemon ends when no rank of its jobs is left
+(``IdleExit``).
 
-The linger lets a restarting rank reattach to its shards; a job whose ranks said
-``close_job`` has nothing to come back to. Freeing a job unmaps and unlocks its arena,
-closes its fds, forgets its owner, and closes its swap files (deleting them unless a
-flush left a manifest there for ``--recover``).
+The linger lets a restarting rank reattach to its shards; a job whose last rank said
+``close_job`` has nothing to come back to. Hazard: one rank's ``close_job`` says only that
+this rank is done; were the job marked for freeing, a peer rank that crashes later (or
+reattaches, then crashes) would find its shards gone instead of lingering. So only the
+way the last session leaves decides. A job made for a hello whose session never attached
+(closed or timed out while its arena was made) lingers too, from its creation.
+
+Freeing a job unmaps and unlocks its arena, closes its fds, forgets its owner, and closes
+its swap files (deleting them unless a flush left a manifest there for ``--recover``).
 
 Hazard, arena lifetime: an optimizer step runs on a worker thread and swap IO on the IO
 engine, both writing into the arena. A job is freed only when no shard is leased (the
@@ -36,8 +42,6 @@ class JobLifecycle:
         self.daemon = daemon
         self.linger_s = linger_s
         self.timers: dict[str, asyncio.TimerHandle] = {}
-        self.closing: set[str] = set()
-        """Jobs whose ranks sent close_job: freed as soon as the last session leaves."""
         self.freeing: set[asyncio.Task[None]] = set()
         self.freed_jobs = 0
 
@@ -49,20 +53,23 @@ class JobLifecycle:
         if self.daemon.idle_exit is not None:
             self.daemon.idle_exit.attached()
 
+    def created(self, job: Job) -> None:
+        """A new job's arena is made: it lingers until a session attaches (``attached``)."""
+        if job.num_sessions == 0:
+            self._schedule(job, self.linger_s)
+
     def detached(self, job: Job) -> None:
-        """A session of ``job`` ended (closed, or sent close_job)."""
+        """A session of ``job`` ended without close_job: the job lingers if it was the last."""
         if job.num_sessions == 0 and self.daemon.jobs.jobs.get(job.name) is job:
-            if job.name in self.closing:
-                self._expire(job)
-            else:
-                self._schedule(job, self.linger_s)
+            self._schedule(job, self.linger_s)
         if self.daemon.idle_exit is not None:
             self.daemon.idle_exit.check()
 
     def close_requested(self, job: Job) -> None:
-        """A rank sent close_job: free the job once no session is left (now, if none is)."""
-        self.closing.add(job.name)
-        self.detached(job)
+        """A rank sent close_job: free the job now if it was the last session, else nothing
+        (see the module note)."""
+        if job.num_sessions == 0 and self.daemon.jobs.jobs.get(job.name) is job:
+            self._expire(job)
 
     def _schedule(self, job: Job, delay_s: float) -> None:
         old = self.timers.pop(job.name, None)
@@ -84,7 +91,6 @@ class JobLifecycle:
         """Forget ``job`` now; its arena closes after its swap tier (see the module note)."""
         del self.daemon.jobs.jobs[job.name]
         self.daemon.auth.forget(job.name)
-        self.closing.discard(job.name)
         self.freed_jobs += 1
         log.info("event=job_freed job=%s shards=%d", job.name, len(job.table.shards))
         if job.tier is None or self.daemon.swap is None:

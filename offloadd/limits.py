@@ -34,6 +34,7 @@ class Limits:
     max_shards_per_job: int
     max_prefetches_per_job: int
     max_partial_frame_nbytes: int
+    frame_timeout_s: float
 
 
 def check_limits(limits: Limits, max_frame_nbytes: int = MAX_FRAME_NBYTES) -> None:
@@ -42,8 +43,9 @@ def check_limits(limits: Limits, max_frame_nbytes: int = MAX_FRAME_NBYTES) -> No
                  "max_shards_per_job", "max_prefetches_per_job"):
         if getattr(limits, knob) < 1:
             raise ValueError(f"{knob} must be >= 1, got {getattr(limits, knob)}")
-    if limits.hello_timeout_s <= 0:
-        raise ValueError(f"hello_timeout_s must be > 0 seconds, got {limits.hello_timeout_s}")
+    for knob in ("hello_timeout_s", "frame_timeout_s"):
+        if getattr(limits, knob) <= 0:
+            raise ValueError(f"{knob} must be > 0 seconds, got {getattr(limits, knob)}")
     if not 4096 <= limits.max_partial_frame_nbytes <= max_frame_nbytes:
         raise ValueError(f"max_partial_frame_nbytes must be in [4096, {max_frame_nbytes}] bytes, "
                          f"got {limits.max_partial_frame_nbytes}")

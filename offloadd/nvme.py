@@ -32,17 +32,23 @@ import xxhash
 from offloadd.arena import Allocator, align_up
 from offloadd.errors import (
     JobQuarantinedError,
-    OffloadError,
     OverBudgetError,
     ShardExistsError,
     SwapIOError,
 )
 from offloadd.ioengine import IOEngineError, VolatileCacheEngine, open_engine
-from offloadd.manifests import ManifestError, jobs_with_manifests, read_job_manifest
+from offloadd.manifests import jobs_with_manifests, read_job_manifest
 from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
 from offloadd.scheduler import IOQueue, IOTicket, Priority
 from offloadd.shards import Chunk
-from offloadd.swapdirs import lock_swap_dir, remove_job_dir, unlock_swap_dir
+from offloadd.swapdirs import (
+    FILE_FLAGS,
+    lock_swap_dir,
+    open_private_dir,
+    open_private_subdir,
+    remove_job_dir,
+    unlock_swap_dir,
+)
 
 if TYPE_CHECKING:
     from offloadd.config import DaemonConfig
@@ -62,7 +68,9 @@ class JobOpener(Protocol):
 
 LAYOUT_DIR = "offloadd"
 MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
+"""2: chunk checksums bound to their place, and the job's owner recorded; 1 is still read."""
+READABLE_FORMATS = (1, 2)
 POWER_LOSS_FAULT = "power_loss"
 """``OFFLOADD_IO_FAULT=power_loss``: writes stay in a volatile cache until synced (tests)."""
 SEGMENT_NBYTES = 256 << 20
@@ -80,17 +88,25 @@ class SwapDir:
     reserved_nbytes: int = 0
     read_nbytes: int = 0
     written_nbytes: int = 0
+    root_fd: int = -1
+    """The layout dir, opened and checked (``offloadd.swapdirs``) by ``prepare``."""
 
     @property
     def root(self) -> Path:
         return self.path / LAYOUT_DIR
 
     def prepare(self) -> None:
-        """Create the layout dir and probe O_DIRECT; errors name the dir."""
+        """Open and check the swap and layout dirs, probe O_DIRECT; errors name the dir."""
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            probe = self.root / ".probe"
-            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+            swap_fd = open_private_dir(self.path)
+            try:
+                self.root_fd = open_private_subdir(swap_fd, LAYOUT_DIR, self.root)
+            finally:
+                os.close(swap_fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(".probe", dir_fd=self.root_fd)
+            fd = os.open(".probe", os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600,
+                         dir_fd=self.root_fd)
         except OSError as exc:
             raise OSError(exc.errno, f"swap dir {self.path} is not usable: {exc.strerror}") from exc
         try:
@@ -98,11 +114,17 @@ class SwapDir:
         finally:
             os.close(fd)
         try:
-            os.close(os.open(probe, os.O_RDWR | getattr(os, "O_DIRECT", 0)))
+            os.close(os.open(".probe", os.O_RDWR | FILE_FLAGS | getattr(os, "O_DIRECT", 0),
+                             dir_fd=self.root_fd))
         except OSError:
             self.direct = False
             log.warning("event=odirect_unsupported dir=%s fallback=buffered", self.path)
-        probe.unlink()
+        os.unlink(".probe", dir_fd=self.root_fd)
+
+    def close(self) -> None:
+        if self.root_fd >= 0:
+            os.close(self.root_fd)
+            self.root_fd = -1
 
 
 class JobFile:
@@ -111,9 +133,14 @@ class JobFile:
     def __init__(self, swap_dir: SwapDir, job: str, *, existing: bool) -> None:
         self.dir = swap_dir
         self.path = swap_dir.root / job / "swap.0"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if swap_dir.direct else 0)
-        self.fd = os.open(self.path, flags, 0o600)
+        self.dir_fd = open_private_subdir(swap_dir.root_fd, job, self.path.parent)
+        """The job's dir, checked: manifests are written relative to it."""
+        flags = os.O_RDWR | os.O_CREAT | FILE_FLAGS | (os.O_DIRECT if swap_dir.direct else 0)
+        try:
+            self.fd = os.open(self.path.name, flags, 0o600, dir_fd=self.dir_fd)
+        except BaseException:
+            os.close(self.dir_fd)
+            raise
         size = os.fstat(self.fd).st_size if existing else 0
         if not existing:
             os.ftruncate(self.fd, 0)
@@ -178,8 +205,9 @@ class JobFile:
         self.allocator.free(chunk.offset, chunk.nbytes)
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self.fd)
+        for fd in (self.fd, self.dir_fd):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 @dataclass
@@ -233,7 +261,7 @@ class SwapSpace:
         loop = asyncio.get_running_loop()
         for swap_dir in self.dirs:
             await loop.run_in_executor(None, swap_dir.prepare)
-            self.lock_fds.append(lock_swap_dir(swap_dir.root))
+            self.lock_fds.append(lock_swap_dir(swap_dir.root_fd, swap_dir.root))
         fault = os.environ.get("OFFLOADD_IO_FAULT", "")  # test hook: "read:3" fails the 3rd read
         if fault == POWER_LOSS_FAULT:
             self.engine = VolatileCacheEngine()
@@ -293,20 +321,25 @@ class SwapSpace:
         loop = asyncio.get_running_loop()
         freed = 0
         for swap_dir in self.dirs:
-            freed += await loop.run_in_executor(None, remove_job_dir, self.job_dir(swap_dir, job))
+            freed += await loop.run_in_executor(None, remove_job_dir, swap_dir.root_fd,
+                                                self.job_dir(swap_dir, job))
         log.info("event=swap_released job=%s freed_nbytes=%d", job, freed)
         return freed
 
     async def recover(self, registry: JobOpener, open_tier: Callable[[str], Any]) -> None:
         """Re-open every job whose manifest is in the first swap dir; a job whose manifest
-        is bad is quarantined (logged, in status, refused at hello), the others recover."""
+        is bad is quarantined (logged, in status, refused at hello), the others recover.
+
+        Whatever a manifest holds costs its job only: any exception while one is read or
+        loaded (deep nesting is a RecursionError, odd types an AttributeError) quarantines it.
+        """
         for job_dir in jobs_with_manifests(self.dirs[0].root):
             name = job_dir.name
             try:
-                manifest = read_job_manifest(job_dir)
+                manifest = read_job_manifest(job_dir, self.dirs[0].root_fd)
                 count = await self._recover_job(registry, name, manifest,
                                                 functools.partial(open_tier, name))
-            except (ManifestError, OffloadError, ValueError, KeyError, TypeError, OSError) as exc:
+            except Exception as exc:
                 self.quarantined[name] = (
                     f"job {name!r} is quarantined: its manifest in {job_dir} could not be "
                     f"recovered ({exc}); its swap files are kept. Restart with the swap dirs "
@@ -398,11 +431,11 @@ class SwapSpace:
             self.counters.io_errors.add(("sync",))
             raise SwapIOError(f"fdatasync of {jobfile.path} failed: {exc}") from exc
 
-    async def checksum(self, view: memoryview) -> int:
+    async def checksum(self, view: memoryview, seed: int = 0) -> int:
         if self.hash_pool is None:
-            return xxhash.xxh3_64_intdigest(view)
+            return xxhash.xxh3_64_intdigest(view, seed)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self.hash_pool, xxhash.xxh3_64_intdigest, view)
+        return await loop.run_in_executor(self.hash_pool, xxhash.xxh3_64_intdigest, view, seed)
 
     def stats(self) -> dict[str, Any]:
         c = self.counters
@@ -482,3 +515,5 @@ class SwapSpace:
         for fd in self.lock_fds:
             unlock_swap_dir(fd)
         self.lock_fds.clear()
+        for swap_dir in self.dirs:
+            swap_dir.close()

@@ -10,12 +10,15 @@ and the replies carry arena offsets.
 from __future__ import annotations
 
 import functools
+import os
+import pwd
+import socket
 import struct
 from typing import TYPE_CHECKING, Literal
 
 import msgspec
 
-from offloadd.errors import ErrorCode, InvalidRequestError
+from offloadd.errors import ErrorCode, InvalidRequestError, UntrustedDaemonError
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +32,12 @@ MAX_FRAME_NBYTES = 16 << 20
 Mode = Literal["r", "w"]
 JOB_SECRET_ENV = "OFFLOADD_JOB_SECRET"
 """Environment variable the client reads the job secret from (set by the launcher)."""
+ROOT_UID = 0
+DAEMON_UID_ENV = "OFFLOADD_DAEMON_UID"
+"""The uid (or user name) the node daemon runs as, for clients that check the socket."""
+DAEMON_USER = "offloadd"
+"""The system user deploy/ runs the daemon as; trusted where it exists."""
+_PEERCRED = struct.Struct("3i")
 DTYPE_ITEMSIZE = {"uint8": 1, "int8": 1, "int32": 4, "int64": 8, "float16": 2, "bfloat16": 2,
                   "float32": 4, "float64": 8}
 """Element dtypes a shard may carry (torch's names), with their sizes in bytes."""
@@ -282,3 +291,49 @@ def check_ids(ids: list[str], *lists: list | None) -> None:
         if other is not None and len(other) != len(ids):
             raise InvalidRequestError(
                 f"{len(ids)} ids but a parallel list of {len(other)} entries")
+
+
+# -- who listens: a client checks the daemon before it sends anything ------------------------
+#
+# A socket path in a world-writable dir can be taken by anyone first; the listener's uid,
+# which the kernel reports (SO_PEERCRED), cannot be forged. A hello carries the job secret.
+
+
+def socket_peer(sock: socket.socket) -> tuple[int, int]:
+    """(pid, uid) of the process on the other end of a connected unix socket."""
+    pid, uid, _gid = _PEERCRED.unpack(
+        sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+    return pid, uid
+
+
+def expected_daemon_uid(daemon_uid: int | str | None = None) -> int:
+    """The daemon's uid: ``daemon_uid`` (a uid or a user name), else $OFFLOADD_DAEMON_UID,
+    else the ``offloadd`` system user where one exists, else root."""
+    value = daemon_uid if daemon_uid is not None else os.environ.get(DAEMON_UID_ENV) or None
+    if value is None:
+        try:
+            return pwd.getpwnam(DAEMON_USER).pw_uid
+        except KeyError:
+            return ROOT_UID
+    if isinstance(value, int) or value.isdigit():
+        return int(value)
+    try:
+        return pwd.getpwnam(value).pw_uid
+    except KeyError:
+        raise ValueError(f"daemon uid {value!r} ({DAEMON_UID_ENV} or daemon_uid) is neither "
+                         "a number nor a user on this host") from None
+
+
+def check_daemon_peer(sock: socket.socket, socket_path: str,
+                      daemon_uid: int | str | None = None) -> None:
+    """Raise UntrustedDaemonError unless the listener runs as root, as this process's own
+    uid (a private daemon), or as the expected daemon uid (``expected_daemon_uid``)."""
+    pid, uid = socket_peer(sock)
+    expected = expected_daemon_uid(daemon_uid)
+    if uid in (ROOT_UID, os.geteuid(), expected):
+        return
+    raise UntrustedDaemonError(
+        f"the process listening on {socket_path} (pid {pid}) runs as uid {uid}, not as the "
+        f"daemon's uid {expected}; it may have taken the socket before the daemon, so "
+        f"nothing was sent to it. Connect to the daemon's --socket, or set {DAEMON_UID_ENV} "
+        "(or daemon_uid=) to the uid offloadd runs as")

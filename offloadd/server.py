@@ -18,13 +18,14 @@ from typing import Any
 
 from offloadd import __version__
 from offloadd.auth import JobAuthority
-from offloadd.config import DaemonConfig, parse_host_port
+from offloadd.config import SERVICE_SOCKET_DIR, DaemonConfig, parse_host_port
 from offloadd.device_copies import DeviceCopiesService
 from offloadd.jobs import Job, JobRegistry
 from offloadd.lifecycle import IdleExit, JobLifecycle
 from offloadd.limits import LimitGuard
 from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
 from offloadd.optimizer import OptimizerService
+from offloadd.protocol import socket_peer
 from offloadd.session import Session
 
 log = logging.getLogger(__name__)
@@ -92,6 +93,8 @@ class Daemon:
             if self.config.recover:
                 await self.swap.recover(self.jobs,
                                         lambda name: self._open_tier(name, recovering=True))
+                for name, tier in self.swap.tiers.items():  # a restart keeps who owns a job
+                    self.auth.restore(name, tier.recovered_owner)
         self._server = await self._listen()
         if self.config.metrics_addr:
             host, port = parse_host_port(self.config.metrics_addr)
@@ -103,6 +106,8 @@ class Daemon:
 
     async def _listen(self) -> asyncio.AbstractServer:
         path = self.config.socket
+        if os.path.dirname(path) == SERVICE_SOCKET_DIR:  # the default of a root daemon
+            os.makedirs(SERVICE_SOCKET_DIR, mode=0o755, exist_ok=True)
         with contextlib.suppress(FileNotFoundError):
             if os.path.exists(path) and not _socket_in_use(path):
                 os.unlink(path)
@@ -156,12 +161,16 @@ class Daemon:
         from offloadd.tier import open_tier  # with the swap space: only for --swap-dir
 
         assert self.swap is not None
-        return open_tier(self.swap, name, recovering=recovering)
+        return open_tier(self.swap, name, recovering=recovering,
+                         owner_record=lambda: self.auth.record(name))
 
     async def open_job_async(self, name: str, arena_nbytes: int) -> Job:
         """``open_job`` with a new arena made off the loop (see ``JobRegistry.open_async``)."""
         make_tier = (lambda: self._open_tier(name)) if self.swap is not None else None
-        return await self.jobs.open_async(name, arena_nbytes, make_tier)
+        # The lifecycle owns the job from its creation: a hello that is cancelled (its
+        # client left, or its hello timer fired) while the arena is made leaves no leak.
+        return await self.jobs.open_async(name, arena_nbytes, make_tier,
+                                          on_created=self.lifecycle.created)
 
     # -- health and stats ---------------------------------------------------------
 
@@ -227,7 +236,9 @@ def _socket_in_use(path: str) -> bool:
             probe.connect(path)
         except OSError:
             return False
-    raise RuntimeError(f"another daemon is listening on {path}; stop it or pick another --socket")
+        pid, uid = socket_peer(probe)
+    raise RuntimeError(f"another process (pid {pid}, uid {uid}) is listening on {path}; stop "
+                       "it or pick another --socket (in a dir only the daemon's uid can write)")
 
 
 def run(config: DaemonConfig, *, ready_message: bool = True) -> int:

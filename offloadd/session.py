@@ -80,6 +80,10 @@ class Session(asyncio.Protocol):
         self.peer_uid = -1
         self.counted = False  # in the LimitGuard's session counts
         self.hello_timer: asyncio.TimerHandle | None = None
+        self.frame_timer: asyncio.TimerHandle | None = None
+        """Runs while a partial frame is buffered: the frame must arrive in frame_timeout_s."""
+        self.loop: asyncio.AbstractEventLoop | None = None
+        """The loop of the connection (its timers run there); None until connection_made."""
         self.leases: dict[Shard, Lease] = {}
         self.tasks: set[asyncio.Task[None]] = set()
         self.closed = False
@@ -107,6 +111,7 @@ class Session(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        self.loop = asyncio.get_running_loop()
         pid, uid, _gid = peer_credentials(transport)
         self.peer_pid, self.peer_uid = pid, uid
         if uid != 0 and uid not in self.daemon.config.allowed_uids:
@@ -123,20 +128,34 @@ class Session(asyncio.Protocol):
             return
         self.counted = True
         self.daemon.sessions.add(self)
-        self.hello_timer = asyncio.get_running_loop().call_later(
-            self.daemon.config.hello_timeout_s, self.hello_timed_out)
+        self.arm_hello_timer()
+
+    def arm_hello_timer(self) -> None:
+        """(Re)start the deadline of a connection without a job: its hello, or an admin
+        connection's next node_status."""
+        if self.hello_timer is not None:
+            self.hello_timer.cancel()
+        if self.loop is not None:
+            self.hello_timer = self.loop.call_later(
+                self.daemon.config.hello_timeout_s, self.hello_timed_out)
 
     def hello_timed_out(self) -> None:
         self.hello_timer = None
+        if self.hello_pending:  # the hello came in time; its new arena is being made
+            return
         if self.job is None and not self.closed:
+            timeout_s = self.daemon.config.hello_timeout_s
             self.fail_and_close(0, self.daemon.limits.reject(
-                "hello_timeout_s", f"no hello within {self.daemon.config.hello_timeout_s} s"))
+                "hello_timeout_s", f"no hello within {timeout_s} s (an admin connection is "
+                f"closed {timeout_s} s after its last node_status)"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.daemon.sessions.discard(self)
         if self.hello_timer is not None:
             self.hello_timer.cancel()
+        if self.frame_timer is not None:
+            self.frame_timer.cancel()
         if self.counted:
             self.counted = False
             self.daemon.limits.session_closed(self.peer_uid)
@@ -179,11 +198,51 @@ class Session(asyncio.Protocol):
             consumed = self.handle_frames(data)
             if consumed < len(data) and not self.closed:
                 buffer += memoryview(data)[consumed:]
+                self.frame_started()
             return
         buffer += data
         with memoryview(buffer) as view:
             consumed = self.handle_frames(view)
         del buffer[:consumed]
+        if consumed:  # the frame the timer ran for is done; another may have begun
+            if buffer:
+                self.frame_started()
+            elif self.frame_timer is not None:
+                self.frame_timer.cancel()
+                self.frame_timer = None
+
+    # A frame is timed from its first byte, not from its last: a client that trickles a
+    # byte now and then must not hold max_partial_frame_nbytes of our memory for ever.
+    def frame_started(self) -> None:
+        if self.frame_timer is not None:
+            self.frame_timer.cancel()
+        if self.loop is not None:  # None: frames fed without a connection (protocol tests)
+            self.frame_timer = self.loop.call_later(
+                self.daemon.config.frame_timeout_s, self.frame_timed_out)
+
+    def frame_timed_out(self) -> None:
+        self.frame_timer = None
+        if self.closed or not self.buffer:
+            return
+        if self.daemon_holds_frames():
+            self.frame_started()  # the wait is ours, not the client's: look again later
+            return
+        self.fail_and_close(0, self.daemon.limits.reject(
+            "frame_timeout_s", f"a request frame still incomplete after "
+            f"{self.daemon.config.frame_timeout_s} s ({len(self.buffer)} bytes buffered); "
+            "closing"))
+
+    def daemon_holds_frames(self) -> bool:
+        """Whether the buffer waits on the daemon: a hello's arena is being made, reading is
+        paused (backpressure), or a whole frame is buffered but not yet dispatched."""
+        transport = self.transport
+        if self.hello_pending or (transport is not None and not transport.is_reading()):
+            return True
+        buffer = self.buffer
+        if len(buffer) < p.HEADER_NBYTES:
+            return False
+        (length,) = p.HEADER.unpack_from(buffer)
+        return len(buffer) >= p.HEADER_NBYTES + length
 
     def handle_frames(self, data: bytes | memoryview) -> int:
         """Answer every complete frame in ``data``; returns how many bytes were consumed."""
@@ -323,6 +382,8 @@ class Session(asyncio.Protocol):
             self.reply_error(req.rid, "hello", InternalError(f"hello failed: {exc!r}"),
                              time.perf_counter())
         self.hello_pending = False
+        if self.job is None and self.hello_timer is None and not self.closed:
+            self.arm_hello_timer()  # it fired while the arena was made: a failed hello may retry
         if self.transport is not None and not self.closed:
             self.transport.resume_reading()
             if self.buffer:
@@ -403,9 +464,8 @@ class Session(asyncio.Protocol):
         return p.StatsOk(req.rid, stats)
 
     def on_node_status(self, req: p.NodeStatus) -> p.Reply | Awaitable[p.Reply]:
-        if self.hello_timer is not None:  # an admin connection: it never says hello
-            self.hello_timer.cancel()
-            self.hello_timer = None
+        if self.job is None:  # an admin connection: it never says hello, but may not idle
+            self.arm_hello_timer()
         auth, uid = self.daemon.auth, self.peer_uid
         visible = [job for name, job in list(self.daemon.jobs.jobs.items())
                    if auth.visible(name, uid)]
@@ -440,6 +500,7 @@ class Session(asyncio.Protocol):
         log.info("event=close_job session=%d job=%s rank=%d", self.session_id, job.name,
                  self.rank)
         self.daemon.lifecycle.close_requested(job)
+        self.arm_hello_timer()  # a connection without a job: a new hello, or it is closed
 
     def on_optimizer_step(self, req: p.OptimizerStep) -> Awaitable[None]:
         assert self.job is not None
@@ -455,9 +516,27 @@ def _op_name(kind: type) -> str:
     return name
 
 
+MAX_JOB_NAME_NBYTES = 128
+"""A job name is a directory name, a memfd name and a log field: short, and plain."""
+
+
+def check_job_name(job: str) -> None:
+    """Refuse a job name that could not be a directory, memfd or log field as it is.
+
+    Hazard: the name is written into log lines (``job=%s``) and paths; a newline or
+    control character would forge log records, a space a log field, and a long
+    multi-byte name passes a character count but not the kernel's name limits.
+    """
+    if (not job or len(job.encode(errors="replace")) > MAX_JOB_NAME_NBYTES or "/" in job
+            or " " in job or job.startswith(".") or not job.isprintable()):
+        shown = job[:64] + ("..." if len(job) > 64 else "")
+        raise InvalidRequestError(
+            f"job name must be 1..{MAX_JOB_NAME_NBYTES} bytes of printable characters without "
+            f"spaces or '/' and not start with '.', got {shown!r}; pick another job name")
+
+
 def check_identity(req: p.Hello) -> None:
-    if not req.job or len(req.job) > 128 or "/" in req.job or req.job.startswith("."):
-        raise InvalidRequestError(f"job name must be 1..128 chars without '/', got {req.job!r}")
+    check_job_name(req.job)
     if req.world_size < 1 or not 0 <= req.rank < req.world_size:
         raise InvalidRequestError(
             f"need 0 <= rank < world_size, got rank={req.rank} world_size={req.world_size}")

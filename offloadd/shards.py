@@ -31,7 +31,8 @@ MAX_ID_LENGTH = 256
 
 @dataclass
 class Chunk:
-    """One extent of a shard's swap copy: which swap dir, where, how long, its xxh64."""
+    """One extent of a shard's swap copy: which swap dir, where, how long, its xxh3-64
+    (seeded with the chunk's place, ``offloadd.tier.chunk_seed``)."""
 
     dir_index: int
     offset: int
@@ -51,6 +52,9 @@ class SwapPlacement:
     extents: they are freed only once no such manifest is left."""
     released: bool = False
     """Its shard no longer uses it (a newer copy, or dropped): free when ``gens`` empties."""
+    bound: bool = True
+    """Chunk checksums are bound to their place (``offloadd.tier.chunk_seed``); False only
+    for copies recovered from a format-1 manifest, whose checksums cover the bytes alone."""
 
 
 class Residency(enum.Enum):

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from offloadd import protocol as p
+from offloadd.errors import UntrustedDaemonError
+from offloadd.protocol import check_daemon_peer
 
 SWAP_SUBDIR = "offloadd"
 """Folder inside each swap dir that holds one folder per job."""
@@ -43,11 +45,12 @@ def query_node_status(socket_path: str, *, timeout_s: float = 5.0) -> dict[str, 
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout_s)
             sock.connect(socket_path)
+            check_daemon_peer(sock, socket_path)  # gc deletes what the reply leaves out
             sock.sendall(p.encode_frame(p.NodeStatus(rid=1)))
             (length,) = p.HEADER.unpack(_recv_exact(sock, p.HEADER_NBYTES))
             p.check_length(length)
             reply = p.reply_decoder.decode(_recv_exact(sock, length))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, UntrustedDaemonError) as exc:
         raise DaemonUnreachableError(f"no offloadd answers on {socket_path}: {exc}") from exc
     if isinstance(reply, p.ErrorReply):
         raise DaemonUnreachableError(f"offloadd on {socket_path} refused: {reply.message}")

@@ -13,17 +13,19 @@ import asyncio
 import json
 import logging
 import math
-import os
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import xxhash
+
 from offloadd.arena import align_up
+from offloadd.auth import JobOwner
 from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIOError
 from offloadd.eviction import SYNC_SLICE, EvictionIndex
-from offloadd.manifests import keep_previous_generation
-from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, JobFile
+from offloadd.manifests import keep_previous_generation, write_atomically
+from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, READABLE_FORMATS, JobFile
 from offloadd.scheduler import AccessTrace, Priority
 from offloadd.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement
 
@@ -33,11 +35,26 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def open_tier(space: SwapSpace, job: str, *, recovering: bool = False) -> JobTier:
-    """A job's swap tier over its files in every swap dir of ``space``."""
+def open_tier(space: SwapSpace, job: str, *, recovering: bool = False,
+              owner_record: Callable[[], dict[str, Any] | None] | None = None) -> JobTier:
+    """A job's swap tier over its files in every swap dir of ``space``; ``owner_record``
+    gives the job's owner as its manifests record it (``offloadd.auth``)."""
     tier = JobTier(space, job, space.job_files(job, recovering=recovering))
+    if owner_record is not None:
+        tier.owner_record = owner_record
     space.adopt(job, tier, recovering=recovering)
     return tier
+
+
+def chunk_seed(job: str, rank: int, shard_id: str, version: int, index: int) -> int:
+    """The xxh3 seed of a chunk's checksum: its job, rank, shard, version and index.
+
+    Hazard: a checksum of the bytes alone vouches for any chunk list that points at
+    intact bytes; a manifest whose lists were swapped between two shards (or versions,
+    or chunks of one shard) would serve one shard's bytes as another's. Seeded with its
+    place, a chunk verifies only where it was written.
+    """
+    return xxhash.xxh3_64_intdigest(f"{job}\0{rank}\0{shard_id}\0{version}\0{index}".encode())
 MAX_PREFETCH_TASKS = 16
 PREFETCH_WINDOW = 0.25
 """Lookahead of learned prefetch, as a fraction of the arena. Half the arena was
@@ -85,6 +102,10 @@ class JobTier:
         """Re-keying a large backlog of the index before a background write-back pass."""
         """Shards with a read or write-back in flight (``_begin_io`` to ``_end_io``)."""
         self._stripe = 0
+        self.owner_record: Callable[[], dict[str, Any] | None] = lambda: None
+        """The job's owner as its manifests record it (set by ``open_tier``)."""
+        self.recovered_owner: JobOwner | None = None
+        """The owner the recovered manifest recorded (None: a format-1 manifest)."""
 
     # -- chunks -------------------------------------------------------------------
 
@@ -97,15 +118,16 @@ class JobTier:
         assert shard.offset is not None
         return table.arena.slice(shard.offset + start, nbytes)
 
-    async def _write_chunk(self, table: ShardTable, shard: Shard, index: int, start: int,
-                           nbytes: int, priority: Priority) -> Chunk:
+    async def _write_chunk(self, table: ShardTable, shard: Shard, version: int, index: int,
+                           start: int, nbytes: int, priority: Priority) -> Chunk:
         dir_index = (self._stripe + index) % len(self.files)
         jobfile = self.files[dir_index]
         offset = await jobfile.alloc(nbytes)
         chunk = Chunk(dir_index, offset, nbytes, 0)
         try:
             view = self._view(table, shard, start, nbytes)
-            chunk.checksum = await self.space.checksum(view)
+            seed = chunk_seed(self.job, shard.rank, shard.shard_id, version, index)
+            chunk.checksum = await self.space.checksum(view, seed)
             await self.space.io("write", jobfile, offset, view, priority,
                                 self.space.ticket_for(shard.io, priority))
         except BaseException:
@@ -113,12 +135,15 @@ class JobTier:
             raise
         return chunk
 
-    async def _read_chunk(self, table: ShardTable, shard: Shard, chunk: Chunk, start: int,
-                          priority: Priority) -> None:
+    async def _read_chunk(self, table: ShardTable, shard: Shard, placement: SwapPlacement,
+                          index: int, start: int, priority: Priority) -> None:
+        chunk = placement.chunks[index]
         view = self._view(table, shard, start, chunk.nbytes)
         await self.space.io("read", self.files[chunk.dir_index], chunk.offset, view, priority,
                             self.space.ticket_for(shard.io, priority))
-        if await self.space.checksum(view) != chunk.checksum:
+        seed = (chunk_seed(self.job, shard.rank, shard.shard_id, placement.version, index)
+                if placement.bound else 0)
+        if await self.space.checksum(view, seed) != chunk.checksum:
             self.space.counters.checksum_failures += 1
             raise ChecksumError(
                 f"shard {shard.shard_id!r}: swap chunk at {chunk.offset} in "
@@ -181,10 +206,11 @@ class JobTier:
 
     async def _write_back(self, table: ShardTable, shard: Shard, priority: Priority) -> None:
         spans = self._chunk_spans(shard)
+        version = shard.version  # no writer holds the shard while its write-back runs
         self._stripe = (self._stripe + 1) % len(self.files)
         try:
             results = await _settle_all(
-                self._write_chunk(table, shard, i, start, nbytes, priority)
+                self._write_chunk(table, shard, version, i, start, nbytes, priority)
                 for i, (start, nbytes) in enumerate(spans))
             chunks = [r for r in results if isinstance(r, Chunk)]
             if len(chunks) < len(results):
@@ -196,7 +222,7 @@ class JobTier:
             self._end_io(table, shard)
             raise
         self._free_placement(shard.swap)
-        shard.swap = SwapPlacement(chunks, shard.version)
+        shard.swap = SwapPlacement(chunks, version)
         shard.residency = Residency.ARENA_CLEAN
         self.space.counters.writeback_nbytes += shard.arena_nbytes
         self._end_io(table, shard)
@@ -432,9 +458,10 @@ class JobTier:
                 retries -= 1
                 await asyncio.wait(list(self.cleaning.values()),
                                    return_when=asyncio.FIRST_COMPLETED)
+            placement = shard.swap
             results = await _settle_all(
-                self._read_chunk(table, shard, chunk, start, priority)
-                for chunk, start in zip(shard.swap.chunks, _chunk_starts(shard.swap.chunks)))
+                self._read_chunk(table, shard, placement, index, start, priority)
+                for index, start in enumerate(_chunk_starts(placement.chunks)))
             if any(isinstance(r, BaseException) for r in results):
                 raise _first_error(results)
         except BaseException:
@@ -556,8 +583,9 @@ class JobTier:
                 for dir_index in sorted({c.dir_index for p in placements for c in p.chunks}):
                     await self.space.sync(self.files[dir_index])
                 loop = asyncio.get_running_loop()
-                await loop.run_in_executor(None, keep_previous_generation, self.manifest_path())
-                await loop.run_in_executor(None, write_atomically, self.manifest_path(), manifest)
+                dir_fd = self.files[0].dir_fd  # the job's dir, checked (offloadd.swapdirs)
+                await loop.run_in_executor(None, keep_previous_generation, dir_fd)
+                await loop.run_in_executor(None, write_atomically, dir_fd, MANIFEST, manifest)
             except SwapIOError as exc:
                 raise self._fail_stop(table, placements, exc) from exc
             except OSError as exc:
@@ -617,7 +645,8 @@ class JobTier:
             for s, placement in named
         ]
         return json.dumps({
-            "format": MANIFEST_FORMAT, "job": self.job, "tag": tag, "created": time.time(),
+            "format": MANIFEST_FORMAT, "job": self.job, "owner": self.owner_record(),
+            "tag": tag, "created": time.time(),
             "generation": gen, "arena_nbytes": table.arena.nbytes,
             "chunk_nbytes": self.chunk_nbytes,
             "dirs": [str(f.dir.path) for f in self.files], "shards": shards,
@@ -625,9 +654,15 @@ class JobTier:
 
     def load_manifest(self, table: ShardTable, manifest: dict[str, Any]) -> int:
         dirs = [str(f.dir.path) for f in self.files]
-        if manifest["dirs"] != dirs or manifest["format"] != MANIFEST_FORMAT:
+        if manifest["format"] not in READABLE_FORMATS:
+            raise ValueError(f"manifest of job {self.job!r} has format {manifest['format']!r}; "
+                             f"this offloadd reads formats {list(READABLE_FORMATS)}")
+        if manifest["dirs"] != dirs:
             raise ValueError(f"manifest of job {self.job!r} names swap dirs {manifest['dirs']}, "
                              f"daemon has {dirs}; start with the same --swap-dir list")
+        bound = manifest["format"] >= 2
+        if bound and manifest["owner"] is not None:  # null: a tier that served no hello
+            self.recovered_owner = JobOwner.from_record(manifest["owner"])
         gen = int(manifest.get("generation", 1))
         entries = [(entry, [Chunk(*c) for c in entry["chunks"]]) for entry in manifest["shards"]]
         for entry, chunks in entries:
@@ -640,7 +675,7 @@ class JobTier:
             for chunk in chunks:
                 self.files[chunk.dir_index].allocator.reserve(chunk.offset, chunk.nbytes)
             if chunks:  # a manifest of an older daemon may list never-written shards
-                shard.swap = SwapPlacement(chunks, entry["version"])
+                shard.swap = SwapPlacement(chunks, entry["version"], bound=bound)
                 placements.append(shard.swap)
             shard.version = entry["version"]
         self._name_in_gen(gen, placements)
@@ -741,18 +776,3 @@ async def _run_to_completion(transition: Awaitable[None]) -> None:
 def _consume_orphan_result(task: asyncio.Future[None]) -> None:
     if not task.cancelled():
         task.exception()  # retrieved; whoever awaited it (if anyone) got it already
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write temp, fsync, rename, fsync the directory: the old or the new file, never half."""
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

@@ -27,7 +27,7 @@ from offloadd.nvme import SwapSpace
 from offloadd.protocol import Placed
 from offloadd.scheduler import Priority
 from offloadd.shards import Lease, Shard
-from offloadd.tier import open_tier
+from offloadd.tier import chunk_seed, open_tier
 
 KIB = 1 << 10
 ARENA_NBYTES = 1 << 20
@@ -106,10 +106,12 @@ class Tier:
         """Every chunk the manifest on disk names still holds bytes matching its checksum."""
         files = [f.path for f in self.tier.files]
         for entry in self.manifest()["shards"]:
-            for dir_index, offset, nbytes, checksum in entry["chunks"]:
+            for index, (dir_index, offset, nbytes, checksum) in enumerate(entry["chunks"]):
+                seed = chunk_seed(self.tier.job, entry["rank"], entry["id"], entry["version"],
+                                  index)
                 with open(files[dir_index], "rb") as handle:
                     handle.seek(offset)
-                    if xxhash.xxh3_64_intdigest(handle.read(nbytes)) != checksum:
+                    if xxhash.xxh3_64_intdigest(handle.read(nbytes), seed) != checksum:
                         return False
         return True
 

@@ -361,7 +361,7 @@ def test_a_second_daemon_on_a_live_socket_exits_1_and_the_first_keeps_serving(
     process = serve("--socket", daemon.socket_path, "--arena-size", "8MiB")
     _out, err = process.communicate(timeout=60)
     assert process.returncode == 1
-    assert "another daemon is listening" in err
+    assert f"(pid {daemon.pid}, uid {os.geteuid()}) is listening" in err
     assert stat.S_ISSOCK(os.stat(daemon.socket_path).st_mode)
     witness()
 

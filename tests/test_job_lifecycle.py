@@ -56,7 +56,7 @@ def test_close_job_waits_for_the_last_rank(daemon, job) -> None:
     rank0.close_job()
     assert job in live_jobs(daemon)
     assert rank1.get("b") == b"still used"
-    rank1.close()  # a plain disconnect: the job was asked to close, so no linger
+    rank1.close_job()  # the last rank is done too: nothing is left to linger for
     assert job not in live_jobs(daemon)
 
 

@@ -117,7 +117,10 @@ def test_unusable_swap_dir_stops_the_daemon_at_start_naming_it(swap_root: Path) 
 @contextlib.contextmanager
 def tmpfs(path: Path, size: str) -> Iterator[Path]:
     path.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+    # mode=0700: a tmpfs root is 1777 by default, and the daemon refuses swap dirs that
+    # others can write (offloadd.swapdirs).
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                              str(path)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs (needs root): {mounted.stderr.strip()}")

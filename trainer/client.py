@@ -30,6 +30,7 @@ from offloadd.errors import (
     UnknownShardError,
     error_from_code,
 )
+from offloadd.protocol import check_daemon_peer
 from trainer import lease_debug
 from trainer.lease_debug import StaleLeaseError
 
@@ -262,7 +263,10 @@ def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
     return b"".join(chunks)
 
 
-def connect_socket(socket_path: str, timeout_s: float) -> socket.socket:
+def connect_socket(socket_path: str, timeout_s: float,
+                   daemon_uid: int | str | None = None) -> socket.socket:
+    """Connect, then check who listens (``offloadd.protocol.check_daemon_peer``) before the
+    caller sends anything: a hello carries the job secret."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(timeout_s)
     try:
@@ -273,6 +277,11 @@ def connect_socket(socket_path: str, timeout_s: float) -> socket.socket:
             f"cannot reach offloadd at {socket_path}: {exc.strerror or exc}; start it with "
             "`offloadd serve --socket PATH` or let the engine start a private one"
         ) from exc
+    try:
+        check_daemon_peer(sock, socket_path, daemon_uid)
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -357,13 +366,16 @@ class OffloadClient(_ClientBase):
     @classmethod
     def connect(cls, socket_path: str, *, job: str, rank: int = 0, world_size: int = 1,
                 local_rank: int = 0, arena_nbytes: int | None = None, device: str = "cpu",
-                timeout_s: float = 60.0, reply_timeout_s: float | None = 300.0
-                ) -> OffloadClient:
+                timeout_s: float = 60.0, reply_timeout_s: float | None = 300.0,
+                daemon_uid: int | str | None = None) -> OffloadClient:
         """Connect, say hello and map the job's arena.
 
         ``reply_timeout_s``: longest wait for any one reply (None: forever); past it a call
-        raises ReplyTimeoutError and the client is closed."""
-        sock = connect_socket(socket_path, timeout_s)
+        raises ReplyTimeoutError and the client is closed. ``daemon_uid``: the uid (or user
+        name) the daemon runs as; unset: $OFFLOADD_DAEMON_UID, else the ``offloadd`` user,
+        else root. A listener of another uid (nor root's, nor ours) gets nothing sent and
+        the connect raises UntrustedDaemonError."""
+        sock = connect_socket(socket_path, timeout_s, daemon_uid)
         try:
             hello, fd = handshake(
                 sock, _hello_request(job, rank, world_size, local_rank, arena_nbytes, device))
@@ -575,15 +587,15 @@ class AsyncOffloadClient(_ClientBase):
     @classmethod
     async def connect(cls, socket_path: str, *, job: str, rank: int = 0, world_size: int = 1,
                       local_rank: int = 0, arena_nbytes: int | None = None, device: str = "cpu",
-                      timeout_s: float = 60.0, reply_timeout_s: float | None = 300.0
-                      ) -> AsyncOffloadClient:
+                      timeout_s: float = 60.0, reply_timeout_s: float | None = 300.0,
+                      daemon_uid: int | str | None = None) -> AsyncOffloadClient:
         """``reply_timeout_s``: longest wait for any one reply (None: forever); past it every
         call in flight raises ReplyTimeoutError and the client is closed, as the blocking
-        client does."""
+        client does. ``daemon_uid``: as ``OffloadClient.connect``."""
         hello_req = _hello_request(job, rank, world_size, local_rank, arena_nbytes, device)
 
         def blocking_hello() -> tuple[socket.socket, p.HelloOk, _Arena]:
-            sock = connect_socket(socket_path, timeout_s)
+            sock = connect_socket(socket_path, timeout_s, daemon_uid)
             try:
                 hello, fd = handshake(sock, hello_req)
                 return sock, hello, _Arena(fd, hello.arena_nbytes)

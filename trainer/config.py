@@ -261,6 +261,9 @@ class OffloaddConfig:
 
     socket: str | None = None
     """Daemon unix socket; unset + offload requested: local rank 0 starts a private daemon."""
+    daemon_uid: int | str | None = None
+    """Uid (or user name) the daemon at ``socket`` runs as; unset: $OFFLOADD_DAEMON_UID, else
+    the ``offloadd`` user, else root. A listener of another uid gets nothing (squatting)."""
     job: str | None = None
     """Job name scoping shards in the daemon; unset: derived from the rendezvous address."""
     arena_size: int | None = None

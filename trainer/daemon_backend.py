@@ -688,7 +688,7 @@ def _connect(config: EngineConfig, collectives: Collectives, socket_path: str, j
         return OffloadClient.connect(
             socket_path, job=job, rank=collectives.rank, world_size=collectives.world_size,
             local_rank=collectives.local_rank, arena_nbytes=arena_nbytes,
-            timeout_s=config.offloadd.connect_timeout_s)
+            timeout_s=config.offloadd.connect_timeout_s, daemon_uid=config.offloadd.daemon_uid)
     except (OffloadError, OSError) as error:
         raise RuntimeError(f"cannot connect to offloadd at {socket_path} "
                            f"(config key offloadd.socket): {error}") from error
