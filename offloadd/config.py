@@ -101,6 +101,27 @@ class DaemonConfig:
     """Explicit prefetches one job may have in flight, a request's ids included."""
     max_partial_frame_nbytes: int = 16 << 20
     """Bytes of one request frame the daemon buffers for a connection (<= 16 MiB)."""
+    max_jobs_per_uid: int = 256
+    """Live jobs (lingering ones included) one uid may own at once."""
+    max_fds_per_uid: int = 4096
+    """Descriptors the daemon may hold for one uid: one per connection, one per job arena
+    and one per job swap file; at most half the daemon's RLIMIT_NOFILE is used."""
+    max_shards_per_uid: int = 1 << 21
+    """Shards all jobs of one uid may hold together."""
+    max_metadata_nbytes_per_uid: int = 512 << 20
+    """Bytes of shard metadata (about 400 per shard plus its id) one uid's jobs may hold."""
+    max_queued_steps_per_uid: int = 4096
+    """Optimizer steps of one uid queued or running in the daemon at once."""
+    max_pending_nbytes_per_uid: int = 64 << 20
+    """Request bytes received but not yet answered that the daemon buffers for one uid
+    (partial frames and frames held back while a connection does not read its replies)."""
+    max_requests_in_flight: int = 256
+    """Requests of one connection that may wait for IO or the optimizer at once; more are
+    left unread in the socket until one ends (backpressure, not an error)."""
+    max_ranks_per_job: int = 1024
+    """Distinct rank numbers that may attach to one job on this node."""
+    node_status_interval_s: float = 0.02
+    """Seconds between two node_status answers to one uid (later ones wait their turn)."""
     require_job_secret: bool = False
     """Refuse hellos without a job secret (OFFLOADD_JOB_SECRET in every rank's env)."""
 

@@ -70,6 +70,10 @@ class Job:
         self.table = ShardTable(name, arena)
         self.tier = tier
         self.num_sessions = 0
+        self.owner_uid: int | None = None
+        """The uid its resources count against (offloadd.limits), set at its first hello."""
+        self.ranks: set[int] = set()
+        """Rank numbers that attached (offloadd.limits bounds them, and so per-rank state)."""
 
     # -- alloc / acquire ------------------------------------------------------------
 

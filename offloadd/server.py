@@ -63,7 +63,8 @@ class Daemon:
         self.sessions: set[Session] = set()
         self.auth = JobAuthority(require_job_secret=config.require_job_secret)
         self.lifecycle = JobLifecycle(self, config.job_linger_s)
-        self.limits = LimitGuard(config.limits(), self.metrics)
+        self.limits = LimitGuard(config.limits(), self.metrics, self.jobs,
+                                 fds_per_job=1 + len(config.swap_dirs))
         self.swap: Any = None
         self._session_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None

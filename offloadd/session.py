@@ -85,6 +85,13 @@ class Session(asyncio.Protocol):
         self.closed = False
         self.hello_pending = False
         """A new job's arena is being made: frames after the hello wait in the buffer."""
+        self.held = False
+        """Frames wait in the buffer, the socket unread: the client does not read its replies
+        (writing paused) or ``max_requests_in_flight`` requests are in flight."""
+        self.writing_paused = False
+        self.in_flight = 0
+        self.pending_nbytes = 0
+        """Bytes of ``buffer`` counted against the uid (LimitGuard.pending_changed)."""
         self.handlers: dict[type, Callable[[Any], Any]] = {
             p.Alloc: self.on_alloc,
             p.Acquire: self.on_acquire,
@@ -138,6 +145,10 @@ class Session(asyncio.Protocol):
         if self.counted:
             self.counted = False
             self.daemon.limits.session_closed(self.peer_uid)
+        if self.pending_nbytes:
+            self.daemon.limits.pending_changed(self.peer_uid, -self.pending_nbytes)
+            self.pending_nbytes = 0
+        self.buffer.clear()
         for task in self.tasks:
             task.cancel()
         device_copies.session_closed(self)
@@ -149,14 +160,33 @@ class Session(asyncio.Protocol):
             self.daemon.lifecycle.detached(self.job)
 
     # Backpressure: a client that sends requests but never reads its replies would grow
-    # our write buffer without bound; stop reading from it until it drains them.
+    # our write buffer (and our loop time) without bound. Once the transport's buffer
+    # passes its high-water mark, no frame is dispatched and the socket is not read
+    # until the client drains its replies; frames already received wait in the buffer.
     def pause_writing(self) -> None:
+        self.writing_paused = True
+        self.hold()
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        self.release_hold()
+
+    def hold(self) -> None:
+        self.held = True
         if self.transport is not None and not self.transport.is_closing():
             self.transport.pause_reading()
 
-    def resume_writing(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+    def release_hold(self) -> None:
+        """Dispatch again once replies drain and requests in flight are under the limit."""
+        if (not self.held or self.writing_paused or self.closed
+                or self.in_flight >= self.daemon.config.max_requests_in_flight):
+            return
+        self.held = False
+        if self.hello_pending or self.transport is None or self.transport.is_closing():
+            return  # hello_after_arena resumes reading
+        self.transport.resume_reading()
+        if self.buffer:
+            self.data_received(b"")
 
     def fail_and_close(self, rid: int, error: OffloadError) -> None:
         self.send(p.ErrorReply(rid, error.code.value, error.message, error.shard_ids))
@@ -177,17 +207,34 @@ class Session(asyncio.Protocol):
             consumed = self.handle_frames(data)
             if consumed < len(data) and not self.closed:
                 buffer += memoryview(data)[consumed:]
+                self.count_pending()
             return
         buffer += data
         with memoryview(buffer) as view:
             consumed = self.handle_frames(view)
         del buffer[:consumed]
+        self.count_pending()
+
+    def count_pending(self) -> None:
+        """Charge the buffered request bytes to the uid; over its limit, close."""
+        delta = len(self.buffer) - self.pending_nbytes
+        if not delta or self.closed:
+            return
+        try:
+            self.daemon.limits.pending_changed(self.peer_uid, delta)
+        except LimitExceededError as exc:
+            self.buffer.clear()
+            self.fail_and_close(0, exc)
+            self.closed = True
+            return
+        self.pending_nbytes += delta
 
     def handle_frames(self, data: bytes | memoryview) -> int:
         """Answer every complete frame in ``data``; returns how many bytes were consumed."""
         start, end = 0, len(data)
         unpack_from = p.HEADER.unpack_from
-        while end - start >= p.HEADER_NBYTES and not self.closed and not self.hello_pending:
+        while (end - start >= p.HEADER_NBYTES and not self.closed and not self.hello_pending
+               and not self.held):
             (length,) = unpack_from(data, start)
             if length > p.MAX_FRAME_NBYTES:
                 self.daemon.metrics.bad_frames.add(("oversize",))
@@ -286,7 +333,16 @@ class Session(asyncio.Protocol):
     def spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self.task_done)
+        self.in_flight += 1
+        if self.in_flight >= self.daemon.config.max_requests_in_flight:
+            self.hold()
+
+    def task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self.in_flight -= 1
+        if self.held:
+            self.release_hold()
 
     # -- handlers -------------------------------------------------------------------
 
@@ -301,6 +357,7 @@ class Session(asyncio.Protocol):
         self.daemon.auth.check_hello(req.job, self.peer_uid, req.job_secret)
         job = self.daemon.jobs.jobs.get(req.job)
         if job is None:
+            self.daemon.limits.new_job_starting(self.peer_uid)
             self.hello_pending = True
             if self.transport is not None:
                 self.transport.pause_reading()
@@ -320,8 +377,10 @@ class Session(asyncio.Protocol):
             log.exception("event=handler_failed op=hello")
             self.reply_error(req.rid, "hello", InternalError(f"hello failed: {exc!r}"),
                              time.perf_counter())
+        finally:
+            self.daemon.limits.new_job_done(self.peer_uid)
         self.hello_pending = False
-        if self.transport is not None and not self.closed:
+        if self.transport is not None and not self.closed and not self.held:
             self.transport.resume_reading()
             if self.buffer:
                 self.data_received(b"")  # requests pipelined behind the hello
@@ -329,7 +388,9 @@ class Session(asyncio.Protocol):
     def finish_hello(self, req: p.Hello, job: Job) -> None:
         # Checked again: another uid may have claimed a new job while its arena was made.
         self.daemon.auth.check_hello(req.job, self.peer_uid, req.job_secret)
+        self.daemon.limits.check_rank(job, req.rank)
         self.daemon.auth.claim(req.job, self.peer_uid, req.job_secret)
+        self.daemon.limits.claim_job(job, self.peer_uid)
         self.job, self.rank = job, req.rank
         job.num_sessions += 1
         self.daemon.lifecycle.attached(job)
@@ -348,12 +409,14 @@ class Session(asyncio.Protocol):
     def on_alloc(self, req: p.Alloc) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
         self.daemon.limits.check_new_shards(self.job, self.rank, req.ids)
+        self.daemon.limits.check_uid_shards(self.job, req.ids)
         return self.job.alloc(self.rank, req.ids, req.nbytes, req.dtypes)
 
     def on_acquire(self, req: p.Acquire) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
         if req.create_nbytes is not None:
             self.daemon.limits.check_new_shards(self.job, self.rank, req.ids)
+            self.daemon.limits.check_uid_shards(self.job, req.ids)
             dtypes = req.create_dtypes or ["uint8"] * len(req.ids)
             return self.job.alloc(self.rank, req.ids, req.create_nbytes, dtypes,
                                   self.leases, req.mode)
@@ -404,6 +467,18 @@ class Session(asyncio.Protocol):
         if self.hello_timer is not None:  # an admin connection: it never says hello
             self.hello_timer.cancel()
             self.hello_timer = None
+        delay_s = self.daemon.limits.node_status_delay_s(
+            self.peer_uid, asyncio.get_running_loop().time())
+        if delay_s > 0:  # each uid's answers are spaced: status is O(shards) of the node
+            return self.node_status_later(req, delay_s)
+        return self.node_status_now(req)
+
+    async def node_status_later(self, req: p.NodeStatus, delay_s: float) -> p.Reply:
+        await asyncio.sleep(delay_s)
+        reply = self.node_status_now(req)
+        return reply if isinstance(reply, p.Reply) else await reply
+
+    def node_status_now(self, req: p.NodeStatus) -> p.Reply | Awaitable[p.Reply]:
         auth, uid = self.daemon.auth, self.peer_uid
         visible = [job for name, job in list(self.daemon.jobs.jobs.items())
                    if auth.visible(name, uid)]
@@ -441,7 +516,12 @@ class Session(asyncio.Protocol):
 
     def on_optimizer_step(self, req: p.OptimizerStep) -> Awaitable[None]:
         assert self.job is not None
-        return self.daemon.optimizer.step(self.job, self.rank, req)
+        limits, uid = self.daemon.limits, self.peer_uid
+        limits.step_queued(uid)
+        # A task, not a coroutine: its done callback uncounts it even if it never starts.
+        step = asyncio.ensure_future(self.daemon.optimizer.step(self.job, self.rank, req))
+        step.add_done_callback(lambda _step: limits.step_done(uid))
+        return step
 
 
 _OP_NAMES: dict[type, str] = {}
