@@ -10,6 +10,7 @@ chosen as a victim and a writer waits for the write-back to finish.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
@@ -555,18 +556,40 @@ class JobTier:
             try:
                 for dir_index in sorted({c.dir_index for p in placements for c in p.chunks}):
                     await self.space.sync(self.files[dir_index])
-                loop = asyncio.get_running_loop()
-                await loop.run_in_executor(None, keep_previous_generation, self.manifest_path())
-                await loop.run_in_executor(None, write_atomically, self.manifest_path(), manifest)
             except SwapIOError as exc:
                 raise self._fail_stop(table, placements, exc) from exc
-            except OSError as exc:
-                raise self._fail_stop(
-                    table, placements, SwapIOError(f"writing the manifest failed: {exc}")) from exc
+            await self._write_manifest(table, placements, manifest, gen)
             # The generation before stays on disk as manifest.prev.json, recovery's
             # fallback, so its extents stay reserved; the one before that is retired.
             retired, self.generation = self.generation - 1, gen
             self._release_gen(retired)
+
+    async def _write_manifest(self, table: ShardTable, placements: list[SwapPlacement],
+                              manifest: bytes, gen: int) -> None:
+        """Stage the new manifest, then publish it with a rename.
+
+        A failure while staging (ENOSPC, EIO writing the temp file) leaves the last
+        manifest in force and the synced data intact: this generation is dropped and
+        a later flush retries. Only a failure of the rename or of the directory's
+        fsync leaves unknown which manifest is on disk, and fail-stops the job.
+        """
+        loop = asyncio.get_running_loop()
+        path = self.manifest_path()
+        try:
+            await loop.run_in_executor(None, keep_previous_generation, path)
+            await loop.run_in_executor(None, stage_file, path, manifest)
+        except OSError as exc:
+            self._release_gen(gen)  # never durable: free what only it named
+            await loop.run_in_executor(None, discard_staged, path)
+            raise SwapIOError(
+                f"job {self.job!r}: writing its manifest in {path.parent} failed ({exc}); the "
+                f"last flush (generation {self.generation}) stands and no data is lost. Free "
+                "space there and flush again") from exc
+        try:
+            await loop.run_in_executor(None, publish_staged, path)
+        except OSError as exc:
+            raise self._fail_stop(
+                table, placements, SwapIOError(f"publishing the manifest failed: {exc}")) from exc
 
     def _fail_stop(self, table: ShardTable, placements: list[SwapPlacement],
                    error: SwapIOError) -> SwapIOError:
@@ -743,14 +766,23 @@ def _consume_orphan_result(task: asyncio.Future[None]) -> None:
         task.exception()  # retrieved; whoever awaited it (if anyone) got it already
 
 
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write temp, fsync, rename, fsync the directory: the old or the new file, never half."""
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as handle:
+def stage_file(path: Path, data: bytes) -> None:
+    """Write and fsync ``path``'s temp file; ``path`` itself is untouched (then
+    ``publish_staged``: the old or the new file, never half)."""
+    with open(path.with_suffix(".tmp"), "wb") as handle:
         handle.write(data)
         handle.flush()
         os.fsync(handle.fileno())
-    os.replace(tmp, path)
+
+
+def discard_staged(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path.with_suffix(".tmp"))
+
+
+def publish_staged(path: Path) -> None:
+    """Rename the staged temp file over ``path`` and fsync the directory."""
+    os.replace(path.with_suffix(".tmp"), path)
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
