@@ -474,6 +474,7 @@ class SwapSpace:
             for job in sorted(self.created):
                 await self.release_job(job)
         for tier in self.tiers.values():
+            await tier.quiesce()
             await tier.close()
         if self.engine is not None:
             await self.engine.aclose()

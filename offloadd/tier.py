@@ -677,9 +677,23 @@ class JobTier:
         self.cleaned.discard(shard)
 
     async def quiesce(self) -> None:
-        """Wait out the write-behind and prefetches in flight (before the files go away)."""
-        while self.cleaning or self.tasks:
-            await asyncio.gather(*self.cleaning.values(), *self.tasks, return_exceptions=True)
+        """Wait out every IO on the job's files (before they are closed).
+
+        Hazard: a flush's write-backs and commit run in tasks of their own that outlive
+        the request (``_run_to_completion``); a rank that disconnects mid-flush cancels
+        only its request. Closing the files under them would send their writes to closed
+        descriptor numbers, which the next opened file may reuse.
+        """
+        while self.cleaning or self.tasks or self.in_io or self.commit_lock.locked():
+            waits: list[Awaitable[Any]] = [*self.cleaning.values(), *self.tasks]
+            waits += [asyncio.shield(s.io) for s in self.in_io if s.io is not None]
+            if self.commit_lock.locked():
+                waits.append(self._commit_ended())
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    async def _commit_ended(self) -> None:
+        async with self.commit_lock:
+            pass
 
     async def close(self) -> None:
         for task in list(self.tasks):
