@@ -122,6 +122,12 @@ class DaemonConfig:
     """Distinct rank numbers that may attach to one job on this node."""
     node_status_interval_s: float = 0.02
     """Seconds between two node_status answers to one uid (later ones wait their turn)."""
+    max_swap_nbytes_per_uid: int | None = None
+    """Bytes of swap files one uid's jobs may hold in all swap dirs, ended and flushed jobs'
+    kept files included; None: only the swap dirs' budgets (swap_size) bound them."""
+    flushed_job_retention_s: float = 86400.0
+    """Seconds an ended job's flushed swap files are kept for --recover before the daemon
+    deletes them (earlier, oldest first, when their owner or swap dir needs the room)."""
     require_job_secret: bool = False
     """Refuse hellos without a job secret (OFFLOADD_JOB_SECRET in every rank's env)."""
 
@@ -155,6 +161,12 @@ class DaemonConfig:
         from offloadd.limits import check_limits
 
         check_limits(self.limits())
+        if self.flushed_job_retention_s < 0:
+            raise ValueError(f"flushed_job_retention_s must be >= 0 seconds, "
+                             f"got {self.flushed_job_retention_s}")
+        if self.max_swap_nbytes_per_uid is not None:
+            self.max_swap_nbytes_per_uid = parse_size(self.max_swap_nbytes_per_uid,
+                                                      knob="max_swap_nbytes_per_uid")
         if self.job_linger_s < 0:
             raise ValueError(f"job_linger_s must be >= 0 seconds, got {self.job_linger_s}")
 

@@ -44,6 +44,7 @@ class Limits:
     max_requests_in_flight: int
     max_ranks_per_job: int
     node_status_interval_s: float
+    max_swap_nbytes_per_uid: int | None
 
 
 SHARD_METADATA_NBYTES = 400

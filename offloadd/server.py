@@ -84,7 +84,9 @@ class Daemon:
         if self.config.swap_dirs:
             from offloadd.nvme import SwapSpace
 
-            self.swap = SwapSpace(self.config, self.metrics)
+            self.swap = SwapSpace(self.config, self.metrics, reject=self.limits.reject,
+                                  owner_of=lambda name: getattr(self.jobs.jobs.get(name),
+                                                                "owner_uid", None))
             await self.swap.open()
             if self.config.recover:
                 await self.swap.recover(self.jobs,

@@ -494,8 +494,11 @@ class Session(asyncio.Protocol):
     def node_status_reply(self, req: p.NodeStatus, jobs: dict[str, object]) -> p.Reply:
         auth, uid = self.daemon.auth, self.peer_uid
         swap_dirs = list(self.daemon.config.swap_dirs)
+        swap = self.daemon.swap
+        retained = swap.retention.listing(lambda r: uid == 0 or r.uid == uid) if swap else {}
         return p.StatsOk(req.rid, {"node": self.daemon.node_stats(), "jobs": jobs,
-                                   "swap_dirs": swap_dirs, "scope": auth.scope(uid)})
+                                   "swap_dirs": swap_dirs, "scope": auth.scope(uid),
+                                   "retained": retained})
 
     def on_close_job(self, req: p.CloseJob) -> None:
         job = self.job
