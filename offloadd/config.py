@@ -122,6 +122,10 @@ class DaemonConfig:
     """Distinct rank numbers that may attach to one job on this node."""
     node_status_interval_s: float = 0.02
     """Seconds between two node_status answers to one uid (later ones wait their turn)."""
+    metrics_idle_timeout_s: float = 10.0
+    """Seconds a /metrics connection may stay silent before the daemon closes it."""
+    max_metrics_connections: int = 8
+    """/metrics connections served at once (one thread each); more are closed at once."""
     max_swap_nbytes_per_uid: int | None = None
     """Bytes of swap files one uid's jobs may hold in all swap dirs, ended and flushed jobs'
     kept files included; None: only the swap dirs' budgets (swap_size) bound them."""
@@ -161,6 +165,12 @@ class DaemonConfig:
         from offloadd.limits import check_limits
 
         check_limits(self.limits())
+        if self.metrics_idle_timeout_s <= 0:
+            raise ValueError(f"metrics_idle_timeout_s must be > 0 seconds, "
+                             f"got {self.metrics_idle_timeout_s}")
+        if self.max_metrics_connections < 1:
+            raise ValueError(f"max_metrics_connections must be >= 1, "
+                             f"got {self.max_metrics_connections}")
         if self.flushed_job_retention_s < 0:
             raise ValueError(f"flushed_job_retention_s must be >= 0 seconds, "
                              f"got {self.flushed_job_retention_s}")

@@ -94,7 +94,10 @@ class Daemon:
         self._server = await self._listen()
         if self.config.metrics_addr:
             host, port = parse_host_port(self.config.metrics_addr)
-            self._metrics_server = serve_metrics(build_registry(self.metrics), host, port)
+            self._metrics_server = serve_metrics(
+                build_registry(self.metrics), host, port,
+                idle_timeout_s=self.config.metrics_idle_timeout_s,
+                max_connections=self.config.max_metrics_connections)
         self._background.append(asyncio.ensure_future(self._watch_loop_lag()))
         sd_notify("READY=1")
 
@@ -130,6 +133,7 @@ class Daemon:
             await self.swap.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         self.optimizer.close()
         self.jobs.close()
         # Only a daemon that listened owns the path: one that failed to start because
