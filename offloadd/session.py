@@ -90,6 +90,8 @@ class Session(asyncio.Protocol):
         (writing paused) or ``max_requests_in_flight`` requests are in flight."""
         self.writing_paused = False
         self.in_flight = 0
+        self.max_ids = daemon.config.max_ids_per_request
+        self.max_frame_nbytes = min(p.MAX_FRAME_NBYTES, daemon.config.max_partial_frame_nbytes)
         self.pending_nbytes = 0
         """Bytes of ``buffer`` counted against the uid (LimitGuard.pending_changed)."""
         self.handlers: dict[type, Callable[[Any], Any]] = {
@@ -236,16 +238,8 @@ class Session(asyncio.Protocol):
         while (end - start >= p.HEADER_NBYTES and not self.closed and not self.hello_pending
                and not self.held):
             (length,) = unpack_from(data, start)
-            if length > p.MAX_FRAME_NBYTES:
-                self.daemon.metrics.bad_frames.add(("oversize",))
-                self.fail_and_close(0, BadFrameError(
-                    f"frame length {length} exceeds {p.MAX_FRAME_NBYTES} bytes; closing"))
-                self.closed = True
-                return end
-            if length > self.daemon.config.max_partial_frame_nbytes:
-                self.fail_and_close(0, self.daemon.limits.reject(
-                    "max_partial_frame_nbytes", f"a frame of {length} bytes; closing"))
-                self.closed = True
+            if length > self.max_frame_nbytes:
+                self.refuse_frame(length)
                 return end
             stop = start + p.HEADER_NBYTES + length
             if stop > end:
@@ -253,6 +247,16 @@ class Session(asyncio.Protocol):
             self.handle_frame(data[start + p.HEADER_NBYTES : stop])
             start = stop
         return start
+
+    def refuse_frame(self, length: int) -> None:
+        if length > p.MAX_FRAME_NBYTES:
+            self.daemon.metrics.bad_frames.add(("oversize",))
+            self.fail_and_close(0, BadFrameError(
+                f"frame length {length} exceeds {p.MAX_FRAME_NBYTES} bytes; closing"))
+        else:
+            self.fail_and_close(0, self.daemon.limits.reject(
+                "max_partial_frame_nbytes", f"a frame of {length} bytes; closing"))
+        self.closed = True
 
     def handle_frame(self, payload: bytes | memoryview) -> None:
         started = time.perf_counter()
@@ -275,7 +279,7 @@ class Session(asyncio.Protocol):
         op = _OP_NAMES.get(kind) or _op_name(kind)
         try:
             ids = getattr(request, "ids", None)
-            if ids is not None:
+            if ids is not None and len(ids) > self.max_ids:
                 self.daemon.limits.check_ids(len(ids))
             handler = self.handlers.get(kind) if self.job is not None else None
             if handler is not None:  # the hot path: a data-plane request of a live session

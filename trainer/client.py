@@ -381,7 +381,7 @@ class OffloadClient(_ClientBase):
     def _send(self, request: p.Request) -> int:
         if self.closed:
             raise DaemonUnavailableError("client is closed")
-        request.rid = rid = self._rid()
+        self._next_rid = request.rid = rid = self._next_rid + 1
         try:
             self._sock.sendall(_frame(request))
         except TimeoutError:
@@ -433,7 +433,13 @@ class OffloadClient(_ClientBase):
 
     def _call(self, request: p.Request) -> p.Reply:
         with self._lock:
-            return self._wait_reply(self._send(request))
+            rid = self._send(request)
+            if not self._inbox:  # the common case: no other caller's reply is parked
+                reply = self._read_frame()
+                if reply.rid == rid:
+                    return reply if type(reply) is not p.ErrorReply else _check_reply(reply)
+                self._inbox[reply.rid] = reply
+            return self._wait_reply(rid)
 
     # -- shards -------------------------------------------------------------------
 
