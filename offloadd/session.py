@@ -91,6 +91,7 @@ class Session(asyncio.Protocol):
         self.writing_paused = False
         self.in_flight = 0
         self.max_ids = daemon.config.max_ids_per_request
+        self.observe_request = daemon.metrics.observe_request
         self.max_frame_nbytes = min(p.MAX_FRAME_NBYTES, daemon.config.max_partial_frame_nbytes)
         self.pending_nbytes = 0
         """Bytes of ``buffer`` counted against the uid (LimitGuard.pending_changed)."""
@@ -314,7 +315,7 @@ class Session(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             payload = _encode(reply)
             self.transport.write(p.HEADER.pack(len(payload)) + payload)
-        self.daemon.metrics.observe_request(op, "ok", time.perf_counter() - started)
+        self.observe_request(op, "ok", time.perf_counter() - started)
 
     def reply_error(self, rid: int, op: str, error: OffloadError, started: float) -> None:
         self.send(p.ErrorReply(rid, error.code.value, error.message, error.shard_ids))

@@ -168,6 +168,10 @@ class ShardTable:
             ) from None
 
     def lookup(self, rank: int, ids: list[str]) -> list[Shard]:
+        if len(ids) == 1:  # the common single-shard request: one dict look-up
+            shard = self.shards.get((rank, ids[0]))
+            if shard is not None:
+                return [shard]
         missing = [i for i in ids if (rank, i) not in self.shards]
         if missing:
             raise UnknownShardError(
