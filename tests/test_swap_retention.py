@@ -4,6 +4,8 @@ retention, or when the owner needs the room). Real daemon, real files."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -53,6 +55,9 @@ def test_ended_jobs_swap_counts_against_its_owner_and_is_reclaimed(
         # The kept file stays reserved in its dir's budget.
         assert status["node"]["swap"]["dirs"][0]["reserved_nbytes"] == kept["nbytes"]
         assert job_dir(swap_root, "first").exists()
+        shown = subprocess.run([sys.executable, "-m", "offloadd", "status", "--socket",
+                                daemon.socket_path], capture_output=True, text=True, timeout=60)
+        assert "ended job first (uid 0)" in shown.stdout, shown.stdout + shown.stderr
         # The same owner needs the room: its oldest ended job goes, not the new flush.
         flush_and_end(daemon, "second", 8 * MIB)
         status = node_status(daemon)
