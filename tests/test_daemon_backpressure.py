@@ -3,14 +3,17 @@ bounded memory and loop time; the optimizer serves jobs in turn. Real daemon, re
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from conftest import hello, raw_socket, read_reply, start_daemon
-from test_daemon_limits import limited_daemon
+from test_daemon_limits import NOBODY, limited_daemon
 from test_daemon_metrics import scrape, value
+from test_daemon_sessions import as_uid, open_to_everyone
 
 from offloadd import protocol as p
 from offloadd.embedded import PrivateDaemon
@@ -120,3 +123,30 @@ def test_one_jobs_queued_steps_do_not_delay_another_jobs_step() -> None:
         for rid in range(1, 201):
             reply, _fds = read_reply(queue)
             assert isinstance(reply, p.Ok) and reply.rid == rid, reply
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root")
+def test_node_status_is_spaced_per_uid(tmp_path: Path) -> None:
+    """node_status costs a pass over every visible job: one uid's flood of them is answered
+    one per node_status_interval_s, while another uid is answered at once."""
+    toml = f"allowed_uids = [{NOBODY}]\nnode_status_interval_s = 3600\n"
+    with limited_daemon(tmp_path, toml, arena_size="32MiB") as daemon:
+        open_to_everyone(daemon)
+        flood = raw_socket(daemon.socket_path)
+        flood.sendall(b"".join(p.encode_frame(p.NodeStatus(rid)) for rid in range(1, 6)))
+        first, _fds = read_reply(flood)
+        assert isinstance(first, p.StatsOk) and first.rid == 1
+
+        def ask() -> str:
+            reply = read_reply_of(daemon.socket_path)
+            return "answered" if isinstance(reply, p.StatsOk) else repr(reply)
+
+        assert as_uid(NOBODY, ask) == "answered"
+        assert answered(daemon, "node_status") == 2  # root's first and nobody's one
+        flood.close()
+
+
+def read_reply_of(socket_path: str) -> p.Reply | None:
+    sock = raw_socket(socket_path)
+    sock.sendall(p.encode_frame(p.NodeStatus(1)))
+    return read_reply(sock)[0]
