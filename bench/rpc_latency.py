@@ -2,7 +2,14 @@
 
     python bench/rpc_latency.py [--requests 5000] [--repeats 5] [--shards 1000]
 
-Both servers run in their own process on a unix socket in a temp directory.
+Both servers run in their own process on a unix socket in a temp directory. Core
+placement alone moves a unix-socket round trip several times over (client and server
+on one core hand off without a wake-up IPI; across cores they do not), so every
+figure is taken in two placements, with the daemon and the echo server pinned alike
+(every thread, ``os.sched_setaffinity``) and the client pinned to core 0:
+
+- ``same_core``: both servers on the client's core;
+- ``cross_core``: both servers on the next core.
 
 - ours_acquire_release: ``client.acquire(id, "r")`` of one resident shard then its
   ``release()`` against a real ``offloadd serve``: two round trips (client encode + send +
@@ -18,10 +25,10 @@ order every repeat); p50/p99 are per repeat, and the figures printed are medians
 repeats.  ``batched_us_per_shard`` is one ``acquire_many`` of ``--shards`` shards plus its
 release, divided by the shard count (median over repeats).
 
-The last line printed is one JSON object.  ``ratio_vs_uvloop_echo_acquire_release`` is
-echo_pair_p50 / ours_acquire_release_p50 (``ratio_vs_uvloop_echo_p50`` the same for the
-empty prefetch): > 1 means offloadd is faster than the echo, 0.5 meets the "within 2x of
-echo" target.
+The last line printed is one JSON object.  ``ratio_vs_uvloop_echo_acquire_release_<placement>``
+is echo_pair_p50 / ours_acquire_release_p50 in that placement (``ratio_vs_uvloop_echo_<placement>``
+the same for the empty prefetch): > 1 means offloadd is faster than the echo, 0.5 meets the
+"within 2x of echo" target.
 """
 
 from __future__ import annotations
@@ -101,6 +108,25 @@ def acquire_release(client: OffloadClient, shard_id: str) -> Callable[[], None]:
     return call
 
 
+PLACEMENTS = ("same_core", "cross_core")
+
+
+def pin(pid: int, core: int) -> None:
+    """Pin every thread of process ``pid`` to ``core`` (threads made later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except ProcessLookupError:
+            pass  # a thread that just ended
+
+
+def server_core(placement: str, cores: list[int]) -> int:
+    """The core both servers run on; the client runs on ``cores[0]``."""
+    if placement == "same_core" or len(cores) < 2:
+        return cores[0]
+    return cores[1]
+
+
 def percentiles(call: Callable[[], None], requests: int) -> tuple[float, float]:
     for _ in range(min(500, requests)):  # warm-up
         call()
@@ -127,18 +153,71 @@ def batched_us_per_shard(client: OffloadClient, num_shards: int) -> float:
     return statistics.median(timings[1:]) / num_shards * 1e6
 
 
+def measure(contenders: dict[str, Callable[[], None]], requests: int, repeats: int,
+            client: OffloadClient, num_shards: int, label: str
+            ) -> tuple[dict[str, list[tuple[float, float]]], list[float]]:
+    results: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+    batched = []
+    for repeat in range(repeats):
+        order = list(contenders) if repeat % 2 == 0 else list(reversed(contenders))
+        for name in order:
+            results[name].append(percentiles(contenders[name], requests))
+        batched.append(batched_us_per_shard(client, num_shards))
+        print(f"{label} repeat {repeat}: "
+              + " ".join(f"{n} p50={results[n][-1][0]:.1f}us p99={results[n][-1][1]:.1f}us"
+                         for n in contenders)
+              + f" batched={batched[-1]:.2f}us/shard", flush=True)
+    return results, batched
+
+
+def summarize(results: dict[str, list[tuple[float, float]]], batched: list[float],
+              placement: str) -> dict[str, float]:
+    def median(name: str, index: int) -> float:
+        return statistics.median(sample[index] for sample in results[name])
+
+    ours_p50, echo_p50 = median("ours", 0), median("echo", 0)
+    pair_p50, echo_pair_p50 = median("ours_acquire_release", 0), median("echo_pair", 0)
+    return {
+        f"ours_acquire_release_p50_us_{placement}": round(pair_p50, 2),
+        f"ours_acquire_release_p99_us_{placement}": round(median("ours_acquire_release", 1), 2),
+        f"echo_pair_p50_us_{placement}": round(echo_pair_p50, 2),
+        f"echo_pair_p99_us_{placement}": round(median("echo_pair", 1), 2),
+        f"ratio_vs_uvloop_echo_acquire_release_{placement}": round(echo_pair_p50 / pair_p50, 3),
+        f"ours_p50_us_{placement}": round(ours_p50, 2),
+        f"ours_p99_us_{placement}": round(median("ours", 1), 2),
+        f"echo_p50_us_{placement}": round(echo_p50, 2),
+        f"echo_p99_us_{placement}": round(median("echo", 1), 2),
+        f"ratio_vs_uvloop_echo_{placement}": round(echo_p50 / ours_p50, 3),
+        f"batched_us_per_shard_{placement}": round(statistics.median(batched), 3),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=5000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shards", type=int, default=1000)
+    parser.add_argument("--placements", default=",".join(PLACEMENTS),
+                        help="comma-separated subset of " + ",".join(PLACEMENTS))
     args = parser.parse_args()
+    placements = [name for name in args.placements.split(",") if name]
+    if unknown := set(placements) - set(PLACEMENTS):
+        parser.error(f"unknown placements {sorted(unknown)}; pick from {PLACEMENTS}")
 
     request = p.Prefetch(1 << 20, [])  # a realistic rid width
     frame = p.encode_frame(request)
     shard_id = "bench.one"
     acquire_frame = p.encode_frame(p.Acquire(1 << 20, [shard_id], "r"))
     release_frame = p.encode_frame(p.Release(1 << 20, [shard_id], False))
+    cores = sorted(os.sched_getaffinity(0))
+    client_core = cores[0]
+    summary: dict[str, object] = {
+        "op": "acquire+release", "requests_per_repeat": args.requests,
+        "repeats": args.repeats, "prefetch_frame_nbytes": len(frame),
+        "target_ratio_min": 0.5, "batched_shards": args.shards,
+        "batched_target_us_per_shard": 5.0, "client_core": client_core,
+    }
+    os.sched_setaffinity(0, {client_core})
     with tempfile.TemporaryDirectory(prefix="rpc-bench-") as workdir, \
             PrivateDaemon.start(os.path.join(workdir, "d"), arena_size="64MiB") as daemon:
         echo_path = os.path.join(workdir, "echo.sock")
@@ -154,48 +233,19 @@ def main() -> None:
                 "ours": lambda: client.prefetch([]),
                 "echo": echo_round_trip(echo_sock, frame),
             }
-            results: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
-            batched = []
-            for repeat in range(args.repeats):
-                order = list(contenders) if repeat % 2 == 0 else list(reversed(contenders))
-                for name in order:
-                    results[name].append(percentiles(contenders[name], args.requests))
-                batched.append(batched_us_per_shard(client, args.shards))
-                print(f"repeat {repeat}: "
-                      + " ".join(f"{n} p50={results[n][-1][0]:.1f}us p99={results[n][-1][1]:.1f}us"
-                                 for n in contenders)
-                      + f" batched={batched[-1]:.2f}us/shard", flush=True)
+            for placement in placements:
+                core = server_core(placement, cores)
+                pin(daemon.process.pid, core)
+                pin(echo.pid, core)
+                summary[f"server_core_{placement}"] = core
+                results, batched = measure(contenders, args.requests, args.repeats, client,
+                                           args.shards, placement)
+                summary.update(summarize(results, batched, placement))
             client.close()
             echo_sock.close()
         finally:
             echo.kill()
             echo.wait()
-
-    def median(name: str, index: int) -> float:
-        return statistics.median(sample[index] for sample in results[name])
-
-    ours_p50, echo_p50 = median("ours", 0), median("echo", 0)
-    pair_p50, echo_pair_p50 = median("ours_acquire_release", 0), median("echo_pair", 0)
-    summary = {
-        "op": "acquire+release",
-        "requests_per_repeat": args.requests,
-        "repeats": args.repeats,
-        "ours_acquire_release_p50_us": round(pair_p50, 2),
-        "ours_acquire_release_p99_us": round(median("ours_acquire_release", 1), 2),
-        "echo_pair_p50_us": round(echo_pair_p50, 2),
-        "echo_pair_p99_us": round(median("echo_pair", 1), 2),
-        "ratio_vs_uvloop_echo_acquire_release": round(echo_pair_p50 / pair_p50, 3),
-        "prefetch_frame_nbytes": len(frame),
-        "ours_p50_us": round(ours_p50, 2),
-        "ours_p99_us": round(median("ours", 1), 2),
-        "echo_p50_us": round(echo_p50, 2),
-        "echo_p99_us": round(median("echo", 1), 2),
-        "ratio_vs_uvloop_echo_p50": round(echo_p50 / ours_p50, 3),
-        "target_ratio_min": 0.5,
-        "batched_shards": args.shards,
-        "batched_us_per_shard": round(statistics.median(batched), 3),
-        "batched_target_us_per_shard": 5.0,
-    }
     print(json.dumps(summary))
 
 

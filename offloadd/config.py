@@ -125,6 +125,37 @@ class DaemonConfig:
     """Bytes of one request frame the daemon buffers for a connection (<= 16 MiB)."""
     frame_timeout_s: float = 30.0
     """Seconds a request frame may take to arrive in full, from its first byte."""
+    max_jobs_per_uid: int = 256
+    """Live jobs (lingering ones included) one uid may own at once."""
+    max_fds_per_uid: int = 4096
+    """Descriptors the daemon may hold for one uid: one per connection, one per job arena
+    and one per job swap file; at most half the daemon's RLIMIT_NOFILE is used."""
+    max_shards_per_uid: int = 1 << 21
+    """Shards all jobs of one uid may hold together."""
+    max_metadata_nbytes_per_uid: int = 512 << 20
+    """Bytes of shard metadata (about 400 per shard plus its id) one uid's jobs may hold."""
+    max_queued_steps_per_uid: int = 4096
+    """Optimizer steps of one uid queued or running in the daemon at once."""
+    max_pending_nbytes_per_uid: int = 64 << 20
+    """Request bytes received but not yet answered that the daemon buffers for one uid
+    (partial frames and frames held back while a connection does not read its replies)."""
+    max_requests_in_flight: int = 256
+    """Requests of one connection that may wait for IO or the optimizer at once; more are
+    left unread in the socket until one ends (backpressure, not an error)."""
+    max_ranks_per_job: int = 1024
+    """Distinct rank numbers that may attach to one job on this node."""
+    node_status_interval_s: float = 0.02
+    """Seconds between two node_status answers to one uid (later ones wait their turn)."""
+    metrics_idle_timeout_s: float = 10.0
+    """Seconds a /metrics connection may stay silent before the daemon closes it."""
+    max_metrics_connections: int = 8
+    """/metrics connections served at once (one thread each); more are closed at once."""
+    max_swap_nbytes_per_uid: int | None = None
+    """Bytes of swap files one uid's jobs may hold in all swap dirs, ended and flushed jobs'
+    kept files included; None: only the swap dirs' budgets (swap_size) bound them."""
+    flushed_job_retention_s: float = 86400.0
+    """Seconds an ended job's flushed swap files are kept for --recover before the daemon
+    deletes them (earlier, oldest first, when their owner or swap dir needs the room)."""
     require_job_secret: bool = False
     """Refuse hellos without a job secret (OFFLOADD_JOB_SECRET in every rank's env)."""
 
@@ -158,6 +189,18 @@ class DaemonConfig:
         from offloadd.limits import check_limits
 
         check_limits(self.limits())
+        if self.metrics_idle_timeout_s <= 0:
+            raise ValueError(f"metrics_idle_timeout_s must be > 0 seconds, "
+                             f"got {self.metrics_idle_timeout_s}")
+        if self.max_metrics_connections < 1:
+            raise ValueError(f"max_metrics_connections must be >= 1, "
+                             f"got {self.max_metrics_connections}")
+        if self.flushed_job_retention_s < 0:
+            raise ValueError(f"flushed_job_retention_s must be >= 0 seconds, "
+                             f"got {self.flushed_job_retention_s}")
+        if self.max_swap_nbytes_per_uid is not None:
+            self.max_swap_nbytes_per_uid = parse_size(self.max_swap_nbytes_per_uid,
+                                                      knob="max_swap_nbytes_per_uid")
         if self.job_linger_s < 0:
             raise ValueError(f"job_linger_s must be >= 0 seconds, got {self.job_linger_s}")
         if self.exit_when_idle_s is not None and self.exit_when_idle_s < 0:

@@ -70,6 +70,10 @@ class Job:
         self.table = ShardTable(name, arena)
         self.tier = tier
         self.num_sessions = 0
+        self.owner_uid: int | None = None
+        """The uid its resources count against (offloadd.limits), set at its first hello."""
+        self.ranks: set[int] = set()
+        """Rank numbers that attached (offloadd.limits bounds them, and so per-rank state)."""
 
     # -- alloc / acquire ------------------------------------------------------------
 
@@ -284,24 +288,25 @@ class Job:
 
     def _lease_and_reply(self, shards: list[Shard], leases: dict[Shard, Lease] | None,
                          mode: str | None) -> Placed:
-        table = self.table
+        table, tier = self.table, self.tier
         offsets: list[int] = []
+        nbytes: list[int] = []
+        versions: list[int] = []
+        dtypes: list[str] = []
+        leasing = leases is not None and mode is not None
         for shard in shards:
-            if leases is not None and mode is not None:
-                table.grant(leases, shard, mode)
+            if leasing:
+                table.grant(leases, shard, mode)  # type: ignore[arg-type]
             table.touch(shard)
-            if self.tier is not None:
-                self.tier.note_access(table, shard)
+            if tier is not None:
+                tier.note_access(table, shard)
             offsets.append(shard.offset)  # type: ignore[arg-type]
-        if self.tier is not None and shards:
-            self.tier.after_access(table, shards[0].rank)
-        return Placed(
-            0,
-            offsets,
-            [s.nbytes for s in shards],
-            [s.version for s in shards],
-            [s.dtype for s in shards],
-        )
+            nbytes.append(shard.nbytes)
+            versions.append(shard.version)
+            dtypes.append(shard.dtype)
+        if tier is not None and shards:
+            tier.after_access(table, shards[0].rank)
+        return Placed(0, offsets, nbytes, versions, dtypes)
 
     # -- release / drop -------------------------------------------------------------
 

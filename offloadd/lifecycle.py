@@ -104,7 +104,8 @@ class JobLifecycle:
 
     async def _free_swap(self, job: Job) -> None:
         try:
-            await self.daemon.swap.release_job(job.name, keep_flushed=True)
+            await self.daemon.swap.release_job(job.name, keep_flushed=True,
+                                               owner_uid=job.owner_uid)
         except Exception:  # the arena must still go; the files are left for `offloadd gc`
             log.exception("event=swap_release_failed job=%s", job.name)
         finally:

@@ -50,13 +50,18 @@ def keep_previous_generation(dir_fd: int) -> None:
     os.replace(staging, PREVIOUS, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
 
 
-def write_atomically(dir_fd: int, name: str, data: bytes) -> None:
-    """Write temp, fsync, rename, fsync the directory: the old or the new file, never half.
+def _staged_name(name: str) -> str:
+    return Path(name).with_suffix(".tmp").name
+
+
+def stage_file(dir_fd: int, name: str, data: bytes) -> None:
+    """Write and fsync ``name``'s temp file; ``name`` itself is untouched (then
+    ``publish_staged``: the old or the new file, never half).
 
     The temp file is made anew (O_EXCL | O_NOFOLLOW) relative to the checked dir fd: a
     symlink planted at its name is removed, never written through.
     """
-    tmp = Path(name).with_suffix(".tmp").name
+    tmp = _staged_name(name)
     with contextlib.suppress(FileNotFoundError):
         os.unlink(tmp, dir_fd=dir_fd)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600, dir_fd=dir_fd)
@@ -67,7 +72,16 @@ def write_atomically(dir_fd: int, name: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def discard_staged(dir_fd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_staged_name(name), dir_fd=dir_fd)
+
+
+def publish_staged(dir_fd: int, name: str) -> None:
+    """Rename the staged temp file over ``name`` and fsync the directory."""
+    os.replace(_staged_name(name), name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     os.fsync(dir_fd)
 
 

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -152,13 +154,70 @@ def gauge(name: str, doc: str, value: float, labelnames: list[str] | None = None
     return family
 
 
-def serve_metrics(registry: CollectorRegistry, host: str, port: int) -> Any:
-    """Start the /metrics HTTP server on its own thread; returns the server (has .shutdown())."""
-    from prometheus_client import start_http_server
+def serve_metrics(registry: CollectorRegistry, host: str, port: int, *,
+                  idle_timeout_s: float = 10.0, max_connections: int = 8) -> BoundedMetricsServer:
+    """Start the /metrics HTTP server on its own thread; returns the server (has .shutdown()).
 
-    result = start_http_server(port, addr=host, registry=registry)
-    server = result[0] if isinstance(result, tuple) else result
+    Each connection is served on a thread of its own, so connections are bounded
+    (``max_connections``; more are closed at once) and each socket times out after
+    ``idle_timeout_s`` without a request: an idle TCP connection holds neither a thread
+    nor a descriptor for long.
+    """
+    handler = type("MetricsHandler", (MetricsHandler,),
+                   {"registry": registry, "timeout": idle_timeout_s})
+    server = BoundedMetricsServer((host, port), handler, max_connections)
+    threading.Thread(target=server.serve_forever, name="offloadd-metrics", daemon=True).start()
     log.info("event=metrics_listening addr=%s:%d", host, server.server_address[1])
     return server
 
 
+class MetricsHandler(BaseHTTPRequestHandler):
+    """GET /metrics: the registry in Prometheus' text format; one request per connection."""
+
+    registry: CollectorRegistry
+    timeout: ClassVar[float | None]  # the socket's timeout (StreamRequestHandler): idle go
+
+    def do_GET(self) -> None:
+        from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+        if self.path.split("?", 1)[0] not in ("/", "/metrics"):
+            self.send_error(404, "only /metrics is served here")
+            return
+        body = generate_latest(self.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # scrapes are not log events
+
+
+class BoundedMetricsServer(ThreadingHTTPServer):
+    """A ThreadingHTTPServer with at most ``max_connections`` connections (and threads)."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
+                 max_connections: int) -> None:
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.refused = 0
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()

@@ -21,7 +21,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +32,7 @@ import xxhash
 from offloadd.arena import Allocator, align_up
 from offloadd.errors import (
     JobQuarantinedError,
+    OffloadError,
     OverBudgetError,
     ShardExistsError,
     SwapIOError,
@@ -39,6 +40,7 @@ from offloadd.errors import (
 from offloadd.ioengine import IOEngineError, VolatileCacheEngine, open_engine
 from offloadd.manifests import jobs_with_manifests, read_job_manifest
 from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
+from offloadd.retention import SwapRetention
 from offloadd.scheduler import IOQueue, IOTicket, Priority
 from offloadd.shards import Chunk
 from offloadd.swapdirs import (
@@ -130,8 +132,14 @@ class SwapDir:
 class JobFile:
     """One job's swap file on one swap dir, with an extent allocator inside it."""
 
-    def __init__(self, swap_dir: SwapDir, job: str, *, existing: bool) -> None:
+    def __init__(self, swap_dir: SwapDir, job: str, *, existing: bool,
+                 before_grow: Callable[[JobFile, int], Awaitable[int | None]] | None = None
+                 ) -> None:
         self.dir = swap_dir
+        self.job = job
+        self.before_grow = before_grow
+        """Called before the file grows by at least ``need`` bytes; may free room (ended
+        jobs' files) and returns the bytes the owner may still add (None: no cap)."""
         self.path = swap_dir.root / job / "swap.0"
         self.dir_fd = open_private_subdir(swap_dir.root_fd, job, self.path.parent)
         """The job's dir, checked: manifests are written relative to it."""
@@ -166,6 +174,7 @@ class JobFile:
         shrinks to what the budget allows and, on ENOSPC, to exactly ``need``.
         """
         swap_dir = self.dir
+        owner_room = await self.before_grow(self, need) if self.before_grow else None
         room = swap_dir.budget_nbytes - swap_dir.reserved_nbytes
         if need > room:
             # Copy-on-write: until the next flush retires them, the extents of the last
@@ -179,6 +188,8 @@ class JobFile:
         # A quarter of the room at most: one job's segment must not take a tight
         # budget that other jobs share.
         add = max(need, min(SEGMENT_NBYTES, room // 4) // 4096 * 4096)
+        if owner_room is not None:
+            add = max(need, min(add, owner_room // 4096 * 4096))
         try:
             await self._fallocate(add)
         except OSError as exc:
@@ -235,8 +246,13 @@ class SwapCounters:
 class SwapSpace:
     """The daemon-wide NVMe tier: swap dirs, the IO engine, and one JobTier per job."""
 
-    def __init__(self, config: DaemonConfig, metrics: DaemonMetrics) -> None:
+    def __init__(self, config: DaemonConfig, metrics: DaemonMetrics, *,
+                 owner_of: Callable[[str], int | None] = lambda _job: None,
+                 reject: Callable[[str, str], OffloadError] | None = None) -> None:
         self.config = config
+        self.owner_of = owner_of
+        """The uid a live job's swap counts against (None: nobody's yet)."""
+        self.reject = reject or (lambda knob, message: OverBudgetError(f"{message} ({knob})"))
         self.dirs = [SwapDir(i, Path(p).resolve(), config.swap_size)
                      for i, p in enumerate(config.swap_dirs)]
         self.counters = SwapCounters()
@@ -255,6 +271,7 @@ class SwapSpace:
         self.tickets: dict[asyncio.Future[None], IOTicket] = {}
         """IO tickets of the residency transitions in flight, by the shard's io future."""
         """Jobs whose manifest could not be recovered -> why (shown by status)."""
+        self.retention = SwapRetention(self, config.flushed_job_retention_s)
         metrics.sources.append(self.families)
 
     async def open(self) -> None:
@@ -295,27 +312,58 @@ class SwapSpace:
                 raise ShardExistsError(
                     f"swap files of an earlier job {job!r} exist in {stale[0]}; restart the daemon "
                     "with --recover to restore them, or reclaim them with `offloadd gc`")
-        return [JobFile(d, job, existing=recovering) for d in self.dirs]
+        return [JobFile(d, job, existing=recovering, before_grow=self.before_grow)
+                for d in self.dirs]
+
+    async def before_grow(self, jobfile: JobFile, need: int) -> int | None:
+        """Room for ``need`` more bytes in ``jobfile``: the owner's cap first, then the dir's
+        budget, each reclaiming ended jobs' files (oldest first) before it refuses."""
+        retention, cap = self.retention, self.config.max_swap_nbytes_per_uid
+        uid = self.owner_of(jobfile.job)
+        if uid is not None and cap is not None:
+            while (used := self.uid_nbytes(uid)) + need > cap:
+                if not await retention.reclaim_oldest(lambda r: r.uid == uid, "owner_cap"):
+                    raise self.reject("max_swap_nbytes_per_uid", (
+                        f"uid {uid}'s jobs hold {used} bytes of swap files (ended, flushed jobs "
+                        f"included); growing {jobfile.path} by {need} would pass {cap}; drop "
+                        "shards or end jobs"))
+        swap_dir = jobfile.dir
+        while swap_dir.budget_nbytes - swap_dir.reserved_nbytes < need:
+            if not await retention.reclaim_oldest(
+                    lambda r: swap_dir.index in r.nbytes_by_dir, "dir_full"):
+                break
+        return None if uid is None or cap is None else cap - self.uid_nbytes(uid)
+
+    def uid_nbytes(self, uid: int) -> int:
+        """Swap file bytes of ``uid``: its live jobs' files and its ended jobs' kept ones."""
+        live = sum(jobfile.allocator.capacity for name, tier in self.tiers.items()
+                   if self.owner_of(name) == uid for jobfile in tier.files)
+        return live + self.retention.uid_nbytes(uid)
 
     def adopt(self, job: str, tier: Any, *, recovering: bool) -> None:
         self.tiers[job] = tier
         if not recovering:
             self.created.add(job)
 
-    async def release_job(self, job: str, *, keep_flushed: bool = False) -> int:
+    async def release_job(self, job: str, *, keep_flushed: bool = False,
+                          owner_uid: int | None = None) -> int:
         """Give a job's swap space back: close its files and delete them in every swap dir.
 
         Call once the job has no sessions and left the registry (``JobRegistry.close_job``):
         it ended, was dropped, or the daemon stops.
         ``keep_flushed`` keeps the files of a job that has a manifest, so a later
-        ``--recover`` still finds its last flush. Returns the bytes freed on disk.
+        ``--recover`` still finds its last flush; they stay counted against ``owner_uid``
+        and their dirs until ``offloadd.retention`` reclaims them. Returns the bytes freed.
         """
+        kept: dict[int, int] = {}
         if job in self.tiers:
-            await self._close_tier(job)  # files closed and budget returned in every case
+            tier = await self._close_tier(job)  # files closed and budget returned in every case
+            kept = {f.dir.index: f.allocator.capacity for f in tier.files}
         stalls = self.counters.stall_seconds.values  # an ended job's series end with it
         for labels in [labels for labels in stalls if labels[0] == job]:
             del stalls[labels]
         if keep_flushed and (self.job_dir(self.dirs[0], job) / MANIFEST).exists():
+            self.retention.keep(job, owner_uid, kept)
             return 0
         self.created.discard(job)
         loop = asyncio.get_running_loop()
@@ -451,6 +499,7 @@ class SwapSpace:
             "prefetch_late": c.prefetch_late, "prefetch_wasted": c.prefetch_wasted,
             "checksum_failures": c.checksum_failures,
             "quarantined": dict(self.quarantined),
+            **self.retention.stats(),
             "io_errors": {labels[0]: n for labels, n in c.io_errors.values.items()},
             "evictions": {labels[0]: n for labels, n in c.evictions.values.items()},
             "stall_s": sum(c.stall_seconds.values.values()),
@@ -503,10 +552,12 @@ class SwapSpace:
         return out
 
     async def close(self) -> None:
+        await self.retention.close()
         if self.config.release_swap_at_exit:
             for job in sorted(self.created):
                 await self.release_job(job)
         for tier in self.tiers.values():
+            await tier.quiesce()
             await tier.close()
         if self.engine is not None:
             await self.engine.aclose()

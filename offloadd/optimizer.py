@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
@@ -67,11 +68,13 @@ class OptimizerService:
         self.steps = Counters("offloadd_optimizer_steps", "Optimizer steps run, by status.",
                               ["status"])
         self.elements = 0
-        self._worker_slot: asyncio.Semaphore | None = None
+        self.worker_slot = FairSlot()
+        """The worker, handed to waiting jobs in turn: one job's queue of 400 steps
+        must not delay another job's step by 400 steps."""
 
     def stats(self) -> dict[str, float]:
         return {"steps": sum(self.steps.values.values()), "step_s": self.step_seconds.total,
-                "elements": self.elements}
+                "elements": self.elements, "queued": self.worker_slot.num_waiting()}
 
     async def step(self, job: Job, rank: int, req: OptimizerStep) -> None:
         if req.step < 1:
@@ -85,8 +88,8 @@ class OptimizerService:
         # holding write leases would pin their whole state in the arena and starve
         # the swap tier. (Prefetching queued steps' state was measured to hurt: it
         # evicts parameters the forward needs sooner.)
-        slot = self._slot()
-        await slot.acquire()
+        slot = self.worker_slot
+        await slot.acquire(job.name)
         try:
             outcome = await self._start_leased(job, rank, shards, ids, req)
         except BaseException:
@@ -94,11 +97,6 @@ class OptimizerService:
             raise
         outcome.add_done_callback(lambda _f: slot.release())
         await asyncio.shield(outcome)
-
-    def _slot(self) -> asyncio.Semaphore:
-        if self._worker_slot is None:
-            self._worker_slot = asyncio.Semaphore(1)
-        return self._worker_slot
 
     async def _start_leased(self, job: Job, rank: int, shards: list[Shard], ids: list[str],
                             req: OptimizerStep) -> asyncio.Future[None]:
@@ -186,6 +184,53 @@ class OptimizerService:
 
     def close(self) -> None:
         self.executor.shutdown(wait=True)
+
+
+class FairSlot:
+    """One slot handed to waiters round robin across keys (jobs), FIFO within a key."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
+
+    def num_waiting(self) -> int:
+        return sum(len(queue) for queue in self.waiting.values())
+
+    async def acquire(self, key: str) -> None:
+        if not self.busy and not self.waiting:
+            self.busy = True
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(key, deque()).append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.release()  # handed the slot as the waiter was cancelled: pass it on
+            else:
+                self._forget(key, turn)
+            raise
+
+    def _forget(self, key: str, turn: asyncio.Future[None]) -> None:
+        queue = self.waiting.get(key)
+        if queue is not None and turn in queue:
+            queue.remove(turn)
+            if not queue:
+                del self.waiting[key]
+
+    def release(self) -> None:
+        """Hand the slot to the first waiter of the next key; that key goes to the back."""
+        while self.waiting:
+            key, queue = next(iter(self.waiting.items()))
+            turn = queue.popleft()
+            if queue:
+                self.waiting.move_to_end(key)
+            else:
+                del self.waiting[key]
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.busy = False
 
 
 def _consume_orphan_result(future: asyncio.Future[None]) -> None:

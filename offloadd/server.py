@@ -68,7 +68,8 @@ class Daemon:
         self.idle_exit = (IdleExit(self, config.exit_when_idle_s)
                           if config.exit_when_idle_s is not None else None)
         """A private daemon's end once its ranks are gone; None for a node daemon."""
-        self.limits = LimitGuard(config.limits(), self.metrics)
+        self.limits = LimitGuard(config.limits(), self.metrics, self.jobs,
+                                 fds_per_job=1 + len(config.swap_dirs))
         self.swap: Any = None
         self._session_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
@@ -88,7 +89,9 @@ class Daemon:
         if self.config.swap_dirs:
             from offloadd.nvme import SwapSpace
 
-            self.swap = SwapSpace(self.config, self.metrics)
+            self.swap = SwapSpace(self.config, self.metrics, reject=self.limits.reject,
+                                  owner_of=lambda name: getattr(self.jobs.jobs.get(name),
+                                                                "owner_uid", None))
             await self.swap.open()
             if self.config.recover:
                 await self.swap.recover(self.jobs,
@@ -98,7 +101,10 @@ class Daemon:
         self._server = await self._listen()
         if self.config.metrics_addr:
             host, port = parse_host_port(self.config.metrics_addr)
-            self._metrics_server = serve_metrics(build_registry(self.metrics), host, port)
+            self._metrics_server = serve_metrics(
+                build_registry(self.metrics), host, port,
+                idle_timeout_s=self.config.metrics_idle_timeout_s,
+                max_connections=self.config.max_metrics_connections)
         self._background.append(asyncio.ensure_future(self._watch_loop_lag()))
         if self.idle_exit is not None:
             self.idle_exit.start()
@@ -140,6 +146,7 @@ class Daemon:
             await self.swap.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+            self._metrics_server.server_close()
         self.optimizer.close()
         self.jobs.close()
         # Only a daemon that listened owns the path: one that failed to start because

@@ -89,6 +89,16 @@ class Session(asyncio.Protocol):
         self.closed = False
         self.hello_pending = False
         """A new job's arena is being made: frames after the hello wait in the buffer."""
+        self.held = False
+        """Frames wait in the buffer, the socket unread: the client does not read its replies
+        (writing paused) or ``max_requests_in_flight`` requests are in flight."""
+        self.writing_paused = False
+        self.in_flight = 0
+        self.max_ids = daemon.config.max_ids_per_request
+        self.observe_request = daemon.metrics.observe_request
+        self.max_frame_nbytes = min(p.MAX_FRAME_NBYTES, daemon.config.max_partial_frame_nbytes)
+        self.pending_nbytes = 0
+        """Bytes of ``buffer`` counted against the uid (LimitGuard.pending_changed)."""
         self.handlers: dict[type, Callable[[Any], Any]] = {
             p.Alloc: self.on_alloc,
             p.Acquire: self.on_acquire,
@@ -159,6 +169,10 @@ class Session(asyncio.Protocol):
         if self.counted:
             self.counted = False
             self.daemon.limits.session_closed(self.peer_uid)
+        if self.pending_nbytes:
+            self.daemon.limits.pending_changed(self.peer_uid, -self.pending_nbytes)
+            self.pending_nbytes = 0
+        self.buffer.clear()
         for task in self.tasks:
             task.cancel()
         device_copies.session_closed(self)
@@ -170,14 +184,33 @@ class Session(asyncio.Protocol):
             self.daemon.lifecycle.detached(self.job)
 
     # Backpressure: a client that sends requests but never reads its replies would grow
-    # our write buffer without bound; stop reading from it until it drains them.
+    # our write buffer (and our loop time) without bound. Once the transport's buffer
+    # passes its high-water mark, no frame is dispatched and the socket is not read
+    # until the client drains its replies; frames already received wait in the buffer.
     def pause_writing(self) -> None:
+        self.writing_paused = True
+        self.hold()
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        self.release_hold()
+
+    def hold(self) -> None:
+        self.held = True
         if self.transport is not None and not self.transport.is_closing():
             self.transport.pause_reading()
 
-    def resume_writing(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
+    def release_hold(self) -> None:
+        """Dispatch again once replies drain and requests in flight are under the limit."""
+        if (not self.held or self.writing_paused or self.closed
+                or self.in_flight >= self.daemon.config.max_requests_in_flight):
+            return
+        self.held = False
+        if self.hello_pending or self.transport is None or self.transport.is_closing():
+            return  # hello_after_arena resumes reading
+        self.transport.resume_reading()
+        if self.buffer:
+            self.data_received(b"")
 
     def fail_and_close(self, rid: int, error: OffloadError) -> None:
         self.send(p.ErrorReply(rid, error.code.value, error.message, error.shard_ids))
@@ -198,12 +231,15 @@ class Session(asyncio.Protocol):
             consumed = self.handle_frames(data)
             if consumed < len(data) and not self.closed:
                 buffer += memoryview(data)[consumed:]
-                self.frame_started()
+                self.count_pending()
+                if not self.closed:
+                    self.frame_started()
             return
         buffer += data
         with memoryview(buffer) as view:
             consumed = self.handle_frames(view)
         del buffer[:consumed]
+        self.count_pending()
         if consumed:  # the frame the timer ran for is done; another may have begun
             if buffer:
                 self.frame_started()
@@ -244,22 +280,29 @@ class Session(asyncio.Protocol):
         (length,) = p.HEADER.unpack_from(buffer)
         return len(buffer) >= p.HEADER_NBYTES + length
 
+    def count_pending(self) -> None:
+        """Charge the buffered request bytes to the uid; over its limit, close."""
+        delta = len(self.buffer) - self.pending_nbytes
+        if not delta or self.closed:
+            return
+        try:
+            self.daemon.limits.pending_changed(self.peer_uid, delta)
+        except LimitExceededError as exc:
+            self.buffer.clear()
+            self.fail_and_close(0, exc)
+            self.closed = True
+            return
+        self.pending_nbytes += delta
+
     def handle_frames(self, data: bytes | memoryview) -> int:
         """Answer every complete frame in ``data``; returns how many bytes were consumed."""
         start, end = 0, len(data)
         unpack_from = p.HEADER.unpack_from
-        while end - start >= p.HEADER_NBYTES and not self.closed and not self.hello_pending:
+        while (end - start >= p.HEADER_NBYTES and not self.closed and not self.hello_pending
+               and not self.held):
             (length,) = unpack_from(data, start)
-            if length > p.MAX_FRAME_NBYTES:
-                self.daemon.metrics.bad_frames.add(("oversize",))
-                self.fail_and_close(0, BadFrameError(
-                    f"frame length {length} exceeds {p.MAX_FRAME_NBYTES} bytes; closing"))
-                self.closed = True
-                return end
-            if length > self.daemon.config.max_partial_frame_nbytes:
-                self.fail_and_close(0, self.daemon.limits.reject(
-                    "max_partial_frame_nbytes", f"a frame of {length} bytes; closing"))
-                self.closed = True
+            if length > self.max_frame_nbytes:
+                self.refuse_frame(length)
                 return end
             stop = start + p.HEADER_NBYTES + length
             if stop > end:
@@ -267,6 +310,16 @@ class Session(asyncio.Protocol):
             self.handle_frame(data[start + p.HEADER_NBYTES : stop])
             start = stop
         return start
+
+    def refuse_frame(self, length: int) -> None:
+        if length > p.MAX_FRAME_NBYTES:
+            self.daemon.metrics.bad_frames.add(("oversize",))
+            self.fail_and_close(0, BadFrameError(
+                f"frame length {length} exceeds {p.MAX_FRAME_NBYTES} bytes; closing"))
+        else:
+            self.fail_and_close(0, self.daemon.limits.reject(
+                "max_partial_frame_nbytes", f"a frame of {length} bytes; closing"))
+        self.closed = True
 
     def handle_frame(self, payload: bytes | memoryview) -> None:
         started = time.perf_counter()
@@ -289,7 +342,7 @@ class Session(asyncio.Protocol):
         op = _OP_NAMES.get(kind) or _op_name(kind)
         try:
             ids = getattr(request, "ids", None)
-            if ids is not None:
+            if ids is not None and len(ids) > self.max_ids:
                 self.daemon.limits.check_ids(len(ids))
             handler = self.handlers.get(kind) if self.job is not None else None
             if handler is not None:  # the hot path: a data-plane request of a live session
@@ -324,7 +377,7 @@ class Session(asyncio.Protocol):
         if self.transport is not None and not self.closed:
             payload = _encode(reply)
             self.transport.write(p.HEADER.pack(len(payload)) + payload)
-        self.daemon.metrics.observe_request(op, "ok", time.perf_counter() - started)
+        self.observe_request(op, "ok", time.perf_counter() - started)
 
     def reply_error(self, rid: int, op: str, error: OffloadError, started: float) -> None:
         self.send(p.ErrorReply(rid, error.code.value, error.message, error.shard_ids))
@@ -347,7 +400,16 @@ class Session(asyncio.Protocol):
     def spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(self.task_done)
+        self.in_flight += 1
+        if self.in_flight >= self.daemon.config.max_requests_in_flight:
+            self.hold()
+
+    def task_done(self, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        self.in_flight -= 1
+        if self.held:
+            self.release_hold()
 
     # -- handlers -------------------------------------------------------------------
 
@@ -362,6 +424,7 @@ class Session(asyncio.Protocol):
         self.daemon.auth.check_hello(req.job, self.peer_uid, req.job_secret)
         job = self.daemon.jobs.jobs.get(req.job)
         if job is None:
+            self.daemon.limits.new_job_starting(self.peer_uid)
             self.hello_pending = True
             if self.transport is not None:
                 self.transport.pause_reading()
@@ -381,10 +444,12 @@ class Session(asyncio.Protocol):
             log.exception("event=handler_failed op=hello")
             self.reply_error(req.rid, "hello", InternalError(f"hello failed: {exc!r}"),
                              time.perf_counter())
+        finally:
+            self.daemon.limits.new_job_done(self.peer_uid)
         self.hello_pending = False
         if self.job is None and self.hello_timer is None and not self.closed:
             self.arm_hello_timer()  # it fired while the arena was made: a failed hello may retry
-        if self.transport is not None and not self.closed:
+        if self.transport is not None and not self.closed and not self.held:
             self.transport.resume_reading()
             if self.buffer:
                 self.data_received(b"")  # requests pipelined behind the hello
@@ -392,7 +457,9 @@ class Session(asyncio.Protocol):
     def finish_hello(self, req: p.Hello, job: Job) -> None:
         # Checked again: another uid may have claimed a new job while its arena was made.
         self.daemon.auth.check_hello(req.job, self.peer_uid, req.job_secret)
+        self.daemon.limits.check_rank(job, req.rank)
         self.daemon.auth.claim(req.job, self.peer_uid, req.job_secret)
+        self.daemon.limits.claim_job(job, self.peer_uid)
         self.job, self.rank = job, req.rank
         job.num_sessions += 1
         self.daemon.lifecycle.attached(job)
@@ -411,12 +478,14 @@ class Session(asyncio.Protocol):
     def on_alloc(self, req: p.Alloc) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
         self.daemon.limits.check_new_shards(self.job, self.rank, req.ids)
+        self.daemon.limits.check_uid_shards(self.job, req.ids)
         return self.job.alloc(self.rank, req.ids, req.nbytes, req.dtypes)
 
     def on_acquire(self, req: p.Acquire) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
         if req.create_nbytes is not None:
             self.daemon.limits.check_new_shards(self.job, self.rank, req.ids)
+            self.daemon.limits.check_uid_shards(self.job, req.ids)
             dtypes = req.create_dtypes or ["uint8"] * len(req.ids)
             return self.job.alloc(self.rank, req.ids, req.create_nbytes, dtypes,
                                   self.leases, req.mode)
@@ -466,6 +535,18 @@ class Session(asyncio.Protocol):
     def on_node_status(self, req: p.NodeStatus) -> p.Reply | Awaitable[p.Reply]:
         if self.job is None:  # an admin connection: it never says hello, but may not idle
             self.arm_hello_timer()
+        delay_s = self.daemon.limits.node_status_delay_s(
+            self.peer_uid, asyncio.get_running_loop().time())
+        if delay_s > 0:  # each uid's answers are spaced: status is O(shards) of the node
+            return self.node_status_later(req, delay_s)
+        return self.node_status_now(req)
+
+    async def node_status_later(self, req: p.NodeStatus, delay_s: float) -> p.Reply:
+        await asyncio.sleep(delay_s)
+        reply = self.node_status_now(req)
+        return reply if isinstance(reply, p.Reply) else await reply
+
+    def node_status_now(self, req: p.NodeStatus) -> p.Reply | Awaitable[p.Reply]:
         auth, uid = self.daemon.auth, self.peer_uid
         visible = [job for name, job in list(self.daemon.jobs.jobs.items())
                    if auth.visible(name, uid)]
@@ -481,8 +562,11 @@ class Session(asyncio.Protocol):
     def node_status_reply(self, req: p.NodeStatus, jobs: dict[str, object]) -> p.Reply:
         auth, uid = self.daemon.auth, self.peer_uid
         swap_dirs = list(self.daemon.config.swap_dirs)
+        swap = self.daemon.swap
+        retained = swap.retention.listing(lambda r: uid == 0 or r.uid == uid) if swap else {}
         return p.StatsOk(req.rid, {"node": self.daemon.node_stats(), "jobs": jobs,
-                                   "swap_dirs": swap_dirs, "scope": auth.scope(uid)})
+                                   "swap_dirs": swap_dirs, "scope": auth.scope(uid),
+                                   "retained": retained})
 
     def on_close_job(self, req: p.CloseJob) -> None:
         job = self.job
@@ -504,7 +588,12 @@ class Session(asyncio.Protocol):
 
     def on_optimizer_step(self, req: p.OptimizerStep) -> Awaitable[None]:
         assert self.job is not None
-        return self.daemon.optimizer.step(self.job, self.rank, req)
+        limits, uid = self.daemon.limits, self.peer_uid
+        limits.step_queued(uid)
+        # A task, not a coroutine: its done callback uncounts it even if it never starts.
+        step = asyncio.ensure_future(self.daemon.optimizer.step(self.job, self.rank, req))
+        step.add_done_callback(lambda _step: limits.step_done(uid))
+        return step
 
 
 _OP_NAMES: dict[type, str] = {}

@@ -153,6 +153,8 @@ class ShardTable:
         self.shards: dict[tuple[int, str], Shard] = {}
         self.total_nbytes = 0
         """Arena bytes every shard of the job would need at once, resident or not."""
+        self.id_nbytes = 0
+        """Characters of every shard id (metadata the daemon holds; offloadd.limits)."""
         self._leased_nbytes = 0
         """Arena bytes of leased shards, counted as leases come and go (never a scan)."""
         self.changed: set[Shard] | None = None
@@ -170,6 +172,10 @@ class ShardTable:
             ) from None
 
     def lookup(self, rank: int, ids: list[str]) -> list[Shard]:
+        if len(ids) == 1:  # the common single-shard request: one dict look-up
+            shard = self.shards.get((rank, ids[0]))
+            if shard is not None:
+                return [shard]
         missing = [i for i in ids if (rank, i) not in self.shards]
         if missing:
             raise UnknownShardError(
@@ -197,6 +203,7 @@ class ShardTable:
                       serial=next(self._serials))
         self.shards[(rank, shard_id)] = shard
         self.total_nbytes += shard.arena_nbytes
+        self.id_nbytes += len(shard_id)
         return shard
 
     def matches(self, shard: Shard, nbytes: int, dtype: str) -> None:
@@ -236,6 +243,7 @@ class ShardTable:
             self.unplace(shard)
         del self.shards[(shard.rank, shard.shard_id)]
         self.total_nbytes -= shard.arena_nbytes
+        self.id_nbytes -= len(shard.shard_id)
         self.note_changed(shard)
 
     def touch(self, shard: Shard) -> None:

@@ -24,7 +24,12 @@ from offloadd.arena import align_up
 from offloadd.auth import JobOwner
 from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIOError
 from offloadd.eviction import SYNC_SLICE, EvictionIndex
-from offloadd.manifests import keep_previous_generation, write_atomically
+from offloadd.manifests import (
+    discard_staged,
+    keep_previous_generation,
+    publish_staged,
+    stage_file,
+)
 from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, READABLE_FORMATS, JobFile
 from offloadd.scheduler import AccessTrace, Priority
 from offloadd.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement
@@ -582,19 +587,41 @@ class JobTier:
             try:
                 for dir_index in sorted({c.dir_index for p in placements for c in p.chunks}):
                     await self.space.sync(self.files[dir_index])
-                loop = asyncio.get_running_loop()
-                dir_fd = self.files[0].dir_fd  # the job's dir, checked (offloadd.swapdirs)
-                await loop.run_in_executor(None, keep_previous_generation, dir_fd)
-                await loop.run_in_executor(None, write_atomically, dir_fd, MANIFEST, manifest)
             except SwapIOError as exc:
                 raise self._fail_stop(table, placements, exc) from exc
-            except OSError as exc:
-                raise self._fail_stop(
-                    table, placements, SwapIOError(f"writing the manifest failed: {exc}")) from exc
+            await self._write_manifest(table, placements, manifest, gen)
             # The generation before stays on disk as manifest.prev.json, recovery's
             # fallback, so its extents stay reserved; the one before that is retired.
             retired, self.generation = self.generation - 1, gen
             self._release_gen(retired)
+
+    async def _write_manifest(self, table: ShardTable, placements: list[SwapPlacement],
+                              manifest: bytes, gen: int) -> None:
+        """Stage the new manifest, then publish it with a rename.
+
+        A failure while staging (ENOSPC, EIO writing the temp file) leaves the last
+        manifest in force and the synced data intact: this generation is dropped and
+        a later flush retries. Only a failure of the rename or of the directory's
+        fsync leaves unknown which manifest is on disk, and fail-stops the job.
+        """
+        loop = asyncio.get_running_loop()
+        path = self.manifest_path()
+        dir_fd = self.files[0].dir_fd  # the job's dir, checked (offloadd.swapdirs)
+        try:
+            await loop.run_in_executor(None, keep_previous_generation, dir_fd)
+            await loop.run_in_executor(None, stage_file, dir_fd, MANIFEST, manifest)
+        except OSError as exc:
+            self._release_gen(gen)  # never durable: free what only it named
+            await loop.run_in_executor(None, discard_staged, dir_fd, MANIFEST)
+            raise SwapIOError(
+                f"job {self.job!r}: writing its manifest in {path.parent} failed ({exc}); the "
+                f"last flush (generation {self.generation}) stands and no data is lost. Free "
+                "space there and flush again") from exc
+        try:
+            await loop.run_in_executor(None, publish_staged, dir_fd, MANIFEST)
+        except OSError as exc:
+            raise self._fail_stop(
+                table, placements, SwapIOError(f"publishing the manifest failed: {exc}")) from exc
 
     def _fail_stop(self, table: ShardTable, placements: list[SwapPlacement],
                    error: SwapIOError) -> SwapIOError:
@@ -689,9 +716,23 @@ class JobTier:
         self.cleaned.discard(shard)
 
     async def quiesce(self) -> None:
-        """Wait out the write-behind and prefetches in flight (before the files go away)."""
-        while self.cleaning or self.tasks:
-            await asyncio.gather(*self.cleaning.values(), *self.tasks, return_exceptions=True)
+        """Wait out every IO on the job's files (before they are closed).
+
+        Hazard: a flush's write-backs and commit run in tasks of their own that outlive
+        the request (``_run_to_completion``); a rank that disconnects mid-flush cancels
+        only its request. Closing the files under them would send their writes to closed
+        descriptor numbers, which the next opened file may reuse.
+        """
+        while self.cleaning or self.tasks or self.in_io or self.commit_lock.locked():
+            waits: list[Awaitable[Any]] = [*self.cleaning.values(), *self.tasks]
+            waits += [asyncio.shield(s.io) for s in self.in_io if s.io is not None]
+            if self.commit_lock.locked():
+                waits.append(self._commit_ended())
+            await asyncio.gather(*waits, return_exceptions=True)
+
+    async def _commit_ended(self) -> None:
+        async with self.commit_lock:
+            pass
 
     async def close(self) -> None:
         for task in list(self.tasks):

@@ -111,3 +111,131 @@ def test_prefetches_per_job(tmp_path: Path, swap_root: Path) -> None:
             client.prefetch([f"s{i}" for i in range(3)])
         client.prefetch(["s0", "s1"])
         assert client.get("s0") == bytes([0]) * (256 << 10)
+
+
+def nobody_daemon(tmp_path: Path, toml: str, **kwargs) -> PrivateDaemon:
+    daemon = limited_daemon(tmp_path, f"allowed_uids = [{NOBODY}]\n{toml}", **kwargs)
+    open_to_everyone(daemon)
+    return daemon
+
+
+def as_nobody_until_refused(socket_path: str, attempts: int, open_one) -> str:
+    """In a child running as ``nobody``: call ``open_one(socket_path, index)`` until it is
+    refused; return 'refused after N: <message>' or 'never refused'."""
+    def attack() -> str:
+        held = []
+        for index in range(attempts):
+            try:
+                held.append(open_one(socket_path, index))
+            except LimitExceededError as exc:
+                return f"refused after {index}: {exc}"
+        return "never refused"
+
+    return as_uid(NOBODY, attack)
+
+
+def tiny_job(socket_path: str, index: int) -> OffloadClient:
+    return OffloadClient.connect(socket_path, job=f"tiny-{index}", arena_nbytes=4096)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root")
+def test_jobs_and_descriptors_per_uid(tmp_path: Path) -> None:
+    """Tiny jobs from one uid stop at its cap (jobs, then descriptors: a connection and an
+    arena each); another uid's hello still works, and the refusal names the knob."""
+    with nobody_daemon(tmp_path, "max_jobs_per_uid = 5\n", arena_size="32MiB") as daemon:
+        outcome = as_nobody_until_refused(daemon.socket_path, 100, tiny_job)
+        assert outcome.startswith("refused after 5:") and "max_jobs_per_uid" in outcome, outcome
+        with OffloadClient.connect(daemon.socket_path, job="root-job", arena_nbytes=4096) as c:
+            c.put("x", b"ok")
+        assert rejections(daemon, "max_jobs_per_uid") == 1
+    (tmp_path / "fds").mkdir()
+    with nobody_daemon(tmp_path / "fds", "max_fds_per_uid = 9\n", arena_size="32MiB") as daemon:
+        outcome = as_nobody_until_refused(daemon.socket_path, 100, tiny_job)
+        # 4 jobs hold 8 descriptors; the 5th connection is the 9th, its arena the 10th
+        assert outcome.startswith("refused after 4:") and "max_fds_per_uid" in outcome, outcome
+        with OffloadClient.connect(daemon.socket_path, job="root-job", arena_nbytes=4096) as c:
+            c.put("x", b"ok")
+        assert rejections(daemon, "max_fds_per_uid") == 1
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root")
+def test_shards_and_metadata_per_uid_span_jobs(tmp_path: Path) -> None:
+    """Shards with long ids across two jobs of one uid stop at the uid's metadata cap
+    (~400 bytes a shard plus its id), then at its shard cap; other uids are not charged."""
+    toml = "max_shards_per_uid = 12\nmax_metadata_nbytes_per_uid = 6000\n"
+    with nobody_daemon(tmp_path, toml, arena_size="32MiB") as daemon:
+        def fill() -> str:
+            one = OffloadClient.connect(daemon.socket_path, job="m1", arena_nbytes=1 << 20)
+            two = OffloadClient.connect(daemon.socket_path, job="m2", arena_nbytes=1 << 20)
+            one.alloc([f"{'a' * 200}{i}" for i in range(6)], 64)  # 6 x ~601 bytes
+            try:
+                two.alloc([f"{'b' * 200}{i}" for i in range(6)], 64)  # 12 x 601 > 6000
+            except LimitExceededError as exc:
+                two.alloc([f"s{i}" for i in range(4)], 64)  # short ids still fit: 5214
+                try:
+                    two.alloc([f"t{i}" for i in range(3)], 64)  # 13 shards > 12
+                except LimitExceededError as second:
+                    return f"{exc} | {second}"
+            return "never refused"
+
+        outcome = as_uid(NOBODY, fill)
+        assert "max_metadata_nbytes_per_uid" in outcome and "max_shards_per_uid" in outcome, \
+            outcome
+        with OffloadClient.connect(daemon.socket_path, job="root-job", arena_nbytes=1 << 20) as c:
+            c.alloc([f"r{i}" for i in range(12)], 64)
+
+
+def test_queued_optimizer_steps_per_uid(tmp_path: Path) -> None:
+    """20 optimizer steps sent in one write with max_queued_steps_per_uid = 2: two are
+    taken (one runs, one waits), the others are refused with the knob's name."""
+    import numpy as np
+
+    with limited_daemon(tmp_path, "max_queued_steps_per_uid = 2\n", arena_size="32MiB") as daemon, \
+            OffloadClient.connect(daemon.socket_path, job="steps", arena_nbytes=4 << 20) as c:
+        for suffix in ("master", "exp_avg", "exp_avg_sq", "grad"):
+            c.put(f"u.{suffix}", np.zeros(1 << 16, np.float32))
+        sock = raw_socket(daemon.socket_path, timeout_s=60)
+        assert isinstance(hello(sock, "steps"), p.HelloOk)
+        sock.sendall(b"".join(p.encode_frame(p.OptimizerStep(rid, "u", rid, 1e-3, 0.9, 0.999,
+                                                             1e-8)) for rid in range(1, 21)))
+        replies = [read_reply(sock)[0] for _ in range(20)]
+        ok = [r for r in replies if isinstance(r, p.Ok)]
+        refused = [r for r in replies if isinstance(r, p.ErrorReply)]
+        assert len(ok) == 2 and len(refused) == 18, replies
+        assert all(r.code == "limit" and "max_queued_steps_per_uid" in r.message for r in refused)
+        c.optimizer_step("u", step=3, lr=1e-3)  # the count went back down
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root")
+def test_pending_request_bytes_per_uid(tmp_path: Path) -> None:
+    """Connections of one uid each holding a partial frame stop at the uid's cap on
+    buffered bytes; the connection over it is closed with the knob's name; another
+    uid's connection is unaffected."""
+    with nobody_daemon(tmp_path, "max_pending_nbytes_per_uid = 8192\n",
+                       arena_size="32MiB") as daemon:
+        def hold_partial_frames() -> str:
+            socks = [raw_socket(daemon.socket_path) for _ in range(3)]
+            for sock in socks:
+                sock.sendall(p.HEADER.pack(4000) + b"\0" * 3000)  # never completed
+            reply, _fds = read_reply(socks[2])
+            return reply.message if isinstance(reply, p.ErrorReply) else repr(reply)
+
+        assert "max_pending_nbytes_per_uid" in as_uid(NOBODY, hold_partial_frames)
+        mine = raw_socket(daemon.socket_path)
+        mine.sendall(p.HEADER.pack(9000) + b"\0" * 8000)
+        assert isinstance(hello(raw_socket(daemon.socket_path), "root-job"), p.HelloOk)
+        assert rejections(daemon, "max_pending_nbytes_per_uid") == 1
+
+
+def test_distinct_ranks_per_job(tmp_path: Path) -> None:
+    """Per-rank state is bounded: a job takes at most max_ranks_per_job distinct ranks,
+    however large the world_size its ranks claim; a known rank still reattaches."""
+    with limited_daemon(tmp_path, "max_ranks_per_job = 4\n", arena_size="32MiB") as daemon:
+        socks = [raw_socket(daemon.socket_path) for _ in range(6)]
+        for rank in range(4):
+            assert isinstance(hello(socks[rank], "ranks", rank=rank, world_size=1 << 30),
+                              p.HelloOk)
+        reply = hello(socks[4], "ranks", rank=1000, world_size=1 << 30)
+        assert error_code(reply) == "limit" and "max_ranks_per_job" in reply.message
+        socks[0].close()
+        assert isinstance(hello(socks[5], "ranks", rank=0, world_size=1 << 30), p.HelloOk)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import time
 import urllib.request
+from pathlib import Path
 
 from conftest import JOB_ARENA_NBYTES
 from prometheus_client.parser import text_string_to_metric_families
@@ -102,3 +104,37 @@ def test_bad_frames_are_counted_by_reason(daemon: PrivateDaemon) -> None:
     for reason in ("decode", "oversize"):
         assert value(after, "offloadd_bad_frames_total", reason=reason) == (
             value(before, "offloadd_bad_frames_total", reason=reason) + 1)
+
+
+def daemon_threads(daemon: PrivateDaemon) -> int:
+    status = Path(f"/proc/{daemon.process.pid}/status").read_text()
+    return int(next(line for line in status.splitlines() if line.startswith("Threads:")).split()[1])
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_idle_metrics_connections_are_bounded_and_time_out(tmp_path: Path) -> None:
+    """40 TCP connections to /metrics that never send a request: at most
+    max_metrics_connections of them get a thread, the rest are closed at once, and the
+    served ones are closed after metrics_idle_timeout_s; then a scrape works."""
+    from conftest import start_daemon
+
+    config = tmp_path / "offloadd.toml"
+    config.write_text("max_metrics_connections = 4\nmetrics_idle_timeout_s = 0.5\n")
+    with start_daemon(tmp_path / "d", arena_size="32MiB",
+                      extra_args=["--config", str(config)]) as daemon:
+        scrape(daemon)
+        threads_before = daemon_threads(daemon)
+        host, port = daemon.metrics_addr.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(40)]
+        most_threads = max(daemon_threads(daemon) for _ in range(20))
+        assert most_threads <= threads_before + 4
+        assert all(closed_by_peer(sock) for sock in idle)  # refused, or timed out
+        for sock in idle:
+            sock.close()
+        assert value(scrape(daemon), "offloadd_arena_budget_bytes") == 32 << 20

@@ -13,6 +13,7 @@ import asyncio
 import mmap
 import os
 import socket
+import struct
 import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -263,6 +264,19 @@ def _recv_exact(sock: socket.socket, nbytes: int) -> bytes:
     return b"".join(chunks)
 
 
+def set_reply_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """Bound each send and recv by ``seconds`` with SO_SNDTIMEO/SO_RCVTIMEO (the kernel
+    answers EAGAIN) on a blocking socket: Python's own ``settimeout`` would poll() before
+    every send and recv, two more system calls per request."""
+    sock.settimeout(None)
+    if seconds is None:
+        return
+    whole = int(seconds)
+    timeval = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+
+
 def connect_socket(socket_path: str, timeout_s: float,
                    daemon_uid: int | str | None = None) -> socket.socket:
     """Connect, then check who listens (``offloadd.protocol.check_daemon_peer``) before the
@@ -383,7 +397,7 @@ class OffloadClient(_ClientBase):
         except BaseException:
             sock.close()
             raise
-        sock.settimeout(reply_timeout_s)
+        set_reply_timeout(sock, reply_timeout_s)
         client = cls(sock, hello, arena, job, rank)
         client.reply_timeout_s = reply_timeout_s
         return client
@@ -393,10 +407,10 @@ class OffloadClient(_ClientBase):
     def _send(self, request: p.Request) -> int:
         if self.closed:
             raise DaemonUnavailableError("client is closed")
-        request.rid = rid = self._rid()
+        self._next_rid = request.rid = rid = self._next_rid + 1
         try:
             self._sock.sendall(_frame(request))
-        except TimeoutError:
+        except (TimeoutError, BlockingIOError):  # SO_SNDTIMEO/SO_RCVTIMEO ran out
             raise self._timed_out() from None
         except OSError as exc:
             raise DaemonUnavailableError(f"lost the daemon: {exc}") from exc
@@ -420,7 +434,7 @@ class OffloadClient(_ClientBase):
                     return reply
             try:
                 chunk = self._sock.recv(1 << 16)
-            except TimeoutError:
+            except (TimeoutError, BlockingIOError):
                 raise self._timed_out() from None
             except OSError as exc:
                 raise DaemonUnavailableError(f"lost the daemon: {exc}") from exc
@@ -445,7 +459,13 @@ class OffloadClient(_ClientBase):
 
     def _call(self, request: p.Request) -> p.Reply:
         with self._lock:
-            return self._wait_reply(self._send(request))
+            rid = self._send(request)
+            if not self._inbox:  # the common case: no other caller's reply is parked
+                reply = self._read_frame()
+                if reply.rid == rid:
+                    return reply if type(reply) is not p.ErrorReply else _check_reply(reply)
+                self._inbox[reply.rid] = reply
+            return self._wait_reply(rid)
 
     # -- shards -------------------------------------------------------------------
 
@@ -456,7 +476,9 @@ class OffloadClient(_ClientBase):
 
     def acquire(self, shard_id: str, mode: str = "r") -> ShardLease:
         """Lease one shard; use as a context manager. ``mode`` is "r" or "w"."""
-        return self.acquire_many([shard_id], mode)[0]
+        ids = [shard_id]
+        request = p.Acquire(0, ids, mode)  # type: ignore[arg-type]
+        return self._group(ids, mode, self._call(request))[0]
 
     def acquire_many(self, ids: Iterable[str], mode: str = "r") -> LeaseGroup:
         id_list = list(ids)
