@@ -56,18 +56,20 @@ class DeepSpeedCPUAdam:
     """
 
     def __init__(self, model_params: Any, lr: float = 1e-3,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,
-                 adamw_mode: bool = True, **_unused: Any) -> None:
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, adamw_mode: bool = True,
+                 **_unused: Any) -> None:
         if amsgrad:
             raise ValueError("DeepSpeedCPUAdam(amsgrad=True) is not supported by offloadd: "
                              "use amsgrad=False")
         self.defaults = {"lr": lr, "betas": tuple(betas), "eps": eps,
                          "weight_decay": weight_decay}
         self.adamw_mode = adamw_mode
-        groups = list(model_params)
+        groups = model_params if isinstance(model_params, list) else list(model_params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
-        self.param_groups = [{**self.defaults, **group} for group in groups]
+        self.param_groups: list[dict[str, Any]] = groups
+        """As given: accelerate passes the torch optimizer's own list (see ``link_groups``)."""
 
 
 def optimizer_section(optimizer: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -86,6 +88,8 @@ def optimizer_section(optimizer: Any) -> tuple[dict[str, Any], list[dict[str, An
     if any(group.get("amsgrad") for group in optimizer.param_groups):
         raise ValueError("amsgrad=True is not supported by offloadd: use amsgrad=False")
     defaults = {key: optimizer.defaults[key] for key in _HYPER_KEYS}
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+        optimizer.param_groups[:] = [{**defaults, **group} for group in optimizer.param_groups]
     section = {"type": "AdamW" if decoupled else "Adam",
                "params": {**defaults, "betas": list(defaults["betas"]),
                           "adam_w_mode": decoupled}}
@@ -271,11 +275,26 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         model=model, model_parameters=model_parameters, config=settings,
         training_data=training_data, collate_fn=collate_fn,
         dist_init_required=dist_init_required)
+    if optimizer is not None:
+        link_groups(optimizer.param_groups, zero)
     view = OptimizerView(zero)
     if lr_scheduler is not None:
         engine.lr_scheduler = _client_scheduler(lr_scheduler, view, scheduler)
     wrapped = DeepSpeedEngine(engine, settings, view)
     return wrapped, view, loader, wrapped.lr_scheduler
+
+
+def link_groups(client_groups: list[dict[str, Any]], zero: ZeroOptimizer) -> None:
+    """Point the client optimizer's ``param_groups`` at the engine's group dicts.
+
+    A torch LR scheduler built on the client's optimizer before ``prepare`` (an
+    Accelerate loop's) keeps writing ``lr`` into that optimizer's groups; DeepSpeed
+    steps that very optimizer, offloadd steps its own, so both must share the dicts.
+    """
+    for index, group in enumerate(client_groups):
+        if "initial_lr" in group:
+            zero.param_groups[index]["initial_lr"] = group["initial_lr"]
+        client_groups[index] = zero.param_groups[index]
 
 
 def _client_scheduler(lr_scheduler: Any, view: OptimizerView, built: Any) -> Any:

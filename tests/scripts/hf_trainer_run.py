@@ -1,7 +1,7 @@
 """An ordinary HF Trainer script, run by torchrun, with or without offloadd.
 
     torchrun --nproc-per-node 2 tests/scripts/hf_trainer_run.py --out DIR \
-        --mode offloadd --variant config_optim --offload nvme [--max-steps 6] [--resume]
+        --mode offloadd --variant config_optim --offload nvme [--max-steps 6] [--resume-from DIR]
 
 ``--mode ddp`` runs the same script with no DeepSpeed config (torch DDP on gloo,
 torch AdamW, the Trainer's scheduler): the reference. ``--mode offloadd`` adds the
@@ -30,7 +30,7 @@ parser.add_argument("--offload", choices=["none", "cpu", "nvme"], default="nvme"
 parser.add_argument("--stage", type=int, default=3)
 parser.add_argument("--max-steps", type=int, default=6)
 parser.add_argument("--save-steps", type=int, default=3)
-parser.add_argument("--resume", action="store_true")
+parser.add_argument("--resume-from", default=None, help="a checkpoint-N folder")
 parser.add_argument("--bf16", action="store_true")
 args = parser.parse_args()
 
@@ -102,10 +102,7 @@ if (out / "init").exists():
     model = GPT2LMHeadModel.from_pretrained(out / "init")
 hf_trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(64, 1),
                      eval_dataset=Tokens(8, 2))
-resume = None
-if args.resume:
-    resume = str(out / "run" / f"checkpoint-{args.save_steps}")
-hf_trainer.train(resume_from_checkpoint=resume)
+hf_trainer.train(resume_from_checkpoint=args.resume_from)
 metrics = hf_trainer.evaluate()
 hf_trainer.save_model(str(out / "final"))
 if int(os.environ.get("RANK", "0")) == 0:
