@@ -28,39 +28,15 @@ from pathlib import Path
 from typing import Any
 
 from trainer import comm, ds_facade, zero_init
-
-SUPPORTED: dict[str, tuple[str, str]] = {
-    "transformers": ("5.23", "5.24"),
-    "accelerate": ("1.15", "1.16"),
-}
-"""Tested ranges, ``[min, max)``: the ones the ``hf`` extra of pyproject.toml pins."""
+from trainer.versions import check_versions
 
 FACADE_VERSION = "0.18.0+offloadd"
 """The DeepSpeed version the facade reports: the API level accelerate/transformers
 check for (they gate features on ``deepspeed>=0.x``)."""
 
 
-class UnsupportedVersionError(ImportError):
-    """An installed transformers/accelerate is outside the tested range; names it."""
-
-
 class DeepSpeedAlreadyImportedError(ImportError):
     """The real DeepSpeed owns the name ``deepspeed`` in this process already."""
-
-
-def check_versions(supported: dict[str, tuple[str, str]] = SUPPORTED) -> None:
-    """Raise ``UnsupportedVersionError`` unless every installed package is in range."""
-    from packaging.version import Version
-
-    for name, (low, high) in supported.items():
-        try:
-            installed = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue  # not installed: that integration is simply unused
-        if not Version(low) <= Version(installed) < Version(high):
-            raise UnsupportedVersionError(
-                f"offloadd's Hugging Face integration supports {name}>={low},<{high}; found "
-                f"{name} {installed}: pip install 'offloadd[hf]' (or '{name}>={low},<{high}')")
 
 
 class _FacadeDistribution(importlib.metadata.Distribution):
@@ -155,7 +131,7 @@ def install() -> None:
     """Make ``deepspeed`` mean offloadd in this process (idempotent)."""
     if getattr(sys.modules.get("deepspeed"), "OFFLOADD_FACADE", False):
         return
-    check_versions()
+    check_versions("transformers", "accelerate")
     _check_import_order()
     sys.modules.update(_facade_modules())
     sys.meta_path.insert(0, _FacadeFinder())  # type: ignore[arg-type]

@@ -8,7 +8,8 @@ torch AdamW, the Trainer's scheduler): the reference. ``--mode offloadd`` adds t
 one line (``import trainer.hf``) and ``TrainingArguments(deepspeed=config)``.
 ``--variant`` picks the config: ``trainer_optim`` (no optimizer/scheduler
 sections: the Trainer's AdamW and linear schedule), ``config_optim`` (the
-config's AdamW and WarmupDecayLR, lr/warmup "auto"). Rank 0 writes
+config's AdamW and linear WarmupDecayLR, lr/warmup "auto": the same schedule). No
+weight decay, so the Trainer's two AdamW groups and the config's one are the same. Rank 0 writes
 ``DIR/result.json``: the logged training losses, eval loss and the step count.
 """
 
@@ -32,6 +33,7 @@ parser.add_argument("--max-steps", type=int, default=6)
 parser.add_argument("--save-steps", type=int, default=3)
 parser.add_argument("--resume-from", default=None, help="a checkpoint-N folder")
 parser.add_argument("--bf16", action="store_true")
+parser.add_argument("--init", default=None, help="from_pretrained folder of the start weights")
 args = parser.parse_args()
 
 if args.mode == "offloadd":
@@ -68,7 +70,7 @@ def ds_config() -> dict[str, Any]:
             "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
         config["scheduler"] = {"type": "WarmupDecayLR", "params": {
             "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
-            "total_num_steps": "auto"}}
+            "total_num_steps": "auto", "warmup_type": "linear"}}
     return config
 
 
@@ -87,7 +89,7 @@ class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
 training_args = TrainingArguments(
     output_dir=str(out / "run"), per_device_train_batch_size=2, per_device_eval_batch_size=2,
     gradient_accumulation_steps=2, max_steps=args.max_steps, learning_rate=3e-3,
-    weight_decay=0.01, warmup_steps=2, max_grad_norm=0.5, logging_steps=1,
+    weight_decay=0.0, warmup_steps=2, max_grad_norm=0.5, logging_steps=1,
     save_steps=args.save_steps, save_strategy="steps", eval_strategy="no",
     bf16=args.bf16, use_cpu=True, report_to=[], seed=0, data_seed=0,
     dataloader_drop_last=True,
@@ -98,8 +100,8 @@ torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97,
                                    n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
                                    attn_pdrop=0.0))
-if (out / "init").exists():
-    model = GPT2LMHeadModel.from_pretrained(out / "init")
+if args.init:  # under ZeRO-3 this goes through deepspeed.zero.Init and rank 0's load
+    model = GPT2LMHeadModel.from_pretrained(args.init)
 hf_trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(64, 1),
                      eval_dataset=Tokens(8, 2))
 hf_trainer.train(resume_from_checkpoint=args.resume_from)
