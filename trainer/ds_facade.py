@@ -339,6 +339,13 @@ def zero3_init(*_args: Any, **_kwargs: Any) -> Iterator[None]:
     yield
 
 
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], *_args: Any,
+                                           **_kwargs: Any) -> Callable[..., Any]:
+    """``partition_parameters``' constructor wrapper (transformers patches it around
+    ``zero.Init``); ``zero3_init`` wraps no tensor constructor, so it is the identity."""
+    return fn
+
+
 def clone_tensors_for_torch_save(item: Any, device: torch.device | None = None) -> Any:
     """``deepspeed.checkpoint.utils.clone_tensors_for_torch_save``: detached copies."""
     if torch.is_tensor(item):

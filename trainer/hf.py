@@ -27,6 +27,8 @@ from email.message import Message
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from trainer import comm, ds_facade, zero_init
 from trainer.versions import check_versions
 
@@ -94,6 +96,11 @@ def _facade_modules() -> dict[str, types.ModuleType]:
             "deepspeed.checkpoint.utils",
             clone_tensors_for_torch_save=ds_facade.clone_tensors_for_torch_save),
         "deepspeed.runtime": _module("deepspeed.runtime"),
+        "deepspeed.runtime.zero": _module("deepspeed.runtime.zero"),
+        "deepspeed.runtime.zero.partition_parameters": _module(
+            "deepspeed.runtime.zero.partition_parameters",
+            zero_wrapper_for_fp_tensor_constructor=ds_facade.zero_wrapper_for_fp_tensor_constructor,
+            _orig_torch_arange=torch.arange, get_accelerator=ds_facade.get_accelerator),
         "deepspeed.runtime.lr_schedules": _module(
             "deepspeed.runtime.lr_schedules", VALID_LR_SCHEDULES=ds_facade.VALID_LR_SCHEDULES),
         "deepspeed.ops": _module("deepspeed.ops"),
