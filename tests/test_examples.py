@@ -55,7 +55,8 @@ def test_accelerate_loop(tmp_path: Path) -> None:
     torchrun(EXAMPLES / "accelerate_train.py", ["--nvme-path", str(tmp_path / "swap"),
                                                 "--output-dir", str(tmp_path / "out")],
              tmp_path)
-    assert (tmp_path / "out" / "state" / "pytorch_model" / "latest").exists()
+    assert (tmp_path / "out" / "state" / "latest").read_text() == "pytorch_model"
+    assert len(list((tmp_path / "out" / "state" / "pytorch_model").glob("rank_*.pt"))) == 2
 
 
 def test_lightning_module(tmp_path: Path) -> None:

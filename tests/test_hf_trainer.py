@@ -4,9 +4,9 @@ state, against the same script under torch DDP (no DeepSpeed config):
 
 - the Trainer's own AdamW and linear schedule (no optimizer/scheduler sections), ZeRO-2
   with the optimizer on NVMe;
-- the config's AdamW and WarmupDecayLR with "auto" values filled by the Trainer, ZeRO-3
-  with parameters and optimizer on NVMe, the start weights loaded by ``from_pretrained``
-  inside the ZeRO-3 flow (``deepspeed.zero.Init``);
+- the config's AdamW with "auto" values filled by the Trainer and the Trainer's schedule
+  stepped by the engine, ZeRO-3 with parameters and optimizer on NVMe, the start weights
+  loaded by ``from_pretrained`` inside the ZeRO-3 flow (``deepspeed.zero.Init``);
 
 both with gradient accumulation, clipping, a checkpoint every 3 steps, evaluation and
 ``save_model`` (read back with ``from_pretrained``): the same losses, eval loss and

@@ -121,8 +121,8 @@ class OptimizerView(torch.optim.Optimizer):
         self.overflow = False
         """The last boundary's step was skipped (fp16 overflow); accelerate reads it."""
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.zero.param_groups
 
     def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]

@@ -84,8 +84,9 @@ def _module(name: str, **attributes: Any) -> types.ModuleType:
 
 
 def _facade_modules() -> dict[str, types.ModuleType]:
-    comm_module = _module("deepspeed.comm", **{name: getattr(comm, name) for name in comm.__all__})
-    comm_module.init_distributed = ds_facade.init_distributed
+    comm_names = {name: getattr(comm, name) for name in comm.__all__}
+    comm_module = _module("deepspeed.comm",
+                          **{**comm_names, "init_distributed": ds_facade.init_distributed})
     modules = {
         "deepspeed.comm": comm_module,
         "deepspeed.zero": _module("deepspeed.zero", Init=ds_facade.zero3_init,
@@ -141,7 +142,7 @@ def install() -> None:
     check_versions("transformers", "accelerate")
     _check_import_order()
     sys.modules.update(_facade_modules())
-    sys.meta_path.insert(0, _FacadeFinder())  # type: ignore[arg-type]
+    sys.meta_path.insert(0, _FacadeFinder())
 
 
 install()

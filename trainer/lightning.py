@@ -14,7 +14,8 @@ DeepSpeed strategy hands it to ``deepspeed.initialize``:
   masters; ``"16-mixed"`` in fp16 with loss scaling;
 - ``configure_optimizers`` may return a torch Adam/AdamW (and a scheduler,
   which Lightning keeps stepping: its ``lr`` reaches the engine's groups) unless
-  the config has an ``optimizer`` section;
+  the config has an ``optimizer`` section (a ``scheduler`` section is stepped
+  and checkpointed by the engine);
 - checkpoints are ``engine.save_checkpoint`` directories (one file per rank,
   tag ``checkpoint``) carrying Lightning's loop/callback/scheduler state as
   ``client_state``; ``fit(ckpt_path=...)`` restores them exactly.
@@ -88,8 +89,9 @@ class OffloaddStrategy(DDPStrategy):
     def handles_gradient_accumulation(self) -> bool:
         return True
 
+    @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return True
+        return True  # the engine must exist to load its checkpoint
 
     def setup_optimizers(self, trainer_: LightningTrainer) -> None:
         """The engine owns the optimizer; it is built in ``setup``."""
@@ -99,7 +101,7 @@ class OffloaddStrategy(DDPStrategy):
     def setup(self, trainer_: LightningTrainer) -> None:
         if trainer_.state.fn != TrainerFn.FITTING:
             raise ValueError(f"OffloaddStrategy runs fit() (with validation); for "
-                             f"{trainer_.state.fn.value}() load the saved model into a "
+                             f"{trainer_.state.fn}() load the saved model into a "
                              "regular strategy")
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer_)
@@ -127,11 +129,6 @@ class OffloaddStrategy(DDPStrategy):
                                                 config=settings, dist_init_required=False)
         if client_optimizer is not None:
             ds_facade.link_groups(client_optimizer.param_groups, zero)
-        if engine.lr_scheduler is not None and not self.lr_scheduler_configs:
-            from lightning.pytorch.utilities.types import LRSchedulerConfig
-
-            self.lr_scheduler_configs = [LRSchedulerConfig(engine.lr_scheduler, interval="step")]
-            engine.lr_scheduler = None  # Lightning steps it, once per optimizer step
         self.engine = engine
         self.model = engine
         self.optimizers = [ds_facade.OptimizerView(zero)]

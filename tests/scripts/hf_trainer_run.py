@@ -8,8 +8,10 @@ torch AdamW, the Trainer's scheduler): the reference. ``--mode offloadd`` adds t
 one line (``import trainer.hf``) and ``TrainingArguments(deepspeed=config)``.
 ``--variant`` picks the config: ``trainer_optim`` (no optimizer/scheduler
 sections: the Trainer's AdamW and linear schedule), ``config_optim`` (the
-config's AdamW and linear WarmupDecayLR, lr/warmup "auto": the same schedule). No
-weight decay, so the Trainer's two AdamW groups and the config's one are the same. Rank 0 writes
+config's AdamW with "auto" hyper-parameters and the Trainer's schedule, which the
+engine then steps and checkpoints). No weight decay, so the Trainer's two AdamW groups
+and the config's one are the same. (The config's own schedulers are DeepSpeed's, one
+step behind HF's: examples/hf_finetune.py runs one.) Rank 0 writes
 ``DIR/result.json``: the logged training losses, eval loss and the step count.
 """
 
@@ -68,9 +70,6 @@ def ds_config() -> dict[str, Any]:
     if args.variant == "config_optim":
         config["optimizer"] = {"type": "AdamW", "params": {
             "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
-        config["scheduler"] = {"type": "WarmupDecayLR", "params": {
-            "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto",
-            "total_num_steps": "auto", "warmup_type": "linear"}}
     return config
 
 
