@@ -128,7 +128,8 @@ def _check_import_order() -> None:
             "DeepSpeed)")
     late = [name for name in ("transformers.integrations.deepspeed", "accelerate.utils")
             if name in sys.modules]
-    if late and existing is None:
+    # With a real DeepSpeed installed (not imported) they already saw "present": harmless.
+    if late and existing is None and importlib.util.find_spec("deepspeed") is None:
         raise ImportError(
             f"{', '.join(late)} was imported before trainer.hf and has already decided that "
             "DeepSpeed is absent: put `import trainer.hf` before importing transformers' "
