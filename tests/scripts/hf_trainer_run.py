@@ -1,0 +1,115 @@
+"""An ordinary HF Trainer script, run by torchrun, with or without offloadd.
+
+    torchrun --nproc-per-node 2 tests/scripts/hf_trainer_run.py --out DIR \
+        --mode offloadd --variant config_optim --offload nvme [--max-steps 6] [--resume-from DIR]
+
+``--mode ddp`` runs the same script with no DeepSpeed config (torch DDP on gloo,
+torch AdamW, the Trainer's scheduler): the reference. ``--mode offloadd`` adds the
+one line (``import trainer.hf``) and ``TrainingArguments(deepspeed=config)``.
+``--variant`` picks the config: ``trainer_optim`` (no optimizer/scheduler
+sections: the Trainer's AdamW and linear schedule), ``config_optim`` (the
+config's AdamW with "auto" hyper-parameters and the Trainer's schedule, which the
+engine then steps and checkpoints). No weight decay, so the Trainer's two AdamW groups
+and the config's one are the same. (The config's own schedulers are DeepSpeed's, one
+step behind HF's: examples/hf_finetune.py runs one.) Rank 0 writes
+``DIR/result.json``: the logged training losses, eval loss and the step count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--mode", choices=["offloadd", "ddp"], required=True)
+parser.add_argument("--variant", choices=["trainer_optim", "config_optim"],
+                    default="trainer_optim")
+parser.add_argument("--offload", choices=["none", "cpu", "nvme"], default="nvme")
+parser.add_argument("--stage", type=int, default=3)
+parser.add_argument("--max-steps", type=int, default=6)
+parser.add_argument("--save-steps", type=int, default=3)
+parser.add_argument("--resume-from", default=None, help="a checkpoint-N folder")
+parser.add_argument("--bf16", action="store_true")
+parser.add_argument("--init", default=None, help="from_pretrained folder of the start weights")
+args = parser.parse_args()
+
+if args.mode == "offloadd":
+    import trainer.hf  # noqa: F401  - the line an HF script adds
+
+import torch  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainingArguments,
+)
+
+out = Path(args.out)
+SEQ = 16
+
+
+def ds_config() -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": args.stage}
+    if args.offload != "none":
+        nvme = {"nvme_path": str(out / "swap")} if args.offload == "nvme" else {}
+        zero["offload_param" if args.stage == 3 else "offload_optimizer"] = {
+            "device": args.offload, **nvme}
+        if args.stage == 3:
+            zero["offload_optimizer"] = {"device": args.offload, **nvme}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto", "bf16": {"enabled": "auto"},
+        "zero_optimization": zero,
+        "offloadd": {"arena_size": 4 << 20},  # smaller than the state: it really swaps
+    }
+    if args.variant == "config_optim":
+        config["optimizer"] = {"type": "AdamW", "params": {
+            "lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}}
+    return config
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, count: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, 97, (count, SEQ), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+training_args = TrainingArguments(
+    output_dir=str(out / "run"), per_device_train_batch_size=2, per_device_eval_batch_size=2,
+    gradient_accumulation_steps=2, max_steps=args.max_steps, learning_rate=3e-3,
+    weight_decay=0.0, warmup_steps=2, max_grad_norm=0.5, logging_steps=1,
+    save_steps=args.save_steps, save_strategy="steps", eval_strategy="no",
+    bf16=args.bf16, use_cpu=True, report_to=[], seed=0, data_seed=0,
+    dataloader_drop_last=True,
+    deepspeed=ds_config() if args.mode == "offloadd" else None,
+)
+torch.manual_seed(0)
+# A real fine-tune loads a checkpoint here: GPT2LMHeadModel.from_pretrained("gpt2").
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97,
+                                   n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
+                                   attn_pdrop=0.0))
+if args.init:  # under ZeRO-3 this goes through deepspeed.zero.Init and rank 0's load
+    model = GPT2LMHeadModel.from_pretrained(args.init)
+hf_trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(64, 1),
+                     eval_dataset=Tokens(8, 2))
+hf_trainer.train(resume_from_checkpoint=args.resume_from)
+metrics = hf_trainer.evaluate()
+hf_trainer.save_model(str(out / "final"))
+if int(os.environ.get("RANK", "0")) == 0:
+    losses = {entry["step"]: entry["loss"] for entry in hf_trainer.state.log_history
+              if "loss" in entry}
+    (out / "result.json").write_text(json.dumps({
+        "losses": losses, "eval_loss": metrics["eval_loss"],
+        "global_step": hf_trainer.state.global_step}))
+sys.exit(0)

@@ -1,0 +1,108 @@
+"""An ordinary Lightning script, run by torchrun, with OffloaddStrategy or DDP.
+
+    torchrun --nproc-per-node 2 tests/scripts/lightning_run.py --out DIR --mode offloadd \
+        [--ckpt-path DIR/checkpoints/step=3.ckpt] [--precision bf16-mixed]
+
+``--mode offloadd`` passes ``strategy=OffloaddStrategy(config=...)`` (ZeRO-3, parameters
+and optimizer on NVMe); ``--mode ddp`` passes ``strategy="ddp"`` (the reference). The
+module's configure_optimizers returns a torch AdamW and a per-step LambdaLR; the Trainer
+clips (gradient_clip_val), validates every 3 steps and keeps a ModelCheckpoint every 3
+steps. Rank 0 writes ``DIR/result.json`` (training and validation losses per step) and
+``DIR/final.pt`` (the full fp32 weights at the end of training).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from trainer.lightning import OffloaddStrategy
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--out", required=True)
+parser.add_argument("--mode", choices=["offloadd", "ddp"], required=True)
+parser.add_argument("--steps", type=int, default=6)
+parser.add_argument("--ckpt-path", default=None)
+parser.add_argument("--precision", default="32-true")
+args = parser.parse_args()
+out = Path(args.out)
+SEQ = 16
+
+
+class LanguageModel(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = GPT2LMHeadModel(GPT2Config(
+            n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=SEQ, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0))
+        self.losses: dict[str, float] = {}
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self(batch)
+        mean = self.all_gather(loss.detach()).float().mean()
+        self.losses[f"train/{self.global_step}"] = float(mean)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        loss = self(batch)
+        self.log("val_loss", loss, sync_dist=True)
+
+    def on_validation_epoch_end(self) -> None:
+        value = self.trainer.callback_metrics.get("val_loss")
+        if value is not None and not self.trainer.sanity_checking:
+            self.losses[f"val/{self.global_step}"] = float(value)
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    def on_train_end(self) -> None:
+        strategy = self.trainer.strategy
+        if isinstance(strategy, OffloaddStrategy):
+            state = strategy.consolidated_state_dict()
+        else:
+            state = {name: value.detach().float().clone()
+                     for name, value in self.state_dict().items()}
+        if self.trainer.is_global_zero:
+            torch.save(state, out / "final.pt")
+            (out / "result.json").write_text(json.dumps(self.losses))
+
+
+def loader(seed: int, count: int) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
+    tokens = torch.randint(0, 97, (count, SEQ), generator=torch.Generator().manual_seed(seed))
+    return torch.utils.data.DataLoader(tokens, batch_size=2)
+
+
+if args.mode == "offloadd":
+    offload = {"device": "nvme", "nvme_path": str(out / "swap")}
+    strategy: Any = OffloaddStrategy(config={
+        "zero_optimization": {"stage": 3, "offload_param": offload,
+                              "offload_optimizer": offload},
+        "offloadd": {"arena_size": 4 << 20},
+    })
+else:
+    strategy = "ddp"
+checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}",
+                              every_n_train_steps=3, save_top_k=-1)
+lightning_trainer = pl.Trainer(
+    accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
+    max_steps=args.steps, precision=args.precision, gradient_clip_val=0.5,
+    val_check_interval=3, check_val_every_n_epoch=None, num_sanity_val_steps=0,
+    callbacks=[checkpoints], logger=False, enable_progress_bar=False,
+    enable_model_summary=False, use_distributed_sampler=True)
+lightning_trainer.fit(LanguageModel(), train_dataloaders=loader(1, 12),
+                      val_dataloaders=loader(2, 8), ckpt_path=args.ckpt_path)
