@@ -227,14 +227,41 @@ def lm_adamw_reference(model: torch.nn.Module, steps: int,
                        ) -> dict[str, torch.Tensor]:
     """Plain torch AdamW on a causal LM fed every rank's batch each step, the loss averaged
     over ranks: what data-parallel ZeRO training of the same model must reproduce."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    return lm_adamw_run(model, steps, tokens, lr, weight_decay, world_size)[0]
+
+
+def lm_adamw_run(model: torch.nn.Module, steps: int,
+                 tokens: Callable[[int, int], torch.Tensor], lr: float,
+                 weight_decay: float = 0.0, world_size: int = 2, *,
+                 param_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
+                 accumulation: int = 1, clip: float = 0.0
+                 ) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+    """``lm_adamw_reference`` with torch-style ``param_groups(model)`` (parameters in no
+    group stay frozen, as ``trainer.initialize`` freezes them), ``accumulation``
+    micro-batches per step (micro-step ``i`` of rank ``r`` reads ``tokens(i, r)``, as
+    ``lm_engine_train`` feeds them) and gradient-norm clipping; the state dict and each
+    micro-step's per-rank losses."""
+    groups = param_groups(model) if param_groups is not None else [
+        {"params": [p for p in model.parameters() if p.requires_grad]}]
+    grouped = {id(param) for group in groups for param in group["params"]}
+    for param in model.parameters():
+        if id(param) not in grouped:
+            param.requires_grad_(False)
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+    losses: list[list[float]] = []
     for step in range(steps):
         optimizer.zero_grad()
-        for rank in range(world_size):
-            ids = tokens(step, rank)
-            (model(input_ids=ids, labels=ids).loss / world_size).backward()
+        for micro in range(accumulation):
+            losses.append([])
+            for rank in range(world_size):
+                ids = tokens(step * accumulation + micro, rank)
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / (world_size * accumulation)).backward()
+                losses[-1].append(loss.item())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
-    return model.state_dict()
+    return model.state_dict(), losses
 
 
 def max_relative_error(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
