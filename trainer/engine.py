@@ -36,7 +36,7 @@ from trainer.optimizer import ZeroOptimizer
 from trainer.partition import Unit, build_units
 from trainer.precision import Precision
 from trainer.reduce_order import ReduceOrder
-from trainer.scheduler import WarmupLR, build_scheduler
+from trainer.scheduler import LRSchedule, build_scheduler
 from trainer.trace import GatherTrace
 from trainer.zero import PrefetchPlanner, ReducedGrad, Sharded, build_stage
 from trainer.zero_init import materialise_unit, materialise_untracked
@@ -102,7 +102,7 @@ class Engine(nn.Module):
                                        unit_groups={unit.index: unit.group or 0
                                                     for unit in trainable},
                                        before_step=self._before_unit_step)
-        self.lr_scheduler: WarmupLR | None = build_scheduler(self.optimizer, config.scheduler)
+        self.lr_scheduler: LRSchedule | None = build_scheduler(self.optimizer, config.scheduler)
         self.prefetch = PrefetchPlanner(config.zero_optimization.stage3_prefetch_bucket_size,
                                         config.zero_optimization.stage3_max_live_parameters)
         self._forward_depth = 0
