@@ -227,14 +227,41 @@ def lm_adamw_reference(model: torch.nn.Module, steps: int,
                        ) -> dict[str, torch.Tensor]:
     """Plain torch AdamW on a causal LM fed every rank's batch each step, the loss averaged
     over ranks: what data-parallel ZeRO training of the same model must reproduce."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    return lm_adamw_run(model, steps, tokens, lr, weight_decay, world_size)[0]
+
+
+def lm_adamw_run(model: torch.nn.Module, steps: int,
+                 tokens: Callable[[int, int], torch.Tensor], lr: float,
+                 weight_decay: float = 0.0, world_size: int = 2, *,
+                 param_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
+                 accumulation: int = 1, clip: float = 0.0
+                 ) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
+    """``lm_adamw_reference`` with torch-style ``param_groups(model)`` (parameters in no
+    group stay frozen, as ``trainer.initialize`` freezes them), ``accumulation``
+    micro-batches per step (micro-step ``i`` of rank ``r`` reads ``tokens(i, r)``, as
+    ``lm_engine_train`` feeds them) and gradient-norm clipping; the state dict and each
+    micro-step's per-rank losses."""
+    groups = param_groups(model) if param_groups is not None else [
+        {"params": [p for p in model.parameters() if p.requires_grad]}]
+    grouped = {id(param) for group in groups for param in group["params"]}
+    for param in model.parameters():
+        if id(param) not in grouped:
+            param.requires_grad_(False)
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+    losses: list[list[float]] = []
     for step in range(steps):
         optimizer.zero_grad()
-        for rank in range(world_size):
-            ids = tokens(step, rank)
-            (model(input_ids=ids, labels=ids).loss / world_size).backward()
+        for micro in range(accumulation):
+            losses.append([])
+            for rank in range(world_size):
+                ids = tokens(step * accumulation + micro, rank)
+                loss = model(input_ids=ids, labels=ids).loss
+                (loss / (world_size * accumulation)).backward()
+                losses[-1].append(loss.item())
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
-    return model.state_dict()
+    return model.state_dict(), losses
 
 
 def max_relative_error(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
@@ -244,3 +271,78 @@ def max_relative_error(ours: dict[str, torch.Tensor], reference: dict[str, torch
         diff = (ours[name].float() - expected.float()).abs().max().item()
         worst = max(worst, diff / max(expected.float().abs().max().item(), 1e-12))
     return worst
+
+
+# ---------------------------------------------------------------------------
+# long-lived ranks: many examples, one spawn
+
+
+def _pool_main(rank: int, world_size: int, port: int, setup: Callable[..., Any],
+               inbox: Any, results: Any) -> None:
+    """A rank that runs ``fn(rank, world_size, context, *args)`` per message until None."""
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
+                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    torch.set_num_threads(1)
+    import datetime
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=90))
+    context = None
+    try:
+        context = setup(rank, world_size)
+        while (message := inbox.get()) is not None:
+            fn, args = message
+            try:
+                results.put((rank, True, _to_bytes(fn(rank, world_size, context, *args))))
+            except BaseException:
+                results.put((rank, False, traceback.format_exc()))
+    finally:
+        teardown = getattr(context, "close", None)
+        if teardown is not None:
+            teardown()
+        dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` gloo ranks spawned once that run one function after another.
+
+    ``setup(rank, world_size)`` runs once per rank (start a shared daemon, say) and its
+    result is passed to every call as ``context`` (its ``close()``, if any, runs at the
+    end). ``run(fn, *args)`` sends ``fn`` to every rank and returns the results by rank;
+    a rank failure is re-raised with its traceback, and a pool whose ranks failed or hung
+    is not reused (peers may be stuck in a collective): ``broken`` turns True.
+    """
+
+    def __init__(self, world_size: int, setup: Callable[..., Any]) -> None:
+        context = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = context.Queue()
+        self.inboxes = [context.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [context.Process(target=_pool_main, args=(
+            rank, world_size, port, setup, self.inboxes[rank], self.results))
+            for rank in range(world_size)]
+        for proc in self.procs:
+            proc.start()
+        self.broken = False
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout_s: float = 240.0) -> list[Any]:
+        assert not self.broken, "a failed pool is not reused"
+        for inbox in self.inboxes:
+            inbox.put((fn, args))
+        try:
+            collected = _collect(self.results, self.world_size, timeout_s)
+        except BaseException:
+            self.broken = True
+            raise
+        return [collected[rank] for rank in range(self.world_size)]
+
+    def close(self) -> None:
+        if not self.broken:
+            for inbox in self.inboxes:
+                inbox.put(None)
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()

@@ -29,7 +29,7 @@ from trainer.groups import resolve_param_groups
 from trainer.offload import InProcessBackend, StateBackend
 from trainer.optimizer import ZeroOptimizer
 from trainer.pretrained import LoadReport, PretrainedError, load_pretrained
-from trainer.scheduler import WarmupLR
+from trainer.scheduler import LRSchedule
 from trainer.trace import TraceDivergenceError
 
 __all__ = ["Engine", "EngineConfig", "LoadReport", "PretrainedError", "TraceDivergenceError",
@@ -49,7 +49,7 @@ def initialize(
     training_data: Dataset[Any] | None = None,
     collate_fn: Any = None,
     dist_init_required: bool | None = None,
-) -> tuple[Engine, ZeroOptimizer, DataLoader[Any] | None, WarmupLR | None]:
+) -> tuple[Engine, ZeroOptimizer, DataLoader[Any] | None, LRSchedule | None]:
     """Build the engine; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
     ``model_parameters`` selects the trained parameters, as tensors or torch-style

@@ -23,11 +23,16 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
+
+from trainer.deepspeed_features import (
+    check_type,
+    check_unsupported,
+    unsupported_keys_under,
+)
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 OptimizerType = Literal["Adam", "AdamW"]
-SchedulerType = Literal["WarmupLR", "WarmupDecayLR"]
 WarmupType = Literal["log", "linear"]
 
 # Keys (dotted, relative to the config root) that DeepSpeed understands but
@@ -126,11 +131,11 @@ class OptimizerConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
-class SchedulerConfig:
-    """The ``scheduler`` section, flattened: ``type`` plus ``params`` (DeepSpeed semantics)."""
+class WarmupLRConfig:
+    """``scheduler`` WarmupLR: warm up from ``warmup_min_lr`` to ``warmup_max_lr``, then hold
+    (DeepSpeed semantics; every param group gets the same rate)."""
 
-    type: SchedulerType = "WarmupLR"
-    """WarmupLR (warm up then hold) or WarmupDecayLR (warm up then linear decay to 0)."""
+    type: ClassVar[str] = "WarmupLR"
     warmup_min_lr: float = 0.0
     """Learning rate at the start of warmup; >= 0."""
     warmup_max_lr: float = 1e-3
@@ -139,8 +144,6 @@ class SchedulerConfig:
     """Optimizer steps of warmup; >= 1 (values below 2 behave as 2, like DeepSpeed)."""
     warmup_type: WarmupType = "log"
     """Shape of the warmup curve."""
-    total_num_steps: int | None = None
-    """Optimizer steps until the rate reaches 0 (WarmupDecayLR only, required there)."""
 
     def __post_init__(self) -> None:
         _check(self.warmup_min_lr >= 0, "scheduler.params.warmup_min_lr", self.warmup_min_lr,
@@ -153,13 +156,120 @@ class SchedulerConfig:
         )
         _check(self.warmup_num_steps >= 1, "scheduler.params.warmup_num_steps",
                self.warmup_num_steps, ">= 1")
-        if self.type == "WarmupDecayLR":
-            _check(
-                self.total_num_steps is not None and self.total_num_steps >= 1,
-                "scheduler.params.total_num_steps",
-                self.total_num_steps,
-                "an int >= 1 (required by WarmupDecayLR)",
-            )
+
+
+@dataclass(kw_only=True, frozen=True)
+class WarmupDecayLRConfig(WarmupLRConfig):
+    """``scheduler`` WarmupDecayLR: WarmupLR's warmup, then linear decay to 0."""
+
+    type: ClassVar[str] = "WarmupDecayLR"
+    total_num_steps: int | None = None
+    """Optimizer steps until the rate reaches 0 (required)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(
+            self.total_num_steps is not None and self.total_num_steps >= 1,
+            "scheduler.params.total_num_steps",
+            self.total_num_steps,
+            "an int >= 1 (required by WarmupDecayLR)",
+        )
+
+
+@dataclass(kw_only=True, frozen=True)
+class WarmupCosineLRConfig:
+    """``scheduler`` WarmupCosineLR: each param group's own lr times a ratio that warms up
+    from ``warmup_min_ratio`` to 1, then follows a cosine down to ``cos_min_ratio`` at
+    ``total_num_steps`` and stays there (DeepSpeed semantics)."""
+
+    type: ClassVar[str] = "WarmupCosineLR"
+    total_num_steps: int | None = None
+    """Optimizer steps until the ratio reaches cos_min_ratio (required); >= 1."""
+    warmup_min_ratio: float = 0.0
+    """Ratio of the group's lr at the start of warmup; in [0, 1]."""
+    warmup_num_steps: int = 1000
+    """Optimizer steps of warmup; >= 1 (values below 2 behave as 2, like DeepSpeed)."""
+    cos_min_ratio: float = 0.0001
+    """Ratio of the group's lr at the end of the cosine; in [0, 1]."""
+    warmup_type: WarmupType = "log"
+    """Shape of the warmup curve."""
+
+    def __post_init__(self) -> None:
+        _check(self.total_num_steps is not None and self.total_num_steps >= 1,
+               "scheduler.params.total_num_steps", self.total_num_steps,
+               "an int >= 1 (required by WarmupCosineLR)")
+        _check(0 <= self.warmup_min_ratio <= 1, "scheduler.params.warmup_min_ratio",
+               self.warmup_min_ratio, "[0, 1]")
+        _check(0 <= self.cos_min_ratio <= 1, "scheduler.params.cos_min_ratio",
+               self.cos_min_ratio, "[0, 1]")
+        _check(self.warmup_num_steps >= 1, "scheduler.params.warmup_num_steps",
+               self.warmup_num_steps, ">= 1")
+
+
+@dataclass(kw_only=True, frozen=True)
+class OneCycleConfig:
+    """``scheduler`` OneCycle: one triangular cycle of the rate between ``cycle_min_lr`` and
+    ``cycle_max_lr`` (and of Adam's beta1 inversely, between ``cycle_max_mom`` and
+    ``cycle_min_mom``), then an optional decay (DeepSpeed semantics; with
+    ``cycle_momentum`` beta2 is 0.99, as DeepSpeed sets it)."""
+
+    type: ClassVar[str] = "OneCycle"
+    cycle_min_lr: float | None = None
+    """Rate at the start and end of the cycle (required); >= 0."""
+    cycle_max_lr: float | None = None
+    """Rate at the peak of the cycle (required); >= 0."""
+    decay_lr_rate: float = 0.0
+    """After the cycle the rate is cycle_min_lr / (1 + decay_lr_rate * t / decay_step_size);
+    >= 0 (0: no decay)."""
+    cycle_first_step_size: int = 2000
+    """Optimizer steps of the rising half of the cycle; >= 1."""
+    cycle_second_step_size: int | None = None
+    """Optimizer steps of the falling half; unset: cycle_first_step_size; >= 1."""
+    cycle_first_stair_count: int = 0
+    """Stairs of the rising half (the rate holds flat on each); 0: continuous; >= 0."""
+    cycle_second_stair_count: int | None = None
+    """Stairs of the falling half; unset: cycle_first_stair_count; >= 0."""
+    decay_step_size: int = 0
+    """Optimizer steps per unit of post-cycle decay; 0: no decay; >= 0."""
+    cycle_momentum: bool = True
+    """Cycle Adam's beta1 inversely to the rate."""
+    cycle_min_mom: float = 0.8
+    """beta1 at the peak of the rate; in [0, 1)."""
+    cycle_max_mom: float = 0.9
+    """beta1 at the start and end of the cycle; in [0, 1)."""
+    decay_mom_rate: float = 0.0
+    """After the cycle beta1 is cycle_max_mom * (1 + decay_mom_rate * t / decay_step_size);
+    >= 0."""
+
+    def __post_init__(self) -> None:
+        for key in ("cycle_min_lr", "cycle_max_lr"):
+            value = getattr(self, key)
+            _check(value is not None and value >= 0, f"scheduler.params.{key}", value,
+                   "a number >= 0 (required by OneCycle)")
+        for key in ("decay_lr_rate", "decay_mom_rate", "cycle_first_stair_count",
+                    "decay_step_size"):
+            _check(getattr(self, key) >= 0, f"scheduler.params.{key}", getattr(self, key),
+                   ">= 0")
+        _check(self.cycle_first_step_size >= 1, "scheduler.params.cycle_first_step_size",
+               self.cycle_first_step_size, ">= 1")
+        _check(self.cycle_second_step_size is None or self.cycle_second_step_size >= 1,
+               "scheduler.params.cycle_second_step_size", self.cycle_second_step_size,
+               ">= 1 (or unset for cycle_first_step_size)")
+        _check(self.cycle_second_stair_count is None or self.cycle_second_stair_count >= 0,
+               "scheduler.params.cycle_second_stair_count", self.cycle_second_stair_count,
+               ">= 0 (or unset for cycle_first_stair_count)")
+        for key in ("cycle_min_mom", "cycle_max_mom"):
+            _check(0 <= getattr(self, key) < 1, f"scheduler.params.{key}", getattr(self, key),
+                   "[0, 1)")
+
+
+SchedulerConfig = WarmupLRConfig | WarmupCosineLRConfig | OneCycleConfig
+"""One ``scheduler`` section (WarmupDecayLRConfig is a WarmupLRConfig)."""
+
+SCHEDULER_CONFIGS: dict[str, type] = {
+    cls.type: cls for cls in (WarmupLRConfig, WarmupDecayLRConfig, WarmupCosineLRConfig,
+                              OneCycleConfig)}
+"""``scheduler.type`` -> its params' dataclass."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -432,16 +542,39 @@ def parse_config(source: dict[str, Any] | str | Path | EngineConfig) -> EngineCo
     if not isinstance(source, dict):
         raise ValueError(f"config must be a dict or a JSON file path, got {type(source).__name__}")
     flat = dict(source)
-    for section in ("optimizer", "scheduler"):
-        if isinstance(flat.get(section), dict):
-            flat[section] = _flatten_typed_section(flat[section], section)
+    if isinstance(flat.get("optimizer"), dict):
+        flat["optimizer"] = _flatten_typed_section(flat["optimizer"], "optimizer")
+    if isinstance(flat.get("scheduler"), dict):
+        flat["scheduler"] = _build_scheduler(flat["scheduler"])
     return _build(EngineConfig, flat, "")
+
+
+def _build_scheduler(section: dict[str, Any]) -> SchedulerConfig:
+    """The ``scheduler`` section as the dataclass of its ``type`` (default WarmupLR)."""
+    params = _flatten_typed_section(section, "scheduler")
+    kind = params.pop("type", "WarmupLR")
+    if kind not in SCHEDULER_CONFIGS:
+        guess = difflib.get_close_matches(str(kind), list(SCHEDULER_CONFIGS), n=1)
+        hint = f" (did you mean {guess[0]}?)" if guess else ""
+        raise ValueError(f"config key scheduler.type={kind!r} is invalid{hint}: accepted "
+                         + ", ".join(map(repr, SCHEDULER_CONFIGS)))
+    cls = SCHEDULER_CONFIGS[kind]
+    own = {f.name for f in dataclasses.fields(cls)}
+    for key in params:
+        owners = [name for name, other in SCHEDULER_CONFIGS.items()
+                  if key not in own and key in {f.name for f in dataclasses.fields(other)}]
+        if owners:
+            raise ValueError(f"config key scheduler.params.{key} belongs to "
+                             f"{' / '.join(owners)}, but scheduler.type is {kind}: remove "
+                             "it or change the type")
+    return typing.cast(SchedulerConfig, _build(cls, params, "scheduler."))
 
 
 def _flatten_typed_section(section: dict[str, Any], name: str) -> dict[str, Any]:
     unknown = set(section) - {"type", "params"}
     if unknown:
         raise ValueError(f"unknown keys in {name}: {sorted(unknown)} (expected type, params)")
+    check_type(name, section.get("type"))
     params = section.get("params") or {}
     if not isinstance(params, dict):
         raise ValueError(f"config key {name}.params must be an object")
@@ -461,11 +594,21 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     unknown = sorted(set(data) - names)
     if unknown:
         raise ValueError(_unknown_message(unknown, names, prefix))
-    kwargs = {key: _coerce(hints[key], value, prefix + key) for key, value in data.items()}
+    kwargs = {key: _coerce(hints[key], value, _key_path(prefix, key))
+              for key, value in data.items()}
     return cls(**kwargs)
 
 
+def _key_path(prefix: str, key: str) -> str:
+    """The dotted key as the user wrote it: the optimizer and scheduler sections are
+    parsed flattened, but their keys live under ``params``."""
+    if prefix in ("optimizer.", "scheduler.") and key != "type":
+        return f"{prefix}params.{key}"
+    return prefix + key
+
+
 def _reject_renamed_and_drop_ignored(data: dict[str, Any], prefix: str) -> None:
+    check_unsupported(data, prefix)
     for key in list(data):
         dotted = prefix + key
         if dotted in RENAMED_KEYS:
@@ -477,16 +620,25 @@ def _reject_renamed_and_drop_ignored(data: dict[str, Any], prefix: str) -> None:
 
 
 def _unknown_message(unknown: list[str], names: set[str], prefix: str) -> str:
+    """Each unknown key with its likely intended one: a supported key, or a DeepSpeed
+    feature offloadd lacks (so a typo of it is not mistaken for a missing feature)."""
+    unsupported = set(unsupported_keys_under(prefix))
     parts = []
     for key in unknown:
-        guess = difflib.get_close_matches(key, sorted(names), n=1)
-        hint = f" (did you mean {prefix}{guess[0]}?)" if guess else ""
-        parts.append(f"{prefix}{key}{hint}")
-    where = prefix.rstrip(".") or "the top level"
+        guess = difflib.get_close_matches(key, sorted(names | unsupported), n=1)
+        hint = ""
+        if guess:
+            note = (", a DeepSpeed feature offloadd does not support"
+                    if guess[0] in unsupported else "")
+            hint = f" (did you mean {_key_path(prefix, guess[0])}{note}?)"
+        parts.append(f"{_key_path(prefix, key)}{hint}")
+    where = _key_path(prefix, "").rstrip(".") or "the top level"
     return f"unknown config keys in {where}: " + ", ".join(parts)
 
 
 def _coerce(hint: Any, value: Any, key: str) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return value  # a section parsed ahead (the scheduler, by its type)
     origin = typing.get_origin(hint)
     if origin in (Union, types.UnionType):
         options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
@@ -513,13 +665,10 @@ def _drop_auto(cls: type, data: dict[str, Any], prefix: str) -> None:
     in from its TrainingArguments before DeepSpeed sees it, so it must be given."""
     hints = typing.get_type_hints(cls)
     for key in [key for key, value in data.items() if value == "auto" and key in hints]:
-        dotted = prefix + key
+        dotted = _key_path(prefix, key)
         if type(None) in typing.get_args(hints[key]) or dotted in AUTO_DEFAULT_KEYS:
             del data[key]
             continue
-        section, _, name = dotted.partition(".")
-        if section in ("optimizer", "scheduler") and name != "type":
-            dotted = f"{section}.params.{name}"  # the section was flattened for parsing
         raise ValueError(f"config key {dotted}='auto' cannot be derived without the Hugging "
                          "Face Trainer (it fills 'auto' in from TrainingArguments): set a "
                          "value")

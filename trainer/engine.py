@@ -37,7 +37,7 @@ from trainer.partition import Unit, build_units
 from trainer.precision import Precision
 from trainer.pretrained import forget_pending, pending_source
 from trainer.reduce_order import ReduceOrder
-from trainer.scheduler import WarmupLR, build_scheduler
+from trainer.scheduler import LRSchedule, build_scheduler
 from trainer.trace import GatherTrace
 from trainer.zero import PrefetchPlanner, ReducedGrad, Sharded, build_stage
 from trainer.zero_init import materialise_unit, materialise_untracked
@@ -78,6 +78,9 @@ class Engine(nn.Module):
         self.micro_steps = 0
         self.global_samples = 0
         self._inflight: list[tuple[Unit, ReducedGrad]] = []
+        self._backward_done: set[int] = set()
+        """Units whose gradients are final in the backward running now (see
+        ``_prefetch_after``)."""
         stage = config.zero_optimization.stage
         num_parts = collectives.world_size if stage >= 1 else 1
         _move_model(model, collectives.device, self.precision.dtype)
@@ -98,8 +101,9 @@ class Engine(nn.Module):
                                        clip_norm=config.gradient_clipping,
                                        partitioned=num_parts > 1, groups=groups.hyper,
                                        unit_groups={unit.index: unit.group or 0
-                                                    for unit in trainable})
-        self.lr_scheduler: WarmupLR | None = build_scheduler(self.optimizer, config.scheduler)
+                                                    for unit in trainable},
+                                       before_step=self._before_unit_step)
+        self.lr_scheduler: LRSchedule | None = build_scheduler(self.optimizer, config.scheduler)
         self.prefetch = PrefetchPlanner(config.zero_optimization.stage3_prefetch_bucket_size,
                                         config.zero_optimization.stage3_max_live_parameters)
         self._forward_depth = 0
@@ -194,13 +198,21 @@ class Engine(nn.Module):
         self._prefetch_after(unit, backward=True)
 
     def _prefetch_after(self, unit: Unit, *, backward: bool) -> None:
-        """Start the next units' all-gathers (and daemon reads) in execution order."""
+        """Start the next units' all-gathers (and daemon reads) in execution order.
+
+        In backward, units whose gradients are already final are passed over: a unit
+        that shares its module with others (a root split by parameter groups, say the
+        final norm's no-decay unit) sits early in the forward order yet finishes its
+        backward first; gathering it again would read a partition its optimizer step is
+        about to rewrite, only to be thrown away after the step.
+        """
         upcoming = self.prefetch.following(unit, backward=backward)
         if upcoming:
-            self.placement.prefetch(upcoming, self.prefetch.budget_numel)
+            skip = self._backward_done if backward else ()
+            self.placement.prefetch(upcoming, self.prefetch.budget_numel, skip)
             source = getattr(self.placement, "source", None)
             if source is not None:
-                source.prefetch(self.prefetch.upcoming(unit, backward=backward))
+                source.prefetch(self.prefetch.upcoming(unit, backward=backward, skip=skip))
 
     # -------------------------------------------------------------- backward
 
@@ -214,6 +226,7 @@ class Engine(nn.Module):
             raise RuntimeError("engine.backward() called in eval mode; call engine.train()")
         scale = self.precision.scaler.scale / self.batch.gradient_accumulation_steps
         self.hooks.start_backward()
+        self._backward_done.clear()
         self.reduce_order.start()
         if self.trace is not None:
             self.trace.begin("backward", training=True)
@@ -234,6 +247,7 @@ class Engine(nn.Module):
 
     def _on_grads_ready(self, unit: Unit) -> None:
         flat_grad = unit.flatten_grads(self.precision.dtype)
+        self._backward_done.add(unit.index)
         self.placement.release(unit)
         for due_unit, due_grad in self.reduce_order.ready(unit, flat_grad):
             self._reduce(due_unit, due_grad)
@@ -257,6 +271,15 @@ class Engine(nn.Module):
             self.optimizer.take_grad(unit.index, reduced.wait(), first=first, boundary=boundary)
 
     # ------------------------------------------------------------------ step
+
+    def _before_unit_step(self, unit_index: int) -> None:
+        """Called before the optimizer step of a unit starts.
+
+        Hazard: the step rewrites the unit's parameter partition in place (the daemon
+        takes a write lease on ``u{N}.param``) while an all-gather started earlier may
+        still read it under a read lease; the gather is finished and its full parameters
+        dropped first (they would be stale after the step anyway)."""
+        self.placement.release(self.units[unit_index])
 
     def step(self) -> None:
         """End a micro-step; at an accumulation boundary, apply the optimizer step."""

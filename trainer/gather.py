@@ -16,7 +16,7 @@ unit order and the config), because gloo pairs collectives by issue order.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 import torch
 
@@ -101,13 +101,15 @@ class FullParams:
         if buffer.state is GatherState.GATHERING:
             self._finish(buffer)
 
-    def prefetch(self, upcoming: Iterable[Unit], budget_numel: int) -> None:
-        """Start all-gathers for the first free units of ``upcoming`` within the budgets."""
+    def prefetch(self, upcoming: Iterable[Unit], budget_numel: int,
+                 skip: Container[int] = ()) -> None:
+        """Start all-gathers for the first free units of ``upcoming`` within the budgets;
+        units whose index is in ``skip`` are passed over."""
         inflight = sum(1 for b in self._buffers.values() if b.state is GatherState.GATHERING)
         spent = 0
         for unit in upcoming:
             buffer = self._buffers[unit.index]
-            if buffer.state is not GatherState.FREE:
+            if buffer.state is not GatherState.FREE or unit.index in skip:
                 continue
             # The next unit is always gathered ahead, however large: the budget (DeepSpeed's
             # stage3_prefetch_bucket_size) limits how far beyond it prefetch reaches; 0 is off.

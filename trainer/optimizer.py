@@ -14,6 +14,7 @@ scale and the 1/world average in one multiply.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -30,8 +31,12 @@ class ZeroOptimizer:
     def __init__(self, backend: StateBackend, config: OptimizerConfig, *,
                  collectives: Collectives, scaler: LossScaler, clip_norm: float,
                  partitioned: bool, groups: list[dict[str, Any]] | None = None,
-                 unit_groups: dict[int, int] | None = None) -> None:
+                 unit_groups: dict[int, int] | None = None,
+                 before_step: Callable[[int], None] | None = None) -> None:
         self.backend = backend
+        self.before_step = before_step
+        """Called with a unit's index right before its step starts (the engine lets go of
+        anything that still reads the unit's parameter partition)."""
         self.collectives = collectives
         self.scaler = scaler
         self.clip_norm = clip_norm
@@ -121,6 +126,8 @@ class ZeroOptimizer:
 
     def _start(self, unit: int, grad_scale: float) -> StepHandle:
         hyper = self.hyper(self.unit_groups.get(unit, 0))
+        if self.before_step is not None:
+            self.before_step(unit)
         return self.backend.step_async(unit, step=self.step_count + 1, hyper=hyper,
                                        grad_scale=grad_scale)
 

@@ -22,7 +22,7 @@ after the unit's gradients are reduced.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 import torch
 
@@ -127,8 +127,10 @@ class Placement(abc.ABC):
     def release(self, unit: Unit) -> None:  # noqa: B027 - replicated params are always there
         """Drop the unit's full parameters."""
 
-    def prefetch(self, upcoming: Iterable[Unit], budget_numel: int) -> None:  # noqa: B027
-        """Start gathering ``upcoming`` units ahead of use (replicated: always there)."""
+    def prefetch(self, upcoming: Iterable[Unit], budget_numel: int,  # noqa: B027
+                 skip: Container[int] = ()) -> None:
+        """Start gathering ``upcoming`` units ahead of use, except those whose index is in
+        ``skip`` (replicated: always there)."""
 
 
 class Replicated(Placement):
@@ -174,8 +176,9 @@ class Sharded(Placement):
     def gather(self, unit: Unit) -> None:
         self.full.gather(unit)
 
-    def prefetch(self, upcoming: Iterable[Unit], budget_numel: int) -> None:
-        self.full.prefetch(upcoming, budget_numel)
+    def prefetch(self, upcoming: Iterable[Unit], budget_numel: int,
+                 skip: Container[int] = ()) -> None:
+        self.full.prefetch(upcoming, budget_numel, skip)
 
     def release(self, unit: Unit) -> None:
         self.full.free(unit)
@@ -325,11 +328,15 @@ class PrefetchPlanner:
             return []
         return self._behind[position] if backward else self._ahead[position]
 
-    def upcoming(self, unit: Unit, *, backward: bool) -> list[Unit]:
-        """``following`` cut at the element budget (daemon prefetch hints)."""
+    def upcoming(self, unit: Unit, *, backward: bool,
+                 skip: Container[int] = ()) -> list[Unit]:
+        """``following`` cut at the element budget, less the units in ``skip`` (daemon
+        prefetch hints)."""
         chosen: list[Unit] = []
         total = 0
         for candidate in self.following(unit, backward=backward):
+            if candidate.index in skip:
+                continue
             total += candidate.part_numel
             if total > self.budget_numel and (chosen or not self.budget_numel):
                 break  # the next unit always, unless prefetch is off: see FullParams.prefetch
