@@ -81,16 +81,19 @@ def layers_for(target_state_nbytes: float, width: int) -> int:
     return layers
 
 
-def gpt2_config(layers: int, width: int, vocab: int) -> Any:
+def gpt2_config(layers: int, width: int, vocab: int, heads: int = 0) -> Any:
     import transformers
 
-    return transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64),
+    return transformers.GPT2Config(n_layer=layers, n_embd=width,
+                                   n_head=heads or max(1, width // 64),
                                    vocab_size=vocab, n_positions=SEQ, resid_pdrop=0.0,
                                    embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                    eos_token_id=0)
 
 
 def engine_config(workdir: str, *, bf16: bool, arena_nbytes: int | None) -> dict[str, Any]:
+    """What a user writes: without ``arena_nbytes`` there is no ``offloadd`` section at all
+    (local rank 0 starts a private daemon with the default arena)."""
     swap = os.path.join(workdir, "swap")
     offload = {"device": "nvme", "nvme_path": swap}
     config: dict[str, Any] = {
@@ -98,13 +101,84 @@ def engine_config(workdir: str, *, bf16: bool, arena_nbytes: int | None) -> dict
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
         "zero_optimization": {"stage": 3, "offload_optimizer": offload, "offload_param": offload},
         "units": {"module_classes": ["GPT2Block"]},
-        "offloadd": {"workdir": os.path.join(workdir, "daemon")},
     }
     if bf16:
         config["bf16"] = {"enabled": True}
     if arena_nbytes is not None:
-        config["offloadd"]["arena_size"] = arena_nbytes
+        config["offloadd"] = {"workdir": os.path.join(workdir, "daemon"),
+                              "arena_size": arena_nbytes}
     return config
+
+
+def disk_counters(path: str) -> tuple[int, int]:
+    """(bytes read, bytes written) so far by the block device that holds ``path``:
+    whole-device counters, so every process's IO (and any other tenant's) counts."""
+    dev = os.stat(path).st_dev
+    with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as handle:
+        fields = handle.read().split()
+    return int(fields[2]) * 512, int(fields[6]) * 512
+
+
+def node_used_nbytes() -> int:
+    """MemTotal - MemAvailable: what ``free`` calls used, every process on the node."""
+    values = {}
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            key, _, rest = line.partition(":")
+            values[key] = int(rest.split()[0]) * 1024
+    return values["MemTotal"] - values["MemAvailable"]
+
+
+def descendants_pss_nbytes(root: int) -> int:
+    """Proportional set size of ``root``'s descendants (ranks and the private daemon):
+    shared arena pages split between the processes that map them, so counted once."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    ppid = int(handle.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as handle:
+                total += sum(int(line.split()[1]) * 1024 for line in handle
+                             if line.startswith("Pss:"))
+        except OSError:
+            continue
+    return total
+
+
+class MemorySampler:
+    """Peak of node memory (``free``'s used) and of our processes' PSS, sampled each
+    ``interval_s`` on a thread of the parent while the ranks run."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        import threading
+
+        self.baseline_nbytes = node_used_nbytes()
+        self.peak_used_nbytes = self.baseline_nbytes
+        self.peak_pss_nbytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.peak_used_nbytes = max(self.peak_used_nbytes, node_used_nbytes())
+            self.peak_pss_nbytes = max(self.peak_pss_nbytes, descendants_pss_nbytes(os.getpid()))
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return {"node_used_before_nbytes": self.baseline_nbytes,
+                "node_used_peak_nbytes": self.peak_used_nbytes,
+                "ours_pss_peak_nbytes": self.peak_pss_nbytes}
 
 
 def rank_main(rank: int, port: int, args: dict[str, Any], results: Any) -> None:
@@ -133,26 +207,30 @@ def train(rank: int, args: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     with Init(config_dict_or_path=config):
         model = transformers.GPT2LMHeadModel(gpt2_config(args["layers"], args["width"],
-                                                         args["vocab"]))
+                                                         args["vocab"], args.get("heads", 0)))
     engine, _, _, _ = trainer.initialize(model=model, config=config)
     init_s = time.perf_counter() - start
     init_hwm = hwm_nbytes()
-    times, losses = [], []
+    times, losses, disk = [], [], []
     generator = torch.Generator().manual_seed(rank)
     try:
         for _ in range(args["steps"]):
             ids = torch.randint(0, args["vocab"], (1, SEQ), generator=generator)
             dist.barrier()
+            before = disk_counters(args["workdir"])
             begin = time.perf_counter()
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
             engine.backend.wait_steps()
             times.append(time.perf_counter() - begin)
+            after = disk_counters(args["workdir"])
+            disk.append([after[0] - before[0], after[1] - before[1]])
             losses.append(float(loss.item()))
         stats = engine.offload_stats()
         daemon_pid = stats.get("daemon_pid")
         return {"init_s": init_s, "times": times, "losses": losses, "init_hwm": init_hwm,
+                "disk_read_write_nbytes": disk, "arena_nbytes": stats.get("arena_nbytes"),
                 "hwm": hwm_nbytes(),
                 "daemon_hwm": hwm_nbytes(int(daemon_pid)) if daemon_pid else 0,
                 "numel": sum(s.numel for u in engine.units for s in u.slots)}
@@ -168,6 +246,7 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         port = int(sock.getsockname()[1])
     procs = [context.Process(target=rank_main, args=(rank, port, args, results))
              for rank in range(WORLD)]
+    sampler = MemorySampler()
     for proc in procs:
         proc.start()
     outcomes: dict[int, dict[str, Any]] = {}
@@ -180,6 +259,8 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         proc.join(timeout=120 if len(outcomes) == WORLD else 5)
         if proc.is_alive():
             proc.kill()
+    memory = sampler.stop()
+    exit_codes = [proc.exitcode for proc in procs]
     errors = [o["error"] for o in outcomes.values() if "error" in o]
     if errors:
         raise RuntimeError(errors[0])
@@ -192,7 +273,52 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         "rank_peak_nbytes": [o["hwm"] for o in outcomes.values()],
         "rank_init_peak_nbytes": [o["init_hwm"] for o in outcomes.values()],
         "daemon_peak_nbytes": max(o["daemon_hwm"] for o in outcomes.values()),
+        "arena_nbytes": outcomes[0]["arena_nbytes"],
+        "disk_read_write_nbytes": outcomes[0]["disk_read_write_nbytes"],
+        "rank_exit_codes": exit_codes,
+        **memory,
     }
+
+
+def fio_bandwidth(workdir: str, size_mib: int = 1024) -> dict[str, float] | None:
+    """O_DIRECT write then read bandwidth (bytes/s) of the disk under ``workdir``, with
+    the daemon's chunk size and queue depth (as bench/nvme_throughput.py); None without fio."""
+    import subprocess
+
+    if shutil.which("fio") is None:
+        return None
+    from offloadd.config import DaemonConfig
+
+    defaults = DaemonConfig()
+    path = os.path.join(workdir, "fio.bin")
+    out = {}
+    try:
+        for rw in ("write", "read"):
+            done = subprocess.run(
+                ["fio", "--name=bound", f"--filename={path}", f"--rw={rw}",
+                 f"--bs={defaults.chunk_size // 1024}k", f"--iodepth={defaults.io_queue_depth}",
+                 "--direct=1", "--ioengine=io_uring", f"--size={size_mib}m",
+                 "--output-format=json"], capture_output=True, text=True, check=True)
+            out[rw] = float(json.loads(done.stdout)["jobs"][0][rw]["bw_bytes"])
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return out
+
+
+def io_bound(params: int, param_itemsize: int, arena_nbytes: int,
+             bandwidth: dict[str, float] | None) -> dict[str, Any]:
+    """The least IO a step can do with this arena: the persistent state (params + fp32
+    master and moments) that does not fit is read once and, all of it being updated by
+    the step, written once. Gradients live only between backward and the optimizer, so
+    they need arena room but no disk IO."""
+    persistent = params * (param_itemsize + 12)
+    spill = max(0, persistent - arena_nbytes)
+    out: dict[str, Any] = {"persistent_state_nbytes": persistent, "spill_nbytes": spill}
+    if bandwidth:
+        out["fio_read_Bps"], out["fio_write_Bps"] = bandwidth["read"], bandwidth["write"]
+        out["io_bound_s"] = spill / bandwidth["read"] + spill / bandwidth["write"]
+    return out
 
 
 def scale(ns: argparse.Namespace) -> dict[str, Any]:
@@ -206,18 +332,26 @@ def scale(ns: argparse.Namespace) -> dict[str, Any]:
         if free < need:
             raise SystemExit(f"{ns.dir} has {free / 2**30:.1f} GiB free, the run needs about "
                              f"{need / 2**30:.1f} GiB; pass --dir on a larger disk")
+        bandwidth = fio_bandwidth(workdir)
         result = launch({"workdir": workdir, "layers": layers, "width": ns.width,
-                         "vocab": ns.vocab, "steps": ns.steps, "bf16": True,
+                         "vocab": ns.vocab, "heads": ns.heads, "steps": ns.steps, "bf16": True,
                          "arena": ns.arena_gib << 30 if ns.arena_gib else None})
         swap_nbytes = sum(f.stat().st_size for f in Path(workdir).rglob("*") if f.is_file())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     state = result["params"] * STATE_BYTES_PER_PARAM
     node_peak = sum(result["rank_peak_nbytes"]) + result["daemon_peak_nbytes"]
+    bound = io_bound(result["params"], 2, result["arena_nbytes"] or 0, bandwidth)
+    step_s = statistics.median(result["step_s"])
+    ours_peak = result["ours_pss_peak_nbytes"]
     return {"mode": "scale", "layers": layers, "width": ns.width, "vocab": ns.vocab,
             "params": result["params"], "state_nbytes": state, "ram_nbytes": ram,
             "state_over_ram": state / ram, "node_peak_nbytes": node_peak,
             "node_peak_over_state": node_peak / state, "swap_nbytes_at_end": swap_nbytes,
+            "median_step_s": step_s, **bound,
+            "step_over_io_bound": step_s / bound["io_bound_s"] if bound.get("io_bound_s")
+            else None,
+            "dram_bytes_per_param": ours_peak / result["params"],
             **result}
 
 
@@ -275,6 +409,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2560)
     parser.add_argument("--layers", type=int, default=0, help="0: from --ram-factor")
     parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--heads", type=int, default=0, help="0: width // 64")
     parser.add_argument("--ram-factor", type=float, default=1.3,
                         help="training state (16 B/param) at least this x MemTotal")
     parser.add_argument("--steps", type=int, default=3)

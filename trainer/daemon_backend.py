@@ -511,14 +511,18 @@ def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Co
     node's available memory (>= 64 MiB), and what does not fit lives on the swap tier.
 
     The arena is the node's DRAM cache: shrinking it below what the machine can
-    spare only adds swap traffic (measured in bench/train_step.py).
+    spare only adds swap traffic (measured in bench/train_step.py). Its size does not
+    delay start-up (the daemon backs it after the hello, offloadd.arena), so a 512 GB
+    node may get a 256 GB cache. Every rank of a node asks for local rank 0's figure:
+    MemAvailable moves between two ranks' reads, and a rank whose hello came first with
+    a larger figure than the private daemon's budget would be refused.
     """
     node_nbytes = estimate_rank_nbytes(model, config, collectives.world_size)
     node_nbytes *= _node_world_size(collectives)
     wanted = node_nbytes + node_nbytes // 4 + 32 * MIB
     if config.zero_optimization.offload_optimizer.device == "nvme":
         wanted = max(64 * MIB, min(wanted, available_memory_nbytes() // 2))
-    return -(-wanted // (2 * MIB)) * 2 * MIB  # whole huge pages: the daemon aligns up
+    return int(collectives.node_leader_value(-(-wanted // (2 * MIB)) * 2 * MIB))
 
 
 def available_memory_nbytes() -> int:
