@@ -119,6 +119,13 @@ def disk_counters(path: str) -> tuple[int, int]:
     return int(fields[2]) * 512, int(fields[6]) * 512
 
 
+def swap_counters(engine: Any) -> tuple[int, int]:
+    """(bytes read from, bytes written to) the daemon's swap dirs so far (0s without)."""
+    swap = engine.offload_stats().get("swap") or {}
+    dirs = swap.get("dirs", [])
+    return sum(d["read_nbytes"] for d in dirs), sum(d["written_nbytes"] for d in dirs)
+
+
 def node_used_nbytes() -> int:
     """MemTotal - MemAvailable: what ``free`` calls used, every process on the node."""
     values = {}
@@ -211,13 +218,14 @@ def train(rank: int, args: dict[str, Any]) -> dict[str, Any]:
     engine, _, _, _ = trainer.initialize(model=model, config=config)
     init_s = time.perf_counter() - start
     init_hwm = hwm_nbytes()
-    times, losses, disk = [], [], []
+    times, losses, disk, swapped = [], [], [], []
     generator = torch.Generator().manual_seed(rank)
     try:
         for _ in range(args["steps"]):
             ids = torch.randint(0, args["vocab"], (1, SEQ), generator=generator)
             dist.barrier()
             before = disk_counters(args["workdir"])
+            swap_before = swap_counters(engine) if rank == 0 else (0, 0)
             begin = time.perf_counter()
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
@@ -226,11 +234,14 @@ def train(rank: int, args: dict[str, Any]) -> dict[str, Any]:
             times.append(time.perf_counter() - begin)
             after = disk_counters(args["workdir"])
             disk.append([after[0] - before[0], after[1] - before[1]])
+            swap_after = swap_counters(engine) if rank == 0 else (0, 0)
+            swapped.append([swap_after[0] - swap_before[0], swap_after[1] - swap_before[1]])
             losses.append(float(loss.item()))
         stats = engine.offload_stats()
         daemon_pid = stats.get("daemon_pid")
         return {"init_s": init_s, "times": times, "losses": losses, "init_hwm": init_hwm,
-                "disk_read_write_nbytes": disk, "arena_nbytes": stats.get("arena_nbytes"),
+                "disk_read_write_nbytes": disk, "swap_read_write_nbytes": swapped,
+                "arena_nbytes": stats.get("arena_nbytes"),
                 "hwm": hwm_nbytes(),
                 "daemon_hwm": hwm_nbytes(int(daemon_pid)) if daemon_pid else 0,
                 "numel": sum(s.numel for u in engine.units for s in u.slots)}
@@ -275,6 +286,7 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         "daemon_peak_nbytes": max(o["daemon_hwm"] for o in outcomes.values()),
         "arena_nbytes": outcomes[0]["arena_nbytes"],
         "disk_read_write_nbytes": outcomes[0]["disk_read_write_nbytes"],
+        "swap_read_write_nbytes": outcomes[0]["swap_read_write_nbytes"],
         "rank_exit_codes": exit_codes,
         **memory,
     }
@@ -358,6 +370,7 @@ def scale(ns: argparse.Namespace) -> dict[str, Any]:
 def sweep(ns: argparse.Namespace) -> dict[str, Any]:
     numel = gpt2_numel(ns.sweep_layers, ns.sweep_width, ns.sweep_vocab)
     working_set = numel * 20
+    bandwidth = fio_bandwidth(ns.dir)
     points = []
     for fraction in (0.125, 0.25, 0.5, 0.75, 1.0, 1.25):
         arena = max(64 << 20, int(working_set * fraction) // (2 << 20) * (2 << 20))
@@ -369,12 +382,18 @@ def sweep(ns: argparse.Namespace) -> dict[str, Any]:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         timed = result["step_s"][1:]  # the first step warms the daemon's caches
+        swapped = result["swap_read_write_nbytes"][1:]
+        bound = io_bound(result["params"], 4, arena, bandwidth)
         points.append({"fraction": fraction, "arena_nbytes": arena,
-                       "median_step_s": statistics.median(timed), "step_s": timed})
+                       "median_step_s": statistics.median(timed), "step_s": timed,
+                       "median_swap_read_nbytes": statistics.median(r for r, _w in swapped),
+                       "median_swap_written_nbytes": statistics.median(w for _r, w in swapped),
+                       **bound})
         print(json.dumps(points[-1]), flush=True)
     FIGURES.mkdir(exist_ok=True)
     payload = {"mode": "sweep", "params": numel, "working_set_nbytes": working_set,
-               "layers": ns.sweep_layers, "width": ns.sweep_width, "points": points}
+               "layers": ns.sweep_layers, "width": ns.sweep_width, "steps": ns.steps,
+               "points": points}
     (FIGURES / "arena_sweep.json").write_text(json.dumps(payload, indent=2) + "\n")
     payload["png"] = plot(payload)
     return payload
@@ -390,13 +409,27 @@ def plot(payload: dict[str, Any]) -> str | None:
         print("matplotlib is not installed (pip install '.[bench]'): no PNG", file=sys.stderr)
         return None
     points = payload["points"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p["fraction"] for p in points], [p["median_step_s"] for p in points], "o-")
-    ax.set_xlabel("daemon arena / working set (20 B per parameter)")
-    ax.set_ylabel("median step time (s)")
-    ax.set_title(f"ZeRO-3, params + optimizer on NVMe, {payload['params'] / 1e6:.0f} M params, "
-                 "2 ranks", fontsize=9)
-    ax.grid(True, alpha=0.3)
+    fractions = [p["fraction"] for p in points]
+    fig, (time_ax, bytes_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    time_ax.plot(fractions, [p["median_step_s"] for p in points], "o-", label="step")
+    if all("io_bound_s" in p for p in points):
+        time_ax.plot(fractions, [p["io_bound_s"] for p in points], "k--",
+                     label="IO bound (fio O_DIRECT)")
+    time_ax.set_ylabel("median step time (s)")
+    gib = float(1 << 30)
+    bytes_ax.plot(fractions, [p["median_swap_read_nbytes"] / gib for p in points], "o-",
+                  label="read from swap")
+    bytes_ax.plot(fractions, [p["median_swap_written_nbytes"] / gib for p in points], "s-",
+                  label="written to swap")
+    bytes_ax.plot(fractions, [p["spill_nbytes"] / gib for p in points], "k--",
+                  label="state that does not fit")
+    bytes_ax.set_ylabel("GiB per step")
+    for ax in (time_ax, bytes_ax):
+        ax.set_xlabel("daemon arena / working set (20 B per parameter)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"ZeRO-3, params + optimizer on NVMe, {payload['params'] / 1e6:.0f} M params, "
+                 f"2 ranks, {payload['steps']} timed steps per point", fontsize=9)
     fig.tight_layout()
     path = FIGURES / "arena_sweep.png"
     fig.savefig(path, dpi=120)
