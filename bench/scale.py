@@ -347,7 +347,8 @@ def scale(ns: argparse.Namespace) -> dict[str, Any]:
         bandwidth = fio_bandwidth(workdir)
         result = launch({"workdir": workdir, "layers": layers, "width": ns.width,
                          "vocab": ns.vocab, "heads": ns.heads, "steps": ns.steps, "bf16": True,
-                         "arena": ns.arena_gib << 30 if ns.arena_gib else None})
+                         "arena": int(ns.arena_gib * 2**30) // (2 << 20) * (2 << 20)
+                         if ns.arena_gib else None})
         swap_nbytes = sum(f.stat().st_size for f in Path(workdir).rglob("*") if f.is_file())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -446,7 +447,7 @@ def main() -> None:
     parser.add_argument("--ram-factor", type=float, default=1.3,
                         help="training state (16 B/param) at least this x MemTotal")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--arena-gib", type=int, default=0, help="0: the engine's default")
+    parser.add_argument("--arena-gib", type=float, default=0, help="0: the engine's default")
     parser.add_argument("--dir", default="/var/tmp", help="where the NVMe swap files go")
     parser.add_argument("--sweep-layers", type=int, default=12)
     parser.add_argument("--sweep-width", type=int, default=384)

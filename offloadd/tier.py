@@ -24,7 +24,7 @@ from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIO
 from offloadd.eviction import SYNC_SLICE, EvictionIndex
 from offloadd.manifests import keep_previous_generation
 from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, JobFile
-from offloadd.scheduler import AccessTrace, Priority
+from offloadd.scheduler import AccessTrace, PrefetchWindow, Priority
 from offloadd.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement
 
 if TYPE_CHECKING:
@@ -40,7 +40,8 @@ def open_tier(space: SwapSpace, job: str, *, recovering: bool = False) -> JobTie
     return tier
 MAX_PREFETCH_TASKS = 16
 PREFETCH_WINDOW = 0.25
-"""Lookahead of learned prefetch, as a fraction of the arena. Half the arena was
+"""Largest lookahead of learned prefetch, as a fraction of the arena (PrefetchWindow
+shrinks it while prefetched shards are evicted unused). Half the arena was
 measured worse when the arena holds half the working set (bench/train_step.py
 ``ours_half`` alone, two runs each: 360 / 347 ms per step and 150-200 prefetched
 shards evicted unused, vs 342 / 319 ms and 20-26 with a quarter): the prefetched
@@ -85,6 +86,7 @@ class JobTier:
         """Re-keying a large backlog of the index before a background write-back pass."""
         """Shards with a read or write-back in flight (``_begin_io`` to ``_end_io``)."""
         self._stripe = 0
+        self.prefetch_window = PrefetchWindow(PREFETCH_WINDOW)
 
     # -- chunks -------------------------------------------------------------------
 
@@ -209,6 +211,7 @@ class JobTier:
         if shard.prefetched:
             shard.prefetched = False
             self.space.counters.prefetch_wasted += 1
+            self.prefetch_window.wasted += 1
         reason = "writeback" if shard in self.cleaned else "clean"
         self.cleaned.discard(shard)
         self.space.counters.evictions.add((reason,))
@@ -453,6 +456,7 @@ class JobTier:
 
     def step_begin(self, table: ShardTable, rank: int) -> None:
         trace = self.traces.setdefault(rank, AccessTrace())
+        self.prefetch_window.update()
         if self.index is not None:  # every next use the trace knows is about to change
             self.index.note_trace_shards(trace)
         trace.begin_step()
@@ -474,7 +478,8 @@ class JobTier:
         if trace is None or not trace.known:
             return
         horizon = min(PREFETCH_HORIZON_S, max(trace.previous_s, 0.05))
-        for shard, due in trace.upcoming(int(table.arena.nbytes * PREFETCH_WINDOW), horizon):
+        window = int(table.arena.nbytes * self.prefetch_window.fraction)
+        for shard, due in trace.upcoming(window, horizon):
             if len(self.tasks) >= MAX_PREFETCH_TASKS:
                 return
             self._start_prefetch(table, shard, due)
@@ -487,6 +492,7 @@ class JobTier:
         if shard.in_arena or shard.io is not None or shard.swap is None:
             return
         self.space.counters.prefetch_issued += 1
+        self.prefetch_window.issued += 1
         self.prefetching.add(shard)
         task = asyncio.ensure_future(self._prefetch(table, shard, due_s))
         self.tasks.add(task)
