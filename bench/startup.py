@@ -1,7 +1,8 @@
 """Start-up against arena size: how long a job's ranks wait for their hello.
 
 For each arena size, a fresh daemon per contender, then two ranks of one job say
-hello one after the other (rank 1 connects while rank 0's arena is being backed):
+hello one after the other (rank 1 as soon as rank 0's hello returned: with ours,
+while the arena is still being backed):
 
 - ``background`` (the default): the arena's pages are backed on a thread after the
   hello is answered (offloadd.arena);
