@@ -81,16 +81,19 @@ def layers_for(target_state_nbytes: float, width: int) -> int:
     return layers
 
 
-def gpt2_config(layers: int, width: int, vocab: int) -> Any:
+def gpt2_config(layers: int, width: int, vocab: int, heads: int = 0) -> Any:
     import transformers
 
-    return transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=max(1, width // 64),
+    return transformers.GPT2Config(n_layer=layers, n_embd=width,
+                                   n_head=heads or max(1, width // 64),
                                    vocab_size=vocab, n_positions=SEQ, resid_pdrop=0.0,
                                    embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                                    eos_token_id=0)
 
 
 def engine_config(workdir: str, *, bf16: bool, arena_nbytes: int | None) -> dict[str, Any]:
+    """What a user writes: without ``arena_nbytes`` there is no ``offloadd`` section at all
+    (local rank 0 starts a private daemon with the default arena)."""
     swap = os.path.join(workdir, "swap")
     offload = {"device": "nvme", "nvme_path": swap}
     config: dict[str, Any] = {
@@ -98,13 +101,91 @@ def engine_config(workdir: str, *, bf16: bool, arena_nbytes: int | None) -> dict
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
         "zero_optimization": {"stage": 3, "offload_optimizer": offload, "offload_param": offload},
         "units": {"module_classes": ["GPT2Block"]},
-        "offloadd": {"workdir": os.path.join(workdir, "daemon")},
     }
     if bf16:
         config["bf16"] = {"enabled": True}
     if arena_nbytes is not None:
-        config["offloadd"]["arena_size"] = arena_nbytes
+        config["offloadd"] = {"workdir": os.path.join(workdir, "daemon"),
+                              "arena_size": arena_nbytes}
     return config
+
+
+def disk_counters(path: str) -> tuple[int, int]:
+    """(bytes read, bytes written) so far by the block device that holds ``path``:
+    whole-device counters, so every process's IO (and any other tenant's) counts."""
+    dev = os.stat(path).st_dev
+    with open(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat") as handle:
+        fields = handle.read().split()
+    return int(fields[2]) * 512, int(fields[6]) * 512
+
+
+def swap_counters(engine: Any) -> tuple[int, int]:
+    """(bytes read from, bytes written to) the daemon's swap dirs so far (0s without)."""
+    swap = engine.offload_stats().get("swap") or {}
+    dirs = swap.get("dirs", [])
+    return sum(d["read_nbytes"] for d in dirs), sum(d["written_nbytes"] for d in dirs)
+
+
+def node_used_nbytes() -> int:
+    """MemTotal - MemAvailable: what ``free`` calls used, every process on the node."""
+    values = {}
+    with open("/proc/meminfo") as handle:
+        for line in handle:
+            key, _, rest = line.partition(":")
+            values[key] = int(rest.split()[0]) * 1024
+    return values["MemTotal"] - values["MemAvailable"]
+
+
+def descendants_pss_nbytes(root: int) -> int:
+    """Proportional set size of ``root``'s descendants (ranks and the private daemon):
+    shared arena pages split between the processes that map them, so counted once."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as handle:
+                    ppid = int(handle.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as handle:
+                total += sum(int(line.split()[1]) * 1024 for line in handle
+                             if line.startswith("Pss:"))
+        except OSError:
+            continue
+    return total
+
+
+class MemorySampler:
+    """Peak of node memory (``free``'s used) and of our processes' PSS, sampled each
+    ``interval_s`` on a thread of the parent while the ranks run."""
+
+    def __init__(self, interval_s: float = 1.0) -> None:
+        import threading
+
+        self.baseline_nbytes = node_used_nbytes()
+        self.peak_used_nbytes = self.baseline_nbytes
+        self.peak_pss_nbytes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            self.peak_used_nbytes = max(self.peak_used_nbytes, node_used_nbytes())
+            self.peak_pss_nbytes = max(self.peak_pss_nbytes, descendants_pss_nbytes(os.getpid()))
+
+    def stop(self) -> dict[str, int]:
+        self._stop.set()
+        self._thread.join()
+        return {"node_used_before_nbytes": self.baseline_nbytes,
+                "node_used_peak_nbytes": self.peak_used_nbytes,
+                "ours_pss_peak_nbytes": self.peak_pss_nbytes}
 
 
 def rank_main(rank: int, port: int, args: dict[str, Any], results: Any) -> None:
@@ -133,26 +214,34 @@ def train(rank: int, args: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     with Init(config_dict_or_path=config):
         model = transformers.GPT2LMHeadModel(gpt2_config(args["layers"], args["width"],
-                                                         args["vocab"]))
+                                                         args["vocab"], args.get("heads", 0)))
     engine, _, _, _ = trainer.initialize(model=model, config=config)
     init_s = time.perf_counter() - start
     init_hwm = hwm_nbytes()
-    times, losses = [], []
+    times, losses, disk, swapped = [], [], [], []
     generator = torch.Generator().manual_seed(rank)
     try:
         for _ in range(args["steps"]):
             ids = torch.randint(0, args["vocab"], (1, SEQ), generator=generator)
             dist.barrier()
+            before = disk_counters(args["workdir"])
+            swap_before = swap_counters(engine) if rank == 0 else (0, 0)
             begin = time.perf_counter()
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
             engine.backend.wait_steps()
             times.append(time.perf_counter() - begin)
+            after = disk_counters(args["workdir"])
+            disk.append([after[0] - before[0], after[1] - before[1]])
+            swap_after = swap_counters(engine) if rank == 0 else (0, 0)
+            swapped.append([swap_after[0] - swap_before[0], swap_after[1] - swap_before[1]])
             losses.append(float(loss.item()))
         stats = engine.offload_stats()
         daemon_pid = stats.get("daemon_pid")
         return {"init_s": init_s, "times": times, "losses": losses, "init_hwm": init_hwm,
+                "disk_read_write_nbytes": disk, "swap_read_write_nbytes": swapped,
+                "arena_nbytes": stats.get("arena_nbytes"),
                 "hwm": hwm_nbytes(),
                 "daemon_hwm": hwm_nbytes(int(daemon_pid)) if daemon_pid else 0,
                 "numel": sum(s.numel for u in engine.units for s in u.slots)}
@@ -168,6 +257,7 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         port = int(sock.getsockname()[1])
     procs = [context.Process(target=rank_main, args=(rank, port, args, results))
              for rank in range(WORLD)]
+    sampler = MemorySampler()
     for proc in procs:
         proc.start()
     outcomes: dict[int, dict[str, Any]] = {}
@@ -180,6 +270,8 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         proc.join(timeout=120 if len(outcomes) == WORLD else 5)
         if proc.is_alive():
             proc.kill()
+    memory = sampler.stop()
+    exit_codes = [proc.exitcode for proc in procs]
     errors = [o["error"] for o in outcomes.values() if "error" in o]
     if errors:
         raise RuntimeError(errors[0])
@@ -192,7 +284,53 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         "rank_peak_nbytes": [o["hwm"] for o in outcomes.values()],
         "rank_init_peak_nbytes": [o["init_hwm"] for o in outcomes.values()],
         "daemon_peak_nbytes": max(o["daemon_hwm"] for o in outcomes.values()),
+        "arena_nbytes": outcomes[0]["arena_nbytes"],
+        "disk_read_write_nbytes": outcomes[0]["disk_read_write_nbytes"],
+        "swap_read_write_nbytes": outcomes[0]["swap_read_write_nbytes"],
+        "rank_exit_codes": exit_codes,
+        **memory,
     }
+
+
+def fio_bandwidth(workdir: str, size_mib: int = 1024) -> dict[str, float] | None:
+    """O_DIRECT write then read bandwidth (bytes/s) of the disk under ``workdir``, with
+    the daemon's chunk size and queue depth (as bench/nvme_throughput.py); None without fio."""
+    import subprocess
+
+    if shutil.which("fio") is None:
+        return None
+    from offloadd.config import DaemonConfig
+
+    defaults = DaemonConfig()
+    path = os.path.join(workdir, "fio.bin")
+    out = {}
+    try:
+        for rw in ("write", "read"):
+            done = subprocess.run(
+                ["fio", "--name=bound", f"--filename={path}", f"--rw={rw}",
+                 f"--bs={defaults.chunk_size // 1024}k", f"--iodepth={defaults.io_queue_depth}",
+                 "--direct=1", "--ioengine=io_uring", f"--size={size_mib}m",
+                 "--output-format=json"], capture_output=True, text=True, check=True)
+            out[rw] = float(json.loads(done.stdout)["jobs"][0][rw]["bw_bytes"])
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return out
+
+
+def io_bound(params: int, param_itemsize: int, arena_nbytes: int,
+             bandwidth: dict[str, float] | None) -> dict[str, Any]:
+    """The least IO a step can do with this arena: the persistent state (params + fp32
+    master and moments) that does not fit is read once and, all of it being updated by
+    the step, written once. Gradients live only between backward and the optimizer, so
+    they need arena room but no disk IO."""
+    persistent = params * (param_itemsize + 12)
+    spill = max(0, persistent - arena_nbytes)
+    out: dict[str, Any] = {"persistent_state_nbytes": persistent, "spill_nbytes": spill}
+    if bandwidth:
+        out["fio_read_Bps"], out["fio_write_Bps"] = bandwidth["read"], bandwidth["write"]
+        out["io_bound_s"] = spill / bandwidth["read"] + spill / bandwidth["write"]
+    return out
 
 
 def scale(ns: argparse.Namespace) -> dict[str, Any]:
@@ -206,24 +344,34 @@ def scale(ns: argparse.Namespace) -> dict[str, Any]:
         if free < need:
             raise SystemExit(f"{ns.dir} has {free / 2**30:.1f} GiB free, the run needs about "
                              f"{need / 2**30:.1f} GiB; pass --dir on a larger disk")
+        bandwidth = fio_bandwidth(workdir)
         result = launch({"workdir": workdir, "layers": layers, "width": ns.width,
-                         "vocab": ns.vocab, "steps": ns.steps, "bf16": True,
-                         "arena": ns.arena_gib << 30 if ns.arena_gib else None})
+                         "vocab": ns.vocab, "heads": ns.heads, "steps": ns.steps, "bf16": True,
+                         "arena": int(ns.arena_gib * 2**30) // (2 << 20) * (2 << 20)
+                         if ns.arena_gib else None})
         swap_nbytes = sum(f.stat().st_size for f in Path(workdir).rglob("*") if f.is_file())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     state = result["params"] * STATE_BYTES_PER_PARAM
     node_peak = sum(result["rank_peak_nbytes"]) + result["daemon_peak_nbytes"]
+    bound = io_bound(result["params"], 2, result["arena_nbytes"] or 0, bandwidth)
+    step_s = statistics.median(result["step_s"])
+    ours_peak = result["ours_pss_peak_nbytes"]
     return {"mode": "scale", "layers": layers, "width": ns.width, "vocab": ns.vocab,
             "params": result["params"], "state_nbytes": state, "ram_nbytes": ram,
             "state_over_ram": state / ram, "node_peak_nbytes": node_peak,
             "node_peak_over_state": node_peak / state, "swap_nbytes_at_end": swap_nbytes,
+            "median_step_s": step_s, **bound,
+            "step_over_io_bound": step_s / bound["io_bound_s"] if bound.get("io_bound_s")
+            else None,
+            "dram_bytes_per_param": ours_peak / result["params"],
             **result}
 
 
 def sweep(ns: argparse.Namespace) -> dict[str, Any]:
     numel = gpt2_numel(ns.sweep_layers, ns.sweep_width, ns.sweep_vocab)
     working_set = numel * 20
+    bandwidth = fio_bandwidth(ns.dir)
     points = []
     for fraction in (0.125, 0.25, 0.5, 0.75, 1.0, 1.25):
         arena = max(64 << 20, int(working_set * fraction) // (2 << 20) * (2 << 20))
@@ -235,12 +383,18 @@ def sweep(ns: argparse.Namespace) -> dict[str, Any]:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         timed = result["step_s"][1:]  # the first step warms the daemon's caches
+        swapped = result["swap_read_write_nbytes"][1:]
+        bound = io_bound(result["params"], 4, arena, bandwidth)
         points.append({"fraction": fraction, "arena_nbytes": arena,
-                       "median_step_s": statistics.median(timed), "step_s": timed})
+                       "median_step_s": statistics.median(timed), "step_s": timed,
+                       "median_swap_read_nbytes": statistics.median(r for r, _w in swapped),
+                       "median_swap_written_nbytes": statistics.median(w for _r, w in swapped),
+                       **bound})
         print(json.dumps(points[-1]), flush=True)
     FIGURES.mkdir(exist_ok=True)
     payload = {"mode": "sweep", "params": numel, "working_set_nbytes": working_set,
-               "layers": ns.sweep_layers, "width": ns.sweep_width, "points": points}
+               "layers": ns.sweep_layers, "width": ns.sweep_width, "steps": ns.steps,
+               "points": points}
     (FIGURES / "arena_sweep.json").write_text(json.dumps(payload, indent=2) + "\n")
     payload["png"] = plot(payload)
     return payload
@@ -256,13 +410,27 @@ def plot(payload: dict[str, Any]) -> str | None:
         print("matplotlib is not installed (pip install '.[bench]'): no PNG", file=sys.stderr)
         return None
     points = payload["points"]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p["fraction"] for p in points], [p["median_step_s"] for p in points], "o-")
-    ax.set_xlabel("daemon arena / working set (20 B per parameter)")
-    ax.set_ylabel("median step time (s)")
-    ax.set_title(f"ZeRO-3, params + optimizer on NVMe, {payload['params'] / 1e6:.0f} M params, "
-                 "2 ranks", fontsize=9)
-    ax.grid(True, alpha=0.3)
+    fractions = [p["fraction"] for p in points]
+    fig, (time_ax, bytes_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    time_ax.plot(fractions, [p["median_step_s"] for p in points], "o-", label="step")
+    if all("io_bound_s" in p for p in points):
+        time_ax.plot(fractions, [p["io_bound_s"] for p in points], "k--",
+                     label="IO bound (fio O_DIRECT)")
+    time_ax.set_ylabel("median step time (s)")
+    gib = float(1 << 30)
+    bytes_ax.plot(fractions, [p["median_swap_read_nbytes"] / gib for p in points], "o-",
+                  label="read from swap")
+    bytes_ax.plot(fractions, [p["median_swap_written_nbytes"] / gib for p in points], "s-",
+                  label="written to swap")
+    bytes_ax.plot(fractions, [p["spill_nbytes"] / gib for p in points], "k--",
+                  label="state that does not fit")
+    bytes_ax.set_ylabel("GiB per step")
+    for ax in (time_ax, bytes_ax):
+        ax.set_xlabel("daemon arena / working set (20 B per parameter)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"ZeRO-3, params + optimizer on NVMe, {payload['params'] / 1e6:.0f} M params, "
+                 f"2 ranks, {payload['steps']} timed steps per point", fontsize=9)
     fig.tight_layout()
     path = FIGURES / "arena_sweep.png"
     fig.savefig(path, dpi=120)
@@ -275,10 +443,11 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=2560)
     parser.add_argument("--layers", type=int, default=0, help="0: from --ram-factor")
     parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--heads", type=int, default=0, help="0: width // 64")
     parser.add_argument("--ram-factor", type=float, default=1.3,
                         help="training state (16 B/param) at least this x MemTotal")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--arena-gib", type=int, default=0, help="0: the engine's default")
+    parser.add_argument("--arena-gib", type=float, default=0, help="0: the engine's default")
     parser.add_argument("--dir", default="/var/tmp", help="where the NVMe swap files go")
     parser.add_argument("--sweep-layers", type=int, default=12)
     parser.add_argument("--sweep-width", type=int, default=384)

@@ -1,9 +1,18 @@
 """Job arenas: one shared-memory region per job and the allocator inside it.
 
-The region is a memfd, fully backed before first use (fallocate + populate)
-so that no rank ever takes a SIGBUS on a lazily backed page, and mlock'ed
-where RLIMIT_MEMLOCK allows. Ranks map the same fd (passed with SCM_RIGHTS),
-so an arena offset names the same bytes in every process of the job.
+The region is a memfd, mlock'ed where RLIMIT_MEMLOCK allows. Ranks map the same
+fd (passed with SCM_RIGHTS), so an arena offset names the same bytes in every
+process of the job.
+
+Backing its pages (fallocate, mlock) costs 0.5-0.9 s per GiB, so it never stands
+between a job's hello and its reply: the daemon makes the memfd at its full size
+at once and backs it chunk by chunk on a thread of its own (``prefault``), in
+address order, which is the order the allocator hands out ranges. A page that
+is used before the thread reaches it is backed by that first touch. That is
+safe on both page kinds: a memfd has no size limit to run into (the SIGBUS of a
+lazily backed /dev/shm comes from its tmpfs size), and a hugetlb memfd's pages
+are reserved for its whole size by the daemon's shared mapping, so a later
+fault cannot find the pool empty.
 
 The memfd is sealed against shrinking and growing (F_SEAL_SHRINK | F_SEAL_GROW,
 then F_SEAL_SEAL so no one can lift that) before its fd is passed to any rank: a
@@ -21,12 +30,15 @@ segments that scattered 4 KiB shmem pages need (measured on a virtio disk: reads
 from __future__ import annotations
 
 import ctypes
+import enum
 import errno
 import fcntl
 import logging
 import mmap
 import os
 import resource
+import threading
+import time
 from dataclasses import dataclass
 from typing import Literal
 
@@ -40,6 +52,9 @@ log = logging.getLogger(__name__)
 PAGE_NBYTES = 4096
 HUGE_PAGE_NBYTES = 2 << 20
 HugePages = Literal["auto", "on", "off"]
+Prefault = Literal["now", "background", "lazy"]
+BACKING_CHUNK_NBYTES = 64 << 20
+"""Bytes backed per step of the backing thread: the unit between stop checks."""
 _libc = ctypes.CDLL(None, use_errno=True)
 _mlock_warned = False
 ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -153,7 +168,7 @@ class Allocator:
         return [Extent(offset, self._free_nbytes[offset]) for offset in self._free_offsets]
 
 
-def _mlock(address: int, nbytes: int) -> bool:
+def _mlock_allowed(nbytes: int) -> bool:
     global _mlock_warned
     soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     if soft != resource.RLIM_INFINITY and soft < nbytes and os.geteuid() != 0:
@@ -164,6 +179,11 @@ def _mlock(address: int, nbytes: int) -> bool:
             )
             _mlock_warned = True
         return False
+    return True
+
+
+def _mlock(address: int, nbytes: int) -> bool:
+    global _mlock_warned
     if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) != 0:
         if not _mlock_warned:
             err = ctypes.get_errno()
@@ -186,11 +206,12 @@ def free_huge_pages() -> int:
 
 
 def _huge_memfd(name: str, nbytes: int, mode: HugePages, max_nbytes: int | None
-                ) -> tuple[int, int, bool]:
-    """A fully backed hugetlb memfd of ``nbytes`` rounded up to 2 MiB: (fd, size, True),
-    or (-1, 0, False) where "auto" finds no room for it."""
+                ) -> tuple[int, int, mmap.mmap | None]:
+    """A sealed hugetlb memfd of ``nbytes`` rounded up to 2 MiB and its shared mapping,
+    whose pages the kernel reserves from the pool at mmap (ENOMEM when the pool is
+    short): (fd, size, map), or (-1, 0, None) where "auto" finds no room for it."""
     if mode == "off":
-        return -1, 0, False
+        return -1, 0, None
     size = align_up(nbytes, HUGE_PAGE_NBYTES)
     if max_nbytes is not None and size > max_nbytes:
         if mode == "on":
@@ -198,14 +219,14 @@ def _huge_memfd(name: str, nbytes: int, mode: HugePages, max_nbytes: int | None
                 f"arena of {nbytes} bytes for job {name!r} rounds up to {size} bytes of 2 MiB "
                 f"pages, more than the {max_nbytes} bytes of budget left; ask for a multiple "
                 "of 2 MiB or raise arena_size")
-        return -1, 0, False
+        return -1, 0, None
     fd = -1
     try:
         fd = os.memfd_create(f"offloadd:{name}",
                              os.MFD_CLOEXEC | os.MFD_HUGETLB | os.MFD_ALLOW_SEALING)
         os.ftruncate(fd, size)
-        os.posix_fallocate(fd, 0, size)  # takes the pages from the pool now, or ENOSPC
         seal(fd)
+        return fd, size, mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     except OSError as exc:
         if fd >= 0:
             os.close(fd)
@@ -220,8 +241,7 @@ def _huge_memfd(name: str, nbytes: int, mode: HugePages, max_nbytes: int | None
                 f"2 MiB huge pages ({exc.strerror}); reserve them (sysctl vm.nr_hugepages) or "
                 "set arena_hugepages = \"auto\"") from None
         log.debug("event=hugepages_unavailable job=%s nbytes=%d error=%r", name, size, exc)
-        return -1, 0, False
-    return fd, size, True
+        return -1, 0, None
 
 
 def seal(fd: int) -> None:
@@ -246,43 +266,140 @@ def buffer_address(buffer: mmap.mmap | memoryview) -> int:
         view.release()
 
 
+class Backing(enum.Enum):
+    """How much of an arena is backed by memory (see the module docstring)."""
+
+    LAZY = "lazy"  # nothing is prefaulted: each page is backed by its first touch
+    BACKING = "backing"  # the backing thread is at ``backed_nbytes``; pages past it back on touch
+    BACKED = "backed"  # every page is backed (and locked where allowed)
+    FAILED = "failed"  # backing stopped at ``backed_nbytes`` (``backing_error`` says why)
+    STOPPED = "stopped"  # the arena was closed before the backing thread finished
+
+
 class Arena:
     """A job's shared-memory region: memfd + mapping + allocator.
 
     ``hugepages``: "auto" uses 2 MiB hugetlb pages when the reserved pool holds the
     whole arena (and its rounding up to 2 MiB stays within ``max_nbytes``), "on"
     insists (OverBudgetError naming the sysctl otherwise), "off" never does.
+
+    ``prefault``: "now" backs (and locks) every page before the constructor returns;
+    "background" returns at once and backs the pages on a thread, at most
+    ``prefault_rate`` bytes per second (0: as fast as it can); "lazy" leaves each
+    page to its first touch. ``backing`` and ``backed_nbytes`` tell how far it got.
     """
 
     def __init__(self, name: str, nbytes: int, *, lock: bool = True,
-                 hugepages: HugePages = "off", max_nbytes: int | None = None) -> None:
-        self.fd, self.nbytes, self.hugepages = _huge_memfd(name, nbytes, hugepages, max_nbytes)
-        if self.fd < 0:
+                 hugepages: HugePages = "off", max_nbytes: int | None = None,
+                 prefault: Prefault = "now", prefault_rate: int = 0) -> None:
+        self.fd, self.nbytes, huge_map = _huge_memfd(name, nbytes, hugepages, max_nbytes)
+        self.hugepages = huge_map is not None
+        if huge_map is not None:
+            self.map = huge_map
+        else:
             self.nbytes = align_up(nbytes)
             self.fd = os.memfd_create(f"offloadd:{name}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            if not self.hugepages:
+            try:
                 os.ftruncate(self.fd, self.nbytes)
-                # Backing every page now turns a later out-of-memory into a clear error
-                # here instead of a SIGBUS inside some rank's tensor write.
-                os.posix_fallocate(self.fd, 0, self.nbytes)
                 seal(self.fd)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            self.map = mmap.mmap(self.fd, self.nbytes, flags=flags)
-        except BaseException:
-            os.close(self.fd)
-            raise
+                self.map = mmap.mmap(self.fd, self.nbytes, flags=mmap.MAP_SHARED)
+            except BaseException:
+                os.close(self.fd)
+                raise
+        self.name = name
         self.view = memoryview(self.map)
         self.address = buffer_address(self.map)
-        self.locked = lock and _mlock(self.address, self.nbytes)
+        self.locked = lock and _mlock_allowed(self.nbytes)
         self.allocator = Allocator(self.nbytes)
+        self.backed_nbytes = 0
+        self.backing_error = ""
+        self.backing = Backing.LAZY if prefault == "lazy" else Backing.BACKING
+        self._prefault_rate = prefault_rate
+        self._lock_requested = self.locked
+        self._backing_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closing = self._closed = False
+        self._backer_running = prefault == "background"
+        if prefault == "now":
+            self._back_all()
+            if self.backing is Backing.FAILED:
+                self._close_now()
+                raise OverBudgetError(
+                    f"cannot back the {self.nbytes}-byte arena of job {name!r}: "
+                    f"{self.backing_error}; lower arena_size")
+        elif prefault == "background":
+            threading.Thread(target=self._back_all, daemon=True,
+                             name=f"offloadd-arena-backing:{name}").start()
+
+    # -- backing ------------------------------------------------------------------------
+
+    def _chunk_nbytes(self) -> int:
+        unit = HUGE_PAGE_NBYTES if self.hugepages else PAGE_NBYTES
+        if not self._prefault_rate:
+            return BACKING_CHUNK_NBYTES
+        return max(unit, min(BACKING_CHUNK_NBYTES, align_up(self._prefault_rate // 4, unit)))
+
+    def _back_all(self) -> None:
+        """Back the pages in address order, one chunk at a time, until done or closed."""
+        chunk, started = self._chunk_nbytes(), time.monotonic()
+        try:
+            while self.backed_nbytes < self.nbytes:
+                if self._closing:
+                    self.backing = Backing.STOPPED
+                    return
+                nbytes = min(chunk, self.nbytes - self.backed_nbytes)
+                self._back_range(self.backed_nbytes, nbytes)
+                self.backed_nbytes += nbytes
+                self._throttle(started)
+            self.backing = Backing.BACKED
+        except OSError as exc:
+            self.backing, self.backing_error = Backing.FAILED, f"{exc.strerror} ({exc.errno})"
+            log.warning("event=arena_backing_failed job=%s backed_nbytes=%d arena_nbytes=%d "
+                        "error=%r hint='pages past backed_nbytes are backed on first touch; "
+                        "lower arena_size if the node is short of memory'",
+                        self.name, self.backed_nbytes, self.nbytes, self.backing_error)
+        finally:
+            self._backing_done()
+
+    def _back_range(self, offset: int, nbytes: int) -> None:
+        # fallocate leaves pages that a rank already wrote alone: it only adds missing ones.
+        os.posix_fallocate(self.fd, offset, nbytes)
+        if self.locked and not _mlock(self.address + offset, nbytes):
+            self.locked = False
+
+    def _throttle(self, started: float) -> None:
+        if self._prefault_rate and self.backed_nbytes < self.nbytes:
+            self._stop.wait(max(0.0, started + self.backed_nbytes / self._prefault_rate
+                                - time.monotonic()))
+
+    def _backing_done(self) -> None:
+        with self._backing_lock:
+            self._backer_running = False
+            closing = self._closing
+        if closing:
+            self._close_now()
+
+    # -- use ----------------------------------------------------------------------------
 
     def slice(self, offset: int, nbytes: int) -> memoryview:
         return self.view[offset : offset + nbytes]
 
     def close(self) -> None:
+        """Unmap and close; a backing thread still running does it after its chunk
+        (the loop never waits for one), so the fd cannot be reused under its fallocate."""
+        with self._backing_lock:
+            self._closing = True
+            self._stop.set()
+            if self._backer_running:
+                return
+        self._close_now()
+
+    def _close_now(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         self.view.release()
-        if self.locked:
+        if self._lock_requested:
             _libc.munlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.nbytes))
         try:
             self.map.close()

@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--io-engine", choices=["auto", "native", "io_uring", "threads", "python"])
     serve.add_argument("--arena-hugepages", choices=["auto", "on", "off"],
                        help="2 MiB hugetlb pages for arenas (auto: when reserved)")
+    serve.add_argument("--arena-prefault", choices=["now", "background", "lazy"],
+                       help="back new arenas before their hello is answered (now), on a "
+                            "thread after it (background, the default) or on first touch")
+    serve.add_argument("--arena-prefault-rate", type=_size,
+                       help="bytes per second the background prefault backs at most")
     serve.add_argument("--recover", action="store_true", default=None,
                        help="restore jobs from the last flushed manifests in the swap dirs")
     serve.add_argument("--release-swap-at-exit", action="store_true", default=None,
@@ -76,7 +81,8 @@ def serve_config(args: argparse.Namespace) -> DaemonConfig:
         "log_level": args.log_level, "io_engine": args.io_engine, "recover": args.recover,
         "release_swap_at_exit": args.release_swap_at_exit,
         "arena_hugepages": args.arena_hugepages, "exit_when_idle_s": args.exit_when_idle_s,
-        "scratch_dirs": args.scratch_dirs,
+        "scratch_dirs": args.scratch_dirs, "arena_prefault": args.arena_prefault,
+        "arena_prefault_rate": args.arena_prefault_rate,
     }
     if args.config:
         return DaemonConfig.from_toml(args.config, **overrides)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import tomllib
 
 if TYPE_CHECKING:
-    from offloadd.arena import HugePages
+    from offloadd.arena import HugePages, Prefault
     from offloadd.limits import Limits
 
 LogLevel = Literal["debug", "info", "warning", "error"]
@@ -102,6 +102,13 @@ class DaemonConfig:
     arena_hugepages: HugePages = "auto"
     """Back arenas with 2 MiB hugetlb pages: "auto" when the reserved pool
     (vm.nr_hugepages) holds the arena, "on" insists (a hello fails otherwise), "off"."""
+    arena_prefault: Prefault = "background"
+    """When a new arena's pages are backed (and locked): "background" on a thread of
+    its own after the hello is answered, "now" before the hello is answered (a short
+    node fails the hello instead of a rank's first touch), "lazy" on first touch."""
+    arena_prefault_rate: int = 0
+    """Bytes per second the background prefault backs at most (0: unthrottled); keeps
+    it from taking cores and DRAM bandwidth from training on small machines."""
     optimizer_threads: int = 0
     """Threads for the CPU optimizer step; 0 = one per core."""
     watchdog: bool = True
@@ -163,6 +170,8 @@ class DaemonConfig:
         self.arena_size = parse_size(self.arena_size, knob="arena_size")
         self.swap_size = parse_size(self.swap_size, knob="swap_size")
         self.chunk_size = parse_size(self.chunk_size, knob="chunk_size")
+        self.arena_prefault_rate = parse_size(self.arena_prefault_rate,
+                                              knob="arena_prefault_rate")
         if self.arena_size < 4096:
             raise ValueError(f"arena_size must be at least 4KiB, got {self.arena_size} bytes")
         if not 0 < self.job_arena_share <= 1:
@@ -178,6 +187,9 @@ class DaemonConfig:
         if self.arena_hugepages not in ("auto", "on", "off"):
             raise ValueError(
                 f"arena_hugepages must be auto|on|off, got {self.arena_hugepages!r}")
+        if self.arena_prefault not in ("now", "background", "lazy"):
+            raise ValueError(
+                f"arena_prefault must be now|background|lazy, got {self.arena_prefault!r}")
         if self.log_level not in ("debug", "info", "warning", "error"):
             raise ValueError(f"log_level must be debug|info|warning|error, got {self.log_level!r}")
         if self.io_engine not in ("auto", "native", "io_uring", "threads", "python"):

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
 from offloadd import batches
-from offloadd.arena import Arena, HugePages, align_up
+from offloadd.arena import Arena, HugePages, Prefault, align_up
 from offloadd.errors import (
     InvalidRequestError,
     LeaseConflictError,
@@ -428,6 +428,8 @@ class Job:
             "arena_used_nbytes": allocator.used_nbytes,
             "arena_largest_free_nbytes": allocator.largest_free(),
             "arena_locked": self.arena.locked,
+            "arena_backing": self.arena.backing.value,
+            "arena_backed_nbytes": self.arena.backed_nbytes,
             "arena_hugepages": self.arena.hugepages,
             "num_shards": len(self.table.shards),
             "shard_nbytes": shard_nbytes,
@@ -452,11 +454,14 @@ class JobRegistry:
     """Every job on the node, and the node-wide DRAM budget they share."""
 
     def __init__(self, budget_nbytes: int, share: float, *, lock: bool = True,
-                 hugepages: HugePages = "off") -> None:
+                 hugepages: HugePages = "off", prefault: Prefault = "now",
+                 prefault_rate: int = 0) -> None:
         self.budget_nbytes = budget_nbytes
         self.share = share
         self.lock = lock
         self.hugepages = hugepages
+        self.prefault: Prefault = prefault
+        self.prefault_rate = prefault_rate
         self.jobs: dict[str, Job] = {}
         self.creating: dict[str, asyncio.Task[Job]] = {}
         """Arenas being made off the loop, by job name; every hello of that job awaits it."""
@@ -474,7 +479,7 @@ class JobRegistry:
         if job is not None:
             return job, False
         nbytes, free = self._size_new(name, requested_nbytes)
-        arena = Arena(name, nbytes, lock=self.lock, hugepages=self.hugepages, max_nbytes=free)
+        arena = self._make_arena(name, nbytes, free)
         try:
             tier = make_tier() if make_tier is not None else None
         except BaseException:
@@ -489,10 +494,11 @@ class JobRegistry:
                          on_created: Callable[[Job], None] | None = None) -> Job:
         """``open`` with the arena made on an executor thread.
 
-        memfd sizing, fallocate, MAP_POPULATE and mlock take 0.5-0.9 s per GiB; on the
-        loop a large arena would stall every other job's requests (and the systemd
-        watchdog). Its bytes stay reserved against the budget while it is made, and
-        concurrent hellos of the job share one creation, which no cancelled hello stops;
+        Backing an arena takes 0.5-0.9 s per GiB; with ``prefault="background"`` it
+        happens after the hello (offloadd.arena), but "now" does it here, and opening the
+        job's swap tier touches files: neither may stall other jobs' requests (or the
+        systemd watchdog). Its bytes stay reserved against the budget while it is made,
+        and concurrent hellos of the job share one creation, which no cancelled hello stops;
         ``on_created`` gets the job once it is made, whether or not a hello is left to.
         """
         job = self.jobs.get(name)
@@ -511,8 +517,7 @@ class JobRegistry:
                       on_created: Callable[[Job], None] | None) -> Job:
         try:
             arena = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: Arena(name, nbytes, lock=self.lock, hugepages=self.hugepages,
-                                    max_nbytes=free))
+                None, self._make_arena, name, nbytes, free)
             try:
                 tier = make_tier() if make_tier is not None else None
             except BaseException:
@@ -524,6 +529,10 @@ class JobRegistry:
             return job
         finally:
             del self.creating[name], self._creating_nbytes[name]
+
+    def _make_arena(self, name: str, nbytes: int, free: int) -> Arena:
+        return Arena(name, nbytes, lock=self.lock, hugepages=self.hugepages, max_nbytes=free,
+                     prefault=self.prefault, prefault_rate=self.prefault_rate)
 
     def _size_new(self, name: str, requested_nbytes: int) -> tuple[int, int]:
         """(arena bytes for a new job, budget bytes free now); OverBudgetError if none fit."""

@@ -17,7 +17,7 @@ from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from offloadd.errors import InvalidRequestError, UnknownShardError
+from offloadd.errors import InvalidRequestError, LeaseConflictError, UnknownShardError
 from offloadd.metrics import Counters, Histogram, histogram_family
 from offloadd.protocol import DTYPE_ITEMSIZE, Placed, torch_dtypes
 from offloadd.shards import Lease, Shard
@@ -97,6 +97,20 @@ class OptimizerService:
             raise
         outcome.add_done_callback(lambda _f: slot.release())
         await asyncio.shield(outcome)
+        if req.drop_grad:
+            await self._drop_grad(job, rank, state[3])
+
+    @staticmethod
+    async def _drop_grad(job: Job, rank: int, grad: Shard) -> None:
+        """Forget the consumed gradient before the step is answered, so the rank's
+        re-creation comes after it. Best effort: a shard the rank leased again meanwhile
+        stays (the rank's next window overwrites it whole either way)."""
+        try:
+            pending = job.drop(rank, [grad.shard_id])
+            if pending is not None:
+                await pending
+        except (LeaseConflictError, UnknownShardError) as exc:
+            log.debug("event=grad_drop_skipped shard=%s error=%r", grad.shard_id, exc)
 
     async def _start_leased(self, job: Job, rank: int, shards: list[Shard], ids: list[str],
                             req: OptimizerStep) -> asyncio.Future[None]:

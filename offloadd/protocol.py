@@ -130,6 +130,9 @@ class OptimizerStep(Request, tag="optimizer_step"):
     weight_decay: float = 0.0
     decoupled_weight_decay: bool = True
     grad_scale: float = 1.0
+    drop_grad: bool = False
+    """Forget ``{unit}.grad`` once the step has consumed it (the rank's next gradient
+    window re-creates it): dead gradient bytes are then never written back or read in."""
 
 
 class StagingOpen(Request, tag="staging_open"):

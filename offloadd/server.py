@@ -60,7 +60,9 @@ class Daemon:
         self.config = config
         self.metrics = DaemonMetrics()
         self.jobs = JobRegistry(config.arena_size, config.job_arena_share, lock=config.mlock,
-                                hugepages=config.arena_hugepages)
+                                hugepages=config.arena_hugepages,
+                                prefault=config.arena_prefault,
+                                prefault_rate=config.arena_prefault_rate)
         self.optimizer = OptimizerService(config.optimizer_threads)
         self.sessions: set[Session] = set()
         self.auth = JobAuthority(require_job_secret=config.require_job_secret)
@@ -213,6 +215,8 @@ class Daemon:
         per_job = [
             ("offloadd_arena_capacity_bytes", "Arena size of each job.",
              lambda j: j.arena.nbytes),
+            ("offloadd_arena_backed_bytes", "Arena bytes the prefault has backed so far "
+             "(pages past it are backed on first touch).", lambda j: j.arena.backed_nbytes),
             ("offloadd_arena_used_bytes", "Arena bytes allocated to shards.",
              lambda j: j.arena.allocator.used_nbytes),
             ("offloadd_arena_largest_free_bytes", "Largest free extent (fragmentation).",

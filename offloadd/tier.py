@@ -31,7 +31,7 @@ from offloadd.manifests import (
     stage_file,
 )
 from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, READABLE_FORMATS, JobFile
-from offloadd.scheduler import AccessTrace, Priority
+from offloadd.scheduler import AccessTrace, PrefetchWindow, Priority
 from offloadd.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement
 
 if TYPE_CHECKING:
@@ -62,7 +62,8 @@ def chunk_seed(job: str, rank: int, shard_id: str, version: int, index: int) -> 
     return xxhash.xxh3_64_intdigest(f"{job}\0{rank}\0{shard_id}\0{version}\0{index}".encode())
 MAX_PREFETCH_TASKS = 16
 PREFETCH_WINDOW = 0.25
-"""Lookahead of learned prefetch, as a fraction of the arena. Half the arena was
+"""Largest lookahead of learned prefetch, as a fraction of the arena (PrefetchWindow
+shrinks it while prefetched shards are evicted unused). Half the arena was
 measured worse when the arena holds half the working set (bench/train_step.py
 ``ours_half`` alone, two runs each: 360 / 347 ms per step and 150-200 prefetched
 shards evicted unused, vs 342 / 319 ms and 20-26 with a quarter): the prefetched
@@ -111,6 +112,7 @@ class JobTier:
         """The job's owner as its manifests record it (set by ``open_tier``)."""
         self.recovered_owner: JobOwner | None = None
         """The owner the recovered manifest recorded (None: a format-1 manifest)."""
+        self.prefetch_window = PrefetchWindow(PREFETCH_WINDOW)
 
     # -- chunks -------------------------------------------------------------------
 
@@ -240,6 +242,7 @@ class JobTier:
         if shard.prefetched:
             shard.prefetched = False
             self.space.counters.prefetch_wasted += 1
+            self.prefetch_window.wasted += 1
         reason = "writeback" if shard in self.cleaned else "clean"
         self.cleaned.discard(shard)
         self.space.counters.evictions.add((reason,))
@@ -485,6 +488,7 @@ class JobTier:
 
     def step_begin(self, table: ShardTable, rank: int) -> None:
         trace = self.traces.setdefault(rank, AccessTrace())
+        self.prefetch_window.update()
         if self.index is not None:  # every next use the trace knows is about to change
             self.index.note_trace_shards(trace)
         trace.begin_step()
@@ -506,7 +510,8 @@ class JobTier:
         if trace is None or not trace.known:
             return
         horizon = min(PREFETCH_HORIZON_S, max(trace.previous_s, 0.05))
-        for shard, due in trace.upcoming(int(table.arena.nbytes * PREFETCH_WINDOW), horizon):
+        window = int(table.arena.nbytes * self.prefetch_window.fraction)
+        for shard, due in trace.upcoming(window, horizon):
             if len(self.tasks) >= MAX_PREFETCH_TASKS:
                 return
             self._start_prefetch(table, shard, due)
@@ -519,6 +524,7 @@ class JobTier:
         if shard.in_arena or shard.io is not None or shard.swap is None:
             return
         self.space.counters.prefetch_issued += 1
+        self.prefetch_window.issued += 1
         self.prefetching.add(shard)
         task = asyncio.ensure_future(self._prefetch(table, shard, due_s))
         self.tasks.add(task)

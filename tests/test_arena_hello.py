@@ -1,5 +1,9 @@
 """A new job's arena is made off the event loop: one job's hello never stalls another's
-requests, and requests pipelined behind a pending hello are answered after it."""
+requests, and requests pipelined behind a pending hello are answered after it.
+
+The daemon here backs arenas before their hello is answered (``--arena-prefault now``),
+so a 1 GiB hello takes long enough to watch the other job being served meanwhile;
+tests/test_arena_backing.py covers the default, where the hello does not wait at all."""
 
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ LARGE_ARENA_NBYTES = 1 << 30
 
 @pytest.fixture(scope="module")
 def roomy_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateDaemon]:
-    instance = start_daemon(tmp_path_factory.mktemp("offloadd"), arena_size="1200MiB")
+    instance = start_daemon(tmp_path_factory.mktemp("offloadd"), arena_size="1200MiB",
+                            extra_args=["--arena-prefault", "now"])
     yield instance
     assert instance.stop() == 0
 

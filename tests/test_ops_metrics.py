@@ -42,6 +42,7 @@ CORE_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "offloadd_limit_rejections_total": ("counter", frozenset({"limit"})),
     "offloadd_arena_budget_bytes": ("gauge", frozenset()),
     "offloadd_arena_capacity_bytes": ("gauge", frozenset({"train_job"})),
+    "offloadd_arena_backed_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_arena_used_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_arena_largest_free_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_arena_leased_bytes": ("gauge", frozenset({"train_job"})),

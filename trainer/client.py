@@ -359,9 +359,9 @@ class _ClientBase:
     @staticmethod
     def _step_request(unit: str, step: int, lr: float, beta1: float, beta2: float, eps: float,
                       weight_decay: float, decoupled_weight_decay: bool,
-                      grad_scale: float) -> p.OptimizerStep:
+                      grad_scale: float, drop_grad: bool = False) -> p.OptimizerStep:
         return p.OptimizerStep(0, unit, step, lr, beta1, beta2, eps, weight_decay,
-                               decoupled_weight_decay, grad_scale)
+                               decoupled_weight_decay, grad_scale, drop_grad)
 
 
 class OffloadClient(_ClientBase):
@@ -544,10 +544,11 @@ class OffloadClient(_ClientBase):
     def optimizer_step_async(self, unit: str, *, step: int, lr: float, beta1: float = 0.9,
                              beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                              decoupled_weight_decay: bool = True,
-                             grad_scale: float = 1.0) -> StepHandle:
-        """Start Adam/AdamW on ``{unit}.master/.exp_avg/.exp_avg_sq/.grad`` in the daemon."""
+                             grad_scale: float = 1.0, drop_grad: bool = False) -> StepHandle:
+        """Start Adam/AdamW on ``{unit}.master/.exp_avg/.exp_avg_sq/.grad`` in the daemon;
+        ``drop_grad``: the daemon forgets ``{unit}.grad`` after the step."""
         request = self._step_request(unit, step, lr, beta1, beta2, eps, weight_decay,
-                                     decoupled_weight_decay, grad_scale)
+                                     decoupled_weight_decay, grad_scale, drop_grad)
         with self._lock:
             return StepHandle(self, self._send(request))
 
@@ -755,9 +756,10 @@ class AsyncOffloadClient(_ClientBase):
 
     async def optimizer_step(self, unit: str, *, step: int, lr: float, beta1: float = 0.9,
                              beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
-                             decoupled_weight_decay: bool = True, grad_scale: float = 1.0) -> None:
+                             decoupled_weight_decay: bool = True, grad_scale: float = 1.0,
+                             drop_grad: bool = False) -> None:
         await self._call(self._step_request(unit, step, lr, beta1, beta2, eps, weight_decay,
-                                            decoupled_weight_decay, grad_scale))
+                                            decoupled_weight_decay, grad_scale, drop_grad))
 
     async def close_job(self) -> None:
         """Tell the daemon this rank is done with the job, then close (see OffloadClient)."""

@@ -110,13 +110,13 @@ class DaemonBackend(StateBackend):
         without NVMe the whole working set is resident and nothing needs bounding."""
         self._inflight_step_nbytes: dict[int, int] = {}
         self._dropped_grads: set[int] = set()
+        """Units whose ``u{N}.grad`` shard the daemon forgot after its step, or never made
+        (NVMe only): the next gradient window re-creates it."""
         self._device_sums: dict[int, torch.Tensor] = {}
         """Running gradient sums of open accumulation windows, on the compute device."""
         self._device_sums_nbytes = 0
         self.device_sum_room_nbytes = _device_sum_room(self.copies)
         """Device memory the running sums may take (a quarter of what is free at start)."""
-        self.grad_drops_refused = 0
-        """Units whose ``u{N}.grad`` shard was dropped after its step (NVMe only)."""
         self.moved_nbytes = 0
         """Bytes this rank copied into or out of arena leases."""
         self.wait_s = 0.0
@@ -138,12 +138,16 @@ class DaemonBackend(StateBackend):
                               [_dtype_tag(spec.param_dtype)])
             self.client.put(self._names[spec.index][2], master.to(spec.param_dtype))
             return
-        self.client.alloc(self._ids(spec.index, *SHARD_KINDS),
-                          [spec.part_numel * 4] * 4 + [param_nbytes],
-                          ["float32"] * 4 + [_dtype_tag(spec.param_dtype)])
         zeros = torch.zeros(spec.part_numel, dtype=torch.float32)
-        self.client.put_many(dict(zip(self._ids(spec.index, *SHARD_KINDS), (
-            master, zeros, zeros, zeros, master.to(spec.param_dtype)), strict=True)))
+        shards = dict(zip(self._ids(spec.index, *SHARD_KINDS), (
+            master, zeros, zeros, zeros.to(spec.grad_dtype), master.to(spec.param_dtype)),
+            strict=True))
+        if self.swaps:  # made by the first gradient window: zeros would only be written out
+            del shards[self._names[spec.index][1]]
+            self._dropped_grads.add(spec.index)
+        self.client.alloc(list(shards), [t.nbytes for t in shards.values()],
+                          [_dtype_tag(t.dtype) for t in shards.values()])
+        self.client.put_many(shards)
 
     def part_numel(self, unit: int) -> int:
         return self._specs[unit].part_numel
@@ -157,21 +161,8 @@ class DaemonBackend(StateBackend):
         self._inflight_step_nbytes.pop(unit, None)
         if handle is not None:
             handle.wait()
-            if self.swaps:
-                self._drop_grad(unit)
-
-    def _drop_grad(self, unit: int) -> None:
-        """The step consumed the gradient and the next window overwrites it: dropping it
-        frees arena room now and spares the NVMe tier a read-in of dead bytes. Best effort:
-        the tier refuses while it is still writing the shard back."""
-        from trainer.client import OffloadError
-
-        try:
-            self.client.drop(self._names[unit][1])
-        except OffloadError:
-            self.grad_drops_refused += 1
-            return
-        self._dropped_grads.add(unit)
+            if self.swaps:  # the step asked the daemon to drop it (``step_async``)
+                self._dropped_grads.add(unit)
 
     def wait_steps(self) -> None:
         self._drain_copies()
@@ -248,8 +239,8 @@ class DaemonBackend(StateBackend):
         """The daemon copies of this rank, opened at the first call (None: rank copies)."""
         if self._daemon_copies_pending:
             self._daemon_copies_pending = False
-            slot_nbytes = max((spec.part_numel * (4 if spec.trainable
-                                                  else spec.param_dtype.itemsize)
+            slot_nbytes = max((spec.part_numel * max(spec.param_dtype.itemsize,
+                                                     spec.grad_dtype.itemsize * spec.trainable)
                                for spec in self._specs.values()), default=1)
             self._daemon_copies, self.device_copies_reason = open_daemon_copies(
                 self.client, self.copies, num_slots=self._staging_slots,
@@ -278,15 +269,16 @@ class DaemonBackend(StateBackend):
         if daemon_copies is not None:
             return self._accumulate_by_daemon(daemon_copies, unit, grad, first=first,
                                               want_sq_norm=want_sq_norm)
+        grad_dtype = self._specs[unit].grad_dtype
         lease = self._acquire(self._names[unit][1], "w")
         try:
-            target = lease.tensor(torch.float32)
+            target = lease.tensor(grad_dtype)
             if first:
                 # A copy, not ``grad`` itself: the D2H reads it after this call returns,
                 # while the reducer may already reuse grad's buffer.
-                total = grad.to(torch.float32, copy=True)
+                total = grad.to(grad_dtype, copy=True)
             else:
-                total = self.copies.empty(target.numel(), torch.float32)
+                total = self.copies.empty(target.numel(), grad_dtype)
                 self.copies.wait_on_compute(self.copies.h2d(total, target, guard=lease))
                 total.add_(grad)
             event = self.copies.d2h(target, total, guard=lease)
@@ -301,11 +293,11 @@ class DaemonBackend(StateBackend):
     def _accumulate_by_daemon(self, daemon_copies: DaemonCopies, unit: int, grad: torch.Tensor,
                               *, first: bool, want_sq_norm: bool) -> torch.Tensor | None:
         """The sum is formed on the device; the daemon copies it into the gradient shard."""
-        grad_id = self._names[unit][1]
+        grad_id, grad_dtype = self._names[unit][1], self._specs[unit].grad_dtype
         if first:
-            total = grad.to(torch.float32, copy=True)
+            total = grad.to(grad_dtype, copy=True)
         else:
-            total = self.copies.empty(self._specs[unit].part_numel, torch.float32)
+            total = self.copies.empty(self._specs[unit].part_numel, grad_dtype)
             daemon_copies.read_into(grad_id, total)
             total.add_(grad)
         daemon_copies.write_from(grad_id, total)
@@ -349,20 +341,23 @@ class DaemonBackend(StateBackend):
         if not self.copies.zero_copy:
             if unit in self._dropped_grads:  # re-create the dropped shard; the copy fills it
                 assert first, "a gradient window starts with first=True after each step"
-                self.client.alloc([self._names[unit][1]], [self._specs[unit].part_numel * 4],
-                                  ["float32"])
+                spec = self._specs[unit]
+                self.client.alloc([self._names[unit][1]],
+                                  [spec.part_numel * spec.grad_dtype.itemsize],
+                                  [_dtype_tag(spec.grad_dtype)])
                 self._dropped_grads.discard(unit)
             return self._accumulate_staged(unit, grad, first=first, want_sq_norm=want_sq_norm)
         if unit in self._dropped_grads:
             assert first, "a gradient window starts with first=True after each step"
             started = time.perf_counter()
+            grad = grad.to(self._specs[unit].grad_dtype)
             self.client.put(self._names[unit][1], grad)  # re-creates the shard
             self.wait_s += time.perf_counter() - started
             self._dropped_grads.discard(unit)
             self.moved_nbytes += grad.nbytes
             return squared_norm(grad) if want_sq_norm else None
         with self._acquire(self._names[unit][1], "w") as lease:
-            target = lease.tensor(torch.float32)
+            target = lease.tensor(self._specs[unit].grad_dtype)
             if first:
                 target.copy_(grad)
             else:
@@ -389,7 +384,10 @@ class DaemonBackend(StateBackend):
         handle = _TimedHandle(self.client.optimizer_step_async(
             self._names[unit][0], step=step, lr=hyper.lr, beta1=hyper.beta1,
             beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
-            decoupled_weight_decay=hyper.decoupled_weight_decay, grad_scale=grad_scale), self)
+            decoupled_weight_decay=hyper.decoupled_weight_decay, grad_scale=grad_scale,
+            # The step consumes the gradient and the next window overwrites it: dropped
+            # at once, it frees arena room and is never written back or read in dead.
+            drop_grad=self.swaps), self)
         self._steps[unit] = handle
         return handle
 
@@ -466,7 +464,6 @@ class DaemonBackend(StateBackend):
         from trainer.client import OffloadError
 
         rank_side = {"rank_moved_nbytes": self.moved_nbytes, "rank_wait_s": self.wait_s,
-                     "rank_grad_drops_refused": self.grad_drops_refused,
                      "rank_copy_engine": self.copies.kind,
                      "rank_releases_deferred": self.releases.deferred,
                      "rank_arena_pinned": self.arena_pinned,
@@ -598,14 +595,18 @@ def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Co
     node's available memory (>= 64 MiB), and what does not fit lives on the swap tier.
 
     The arena is the node's DRAM cache: shrinking it below what the machine can
-    spare only adds swap traffic (measured in bench/train_step.py).
+    spare only adds swap traffic (measured in bench/train_step.py). Its size does not
+    delay start-up (the daemon backs it after the hello, offloadd.arena), so a 512 GB
+    node may get a 256 GB cache. Every rank of a node asks for local rank 0's figure:
+    MemAvailable moves between two ranks' reads, and a rank whose hello came first with
+    a larger figure than the private daemon's budget would be refused.
     """
     node_nbytes = estimate_rank_nbytes(model, config, collectives.world_size)
     node_nbytes *= _node_world_size(collectives)
     wanted = node_nbytes + node_nbytes // 4 + 32 * MIB
     if config.zero_optimization.offload_optimizer.device == "nvme":
         wanted = max(64 * MIB, min(wanted, available_memory_nbytes() // 2))
-    return -(-wanted // (2 * MIB)) * 2 * MIB  # whole huge pages: the daemon aligns up
+    return int(collectives.node_leader_value(-(-wanted // (2 * MIB)) * 2 * MIB))
 
 
 def available_memory_nbytes() -> int:

@@ -135,11 +135,23 @@ class Engine(nn.Module):
             flat = unit.flatten_params(self.precision.dtype)
             self.collectives.broadcast(flat)
             spec = UnitSpec(index=unit.index, part_numel=unit.part_numel,
-                            param_dtype=self.precision.dtype, trainable=unit.trainable)
+                            param_dtype=self.precision.dtype, trainable=unit.trainable,
+                            grad_dtype=self._grad_dtype())
             with agree(self.collectives, f"registering unit {unit.index} ({unit.name})"):
                 self.backend.register(spec, unit.part_slice(flat).float())
                 self.placement.setup(unit, flat)
         forget_pending(self.module)
+
+    def _grad_dtype(self) -> torch.dtype:
+        """bf16 where the gradient partition is a bf16 reduce-scatter taken once per step
+        (stages 2-3 without accumulation): fp32 would hold no more information. Stages
+        0-1 reduce in fp32, accumulation sums micro-batches (kept exact in fp32), and the
+        optimizer kernel takes no fp16 gradient."""
+        single = self.batch.gradient_accumulation_steps == 1
+        if (self.precision.dtype == torch.bfloat16 and single
+                and self.config.zero_optimization.stage >= 2):
+            return torch.bfloat16
+        return torch.float32
 
     def _broadcast_untracked_state(self) -> None:
         """Buffers and frozen parameters outside units are replicated as-is from rank 0."""

@@ -52,6 +52,9 @@ class UnitSpec:
     param_dtype: torch.dtype
     trainable: bool = True
     """False: frozen parameters (stage 3): only the ``param`` shard, no optimizer state."""
+    grad_dtype: torch.dtype = torch.float32
+    """Dtype the reduced gradient partition is kept in until the optimizer step: the
+    training dtype where the reduction already rounded to it (``Engine._grad_dtype``)."""
 
 
 class StepHandle(Protocol):

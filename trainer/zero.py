@@ -257,7 +257,9 @@ class ReduceScatterReducer(Reducer):
     def reduce(self, unit: Unit, flat_grad: torch.Tensor, *, boundary: bool,
                async_op: bool) -> ReducedGrad | None:
         pending, part = self.collectives.reduce_scatter_partition(flat_grad, async_op=async_op)
-        return ReducedGrad(pending, lambda: part.float())
+        # In the training dtype, as reduced: widening it here would only double the bytes
+        # the backend moves (fp32 shards, D2H); backends that accumulate widen it there.
+        return ReducedGrad(pending, lambda: part)
 
 
 def build_stage(stage: int, collectives: Collectives, dtype: torch.dtype,
