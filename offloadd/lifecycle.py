@@ -44,6 +44,17 @@ class JobLifecycle:
         self.timers: dict[str, asyncio.TimerHandle] = {}
         self.freeing: set[asyncio.Task[None]] = set()
         self.freed_jobs = 0
+        self.hellos: dict[str, int] = {}
+        """Hellos being served, by job name: a job they are about to attach to is not freed
+        (a new job's linger starts at its creation, before its first hello attaches)."""
+
+    def hello_began(self, name: str) -> None:
+        self.hellos[name] = self.hellos.get(name, 0) + 1
+
+    def hello_ended(self, name: str) -> None:
+        left = self.hellos.pop(name, 1) - 1
+        if left:
+            self.hellos[name] = left
 
     def attached(self, job: Job) -> None:
         """A session said hello to ``job``: it lives on."""
@@ -82,7 +93,8 @@ class JobLifecycle:
         self.timers.pop(job.name, None)
         if job.num_sessions > 0 or self.daemon.jobs.jobs.get(job.name) is not job:
             return
-        if job.table.leased_nbytes() > 0:  # an in-daemon optimizer step still holds leases
+        if job.table.leased_nbytes() > 0 or self.hellos.get(job.name):
+            # An in-daemon optimizer step still holds leases, or a hello is attaching.
             self._schedule(job, BUSY_RETRY_S)
             return
         self.free(job)

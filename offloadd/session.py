@@ -434,6 +434,8 @@ class Session(asyncio.Protocol):
 
     async def hello_after_arena(self, req: p.Hello) -> None:
         """Hello of a job whose arena is new: made off the loop, then answered as usual."""
+        lifecycle = self.daemon.lifecycle
+        lifecycle.hello_began(req.job)
         try:
             job = await self.daemon.open_job_async(req.job, req.arena_nbytes)
             if not self.closed:
@@ -445,6 +447,7 @@ class Session(asyncio.Protocol):
             self.reply_error(req.rid, "hello", InternalError(f"hello failed: {exc!r}"),
                              time.perf_counter())
         finally:
+            lifecycle.hello_ended(req.job)
             self.daemon.limits.new_job_done(self.peer_uid)
         self.hello_pending = False
         if self.job is None and self.hello_timer is None and not self.closed:

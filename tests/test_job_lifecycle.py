@@ -74,6 +74,20 @@ def test_a_job_without_sessions_lingers_then_is_freed(tmp_path: Path) -> None:
         wait_until_gone(daemon, "short")
 
 
+def test_a_new_job_outlives_its_creation_linger_while_its_hello_attaches(
+        tmp_path: Path) -> None:
+    """A new job lingers from its creation (a hello abandoned meanwhile leaks nothing), but
+    the hello that created it is still attaching: with no linger at all, the job must not be
+    freed under it."""
+    with daemon_with(tmp_path, "job_linger_s = 0\n", arena_size="32MiB") as daemon:
+        for name in ("first", "second"):
+            with OffloadClient.connect(daemon.socket_path, job=name) as client:
+                client.put("a", b"x" * 4096)
+                assert live_jobs(daemon) == [name]
+                assert client.get("a") == b"x" * 4096
+            wait_until_gone(daemon, name)
+
+
 def test_a_rank_reattaches_within_the_linger(daemon, job) -> None:
     with OffloadClient.connect(daemon.socket_path, job=job) as client:
         client.put("a", b"kept")
