@@ -12,6 +12,11 @@ import trainer
 from trainer.copy_engine import TwinCopyEngine
 
 
+@pytest.fixture(autouse=True)
+def strict_twin(monkeypatch) -> None:
+    """Device tensors are their own kind (trainer.device_twin): host/device mixes fail."""
+    monkeypatch.setenv("OFFLOADD_TWIN_DEVICE", "strict")
+
 def _config(stage: int) -> dict:
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
     if stage == 3:
@@ -38,7 +43,8 @@ def test_the_engine_defers_lease_releases_behind_copy_events(monkeypatch) -> Non
     engine, _, _, _ = trainer.initialize(model=model, config=_config(3))
     try:
         for micro in range(2):
-            loss = engine(*make_batch(0, micro, 0, engine.train_micro_batch_size_per_gpu()))
+            batch = make_batch(0, micro, 0, engine.train_micro_batch_size_per_gpu())
+            loss = engine(*(t.to(engine.collectives.device) for t in batch))
             engine.backward(loss)
             engine.step()
         stats = engine.offload_stats()

@@ -38,6 +38,8 @@ from typing import Any, Protocol
 
 import torch
 
+from trainer.device_twin import check_copy
+
 COPY_ENGINE_ENV = "OFFLOADD_COPY_ENGINE"
 TWIN_MAX_DELAY_ENV = "OFFLOADD_TWIN_MAX_DELAY_US"
 DEFAULT_TWIN_MAX_DELAY_S = 200e-6
@@ -197,8 +199,11 @@ class TwinCopyEngine(CopyEngine):
     kind = "twin"
 
     def __init__(self, *, max_delay_s: float | None = None, seed: int = 0,
-                 memlock_nbytes: int | None = None) -> None:
-        self.device = torch.device("cpu")
+                 memlock_nbytes: int | None = None,
+                 device: torch.device | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        """cpu, or the strict twin's ``twin:0`` (trainer.device_twin): then h2d/d2h check
+        that one side is device memory and the other host memory."""
         self.memlock_nbytes = memlock_nbytes
         """Like RLIMIT_MEMLOCK for cudaHostRegister: registrations past it fail (None: no
         limit)."""
@@ -244,9 +249,11 @@ class TwinCopyEngine(CopyEngine):
         return event
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        check_copy(self.device, dst, src, direction="h2d")
         return self._issue(dst, src, guard)
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        check_copy(self.device, dst, src, direction="d2h")
         return self._issue(dst, src, guard)
 
     def wait_on_compute(self, event: CopyEvent) -> None:
@@ -470,6 +477,8 @@ def select_copy_engine(device: torch.device | str, kind: str | None = None) -> C
         if device.type != "cuda":
             raise ValueError(f"copy engine 'cuda' needs a cuda compute device, got {device}")
         return CudaCopyEngine(device)
+    if device.type == "twin":  # the strict twin's device: host views are not device memory
+        return TwinCopyEngine(device=device)
     if device.type != "cpu":
         raise ValueError(f"copy engine {kind!r} runs CPU compute only, got device {device}")
     return TwinCopyEngine() if kind == "twin" else InlineCopyEngine()
