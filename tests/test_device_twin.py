@@ -135,3 +135,48 @@ def test_nvme_training_on_the_device_matches_torch(stage: int, tmp_path) -> None
     for name, value in reference.items():
         assert type(state[name]) is torch.Tensor, name  # the consolidated dict is on the host
         torch.testing.assert_close(state[name], value, rtol=0, atol=1e-5)
+
+
+def _two_rank_body(rank: int, world_size: int, config: dict) -> dict:
+    from _dist import make_batch, make_model
+
+    import trainer
+    from trainer.checkpoint import consolidate_fp32_state_dict
+    from trainer.zero_init import GatheredParameters
+
+    model = make_model(0)
+    engine, _, _, _ = trainer.initialize(model=model, config=config)
+    try:
+        assert engine.collectives.device == twin_device()
+        for step in range(2):
+            batch = make_batch(step, 0, rank, engine.train_micro_batch_size_per_gpu())
+            engine.backward(engine(*(t.to(engine.collectives.device) for t in batch)))
+            engine.step()
+        trained = consolidate_fp32_state_dict(engine)
+        weight = next(model.parameters())
+        with GatheredParameters(weight, modifier_rank=0), torch.no_grad():
+            weight[0].fill_(0.5 if rank == 0 else -7.0)  # only the modifier's edit counts
+        edited = consolidate_fp32_state_dict(engine)
+        return {"trained": trained, "edited": edited, "name": next(iter(trained), "")}
+    finally:
+        engine.close()
+
+
+def test_two_ranks_set_up_gather_and_consolidate_with_device_tensors() -> None:
+    """Issue 23 item 3: the setup agreement flag, the stage-3 trace announcements, the
+    consolidation all-gather and GatheredParameters' write-back gave host tensors to
+    collectives on the device group (NCCL refuses them) or indexed host state with a
+    device mask; on the strict twin each of them raised."""
+    from _dist import run_ranks
+
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"}}
+    config = base_config(zero_optimization=zero)
+    result = run_ranks(_two_rank_body, 2, config)[0]
+    reference = reference_train(config, steps=2, world_size=2)
+    for name, value in reference.items():
+        torch.testing.assert_close(result["trained"][name], value, rtol=0, atol=1e-5)
+    name = result["name"]
+    edited = result["edited"][name]
+    assert torch.equal(edited[0], torch.full_like(edited[0], 0.5))
+    assert torch.equal(edited[1:], result["trained"][name][1:])
