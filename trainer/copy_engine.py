@@ -273,7 +273,10 @@ class TwinCopyEngine(CopyEngine):
         return event
 
     def recycle(self, event: CopyEvent) -> None:
-        if isinstance(event, TwinEvent) and event.query() and event is not self._last:
+        # The last event too: taking it again makes it ``_last`` anew, so ``synchronize``
+        # still waits on the newest copy (pooling depended on id reuse before).
+        if (isinstance(event, TwinEvent) and event.query()
+                and not any(pooled is event for pooled in self._pool)):
             self._pool.append(event)
 
     def _issue(self, dst: torch.Tensor, src: torch.Tensor, guard: Guard | None) -> TwinEvent:
