@@ -11,11 +11,7 @@ from _dist import base_config, engine_train
 import trainer
 from trainer.copy_engine import TwinCopyEngine
 
-
-@pytest.fixture(autouse=True)
-def strict_twin(monkeypatch) -> None:
-    """Device tensors are their own kind (trainer.device_twin): host/device mixes fail."""
-    monkeypatch.setenv("OFFLOADD_TWIN_DEVICE", "strict")
+pytestmark = pytest.mark.usefixtures("strict_device_twin")
 
 def _config(stage: int) -> dict:
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}

@@ -24,11 +24,7 @@ from trainer.device_twin import (
     twin_device,
 )
 
-
-@pytest.fixture(autouse=True)
-def strict_twin(monkeypatch) -> None:
-    monkeypatch.setenv("OFFLOADD_COPY_ENGINE", "twin")
-    monkeypatch.setenv("OFFLOADD_TWIN_DEVICE", "strict")
+pytestmark = pytest.mark.usefixtures("strict_device_twin")
 
 
 def test_ops_on_device_tensors_match_the_host_and_stay_on_the_device() -> None:
