@@ -5,8 +5,9 @@
 #                                           daemon copy paths)
 #   3. bench/gpu_train_step.py --device cuda with a >= 1B-parameter GPT (ZeRO-3, nvme offload),
 #      DeepSpeed ZeRO-Infinity on the same model and tier in the same run
-#   4. the same with --device-copies daemon on a smaller GPT (GPU_CHECK_DAEMON_GPT)
-# Each step has its own time limit (GPU_CHECK_LIMIT_S, default 150 s) so one hang cannot eat the
+#   4. the large-batch case: optimizer offloaded to DRAM, 64k tokens per step, DeepSpeed beside
+#   5. --device-copies daemon on a smaller GPT (GPU_CHECK_DAEMON_GPT)
+# Each step has its own time limit (GPU_CHECK_LIMIT_<STEP>_S, else GPU_CHECK_LIMIT_S, 150 s) so one hang cannot eat the
 # device call. Logs go to ${OUT:-/tmp}/gpu_check/*.log, every step's JSON to summary.jsonl.
 # GPT size: GPU_CHECK_GPT=WIDTH,DEPTH,HEADS; GPU_CHECK_ONLY="pytest path train daemon" picks steps.
 #
@@ -26,7 +27,7 @@ out=${OUT:-/tmp}/gpu_check
 mkdir -p "$out"
 install_log="$out/install.log"
 limit=${GPU_CHECK_LIMIT_S:-150}
-only=${GPU_CHECK_ONLY:-pytest path train daemon}
+only=${GPU_CHECK_ONLY:-pytest path train large daemon}
 export PYTHONUNBUFFERED=1
 {
   nvidia-smi -L || echo "nvidia-smi failed"
@@ -62,12 +63,15 @@ else
   echo "gpu_check: native build failed; running from the tree (Python IO and Adam)" >> "$install_log"
   export PYTHONPATH=$PWD
 fi
+# DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST as numbers: the image's "9.0a" breaks
+# its JIT builds (async_io for ZeRO-Infinity), so its ops are built for plain sm_90.
+export TORCH_CUDA_ARCH_LIST="$(echo "${TORCH_CUDA_ARCH_LIST:-9.0}" | sed 's/\([0-9]\)a/\1/g')"
 status=0
 step() {  # step NAME COMMAND...: run under the time limit, log, keep its last line as JSON
   local name=$1; shift
   case " $only " in *" $name "*) ;; *) return 0 ;; esac
-  local started=$SECONDS
-  timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
+  local started=$SECONDS own_limit="GPU_CHECK_LIMIT_${name^^}_S"
+  timeout -k 10 "${!own_limit:-$limit}" "$@" > "$out/$name.log" 2>&1
   local rc=$?
   echo "gpu_check: $name rc=$rc in $((SECONDS - started)) s" | tee -a "$install_log"
   [ "$rc" = 0 ] || status=1
@@ -82,7 +86,11 @@ except ValueError: print(json.dumps({"step": sys.argv[1], "failed": line[-300:]}
 step pytest python -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py
 step path python bench/gpu_path.py
 step train python bench/gpu_train_step.py --device cuda --gpt "${GPU_CHECK_GPT:-2048,20,16}" \
-  --steps "${GPU_CHECK_STEPS:-4}"
+  --steps "${GPU_CHECK_STEPS:-4}" ${GPU_CHECK_TRAIN_ARGS:-}
+# The large-batch case: optimizer offloaded to DRAM, params resident, 64k tokens per step.
+step large python bench/gpu_train_step.py --device cuda --gpt "${GPU_CHECK_GPT:-2048,20,16}" \
+  --offload-param none --offload-optimizer cpu --micro-batch 16 --grad-accum 8 \
+  --steps "${GPU_CHECK_LARGE_STEPS:-2}" --warmup 1 ${GPU_CHECK_LARGE_ARGS:-}
 step daemon python bench/gpu_train_step.py --device cuda --device-copies daemon \
   --gpt "${GPU_CHECK_DAEMON_GPT:-1024,8,16}" --steps "${GPU_CHECK_STEPS:-4}" --no-deepspeed
 exit $status

@@ -8,8 +8,12 @@ single process. The model is ``offloadd.demo_train.TinyGPT`` sized by
 copy engine of ``--device`` (``cuda``: streams + events; ``cpu``: the inline or twin
 engine, for a smoke run without a GPU).
 
-Reported: tokens/s (median step), and on CUDA the GPU busy fraction = CUDA kernel
-time / wall time of one profiled step (torch.profiler). When ``import deepspeed``
+Reported: tokens/s (median step); on CUDA, from one profiled step, the SM busy fraction
+(union of kernel intervals / wall; memcpy and memset are not compute), the seconds the H2D
+and D2H copy engines were busy, and the daemon's Adam seconds per step, each separately.
+``--grad-accum``, ``--micro-batch`` and ``--offload-param none`` give the large-batch
+configuration (optimizer offloaded, >= 64k tokens per step) next to the 2k-token stress case.
+When ``import deepspeed``
 works, DeepSpeed ZeRO-3 with the same model, batches and offload config (params +
 optimizer on NVMe under its own swap dir) runs in the same invocation, each
 contender in a child process of its own (one distributed init per process), and
@@ -18,6 +22,8 @@ contender in a child process of its own (one distributed init per process), and
 ``DS_ACCELERATOR=cpu`` and gloo (a smoke run of the comparison without a GPU).
 
     python bench/gpu_train_step.py --device cuda --gpt 2048,20,16 --steps 6
+    python bench/gpu_train_step.py --device cuda --offload-param none --offload-optimizer cpu \
+        --micro-batch 16 --grad-accum 8 --steps 3        # 64k tokens per step
     python bench/gpu_train_step.py --device cpu --gpt 64,2,4 --steps 3   # smoke, no GPU
     python bench/gpu_train_step.py --device-copies daemon ...   # the daemon copies (cupy)
 
@@ -49,18 +55,23 @@ import trainer
 from offloadd.demo_train import TinyGPT
 
 
-def _config(swap_dir: str, device: str, micro_batch: int, device_copies: str) -> dict:
+def _offload(device: str, swap_dir: str) -> dict:
+    return {"device": device, "nvme_path": swap_dir} if device == "nvme" else {"device": device}
+
+
+def _config(swap_dir: str, args: argparse.Namespace) -> dict:
     return {
-        "offloadd": {"device_copies": device_copies},
-        "train_micro_batch_size_per_gpu": micro_batch,
+        "offloadd": {"device_copies": args.device_copies},
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": args.grad_accum,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
-        "device": device,
+        "device": args.device,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 3,
-            "offload_optimizer": {"device": "nvme", "nvme_path": swap_dir},
-            "offload_param": {"device": "nvme", "nvme_path": swap_dir},
+            "offload_optimizer": _offload(args.offload_optimizer, swap_dir),
+            "offload_param": _offload(args.offload_param, swap_dir),
         },
         "units": {"module_classes": ["GPTBlock"]},
     }
@@ -72,21 +83,59 @@ def _batch(step: int, vocab: int, micro_batch: int, seq_len: int,
     return torch.randint(0, vocab, (micro_batch, seq_len + 1), generator=generator).to(device)
 
 
-def _busy_fraction(step_fn) -> float | None:
-    """CUDA kernel time / wall time of one step (None without CUDA)."""
+def _union_s(intervals: list[tuple[float, float]]) -> float:
+    """Seconds covered by the union of ``(start_us, end_us)`` intervals."""
+    covered_us, reach_us = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach_us:
+            covered_us += end - max(start, reach_us)
+            reach_us = end
+    return covered_us * 1e-6
+
+
+def _profile(step_fn: Callable[[], None]) -> dict[str, Any]:
+    """One profiled step on CUDA: SM busy = union of kernel intervals / wall (memcpy and
+    memset are not compute), and the seconds the H2D and D2H copy engines were busy."""
     if not torch.cuda.is_available():
-        return None
+        step_fn()  # the step still runs: its Adam seconds are counted
+        return {}
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    started = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        started = time.perf_counter()
         step_fn()
         torch.cuda.synchronize()
-    wall_s = time.perf_counter() - started
-    kernel_us = sum(event.self_device_time_total for event in prof.key_averages()
-                    if event.device_type is not None and "cuda" in str(event.device_type).lower())
-    return min(1.0, kernel_us * 1e-6 / wall_s) if wall_s > 0 else None
+        wall_s = time.perf_counter() - started
+    spans: dict[str, list[tuple[float, float]]] = {"kernel": [], "h2d": [], "d2h": []}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        name = event.name.lower()
+        kind = ("h2d" if "htod" in name else "d2h" if "dtoh" in name else None) \
+            if name.startswith("memcpy") else None if name.startswith("memset") else "kernel"
+        if kind is not None:
+            spans[kind].append((event.time_range.start, event.time_range.end))
+    return {"profiled_step_s": wall_s,
+            "sm_busy_fraction": _union_s(spans["kernel"]) / wall_s if spans["kernel"] else None,
+            "h2d_busy_s": _union_s(spans["h2d"]), "d2h_busy_s": _union_s(spans["d2h"]),
+            "num_kernels": len(spans["kernel"])}
+
+
+def _stepper(engine: Any, args: argparse.Namespace,
+             device: torch.device) -> Callable[[int], None]:
+    """One optimizer step: ``--grad-accum`` micro-batches (DeepSpeed's API: step() after
+    every backward applies the update at the accumulation boundary)."""
+    def one_step(step: int) -> None:
+        for micro in range(args.grad_accum):
+            batch = _batch(step * args.grad_accum + micro, args.vocab, args.micro_batch,
+                           args.seq_len, device)
+            loss = engine(batch)
+            engine.backward(loss)
+            engine.step()
+
+    return one_step
 
 
 def _timed(one_step: Callable[[int], None], device: torch.device, warmup: int,
@@ -114,24 +163,22 @@ def _model(args: argparse.Namespace) -> TinyGPT:
 def run_ours(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
     model = _model(args)
     num_params = sum(param.numel() for param in model.parameters())
-    engine, _, _, _ = trainer.initialize(
-        model=model, config=_config(swap_dir, args.device, args.micro_batch,
-                                    args.device_copies))
+    engine, _, _, _ = trainer.initialize(model=model, config=_config(swap_dir, args))
     device = engine.collectives.device
-
-    def one_step(step: int) -> None:
-        loss = engine(_batch(step, args.vocab, args.micro_batch, args.seq_len, device))
-        engine.backward(loss)
-        engine.step()
+    one_step = _stepper(engine, args, device)
 
     try:
         step_s = _timed(one_step, device, args.warmup, args.steps)
-        busy = _busy_fraction(lambda: one_step(args.warmup + args.steps))
+        before = engine.offload_stats().get("optimizer", {})
+        profiled = _profile(lambda: one_step(args.warmup + args.steps))
         stats = engine.offload_stats()
+        adam = {key: stats.get("optimizer", {}).get(key, 0) - before.get(key, 0)
+                for key in ("steps", "step_s")}
     finally:
         engine.close()
     return {"device": str(device), "num_params": num_params, "step_s": step_s,
-            "world_size": engine.collectives.world_size, "gpu_busy_fraction": busy,
+            "world_size": engine.collectives.world_size, **profiled,
+            "adam_s": adam["step_s"], "adam_unit_steps": adam["steps"],
             "copy_engine": stats.get("rank_copy_engine"),
             "arena_pinned": stats.get("rank_arena_pinned"),
             "device_copies": stats.get("rank_device_copies"),
@@ -152,7 +199,7 @@ def run_deepspeed(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
 
     deepspeed.init_distributed(dist_backend="nccl" if args.device == "cuda" else "gloo",
                                verbose=False)
-    config = _config(swap_dir, args.device, args.micro_batch, "rank")
+    config = _config(swap_dir, args)
     for ours_only in ("offloadd", "device", "units"):
         config.pop(ours_only)
     config["steps_per_print"] = 10**9
@@ -161,15 +208,11 @@ def run_deepspeed(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=None)
     device = engine.device if isinstance(engine.device, torch.device) \
         else torch.device(engine.device)
-
-    def one_step(step: int) -> None:
-        loss = engine(_batch(step, args.vocab, args.micro_batch, args.seq_len, device))
-        engine.backward(loss)
-        engine.step()
-
+    one_step = _stepper(engine, args, device)
     step_s = _timed(one_step, device, args.warmup, args.steps)
+    profiled = _profile(lambda: one_step(args.warmup + args.steps))
     return {"device": str(device), "num_params": num_params, "step_s": step_s,
-            "world_size": engine.world_size}
+            "world_size": engine.world_size, **profiled}
 
 
 def _child(args: argparse.Namespace, contender: str) -> tuple[dict[str, Any] | None, str]:
@@ -189,6 +232,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro-batches per optimizer step (gradient_accumulation_steps)")
+    parser.add_argument("--offload-param", choices=["nvme", "cpu", "none"], default="nvme")
+    parser.add_argument("--offload-optimizer", choices=["nvme", "cpu"], default="nvme",
+                        help="the tier of both contenders (DeepSpeed runs the same config)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--swap-dir", default=None)
@@ -220,15 +268,23 @@ def main() -> None:
         peer, failure = _child(args, "deepspeed")
         if peer is None:
             notes.append(f"deepspeed: {failure}")
-    tokens = args.micro_batch * args.seq_len * ours["world_size"]
+    tokens = args.micro_batch * args.seq_len * args.grad_accum * ours["world_size"]
     median_s = statistics.median(ours["step_s"])
     peer_s = statistics.median(peer["step_s"]) if peer else None
     print(json.dumps({
         "bench": "gpu_train_step", "device": ours["device"],
         "gpu": torch.cuda.get_device_name(0) if ours["device"].startswith("cuda") else None,
         "num_params": ours["num_params"], "gpt": args.gpt, "world_size": ours["world_size"],
+        "tier": {"param": args.offload_param, "optimizer": args.offload_optimizer},
+        "tokens_per_step": tokens, "micro_batch": args.micro_batch,
+        "grad_accum": args.grad_accum, "seq_len": args.seq_len,
         "step_s_median": median_s, "tokens_per_s": tokens / median_s,
-        "gpu_busy_fraction": ours["gpu_busy_fraction"], "copy_engine": ours["copy_engine"],
+        "step_s": ours["step_s"], "deepspeed_step_s": peer["step_s"] if peer else None,
+        "sm_busy_fraction": ours.get("sm_busy_fraction"),
+        "h2d_busy_s": ours.get("h2d_busy_s"), "d2h_busy_s": ours.get("d2h_busy_s"),
+        "adam_s_per_step": ours["adam_s"], "profiled_step_s": ours.get("profiled_step_s"),
+        "deepspeed_sm_busy_fraction": peer.get("sm_busy_fraction") if peer else None,
+        "copy_engine": ours["copy_engine"],
         "arena_pinned": ours["arena_pinned"], "device_copies": ours["device_copies"],
         "device_copies_fallback": ours["device_copies_fallback"],
         "deepspeed_step_s_median": peer_s,

@@ -218,8 +218,22 @@ def _import_cupy() -> Any:
     return cupy
 
 
-def find_device(cupy: Any, uuid: str) -> int:
-    """The daemon's device index of the GPU with ``uuid``."""
+def normalize_pci_bus_id(bus_id: str) -> tuple[int, ...]:
+    """``0000:18:00.0`` / ``00000000:18:00.0`` (nvidia-smi) -> (domain, bus, device,
+    function); () when ``bus_id`` is not one."""
+    try:
+        domain, bus, rest = bus_id.strip().split(":")
+        device, function = rest.split(".")
+        return tuple(int(part, 16) for part in (domain, bus, device, function))
+    except ValueError:
+        return ()
+
+
+def find_device(cupy: Any, uuid: str, pci_bus_id: str = "") -> int:
+    """The daemon's device index of the GPU at ``pci_bus_id``, else the one with ``uuid``.
+
+    The PCI bus id comes first: cupy returns the UUID's 16 bytes through a C string, which
+    stops at the first zero byte, so UUIDs with a zero byte never match."""
     wanted = normalize_uuid(uuid)
     runtime = cupy.cuda.runtime
     try:
@@ -227,6 +241,11 @@ def find_device(cupy: Any, uuid: str) -> int:
     except Exception as error:  # cupy raises CUDARuntimeError without a driver
         raise CopiesRefused("cuda_unavailable", f"the daemon sees no CUDA device: {error}") \
             from error
+    wanted_bus = normalize_pci_bus_id(pci_bus_id)
+    if wanted_bus:
+        for index in range(count):
+            if normalize_pci_bus_id(runtime.deviceGetPCIBusId(index)) == wanted_bus:
+                return index
     for index in range(count):
         raw = runtime.getDeviceProperties(index).get("uuid", b"")
         hexed = raw.hex() if isinstance(raw, bytes) else str(raw)
@@ -234,7 +253,8 @@ def find_device(cupy: Any, uuid: str) -> int:
                   if len(hexed) == 32 else hexed)
         if normalize_uuid(dashed) == wanted:
             return index
-    raise CopiesRefused("gpu_not_visible", f"GPU {uuid} is not visible to the daemon "
+    raise CopiesRefused("gpu_not_visible", f"GPU {uuid} (PCI {pci_bus_id or '?'}) is not "
+                        "visible to the daemon "
                         f"({count} device(s); check CUDA_VISIBLE_DEVICES / the container's "
                         "--gpus of the daemon)")
 
@@ -334,7 +354,8 @@ _pinned: dict[int, int] = {}
 
 def open_copier(*, kind: str, device_uuid: str, peer_pid: int, peer_uid: int, staging_fd: int,
                 ipc_handle: bytes, ipc_offset: int, event_handles: list[bytes],
-                num_slots: int, slot_nbytes: int, arena: memoryview) -> DeviceCopier:
+                num_slots: int, slot_nbytes: int, arena: memoryview,
+                device_pci_bus_id: str = "") -> DeviceCopier:
     """The copier for one rank's staging slots, or ``CopiesRefused`` naming why not."""
     if kind == "twin":
         if not device_uuid.startswith(TWIN_UUID_PREFIX):
@@ -347,7 +368,7 @@ def open_copier(*, kind: str, device_uuid: str, peer_pid: int, peer_uid: int, st
         finally:
             os.close(fd)  # the mapping keeps the memory
     cupy = _import_cupy()
-    device_index = find_device(cupy, device_uuid)
+    device_index = find_device(cupy, device_uuid, device_pci_bus_id)
     copier = CupyDeviceCopier(cupy, device_index, ipc_handle, ipc_offset, event_handles,
                               num_slots, slot_nbytes)
     copier.register_arena(buffer_address(arena), len(arena))

@@ -422,22 +422,34 @@ class DeviceCopiesService:
     def __init__(self) -> None:
         self.metrics = DeviceCopiesMetrics()
 
-    def open(self, session: Session, req: p.StagingOpen) -> p.StagingOk:
+    async def open(self, session: Session, req: p.StagingOpen) -> p.StagingOk:
         assert session.job is not None
         if req.arena_pinned in PINNED_OUTCOMES:
             self.metrics.arena_pinned.add((req.arena_pinned,))
-        if session.staging is not None:
+        if session.staging is not None or session.staging_opening:
             raise InvalidRequestError("staging_open was already sent on this connection")
         if req.kind == "none":  # a report: the job copies on its ranks by configuration
             self.metrics.sessions.add(("rank", "configured"))
             return p.StagingOk(req.rid, "rank", "configured")
+        session.staging_opening = True
         try:
-            copier = self._copier(session, req)
+            # Off the loop (invariant 5): opening the IPC handle and pinning a whole arena
+            # with cudaHostRegister take as long as the arena is large.
+            copier = await asyncio.get_running_loop().run_in_executor(
+                None, self._copier, session, req)
         except CopiesRefused as refused:
+            session.staging_opening = False
             self.metrics.sessions.add(("rank", refused.reason))
             log.warning("event=device_copies_fallback job=%s rank=%d reason=%s detail=%r",
                         session.job.name, session.rank, refused.reason, refused.message)
             return p.StagingOk(req.rid, "rank", refused.reason)
+        except BaseException:
+            session.staging_opening = False
+            raise
+        session.staging_opening = False
+        if session.closed:  # the rank went away meanwhile: nobody will close it later
+            copier.close()
+            raise InvalidRequestError("the connection closed during staging_open")
         session.staging = SessionStaging(copier, self.metrics, req.readahead_slots)
         self.metrics.sessions.add(("daemon", "none"))
         log.info("event=device_copies_open job=%s rank=%d kind=%s device=%s slots=%d "
@@ -471,7 +483,8 @@ class DeviceCopiesService:
                            ipc_handle=req.ipc_handle,
                            ipc_offset=req.ipc_offset, event_handles=req.event_handles,
                            num_slots=req.num_slots, slot_nbytes=req.slot_nbytes,
-                           arena=session.job.arena.view)
+                           arena=session.job.arena.view,
+                           device_pci_bus_id=req.device_pci_bus_id)
 
 
 def _staging(session: Session) -> SessionStaging:
@@ -485,7 +498,7 @@ def _staging(session: Session) -> SessionStaging:
 def handlers(session: Session) -> dict[type, Callable[[Any], Any]]:
     """The session's handlers for the device-copy requests."""
 
-    def staging_open(req: p.StagingOpen) -> p.StagingOk:
+    def staging_open(req: p.StagingOpen) -> Awaitable[p.StagingOk]:
         service: DeviceCopiesService = session.daemon.device_copies
         return service.open(session, req)
 

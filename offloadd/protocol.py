@@ -138,6 +138,7 @@ class StagingOpen(Request, tag="staging_open"):
     rank_reason: str = ""  # the rank cannot export (a fallback reason): count it, copy nothing
     arena_pinned: str = "not_attempted"  # the rank's cudaHostRegister of its arena mapping
     readahead_slots: int = 0  # the last n slots are lent to the daemon to stage ahead of use
+    device_pci_bus_id: str = ""  # cuda: the GPU's PCI bus id ("0000:18:00.0"), matched first
 
 
 class StageIn(Request, tag="stage_in"):

@@ -99,6 +99,8 @@ class Session(asyncio.Protocol):
         }
         self.staging: device_copies.SessionStaging | None = None
         """Daemon-driven device copies into this rank's GPU staging slots, once opened."""
+        self.staging_opening = False
+        """A staging_open is being served (its copier opens off the loop)."""
         self.handlers.update(device_copies.handlers(self))
 
     # -- connection lifecycle -------------------------------------------------------

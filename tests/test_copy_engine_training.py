@@ -55,3 +55,39 @@ def test_the_engine_defers_lease_releases_behind_copy_events(monkeypatch) -> Non
     finally:
         engine.close()
     assert engine.backend.copies.registered == {}, "arena unregistered before unmap"
+
+
+def test_gradient_windows_are_summed_on_the_device_and_cross_once(monkeypatch) -> None:
+    """With a device copy engine the running sum of an accumulation window stays on the
+    device and reaches the arena once, at the window's end: the same training as the
+    per-micro-batch path (D2H, H2D, add for each micro-batch), with fewer bytes moved."""
+    from _dist import make_batch, make_model
+
+    from trainer.checkpoint import consolidate_fp32_state_dict
+
+    monkeypatch.setenv("OFFLOADD_COPY_ENGINE", "twin")
+    zero = {"stage": 3, "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"}}
+    runs = {}
+    for room in ("default", "none"):
+        engine, _, _, _ = trainer.initialize(model=make_model(0), config=base_config(
+            zero_optimization=zero, gradient_accumulation_steps=3))
+        if room == "none":
+            engine.backend.device_sum_room_nbytes = 0
+        try:
+            losses = []
+            for step in range(2):
+                for micro in range(3):
+                    loss = engine(*make_batch(step, micro, 0,
+                                              engine.train_micro_batch_size_per_gpu()))
+                    engine.backward(loss)
+                    engine.step()
+                    losses.append(loss.item())
+            runs[room] = (losses, consolidate_fp32_state_dict(engine),
+                          engine.backend.moved_nbytes)
+        finally:
+            engine.close()
+    assert runs["default"][0] == runs["none"][0]
+    for name, value in runs["none"][1].items():
+        assert torch.equal(runs["default"][1][name], value), name
+    assert runs["default"][2] < runs["none"][2]

@@ -482,3 +482,23 @@ def test_staging_must_be_a_sealed_memfd_of_the_rank(daemon: PrivateDaemon, conne
             unsealed.close()
     client.put("x", b"x")
     assert client.get("x") == b"x"
+
+
+def test_find_device_prefers_the_pci_bus_id_over_a_truncated_uuid() -> None:
+    """cupy hands the UUID's 16 bytes through a C string that stops at the first zero byte;
+    the PCI bus id (nvidia-smi writes an 8-digit domain, CUDA a 4-digit one) still matches."""
+    from types import SimpleNamespace
+
+    from offloadd.cuda import CopiesRefused, find_device, normalize_pci_bus_id
+
+    uuid = bytes.fromhex("58e2a1000b3c4d5e8f9a0b1c2d3e4f50")
+    runtime = SimpleNamespace(
+        getDeviceCount=lambda: 2,
+        getDeviceProperties=lambda index: {"uuid": uuid.split(b"\0")[0] if index else b"x"},
+        deviceGetPCIBusId=lambda index: ["0000:17:00.0", "0000:18:00.0"][index])
+    cupy = SimpleNamespace(cuda=SimpleNamespace(runtime=runtime))
+    dashed = "GPU-58e2a100-0b3c-4d5e-8f9a-0b1c2d3e4f50"
+    assert normalize_pci_bus_id("00000000:18:00.0") == normalize_pci_bus_id("0000:18:00.0")
+    assert find_device(cupy, dashed, "00000000:18:00.0") == 1
+    with pytest.raises(CopiesRefused, match="not visible"):
+        find_device(cupy, dashed)  # by UUID alone the truncated bytes never match

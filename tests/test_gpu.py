@@ -125,3 +125,51 @@ def test_daemon_copies_on_cuda_train_like_cpu() -> None:
     assert gpu_losses == pytest.approx(cpu_losses, rel=1e-4)
     for name, value in cpu_state.items():
         torch.testing.assert_close(gpu_state[name].cpu(), value, rtol=1e-4, atol=1e-5)
+
+
+def test_refused_host_registration_leaves_no_cuda_error_behind() -> None:
+    """cudaHostRegister refusing (here: memory already registered) must not leave CUDA's
+    last error set, which the next kernel launch check would raise as its own."""
+    from trainer.copy_engine import CudaCopyEngine
+
+    engine = CudaCopyEngine("cuda:0")
+    host = torch.zeros(1 << 20, dtype=torch.uint8)
+    assert engine.register_host(host.data_ptr(), host.nbytes)
+    try:
+        assert not CudaCopyEngine("cuda:0").register_host(host.data_ptr(), host.nbytes)
+        values = torch.arange(1024, device="cuda:0") * 2  # a kernel launch, checked
+        torch.cuda.synchronize()
+        assert int(values[-1]) == 2046
+    finally:
+        engine.unregister_host(host.data_ptr())
+
+
+def test_daemon_finds_the_rank_gpu_by_pci_bus_id() -> None:
+    cupy = pytest.importorskip("cupy")
+    from offloadd.cuda import find_device
+
+    properties = torch.cuda.get_device_properties(0)
+    bus_id = (f"{properties.pci_domain_id:04x}:{properties.pci_bus_id:02x}:"
+              f"{properties.pci_device_id:02x}.0")
+    assert find_device(cupy, "GPU-not-this-uuid", bus_id) == 0
+    assert find_device(cupy, str(properties.uuid)) == 0
+
+
+def test_closed_staging_gives_its_ipc_exported_memory_back() -> None:
+    """The staging buffer is exported by CUDA IPC to the daemon's cupy, which never takes
+    part in torch's IPC reference counting: closing it must free the block all the same."""
+    import gc
+
+    from trainer.daemon_copies import CudaStaging
+
+    torch.cuda.synchronize()
+    gc.collect()
+    before = torch.cuda.memory_allocated(0)
+    staging = CudaStaging(torch.device("cuda", 0), num_slots=2, slot_nbytes=8 << 20)
+    assert staging.export()["ipc_handle"]
+    assert torch.cuda.memory_allocated(0) >= before + (16 << 20)
+    staging.close()
+    del staging
+    gc.collect()
+    torch.cuda.ipc_collect()
+    assert torch.cuda.memory_allocated(0) == before

@@ -108,6 +108,23 @@ class CopyEngine(abc.ABC):
     def recycle(self, event: CopyEvent) -> None:  # noqa: B027 - pools are optional
         """``event`` completed and nobody holds it: it may be reused."""
 
+    @contextmanager
+    def ahead_of_compute(self) -> Iterator[None]:
+        """Issue work for later use (allocations, H2D copies, the collectives that read
+        them) so that it neither waits for the compute queued so far nor makes compute
+        wait: on CUDA, on the H2D stream. Compute reads the results only after
+        ``wait_on_compute(ready())``, at use. Hazard: memory allocated in here belongs to
+        the copy stream; call ``hand_back`` before freeing what compute used."""
+        yield
+
+    def ready(self) -> CopyEvent:
+        """An event after all the work issued inside ``ahead_of_compute`` so far."""
+        return _DONE
+
+    def hand_back(self, tensor: torch.Tensor) -> None:  # noqa: B027 - one stream on CPU
+        """``tensor`` (allocated in ``ahead_of_compute``) was read by compute: its memory
+        must not go back to the copy stream's pool before that compute has run."""
+
     def synchronize(self) -> None:  # noqa: B027 - inline copies are done at issue
         """Wait for every copy issued so far."""
 
@@ -396,11 +413,14 @@ class CudaCopyEngine(CopyEngine):
 
     def _copy_on(self, stream: torch.cuda.Stream, dst: torch.Tensor,
                  src: torch.Tensor) -> torch.cuda.Event:
-        compute = torch.cuda.current_stream(self.device)
+        current = torch.cuda.current_stream(self.device)
         event = self._take_event()
         # The copy may overwrite (H2D) or read (D2H) memory the compute stream is still
-        # using, so it starts after the compute stream's work issued so far.
-        stream.wait_stream(compute)
+        # using, so it starts after the compute stream's work issued so far. Inside
+        # ``ahead_of_compute`` the current stream is the copy stream itself: memory
+        # allocated there is the copy stream's, and nothing is waited for.
+        if current != stream:
+            stream.wait_stream(current)
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event.record(stream)
@@ -423,6 +443,20 @@ class CudaCopyEngine(CopyEngine):
         if isinstance(event, torch.cuda.Event):
             torch.cuda.current_stream(self.device).wait_event(event)
 
+    @contextmanager
+    def ahead_of_compute(self) -> Iterator[None]:
+        with torch.cuda.stream(self.h2d_stream):
+            yield
+
+    def ready(self) -> CopyEvent:
+        event = self._take_event()
+        event.record(self.h2d_stream)
+        return event
+
+    def hand_back(self, tensor: torch.Tensor) -> None:
+        if tensor.is_cuda and tensor.untyped_storage().nbytes():
+            tensor.record_stream(torch.cuda.current_stream(self.device))
+
     def synchronize(self) -> None:
         self.h2d_stream.synchronize()
         self.d2h_stream.synchronize()
@@ -431,6 +465,9 @@ class CudaCopyEngine(CopyEngine):
         # cudaHostRegisterPortable (1): pinned for every context, as torch's own pinning does.
         code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
         if code != 0:
+            # Hazard: torch's binding leaves the refusal as CUDA's last error, which the
+            # next kernel launch check would raise as its own failure.
+            clear_last_cuda_error()
             return False
         self.registered[address] = nbytes
         return True
@@ -444,6 +481,20 @@ class CudaCopyEngine(CopyEngine):
 
     def close(self) -> None:
         self.synchronize()
+
+
+def clear_last_cuda_error() -> int:
+    """Reset the calling thread's last CUDA runtime error (``cudaGetLastError``) and return
+    it. torch binds no ``cudaGetLastError``: call it in every libcudart this process has
+    loaded (each keeps its own last error; cupy may bring a second one)."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        paths = sorted({line.split()[-1] for line in maps if "/libcudart.so" in line})
+    last = 0
+    for path in paths:
+        last = int(ctypes.CDLL(path).cudaGetLastError()) or last
+    return last
 
 
 def require_cuda() -> None:
@@ -490,6 +541,10 @@ class ReleaseQueue:
             self._finish(*self._pending.popleft())
             ran += 1
         return ran
+
+    def finish_oldest(self) -> None:
+        """Wait for the oldest pending copy and run its release (its failure re-raised)."""
+        self._finish(*self._pending.popleft())
 
     def drain(self) -> None:
         """Wait for every pending copy and run every release (first failure re-raised)."""

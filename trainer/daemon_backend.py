@@ -48,10 +48,14 @@ from trainer.offload import (
 )
 
 MIB = 1 << 20
-MAX_INFLIGHT_STEPS = 2
-"""Optimizer steps one rank keeps queued in the daemon when it swaps to NVMe. Each pins its
-unit's five shards (20 B/param) in the arena until it runs, so an unbounded queue can fill a
-small arena with leases nothing can evict; two keep the daemon's worker busy back to back."""
+MIN_INFLIGHT_STEPS = 2
+"""Optimizer steps one rank may always keep queued in the daemon: two keep the daemon's
+worker busy back to back."""
+INFLIGHT_STEPS_ARENA_FRACTION = 4
+"""Beyond ``MIN_INFLIGHT_STEPS``, a rank's queued steps pin at most 1/4 of its share of the
+arena. Each pins its unit's five shards (~18 B/param) until it runs, so an unbounded queue
+can fill an arena with leases nothing can evict; what fits is bounded by arena room, not by
+whether the state may swap."""
 SHARD_KINDS = (*STATE_KINDS, "grad", "param")
 DEVICE_COPIES_ENV = "OFFLOADD_DEVICE_COPIES"
 
@@ -97,9 +101,20 @@ class DaemonBackend(StateBackend):
         """Per unit: the step's unit name, the grad shard id, the param shard id."""
         self._steps: dict[int, StepHandle] = {}
         """Optimizer steps in flight, by unit; waited for at the unit's next use."""
-        self.max_inflight_steps = MAX_INFLIGHT_STEPS if swaps else 1 << 30
-        """Without NVMe the whole working set is resident: nothing to bound."""
+        arena_nbytes = getattr(getattr(client, "arena", None), "nbytes", 0)
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", collectives.world_size)))
+        self.inflight_steps_room_nbytes = (arena_nbytes // (INFLIGHT_STEPS_ARENA_FRACTION
+                                                            * local_ranks)
+                                           if swaps and arena_nbytes else 1 << 62)
+        """Arena bytes this rank's queued optimizer steps may pin (beyond the first two);
+        without NVMe the whole working set is resident and nothing needs bounding."""
+        self._inflight_step_nbytes: dict[int, int] = {}
         self._dropped_grads: set[int] = set()
+        self._device_sums: dict[int, torch.Tensor] = {}
+        """Running gradient sums of open accumulation windows, on the compute device."""
+        self._device_sums_nbytes = 0
+        self.device_sum_room_nbytes = _device_sum_room(self.copies)
+        """Device memory the running sums may take (a quarter of what is free at start)."""
         self.grad_drops_refused = 0
         """Units whose ``u{N}.grad`` shard was dropped after its step (NVMe only)."""
         self.moved_nbytes = 0
@@ -138,6 +153,7 @@ class DaemonBackend(StateBackend):
     def _settle(self, unit: int) -> None:
         """Wait for the unit's optimizer step, if one is in flight: its shards are leased."""
         handle = self._steps.pop(unit, None)
+        self._inflight_step_nbytes.pop(unit, None)
         if handle is not None:
             handle.wait()
             if self.swaps:
@@ -169,8 +185,7 @@ class DaemonBackend(StateBackend):
 
     def _acquire(self, shard_id: str, mode: str) -> Any:
         started = time.perf_counter()
-        if shard_id in self._leased_for_copy:  # our own lease is still held by a copy
-            self._drain_copies()
+        self._settle_copies_of(shard_id)
         lease = self.client.acquire(shard_id, mode)
         self.wait_s += time.perf_counter() - started
         return lease
@@ -209,9 +224,24 @@ class DaemonBackend(StateBackend):
         finally:
             self._leased_for_copy.clear()
 
+    def _settle_copies_of(self, shard_id: str) -> None:
+        """Our own lease on ``shard_id`` may still be held by a copy: wait for the copies up
+        to that one (in issue order), not for every copy in flight."""
+        while shard_id in self._leased_for_copy and len(self.releases):
+            self.releases.finish_oldest()
+        if shard_id in self._leased_for_copy:  # held by a daemon copy
+            self._drain_copies()
+
     def _release_after(self, event: Any, lease: Any) -> None:
-        self._leased_for_copy.add(lease.shard_id)
-        self.releases.release_after(event, lease.release)
+        shard_id = lease.shard_id
+        self._leased_for_copy.add(shard_id)
+
+        def release() -> None:
+            # Once the copy's release ran, acquiring the shard again needs no drain.
+            self._leased_for_copy.discard(shard_id)
+            lease.release()
+
+        self.releases.release_after(event, release)
 
     def _device_copier(self) -> DaemonCopies | None:
         """The daemon copies of this rank, opened at the first call (None: rank copies)."""
@@ -283,8 +313,37 @@ class DaemonBackend(StateBackend):
 
     # ------------------------------------------------------------------ grads
 
+    def _sum_on_device(self, unit: int, grad: torch.Tensor, *, first: bool,
+                       last: bool) -> tuple[torch.Tensor, bool] | None:
+        """Gradient accumulation on the compute device: the window's running fp32 sum stays
+        there and crosses to the arena once, at the window's last micro-batch, instead of
+        a D2H + H2D + add per micro-batch. Returns what to write then (and whether it is
+        the whole window: ``first``); None while the window goes on. Sums beyond
+        ``device_sum_room_nbytes`` take the per-micro-batch path."""
+        held = self._device_sums.pop(unit, None)
+        if held is not None and not first:
+            held.add_(grad)
+            if not last:
+                self._device_sums[unit] = held
+                return None
+            return held, True
+        if held is not None:  # a window that ended without its last micro-batch
+            self._device_sums_nbytes -= held.nbytes
+        if last or self._device_sums_nbytes + grad.numel() * 4 > self.device_sum_room_nbytes:
+            return grad, first
+        self._device_sums[unit] = grad.to(torch.float32, copy=True)
+        self._device_sums_nbytes += grad.numel() * 4
+        return None
+
     def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
-                        want_sq_norm: bool) -> torch.Tensor | None:
+                        want_sq_norm: bool, last: bool = True) -> torch.Tensor | None:
+        if not self.copies.zero_copy:
+            summed = self._sum_on_device(unit, grad, first=first, last=last)
+            if summed is None:
+                return None
+            if summed[0] is not grad:  # the window's sum leaves the device now
+                self._device_sums_nbytes -= summed[0].nbytes
+            grad, first = summed
         self._settle(unit)
         if not self.copies.zero_copy:
             if unit in self._dropped_grads:  # re-create the dropped shard; the copy fills it
@@ -315,13 +374,17 @@ class DaemonBackend(StateBackend):
                    grad_scale: float) -> StepHandle:
         """Start the step; it is waited for at the unit's next use (or ``wait_steps``)."""
         self._settle(unit)
-        if self._names[unit][1] in self._leased_for_copy:  # the step reads the committed grad
-            self._drain_copies()
+        self._settle_copies_of(self._names[unit][1])  # the step reads the committed grad
         if self._daemon_copies is not None:  # the step reads the grad and rewrites the param
             self._daemon_copies.settle(self._names[unit][1])
             self._daemon_copies.discard(self._names[unit][2])
-        if len(self._steps) >= self.max_inflight_steps:
+        spec = self._specs[unit]
+        pinned_nbytes = spec.part_numel * (16 + spec.param_dtype.itemsize)
+        while len(self._steps) >= MIN_INFLIGHT_STEPS and (
+                sum(self._inflight_step_nbytes.values()) + pinned_nbytes
+                > self.inflight_steps_room_nbytes):
             self._settle(next(iter(self._steps)))  # the oldest: steps finish in order
+        self._inflight_step_nbytes[unit] = pinned_nbytes
         handle = _TimedHandle(self.client.optimizer_step_async(
             self._names[unit][0], step=step, lr=hyper.lr, beta1=hyper.beta1,
             beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
@@ -466,6 +529,21 @@ class _TimedHandle:
 
 def _nothing() -> None:
     return None
+
+
+DEVICE_SUM_ROOM_FRACTION = 4
+"""Running gradient sums may take 1/4 of the device memory free when the backend starts."""
+TWIN_DEVICE_NBYTES = 1 << 30
+"""What the twin's "device" counts as free memory."""
+
+
+def _device_sum_room(copies: CopyEngine) -> int:
+    if copies.zero_copy:
+        return 0
+    if copies.device.type == "cuda":
+        free_nbytes, _ = torch.cuda.mem_get_info(copies.device)
+        return free_nbytes // DEVICE_SUM_ROOM_FRACTION
+    return TWIN_DEVICE_NBYTES // DEVICE_SUM_ROOM_FRACTION
 
 
 def _dtype_tag(dtype: torch.dtype) -> str:

@@ -141,11 +141,18 @@ class CudaStaging(Staging):
             raise StagingUnavailable("ipc_refused", f"cannot export the staging buffer by "
                                      f"CUDA IPC: {error}") from error
         self._ipc_handle, self._ipc_offset = cuda_ipc_mem_handle(bytes(shared[1])), int(shared[3])
+        self._ipc_ref_counter: tuple[Any, ...] | None = (shared[4], shared[5])
+        """torch's cross-process count of this export. Its consumer is the daemon's cupy,
+        which never decrements it, so torch would keep the block forever ("producer
+        terminated before all shared CUDA tensors released"): ``close`` gives it back."""
         self.slots = [self.buffer[i * slot_nbytes : (i + 1) * slot_nbytes]
                       for i in range(num_slots)]
         self.consumed = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
         self.filled = [torch.cuda.Event(interprocess=True) for _ in range(num_slots)]
-        self.device_uuid = str(torch.cuda.get_device_properties(device).uuid)
+        properties = torch.cuda.get_device_properties(device)
+        self.device_uuid = str(properties.uuid)
+        self.device_pci_bus_id = (f"{properties.pci_domain_id:04x}:{properties.pci_bus_id:02x}:"
+                                  f"{properties.pci_device_id:02x}.0")
 
     def export(self) -> dict[str, Any]:
         handles = []
@@ -164,6 +171,10 @@ class CudaStaging(Staging):
     def close(self) -> None:
         torch.cuda.current_stream(self.device).synchronize()
         self.slots = []
+        if self._ipc_ref_counter is not None:
+            counter, self._ipc_ref_counter = self._ipc_ref_counter, None
+            torch.UntypedStorage._release_ipc_counter(*counter, device=self.device)
+        self.buffer = torch.empty(0, dtype=torch.uint8, device=self.device)
 
 
 CUDA_IPC_HANDLE_NBYTES = 64
@@ -388,6 +399,7 @@ def open_daemon_copies(client: Any, copies: CopyEngine, *, num_slots: int, slot_
     try:
         staging = make_staging(copies, num_slots, slot_nbytes, local_rank)
         request.kind, request.device_uuid = staging.kind, staging.device_uuid
+        request.device_pci_bus_id = getattr(staging, "device_pci_bus_id", "")
         for key, value in staging.export().items():
             setattr(request, key, value)
     except StagingUnavailable as unavailable:

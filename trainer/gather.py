@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from trainer.collectives import Collectives, Pending
+from trainer.copy_engine import CopyEngine, CopyEvent, InlineCopyEngine
 from trainer.lease_debug import check_view
 from trainer.partition import Unit
 
@@ -45,8 +46,8 @@ class PartitionLoader:
 
 
 class _UnitBuffer:
-    __slots__ = ("flat", "nbytes", "part", "pending", "release_part", "state", "storage",
-                 "unit")
+    __slots__ = ("flat", "nbytes", "part", "pending", "ready", "release_part", "state",
+                 "storage", "unit")
 
     def __init__(self, unit: Unit, dtype: torch.dtype) -> None:
         self.unit = unit
@@ -59,15 +60,20 @@ class _UnitBuffer:
         self.release_part: ReleasePartition | None = None
         self.part: torch.Tensor | None = None
         """The leased partition the all-gather reads (checked in debug-lease mode)."""
+        self.ready: CopyEvent | None = None
+        """The copy stream's event after this gather was issued (waited for at use)."""
 
 
 class FullParams:
     """Gathers, prefetches and frees the units' full parameters."""
 
     def __init__(self, collectives: Collectives, loader: PartitionLoader, dtype: torch.dtype,
-                 *, max_live_numel: int, max_inflight: int = 2) -> None:
+                 *, max_live_numel: int, max_inflight: int = 2,
+                 copies: CopyEngine | None = None) -> None:
         self.collectives = collectives
         self.loader = loader
+        self.copies = copies or InlineCopyEngine()
+        """Gathers are issued ahead of compute on its copy stream and waited for at use."""
         self.dtype = dtype
         self.max_live_numel = max_live_numel
         """Elements gathered or being gathered, at most (the unit in use is always allowed)."""
@@ -103,8 +109,12 @@ class FullParams:
             buffer = self._buffers[unit.index]
             if buffer.state is not GatherState.FREE:
                 continue
+            # The next unit is always gathered ahead, however large: the budget (DeepSpeed's
+            # stage3_prefetch_bucket_size) limits how far beyond it prefetch reaches; 0 is off.
+            over_budget = budget_numel == 0 or (spent > 0
+                                                and spent + unit.padded_numel > budget_numel)
             spent += unit.padded_numel
-            if (inflight >= self.max_inflight or spent > budget_numel
+            if (inflight >= self.max_inflight or over_budget
                     or self.live_numel + unit.padded_numel > self.max_live_numel):
                 return
             self._start(buffer)
@@ -118,6 +128,7 @@ class FullParams:
             self._finish(buffer)
         if buffer.state is GatherState.READY:
             unit.release_params()
+            self.copies.hand_back(buffer.flat)
             buffer.storage.resize_(0)
             buffer.state = GatherState.FREE
             self.live_numel -= unit.padded_numel
@@ -129,10 +140,12 @@ class FullParams:
     def _start(self, buffer: _UnitBuffer) -> None:
         if self.before_gather is not None:
             self.before_gather(buffer.unit)
-        buffer.storage.resize_(buffer.nbytes)
-        part, buffer.release_part = self.loader.lease(buffer.unit)
-        buffer.part = part
-        buffer.pending = self.collectives.all_gather(buffer.flat, part, async_op=True)
+        with self.copies.ahead_of_compute():
+            buffer.storage.resize_(buffer.nbytes)
+            part, buffer.release_part = self.loader.lease(buffer.unit)
+            buffer.part = part
+            buffer.pending = self.collectives.all_gather(buffer.flat, part, async_op=True)
+            buffer.ready = self.copies.ready()
         buffer.state = GatherState.GATHERING
         self.live_numel += buffer.unit.padded_numel
         self.num_gathers += 1
@@ -143,6 +156,10 @@ class FullParams:
         buffer.pending = buffer.release_part = None
         try:
             pending.wait()
+            if buffer.ready is not None:
+                self.copies.wait_on_compute(buffer.ready)
+                self.copies.recycle(buffer.ready)
+                buffer.ready = None
             if buffer.part is not None:
                 check_view(buffer.part)  # the gather read a partition still leased
         finally:

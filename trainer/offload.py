@@ -77,9 +77,10 @@ class StateBackend(abc.ABC):
 
     @abc.abstractmethod
     def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
-                        want_sq_norm: bool) -> torch.Tensor | None:
+                        want_sq_norm: bool, last: bool = True) -> torch.Tensor | None:
         """Copy (``first``) or add ``grad`` into the unit's grad; return its squared L2 norm
-        (float64 scalar, inf/nan on overflow) when ``want_sq_norm``."""
+        (float64 scalar, inf/nan on overflow) when ``want_sq_norm``. ``last``: the window's
+        final micro-batch (the sum must be in the grad shard when this returns)."""
 
     @abc.abstractmethod
     def step_async(self, unit: int, *, step: int, hyper: AdamHyper,
@@ -182,7 +183,7 @@ class InProcessBackend(StateBackend):
             self._frozen[spec.index] = (spec, master.to(spec.param_dtype, copy=True))
 
     def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
-                        want_sq_norm: bool) -> torch.Tensor | None:
+                        want_sq_norm: bool, last: bool = True) -> torch.Tensor | None:
         target = self._units[unit].grad
         if first:
             target.copy_(grad)

@@ -67,7 +67,8 @@ class ZeroOptimizer:
     def take_grad(self, unit: int, grad: torch.Tensor, *, first: bool, boundary: bool) -> None:
         """Hand over one reduced gradient partition of ``unit``."""
         want_norm = boundary and not self.eager
-        sq_norm = self.backend.accumulate_grad(unit, grad, first=first, want_sq_norm=want_norm)
+        sq_norm = self.backend.accumulate_grad(unit, grad, first=first, want_sq_norm=want_norm,
+                                               last=boundary)
         if not boundary:
             return
         if sq_norm is not None:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from trainer.collectives import Collectives, Pending
+from trainer.copy_engine import CopyEngine
 from trainer.gather import FullParams, PartitionLoader, ReleasePartition
 from trainer.offload import StateBackend
 from trainer.partition import Unit
@@ -159,10 +160,11 @@ class Sharded(Placement):
 
     def __init__(self, collectives: Collectives, dtype: torch.dtype,
                  source: ResidentPartitions | OffloadedPartitions, *,
-                 max_live_numel: int) -> None:
+                 max_live_numel: int, copies: CopyEngine | None = None) -> None:
         super().__init__(collectives, dtype)
         self.source = source
-        self.full = FullParams(collectives, source, dtype, max_live_numel=max_live_numel)
+        self.full = FullParams(collectives, source, dtype, max_live_numel=max_live_numel,
+                               copies=copies)
 
     def setup(self, unit: Unit, flat: torch.Tensor) -> None:
         self.source.keep(unit, unit.part_slice(flat).clone())
@@ -267,7 +269,8 @@ def build_stage(stage: int, collectives: Collectives, dtype: torch.dtype,
         return Replicated(collectives, dtype, backend), reducer
     source = (OffloadedPartitions(backend, dtype) if offload_params
               else ResidentPartitions(backend, dtype))
-    return Sharded(collectives, dtype, source, max_live_numel=max_live_numel), reducer
+    return Sharded(collectives, dtype, source, max_live_numel=max_live_numel,
+                   copies=getattr(backend, "copies", None)), reducer
 
 
 class PrefetchPlanner:
@@ -328,8 +331,8 @@ class PrefetchPlanner:
         total = 0
         for candidate in self.following(unit, backward=backward):
             total += candidate.part_numel
-            if total > self.budget_numel:
-                break
+            if total > self.budget_numel and (chosen or not self.budget_numel):
+                break  # the next unit always, unless prefetch is off: see FullParams.prefetch
             chosen.append(candidate)
         return chosen
 
