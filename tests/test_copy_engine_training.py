@@ -78,8 +78,8 @@ def test_gradient_windows_are_summed_on_the_device_and_cross_once(monkeypatch) -
             losses = []
             for step in range(2):
                 for micro in range(3):
-                    loss = engine(*make_batch(step, micro, 0,
-                                              engine.train_micro_batch_size_per_gpu()))
+                    batch = make_batch(step, micro, 0, engine.train_micro_batch_size_per_gpu())
+                    loss = engine(*(t.to(engine.collectives.device) for t in batch))
                     engine.backward(loss)
                     engine.step()
                     losses.append(loss.item())
