@@ -185,8 +185,9 @@ def engine_train(rank: int, world_size: int, config: dict[str, Any], steps: int,
         for step in range(steps):
             for micro in range(engine.gradient_accumulation_steps()):
                 data_step = step % cycle if cycle else step
-                loss = engine(*make_batch(data_step, micro, rank,
-                                          engine.train_micro_batch_size_per_gpu()))
+                batch = make_batch(data_step, micro, rank,
+                                   engine.train_micro_batch_size_per_gpu())
+                loss = engine(*(t.to(engine.collectives.device) for t in batch))
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())

@@ -53,6 +53,15 @@ def start_daemon(workdir: os.PathLike[str] | str | None, *, arena_size: int | st
     return PrivateDaemon.start(workdir, arena_size=arena_size, extra_args=args)
 
 
+@pytest.fixture
+def strict_device_twin(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The twin's device memory is its own tensor kind (trainer.device_twin): host/device
+    mixes, numpy() of device tensors and host tensors in device collectives fail as on a
+    GPU. Rank processes a test starts inherit it. Use: pytest.mark.usefixtures(...)."""
+    monkeypatch.setenv("OFFLOADD_COPY_ENGINE", "twin")
+    monkeypatch.setenv("OFFLOADD_TWIN_DEVICE", "strict")
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateDaemon]:
     instance = start_daemon(tmp_path_factory.mktemp("offloadd"))

@@ -184,3 +184,25 @@ def test_a_refused_arena_registration_warns_with_the_fix_and_copies_still_work(
         assert torch.equal(out, torch.arange(8, dtype=torch.float32))
     finally:
         backend.close()
+
+
+def test_the_timed_twin_copies_at_its_bandwidth_and_counts_waits() -> None:
+    """OFFLOADD_TWIN_GBPS: a copy lasts nbytes / rate on the worker; the host's blocking
+    waits on copy events are the exposed part (what overlap_fraction is made of)."""
+    engine = TwinCopyEngine(max_delay_s=0.0, gbps=0.01)  # 10 MB/s: 100 kB last 10 ms
+    try:
+        src = torch.arange(25_000, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        event = engine.h2d(dst, src)
+        event.synchronize()
+        assert torch.equal(dst, src)
+        assert engine.timing.copy_s >= src.nbytes / 0.01e9
+        assert engine.timing.exposed_s > 0.0 and engine.timing.overlap_fraction < 0.5
+        engine.timing.reset()
+        event = engine.d2h(dst, src)
+        engine.synchronize()  # waited here: exposed too
+        assert engine.timing.exposed_s > 0.0 and event.query()
+        with pytest.raises(ValueError, match="OFFLOADD_TWIN_GBPS"):
+            TwinCopyEngine(gbps=0.0)
+    finally:
+        engine.close()

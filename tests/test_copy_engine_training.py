@@ -11,6 +11,7 @@ from _dist import base_config, engine_train
 import trainer
 from trainer.copy_engine import TwinCopyEngine
 
+pytestmark = pytest.mark.usefixtures("strict_device_twin")
 
 def _config(stage: int) -> dict:
     zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
@@ -38,7 +39,8 @@ def test_the_engine_defers_lease_releases_behind_copy_events(monkeypatch) -> Non
     engine, _, _, _ = trainer.initialize(model=model, config=_config(3))
     try:
         for micro in range(2):
-            loss = engine(*make_batch(0, micro, 0, engine.train_micro_batch_size_per_gpu()))
+            batch = make_batch(0, micro, 0, engine.train_micro_batch_size_per_gpu())
+            loss = engine(*(t.to(engine.collectives.device) for t in batch))
             engine.backward(loss)
             engine.step()
         stats = engine.offload_stats()
@@ -76,8 +78,8 @@ def test_gradient_windows_are_summed_on_the_device_and_cross_once(monkeypatch) -
             losses = []
             for step in range(2):
                 for micro in range(3):
-                    loss = engine(*make_batch(step, micro, 0,
-                                              engine.train_micro_batch_size_per_gpu()))
+                    batch = make_batch(step, micro, 0, engine.train_micro_batch_size_per_gpu())
+                    loss = engine(*(t.to(engine.collectives.device) for t in batch))
                     engine.backward(loss)
                     engine.step()
                     losses.append(loss.item())

@@ -8,15 +8,32 @@ import torch
 from trainer.config import parse_config
 from trainer.copy_engine import CopyEngineUnavailableError
 from trainer.device import resolve_device
+from trainer.device_twin import twin_device
 
 
-def test_device_cpu_forces_cpu_and_gloo() -> None:
+def test_device_cpu_forces_cpu_and_gloo(monkeypatch) -> None:
+    monkeypatch.setenv("OFFLOADD_TWIN_DEVICE", "host")
     compute = resolve_device("cpu")
     assert compute.device == torch.device("cpu") and compute.dist_backend == "gloo"
 
 
+def test_cpu_compute_on_the_strict_twin_is_its_device(monkeypatch) -> None:
+    monkeypatch.setenv("OFFLOADD_COPY_ENGINE", "twin")
+    monkeypatch.setenv("OFFLOADD_TWIN_DEVICE", "strict")
+    compute = resolve_device("cpu")
+    assert compute.device == twin_device() and compute.dist_backend == "gloo"
+    assert "OFFLOADD_TWIN_DEVICE=strict" in compute.reason
+    monkeypatch.setenv("OFFLOADD_COPY_ENGINE", "inline")  # the device twin goes with the twin
+    assert resolve_device("cpu").device == torch.device("cpu")
+    monkeypatch.setenv("OFFLOADD_COPY_ENGINE", "twin")
+    monkeypatch.setenv("OFFLOADD_TWIN_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="OFFLOADD_TWIN_DEVICE='gpu': expected one of"):
+        resolve_device("cpu")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA fallback")
-def test_auto_without_cuda_falls_back_to_cpu_and_says_why() -> None:
+def test_auto_without_cuda_falls_back_to_cpu_and_says_why(monkeypatch) -> None:
+    monkeypatch.setenv("OFFLOADD_TWIN_DEVICE", "host")
     compute = resolve_device("auto")
     assert compute.device.type == "cpu" and compute.dist_backend == "gloo"
     assert "no CUDA" in compute.reason

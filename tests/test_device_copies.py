@@ -26,6 +26,8 @@ from trainer.client import OffloadClient
 from trainer.copy_engine import TwinCopyEngine
 from trainer.daemon_copies import TWIN_GPU_UUID_ENV, DaemonCopies, open_daemon_copies
 
+pytestmark = pytest.mark.usefixtures("strict_device_twin")
+
 SLOT_NBYTES = 4096
 NUM_SLOTS = 3
 SESSIONS = "offloadd_device_copies_sessions_total"
@@ -284,8 +286,9 @@ def _train_cases(rank: int, world: int, device: str, cases: list[dict]) -> list[
             try:
                 for step in range(STEPS):
                     for micro in range(engine.gradient_accumulation_steps()):
-                        loss = engine(*make_batch(step, micro, rank,
-                                                  engine.train_micro_batch_size_per_gpu()))
+                        batch = make_batch(step, micro, rank,
+                                           engine.train_micro_batch_size_per_gpu())
+                        loss = engine(*(t.to(engine.collectives.device) for t in batch))
                         engine.backward(loss)
                         engine.step()
                 stats = engine.offload_stats()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from _dist import base_config, engine_train, max_relative_error, reference_train, run_ranks
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device_twin")]
 
 STEPS = 10
 WORLD = 2

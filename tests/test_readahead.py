@@ -20,6 +20,8 @@ from offloadd.embedded import PrivateDaemon
 from offloadd.errors import InvalidRequestError, SlotBusyError
 from trainer.client import OffloadClient
 
+pytestmark = pytest.mark.usefixtures("strict_device_twin")
+
 READAHEAD = "offloadd_device_copies_readahead_total"
 SLOTS, LENT = 4, 2  # slots 0, 1 are the rank's; 2, 3 the daemon's read-ahead slots
 NBYTES = 512
@@ -203,8 +205,9 @@ def _train_readahead(rank: int, world: int, device: str, config: dict) -> object
             firsts = []
             for step in range(STEPS):
                 for micro in range(engine.gradient_accumulation_steps()):
-                    loss = engine(*make_batch(step, micro, rank,
-                                              engine.train_micro_batch_size_per_gpu()))
+                    batch = make_batch(step, micro, rank,
+                                       engine.train_micro_batch_size_per_gpu())
+                    loss = engine(*(t.to(engine.collectives.device) for t in batch))
                     engine.backward(loss)
                     engine.step()
                 if step == 0:

@@ -30,7 +30,9 @@ def agree(collectives: Collectives, what: str) -> Iterator[None]:
     except BaseException as error:  # reported to the peers, then re-raised below
         failure = error
     if collectives.world_size > 1:
-        flag = torch.tensor([1 if failure is not None else 0], dtype=torch.int32)
+        # On the data-parallel group: a device tensor (NCCL refuses host ones).
+        flag = torch.tensor([1 if failure is not None else 0], dtype=torch.int32,
+                            device=collectives.device)
         collectives.all_reduce(flag)
         if int(flag) and failure is None:
             reports = collectives.all_gather_object(None)

@@ -229,14 +229,17 @@ def consolidate_fp32_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
 
 
 def _gather_master(engine: Engine, unit: Any) -> torch.Tensor:
+    """The unit's full fp32 master on the host, all-gathered on the compute device (the
+    data-parallel group is NCCL's on GPUs: device tensors only)."""
+    device = engine.collectives.device
     if unit.trainable:
-        master = engine.backend.get_state(unit.index)["master"]
+        master = engine.backend.get_state(unit.index)["master"].to(device)
     else:  # frozen (stage 3): the parameter partition is all there is
-        param = torch.empty(unit.part_numel, dtype=engine.precision.dtype)
+        param = torch.empty(unit.part_numel, dtype=engine.precision.dtype, device=device)
         engine.backend.read_params(unit.index, param)
         master = param.float()
     if unit.part_numel == unit.padded_numel:
-        return master
-    full = torch.empty(unit.padded_numel, dtype=torch.float32)
+        return master.cpu()
+    full = torch.empty(unit.padded_numel, dtype=torch.float32, device=device)
     engine.collectives.all_gather(full, master)
-    return full
+    return full.cpu()

@@ -18,6 +18,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from trainer.device_twin import check_collective
+
 
 class Pending(Protocol):
     """An in-flight collective; ``wait()`` blocks until its output is valid."""
@@ -65,6 +67,7 @@ class Collectives:
 
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
         """In-place sum over ranks."""
+        check_collective(self.device, tensor)
         if self.world_size == 1:
             return Done()
         work = dist.all_reduce(tensor, group=self.group, async_op=async_op)
@@ -77,6 +80,7 @@ class Collectives:
         ``flat`` is scratch: on gloo it is reduced in place and the slice is a view of it.
         """
         part_numel = flat.numel() // self.world_size
+        check_collective(self.device, flat)
         if self.world_size == 1:
             return Done(), flat
         if self.reduce_by_all_reduce:
@@ -88,6 +92,7 @@ class Collectives:
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, *,
                        async_op: bool = False) -> Pending:
         """Sum ``flat`` (numel = world * output.numel) over ranks; keep this rank's slice."""
+        check_collective(self.device, output, flat)
         if self.world_size == 1:
             output.copy_(flat)
             return Done()
@@ -109,6 +114,7 @@ class Collectives:
     def all_gather(self, flat: torch.Tensor, part: torch.Tensor, *,
                    async_op: bool = False) -> Pending:
         """Fill ``flat`` with every rank's ``part`` in rank order."""
+        check_collective(self.device, flat, part)
         if self.world_size == 1:
             flat.copy_(part)
             return Done()
@@ -129,6 +135,7 @@ class Collectives:
 
     def broadcast(self, tensor: torch.Tensor, source_rank: int = 0) -> None:
         """Overwrite ``tensor`` with ``source_rank``'s copy."""
+        check_collective(self.device, tensor)
         if self.world_size > 1:
             dist.broadcast(tensor, source_rank, group=self.group)
 

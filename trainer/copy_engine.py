@@ -38,8 +38,13 @@ from typing import Any, Protocol
 
 import torch
 
+from trainer.device_twin import check_copy
+
 COPY_ENGINE_ENV = "OFFLOADD_COPY_ENGINE"
 TWIN_MAX_DELAY_ENV = "OFFLOADD_TWIN_MAX_DELAY_US"
+TWIN_GBPS_ENV = "OFFLOADD_TWIN_GBPS"
+"""The timed twin: each copy takes nbytes / this many GB/s on the worker (unset: as fast
+as memcpy), so the overlap of copies with compute can be measured on CPU."""
 DEFAULT_TWIN_MAX_DELAY_S = 200e-6
 """Upper bound of the twin's random per-copy delay: long enough to reorder copies against
 the host, short enough that the parity suite stays fast."""
@@ -177,14 +182,37 @@ class InlineCopyEngine(CopyEngine):
 # twin
 
 
+class TwinTiming:
+    """Copy time on the worker vs host time blocked on copy events (the timed twin)."""
+
+    __slots__ = ("copy_s", "exposed_s")
+
+    def __init__(self) -> None:
+        self.copy_s = 0.0
+        """Seconds the worker spent copying (sum over copies)."""
+        self.exposed_s = 0.0
+        """Seconds the host (the twin's compute) blocked waiting on a copy event."""
+
+    def reset(self) -> None:
+        self.copy_s = self.exposed_s = 0.0
+
+    @property
+    def overlap_fraction(self) -> float:
+        """Copy time hidden behind host work / copy time (1.0 when nothing was copied)."""
+        if self.copy_s <= 0.0:
+            return 1.0
+        return max(0.0, 1.0 - self.exposed_s / self.copy_s)
+
+
 class TwinEvent:
     """A twin copy's completion: set by the worker thread, with its failure if any."""
 
-    __slots__ = ("_done", "error")
+    __slots__ = ("_done", "error", "timing")
 
-    def __init__(self) -> None:
+    def __init__(self, timing: TwinTiming | None = None) -> None:
         self._done = threading.Event()
         self.error: BaseException | None = None
+        self.timing = timing
 
     def reset(self) -> None:
         self._done.clear()
@@ -194,7 +222,11 @@ class TwinEvent:
         return self._done.is_set()
 
     def synchronize(self) -> None:
-        self._done.wait()
+        if not self._done.is_set():
+            started = time.perf_counter()
+            self._done.wait()
+            if self.timing is not None:
+                self.timing.exposed_s += time.perf_counter() - started
         if self.error is not None:
             raise self.error
 
@@ -214,8 +246,11 @@ class TwinCopyEngine(CopyEngine):
     kind = "twin"
 
     def __init__(self, *, max_delay_s: float | None = None, seed: int = 0,
-                 memlock_nbytes: int | None = None) -> None:
-        self.device = torch.device("cpu")
+                 memlock_nbytes: int | None = None,
+                 device: torch.device | None = None, gbps: float | None = None) -> None:
+        self.device = device or torch.device("cpu")
+        """cpu, or the strict twin's ``twin:0`` (trainer.device_twin): then h2d/d2h check
+        that one side is device memory and the other host memory."""
         self.memlock_nbytes = memlock_nbytes
         """Like RLIMIT_MEMLOCK for cudaHostRegister: registrations past it fail (None: no
         limit)."""
@@ -225,6 +260,13 @@ class TwinCopyEngine(CopyEngine):
         if max_delay_s < 0:
             raise ValueError(f"{TWIN_MAX_DELAY_ENV} must be >= 0, got {max_delay_s * 1e6} us")
         self.max_delay_s = max_delay_s
+        if gbps is None and os.environ.get(TWIN_GBPS_ENV):
+            gbps = float(os.environ[TWIN_GBPS_ENV])
+        if gbps is not None and not gbps > 0:
+            raise ValueError(f"{TWIN_GBPS_ENV} must be > 0 GB/s, got {gbps}")
+        self.bytes_per_s = gbps * 1e9 if gbps is not None else None
+        """The timed twin's copy bandwidth (None: untimed)."""
+        self.timing = TwinTiming()
         self._random = random.Random(seed)
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._running = threading.Event()
@@ -242,13 +284,16 @@ class TwinCopyEngine(CopyEngine):
         self._worker.start()
 
     def _take_event(self) -> TwinEvent:
-        event = self._pool.pop() if self._pool else TwinEvent()
+        event = self._pool.pop() if self._pool else TwinEvent(self.timing)
         event.reset()
         self._last = event
         return event
 
     def recycle(self, event: CopyEvent) -> None:
-        if isinstance(event, TwinEvent) and event.query() and event is not self._last:
+        # The last event too: taking it again makes it ``_last`` anew, so ``synchronize``
+        # still waits on the newest copy (pooling depended on id reuse before).
+        if (isinstance(event, TwinEvent) and event.query()
+                and not any(pooled is event for pooled in self._pool)):
             self._pool.append(event)
 
     def _issue(self, dst: torch.Tensor, src: torch.Tensor, guard: Guard | None) -> TwinEvent:
@@ -261,9 +306,11 @@ class TwinCopyEngine(CopyEngine):
         return event
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        check_copy(self.device, dst, src, direction="h2d")
         return self._issue(dst, src, guard)
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        check_copy(self.device, dst, src, direction="d2h")
         return self._issue(dst, src, guard)
 
     def wait_on_compute(self, event: CopyEvent) -> None:
@@ -271,8 +318,11 @@ class TwinCopyEngine(CopyEngine):
         event.synchronize()
 
     def synchronize(self) -> None:
-        if self._last is not None:
-            self._last._done.wait()
+        last = self._last
+        if last is not None and not last.query():  # a failure surfaces at its own event
+            started = time.perf_counter()
+            last._done.wait()
+            self.timing.exposed_s += time.perf_counter() - started
 
     @contextmanager
     def hold(self) -> Iterator[None]:
@@ -300,12 +350,22 @@ class TwinCopyEngine(CopyEngine):
             if job is None:
                 return
             dst, src, guard, event, delay_s = job
+            del job
             self._running.wait()
             if delay_s:
                 time.sleep(delay_s)
-            event._finish(self._copy(dst, src, guard))
+            started = time.perf_counter()
+            error = self._copy(dst, src, guard)
+            nbytes = dst.nbytes
             # Drop the views now: a lingering view would keep the client's arena mmap open.
-            del job, dst, src, guard, event
+            del dst, src, guard
+            if self.bytes_per_s is not None:  # the timed twin: the copy lasts nbytes / rate
+                left_s = started + nbytes / self.bytes_per_s - time.perf_counter()
+                if left_s > 0:
+                    time.sleep(left_s)
+            self.timing.copy_s += time.perf_counter() - started
+            event._finish(error)
+            del event, error
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor,
               guard: Guard | None) -> BaseException | None:
@@ -525,6 +585,8 @@ def select_copy_engine(device: torch.device | str, kind: str | None = None) -> C
         if device.type != "cuda":
             raise ValueError(f"copy engine 'cuda' needs a cuda compute device, got {device}")
         return CudaCopyEngine(device)
+    if device.type == "twin":  # the strict twin's device: host views are not device memory
+        return TwinCopyEngine(device=device)
     if device.type != "cpu":
         raise ValueError(f"copy engine {kind!r} runs CPU compute only, got device {device}")
     return TwinCopyEngine() if kind == "twin" else InlineCopyEngine()

@@ -43,15 +43,13 @@ def resolve_device(choice: DeviceChoice = "auto", *,
     if choice not in ("auto", "cpu", "cuda"):
         raise ValueError(f'device must be "auto", "cpu" or "cuda", got {choice!r}')
     if choice == "cpu":
-        return ComputeDevice(device=torch.device("cpu"), dist_backend="gloo",
-                             reason='config "device": "cpu"')
+        return _cpu_compute('config "device": "cpu"')
     try:
         require_cuda()
     except CopyEngineUnavailableError as error:
         if choice == "cuda":
             raise CopyEngineUnavailableError(f'config "device": "cuda" but {error}') from error
-        return ComputeDevice(device=torch.device("cpu"), dist_backend="gloo",
-                             reason=f"no CUDA: {error}")
+        return _cpu_compute(f"no CUDA: {error}")
     if local_rank is None:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     count = torch.cuda.device_count()
@@ -60,6 +58,18 @@ def resolve_device(choice: DeviceChoice = "auto", *,
                          "launch at most one rank per GPU (torchrun --nproc-per-node)")
     return ComputeDevice(device=torch.device("cuda", local_rank), dist_backend="nccl",
                          reason=f"CUDA available ({count} GPUs)")
+
+
+def _cpu_compute(reason: str) -> ComputeDevice:
+    """CPU compute; on the strict twin (``OFFLOADD_COPY_ENGINE=twin`` with
+    ``OFFLOADD_TWIN_DEVICE=strict``) its tensors live on the twin's device ``twin:0``."""
+    from trainer.copy_engine import COPY_ENGINE_ENV
+    from trainer.device_twin import TWIN_DEVICE_ENV, twin_device, twin_device_mode
+
+    if os.environ.get(COPY_ENGINE_ENV) == "twin" and twin_device_mode() == "strict":
+        return ComputeDevice(device=twin_device(), dist_backend="gloo",
+                             reason=f"{reason}; strict device twin ({TWIN_DEVICE_ENV}=strict)")
+    return ComputeDevice(device=torch.device("cpu"), dist_backend="gloo", reason=reason)
 
 
 def activate(compute: ComputeDevice) -> None:

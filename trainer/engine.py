@@ -60,6 +60,10 @@ def _move_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
                     module._buffers[name] = buffer.to(device)
     else:
         model.to(device=device)
+    if device.type == "twin":  # the strict twin: parameters and buffers become device tensors
+        from trainer.device_twin import adopt_module
+
+        adopt_module(model)
 
 
 class Engine(nn.Module):

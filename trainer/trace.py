@@ -99,8 +99,9 @@ class GatherTrace:
             self._announce(unit.index, self._phase)
 
     def _announce(self, value: int, phase: PhaseKey) -> None:
-        mine = torch.tensor([value], dtype=torch.int64)
-        every = torch.empty(self.collectives.world_size, dtype=torch.int64)
+        device = self.collectives.device  # the gather group's: NCCL takes device tensors
+        mine = torch.tensor([value], dtype=torch.int64, device=device)
+        every = torch.empty(self.collectives.world_size, dtype=torch.int64, device=device)
         self.collectives.all_gather(every, mine)
         self.num_announced += 1
         if bool((every != value).any()):

@@ -287,13 +287,16 @@ def _write_back(engine: Engine, unit: Unit, before: torch.Tensor, modifier_rank:
     """Broadcast the modifier's values; changed elements replace the fp32 master exactly."""
     after = unit.flatten_params(engine.precision.dtype)
     engine.collectives.broadcast(after, modifier_rank)
-    changed = unit.part_slice(after) != unit.part_slice(before)
+    # The optimizer state is host memory (get_state): compare on the host, where the mask
+    # indexes it (a device mask cannot index a host tensor).
+    after_part = unit.part_slice(after).cpu()
+    changed = after_part != unit.part_slice(before).cpu()
     if bool(changed.any()) and not unit.trainable:  # frozen: the partition is all there is
-        engine.backend.set_state(unit.index, {"param": unit.part_slice(after).clone()})
+        engine.backend.set_state(unit.index, {"param": after_part.clone()})
     elif bool(changed.any()):
         state = engine.backend.get_state(unit.index)
         master = state["master"]
-        master[changed] = unit.part_slice(after)[changed].float()
+        master[changed] = after_part[changed].float().to(master.device)
         state["param"] = master.to(engine.precision.dtype)
         engine.backend.set_state(unit.index, state)
     engine.placement.after_step(unit)
