@@ -265,9 +265,9 @@ _RULES: dict[Any, Any] = {
     torch.Tensor.__array__: _host_only,
     torch.Tensor.copy_: _copy,
     torch.Tensor.data.__set__: _set_data,  # type: ignore[attr-defined]
-    torch.Tensor.grad.__set__: _set_grad,  # type: ignore[attr-defined]
-    torch.Tensor.grad.__get__: _get_grad,  # type: ignore[attr-defined]
-    torch.Tensor._grad.__get__: _get_grad,  # type: ignore[attr-defined]
+    torch.Tensor.grad.__set__: _set_grad,  # type: ignore[union-attr]
+    torch.Tensor.grad.__get__: _get_grad,  # type: ignore[union-attr]
+    torch.Tensor._grad.__get__: _get_grad,  # type: ignore[union-attr]
     torch.Tensor.__getitem__: _index,
     torch.Tensor.__setitem__: _index,
     torch._has_compatible_shallow_copy_type: _copy,  # metadata only (Module.to asks it)
@@ -277,8 +277,8 @@ _RULES: dict[Any, Any] = {
 class DeviceTensor(torch.Tensor):
     """Bytes in the twin's device memory: a CPU tensor that refuses host operands."""
 
-    @property  # type: ignore[override]
-    def device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
         return TWIN
 
     @classmethod
