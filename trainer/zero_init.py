@@ -228,6 +228,11 @@ def materialise_unit(engine: Engine, unit: Unit,
 # GatheredParameters
 
 
+def unmaterialised(param: torch.Tensor) -> bool:
+    """Built under ``zero.Init`` and still on ``meta``: ``initialize`` gives it its values."""
+    return param.is_meta and getattr(param, "_zero_init", None) is not None
+
+
 class GatheredParameters:
     """Full parameters outside forward on every rank; ``modifier_rank``'s edits are kept.
 
@@ -245,7 +250,7 @@ class GatheredParameters:
         self._targets: list[tuple[Engine, Unit]] = []
         seen: set[tuple[int, int]] = set()
         for param in params:
-            if enabled and param.is_meta and getattr(param, "_zero_init", None) is not None:
+            if enabled and unmaterialised(param):
                 raise ZeroInitError(
                     "GatheredParameters on parameters built under zero.Init before "
                     "trainer.initialize: they have no values yet and edits would be lost; load "
