@@ -2,16 +2,20 @@
 2 torchrun ranks, state on NVMe through a private daemon whose arena is smaller than the
 state, against the same script under torch DDP (no DeepSpeed config):
 
-- the Trainer's own AdamW and linear schedule (no optimizer/scheduler sections), ZeRO-2
-  with the optimizer on NVMe;
+- the Trainer's own AdamW (two parameter groups) and linear schedule (no
+  optimizer/scheduler sections), ZeRO-2 with the optimizer on NVMe;
+- the same under ZeRO-3 with parameters and optimizer on NVMe, the start weights loaded
+  by ``from_pretrained`` inside the ZeRO-3 flow: transformers builds the model inside
+  ``deepspeed.zero.Init`` (every parameter stays on ``meta`` on every rank) and the
+  checkpoint reaches the units when the Trainer initializes offloadd;
 - the config's AdamW with "auto" values filled by the Trainer and the Trainer's schedule
-  stepped by the engine, ZeRO-3 with parameters and optimizer on NVMe, the start weights
-  loaded by ``from_pretrained`` inside the ZeRO-3 flow (``deepspeed.zero.Init``);
+  stepped by the engine, ZeRO-3 with parameters and optimizer on NVMe, a model built
+  whole on every rank;
 
-both with gradient accumulation, clipping, a checkpoint every 3 steps, evaluation and
-``save_model`` (read back with ``from_pretrained``): the same losses, eval loss and
-weights. Resuming the ZeRO-3 run from its step-3 checkpoint repeats the uninterrupted
-run's losses and weights bit for bit.
+all with gradient accumulation, clipping, a checkpoint every 3 steps, evaluation and
+``save_model`` (read back with ``from_pretrained``): the same losses (the first one is the
+start weights' loss), eval loss and weights. Resuming the last run from its step-3
+checkpoint repeats the uninterrupted run's losses and weights bit for bit.
 """
 
 from __future__ import annotations
@@ -71,8 +75,16 @@ def test_trainer_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
         "--stage", "2", "--offload", "nvme")
     assert_matches(tmp_path / "zero2", tmp_path / "ddp")
 
+    run(tmp_path / "pretrained", "--mode", "offloadd", "--variant", "trainer_optim",
+        "--stage", "3", "--offload", "nvme", "--init", str(tmp_path / "init"))
+    assert_matches(tmp_path / "pretrained", tmp_path / "ddp")
+    numel = sum(param.numel() for param in start.parameters())
+    for rank in range(2):
+        built = json.loads((tmp_path / "pretrained" / f"built_rank{rank}.json").read_text())
+        assert built == {"numel": numel, "materialised_numel": 0}, rank
+
     zero3 = ["--mode", "offloadd", "--variant", "config_optim", "--stage", "3",
-             "--offload", "nvme", "--init", str(tmp_path / "init")]
+             "--offload", "nvme"]
     full = run(tmp_path / "zero3", *zero3)
     assert_matches(tmp_path / "zero3", tmp_path / "ddp")
 
