@@ -7,6 +7,9 @@ before or after ``initialize``, and through ``from_pretrained`` inside
 ``zero.Init``. The engine's logits equal the HF model's (both bf16), and the
 first fine-tuning step's loss is the pretrained model's loss on that batch. A
 model built without loading is the control: its logits are far from them.
+transformers' own ZeRO-3 load (the HF Trainer's, through ``import trainer.hf``)
+goes through the facade's ``GatheredParameters``, which leaves parameters not
+yet materialised to ``initialize``.
 """
 
 from __future__ import annotations

@@ -26,7 +26,9 @@ parameters outside forward on every rank (collective) and, with
 ``modifier_rank``, scatters that rank's changes back into the partitions
 and the fp32 master (in the rank or in the daemon). On parameters that are
 still meta (before ``initialize``) it raises ``ZeroInitError``: there is
-nothing to gather yet and an edit would be lost.
+nothing to gather yet and an edit would be lost. (The ``deepspeed.zero``
+facade that transformers' ZeRO-3 loading calls passes over them instead:
+``initialize`` redoes that load, ``trainer.ds_facade.GatheredParameters``.)
 """
 
 from __future__ import annotations
