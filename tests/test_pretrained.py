@@ -7,11 +7,15 @@ before or after ``initialize``, and through ``from_pretrained`` inside
 ``zero.Init``. The engine's logits equal the HF model's (both bf16), and the
 first fine-tuning step's loss is the pretrained model's loss on that batch. A
 model built without loading is the control: its logits are far from them.
+transformers' own ZeRO-3 load (the HF Trainer's, through ``import trainer.hf``)
+goes through the facade's ``GatheredParameters``, which leaves parameters not
+yet materialised to ``initialize``.
 """
 
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +28,7 @@ from test_engine_parity import _shared_daemon
 
 import trainer
 from trainer.checkpoint import consolidate_fp32_state_dict
+from trainer.ds_facade import GatheredParameters as FacadeGatheredParameters
 from trainer.hf_checkpoint import CheckpointError
 from trainer.pretrained import PretrainedError
 from trainer.zero import GatheredParameters, Init
@@ -187,6 +192,32 @@ def test_load_pretrained_errors_name_the_fix(tmp_path: Path) -> None:
     assert report.missing and all(name.startswith("model.layers.2.") for name in report.missing)
     assert torch.equal(deeper.model.layers[1].mlp.up_proj.weight,
                        model.model.layers[1].mlp.up_proj.weight)
+
+
+def test_the_facades_gather_leaves_unmaterialised_parameters_to_initialize() -> None:
+    """``deepspeed.zero.GatheredParameters`` as ``import trainer.hf`` serves it (transformers'
+    ZeRO-3 load on rank 0): a load into parameters zero.Init has not materialised passes
+    over them, without torch's meta-copy warning (initialize streams the checkpoint);
+    reading their values, or editing a meta parameter zero.Init did not build (the new
+    embedding of resize_token_embeddings), raises ZeroInitError naming the way round."""
+    source = pretrained("gpt2")
+    with Init(config_dict_or_path={}):
+        meta = transformers.GPT2LMHeadModel(source.config)
+    layer = meta.transformer.h[0].mlp.c_fc
+    state = source.transformer.h[0].mlp.c_fc.state_dict()
+    errors: list[str] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with FacadeGatheredParameters(list(layer.parameters()), modifier_rank=0):
+            layer._load_from_state_dict(state, "", {}, True, [], [], errors)
+    assert not errors and all(param.is_meta for param in layer.parameters())
+    embedding = meta.transformer.wte.weight
+    with pytest.raises(ZeroInitError, match="resize_token_embeddings"), \
+            FacadeGatheredParameters(embedding):
+        embedding.sum().item()
+    resized = torch.nn.Embedding(VOCAB + 3, embedding.shape[1], device="meta")
+    with pytest.raises(ZeroInitError, match="did not build"):
+        FacadeGatheredParameters([embedding, resized.weight], modifier_rank=0)
 
 
 def test_load_after_initialize_fills_frozen_units_and_gathered_edits_stick(

@@ -21,23 +21,28 @@ What the callers expect that ``trainer.initialize`` does not do itself:
   ``backward`` on every micro-batch and ``step`` only at the boundary, with
   ``scale_wrt_gas=False`` when the loss is already divided
   (``DeepSpeedEngine``);
-- schedulers need a ``torch.optim.Optimizer`` (``OptimizerView``).
+- schedulers need a ``torch.optim.Optimizer`` (``OptimizerView``);
+- under ZeRO-3, ``from_pretrained`` builds the model inside ``deepspeed.zero.Init``
+  (``trainer.zero.Init``: every parameter on ``meta``) and loads it on rank 0 through
+  ``deepspeed.zero.GatheredParameters``, whose writes into parameters not yet
+  materialised are left to ``initialize`` (``GatheredParameters``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import os
+import warnings
 from collections import OrderedDict, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 import trainer
+from trainer import zero_init
 from trainer.engine import Engine
 from trainer.optimizer import ZeroOptimizer
 
@@ -326,23 +331,75 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                              rank=rank, world_size=world_size)
 
 
-@contextlib.contextmanager
-def zero3_init(*_args: Any, **_kwargs: Any) -> Iterator[None]:
-    """``deepspeed.zero.Init`` inside ``from_pretrained``/``from_config`` under ZeRO-3.
+class GatheredParameters(zero_init.GatheredParameters):
+    """``deepspeed.zero.GatheredParameters`` as transformers calls it while it builds a model
+    under ZeRO-3 (``from_pretrained``, ``from_config``, inside ``deepspeed.zero.Init``,
+    which is ``trainer.zero.Init`` here).
 
-    The model is built whole on every rank and rank 0's weights win: transformers
-    loads the checkpoint on rank 0 only (inside ``GatheredParameters(modifier_rank=0)``)
-    and ``initialize`` broadcasts rank 0's values before partitioning. So the
-    pretrained weights are what trains; the price is one full model per rank
-    until ``initialize``.
+    Parameters that ``zero.Init`` has not materialised yet have no storage to gather or
+    write, and need none: what transformers writes into them on rank 0 is done again, for
+    real, by ``initialize``, which streams the checkpoint the model was loaded from into
+    the parameters transformers flagged as loaded (``trainer.pretrained.pending_source``)
+    and runs the model's init on the rest. So they are passed over (and torch's warning
+    that a copy into ``meta`` does nothing is silenced). Every other parameter is gathered
+    as ``trainer.zero.GatheredParameters`` does. Code that needs their values (an edit
+    such as ``resize_token_embeddings``) gets ``ZeroInitError`` naming the way round.
     """
-    yield
+
+    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor],
+                 modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
+                 enabled: bool = True) -> None:
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._pending = enabled and any(zero_init.unmaterialised(param) for param in params)
+        if enabled and modifier_rank is not None and any(
+                param.is_meta and not zero_init.unmaterialised(param) for param in params):
+            # A new meta tensor (resize_token_embeddings' embedding): no checkpoint or init
+            # would give it the values written here.
+            raise zero_init.ZeroInitError(f"GatheredParameters(modifier_rank={modifier_rank}) "
+                                          f"on a 'meta' parameter that zero.Init did not "
+                                          f"build: {_EDIT_BEFORE_INITIALIZE}")
+        super().__init__([param for param in params if not zero_init.unmaterialised(param)],
+                         modifier_rank, fwd_module, enabled)
+        self._quiet = warnings.catch_warnings() if self._pending else None
+
+    def __enter__(self) -> GatheredParameters:
+        if self._quiet is not None:
+            self._quiet.__enter__()
+            warnings.filterwarnings("ignore", message=_META_COPY_WARNING)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._quiet is not None:
+                self._quiet.__exit__(None, None, None)
+        error = exc[1] if len(exc) > 1 else None
+        if self._pending and isinstance(error, (RuntimeError, NotImplementedError)) and (
+                "meta" in str(error)):
+            raise zero_init.ZeroInitError(
+                f"{type(error).__name__}: {error} -- the values of parameters built under "
+                f"ZeRO-3 were read: {_EDIT_BEFORE_INITIALIZE}") from error
+
+
+_EDIT_BEFORE_INITIALIZE = (
+    "from_pretrained/from_config under ZeRO-3 leave every parameter on 'meta' until the "
+    "Trainer (or accelerate's prepare) initializes offloadd, so the model cannot be read or "
+    "edited before that (resize_token_embeddings, for one). Build and edit the model before "
+    "TrainingArguments(deepspeed=...) / the DeepSpeedPlugin exists (it is then built whole "
+    "on every rank), or edit it once, save_pretrained it and train from that")
+
+_META_COPY_WARNING = ".*copying from a non-meta parameter in the checkpoint to a meta parameter"
+"""torch's ``_load_from_state_dict`` warning for each unmaterialised parameter transformers
+loads into on rank 0 (see ``GatheredParameters``)."""
 
 
 def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], *_args: Any,
                                            **_kwargs: Any) -> Callable[..., Any]:
     """``partition_parameters``' constructor wrapper (transformers patches it around
-    ``zero.Init``); ``zero3_init`` wraps no tensor constructor, so it is the identity."""
+    ``zero.Init``); ``trainer.zero.Init`` wraps no tensor constructor (it moves each new
+    parameter to ``meta``), so it is the identity."""
     return fn
 
 

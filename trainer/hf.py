@@ -89,8 +89,8 @@ def _facade_modules() -> dict[str, types.ModuleType]:
                           **{**comm_names, "init_distributed": ds_facade.init_distributed})
     modules = {
         "deepspeed.comm": comm_module,
-        "deepspeed.zero": _module("deepspeed.zero", Init=ds_facade.zero3_init,
-                                  GatheredParameters=zero_init.GatheredParameters),
+        "deepspeed.zero": _module("deepspeed.zero", Init=zero_init.Init,
+                                  GatheredParameters=ds_facade.GatheredParameters),
         "deepspeed.utils": _module("deepspeed.utils", logger=ds_facade.logger),
         "deepspeed.checkpoint": _module("deepspeed.checkpoint"),
         "deepspeed.checkpoint.utils": _module(

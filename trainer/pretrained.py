@@ -18,13 +18,17 @@ whole model:
 - **a model that is neither**: its tensors are overwritten in place.
 
 ``AutoModelForCausalLM.from_pretrained(path)`` inside ``trainer.zero.Init``
-also works: transformers only takes its ZeRO-3 loading path when a real
-DeepSpeed is installed and configured, so here it builds the model on ``meta``
-and its loaded tensors are dropped by ``zero.Init`` as they are made (its peak
-is one tensor). It leaves every parameter it loaded flagged
-``_is_hf_initialized`` and the model's ``name_or_path`` pointing at the
-checkpoint; ``initialize`` sees the flags and streams the same files as
-``load_pretrained`` would (a hub id is looked up in the local HF cache only).
+also works: transformers only takes its ZeRO-3 loading path when DeepSpeed is
+configured, so here it builds the model on ``meta`` and its loaded tensors are
+dropped by ``zero.Init`` as they are made (its peak is one tensor). Under the
+HF Trainer or accelerate with a ZeRO-3 config (``import trainer.hf``) it takes
+that path, inside ``deepspeed.zero.Init`` (``trainer.zero.Init``): rank 0 reads
+the checkpoint and copies it into the ``meta`` parameters through the facade's
+``GatheredParameters``, which does nothing (``trainer.ds_facade``). Either way
+it leaves every parameter it loaded flagged ``_is_hf_initialized`` and the
+model's ``name_or_path`` pointing at the checkpoint; ``initialize`` sees the
+flags and streams the same files as ``load_pretrained`` would (a hub id is
+looked up in the local HF cache only).
 """
 
 from __future__ import annotations

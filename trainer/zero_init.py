@@ -26,7 +26,9 @@ parameters outside forward on every rank (collective) and, with
 ``modifier_rank``, scatters that rank's changes back into the partitions
 and the fp32 master (in the rank or in the daemon). On parameters that are
 still meta (before ``initialize``) it raises ``ZeroInitError``: there is
-nothing to gather yet and an edit would be lost.
+nothing to gather yet and an edit would be lost. (The ``deepspeed.zero``
+facade that transformers' ZeRO-3 loading calls passes over them instead:
+``initialize`` redoes that load, ``trainer.ds_facade.GatheredParameters``.)
 """
 
 from __future__ import annotations
@@ -228,6 +230,11 @@ def materialise_unit(engine: Engine, unit: Unit,
 # GatheredParameters
 
 
+def unmaterialised(param: torch.Tensor) -> bool:
+    """Built under ``zero.Init`` and still on ``meta``: ``initialize`` gives it its values."""
+    return param.is_meta and getattr(param, "_zero_init", None) is not None
+
+
 class GatheredParameters:
     """Full parameters outside forward on every rank; ``modifier_rank``'s edits are kept.
 
@@ -245,7 +252,7 @@ class GatheredParameters:
         self._targets: list[tuple[Engine, Unit]] = []
         seen: set[tuple[int, int]] = set()
         for param in params:
-            if enabled and param.is_meta and getattr(param, "_zero_init", None) is not None:
+            if enabled and unmaterialised(param):
                 raise ZeroInitError(
                     "GatheredParameters on parameters built under zero.Init before "
                     "trainer.initialize: they have no values yet and edits would be lost; load "

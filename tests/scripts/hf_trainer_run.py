@@ -11,8 +11,10 @@ sections: the Trainer's AdamW and linear schedule), ``config_optim`` (the
 config's AdamW with "auto" hyper-parameters and the Trainer's schedule, which the
 engine then steps and checkpoints). No weight decay, so the Trainer's two AdamW groups
 and the config's one are the same. (The config's own schedulers are DeepSpeed's, one
-step behind HF's: examples/hf_finetune.py runs one.) Rank 0 writes
-``DIR/result.json``: the logged training losses, eval loss and the step count.
+step behind HF's: examples/hf_finetune.py runs one.) ``--init PATH`` takes the start
+weights from ``from_pretrained(PATH)``, and each rank writes ``DIR/built_rank<r>.json``: how
+many parameter elements that built and how many of them hold storage (none under ZeRO-3).
+Rank 0 writes ``DIR/result.json``: the logged training losses, eval loss and the step count.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from transformers import (  # noqa: E402
 )
 
 out = Path(args.out)
+out.mkdir(parents=True, exist_ok=True)
 SEQ = 16
 
 
@@ -95,12 +98,19 @@ training_args = TrainingArguments(
     deepspeed=ds_config() if args.mode == "offloadd" else None,
 )
 torch.manual_seed(0)
-# A real fine-tune loads a checkpoint here: GPT2LMHeadModel.from_pretrained("gpt2").
-model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97,
-                                   n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
-                                   attn_pdrop=0.0))
-if args.init:  # under ZeRO-3 this goes through deepspeed.zero.Init and rank 0's load
+if args.init:
+    # Under ZeRO-3 (TrainingArguments made first) this builds the model inside
+    # deepspeed.zero.Init: on meta, filled from the checkpoint when the Trainer initializes.
     model = GPT2LMHeadModel.from_pretrained(args.init)
+    rank = int(os.environ.get("RANK", "0"))
+    (out / f"built_rank{rank}.json").write_text(json.dumps({
+        "numel": sum(param.numel() for param in model.parameters()),
+        "materialised_numel": sum(param.numel() for param in model.parameters()
+                                  if not param.is_meta)}))
+else:
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=97,
+                                       n_positions=SEQ, resid_pdrop=0.0, embd_pdrop=0.0,
+                                       attn_pdrop=0.0))
 hf_trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(64, 1),
                      eval_dataset=Tokens(8, 2))
 hf_trainer.train(resume_from_checkpoint=args.resume_from)
