@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from offloadd import protocol as p
 from offloadd.config import DaemonConfig
+from offloadd.limits import LimitGuard
 from offloadd.metrics import DaemonMetrics
 from offloadd.session import Session
 
@@ -143,6 +144,7 @@ class FakeDaemon:
         self.metrics = DaemonMetrics()
         self.config = DaemonConfig(socket="/nonexistent/offloadd.sock")
         self.sessions: set[Session] = set()
+        self.limits = LimitGuard(self.config.limits(), self.metrics)
 
 
 def session_on_fake_transport() -> tuple[Session, FakeTransport]:

@@ -4,8 +4,10 @@ A block leaves some names to the reader (``model``, ``loader``, ``config``,
 ``rank``, ...): ``PRELUDES`` defines them, small, for each block, keyed by the
 block's first line. The deployment paths a block names (the node daemon's
 socket, an NVMe mount) are pointed at a private daemon and a temp dir; nothing
-else in the block's text changes. A new README block without a prelude fails
-here, so it has to be made runnable to be added.
+else in the block's text changes; ``/models/llama`` is a tiny Llama saved with
+``save_pretrained``. A new README block without a prelude fails here, so it has to
+be made runnable to be added. The integration sections show only the lines that change
+(```py fragments): their whole scripts are examples/, run by tests/test_examples.py.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 README = Path(__file__).resolve().parent.parent / "README.md"
 NODE_SOCKET = "/run/offloadd/offloadd.sock"
 NVME_MOUNT = "/nvme0/offloadd"
+MODEL_DIR = "/models/llama"
 
 _GPT2 = """
 import torch, transformers
@@ -48,6 +51,17 @@ import trainer
 config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
 rank = 0
 """,
+    "import transformers, trainer": """
+config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+""",
+    "for step, batch in enumerate(loader, start=engine.global_steps):": _GPT2 + """
+import trainer
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(gpt2_config)
+engine, *_ = trainer.initialize(model=model, config={"train_micro_batch_size_per_gpu": 2})
+ids = torch.randint(0, 97, (2, 16))
+loader = [{"input_ids": ids, "labels": ids}] * 2
+""",
     "from trainer.client import OffloadClient": """
 import torch
 tensor = torch.arange(16, dtype=torch.float32)
@@ -72,7 +86,21 @@ def first_line(block: str) -> str:
 def test_every_block_has_a_prelude() -> None:
     blocks = python_blocks(README.read_text())
     assert len(blocks) >= 4
-    assert sorted(first_line(block) for block in blocks) == sorted(PRELUDES)
+    assert {first_line(block) for block in blocks} == set(PRELUDES)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What the README calls /models/llama: a tiny Llama as ``save_pretrained`` writes it."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=2, vocab_size=97,
+                                      max_position_embeddings=32)
+    path = tmp_path_factory.mktemp("llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -87,11 +115,12 @@ def node_daemon() -> Any:
 
 
 @pytest.mark.parametrize("block", python_blocks(README.read_text()), ids=first_line)
-def test_block_runs_as_written(block: str, node_daemon: Any, tmp_path: Path,
+def test_block_runs_as_written(block: str, node_daemon: Any, llama_dir: Path, tmp_path: Path,
                                monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     code = block.replace(NODE_SOCKET, node_daemon.socket_path)
     code = code.replace(NVME_MOUNT, str(tmp_path / "nvme"))
+    code = code.replace(MODEL_DIR, str(llama_dir))
     namespace: dict[str, Any] = {"__name__": "readme"}
     exec(compile(PRELUDES[first_line(block)], "prelude", "exec"), namespace)
     engine = None
