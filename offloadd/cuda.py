@@ -229,11 +229,27 @@ def normalize_pci_bus_id(bus_id: str) -> tuple[int, ...]:
         return ()
 
 
+def _uuid_matches(raw: Any, wanted: str) -> bool:
+    """Whether cupy's ``uuid`` property is the GPU ``wanted`` (normalised hex). cupy's
+    bytes stop before the first zero byte (seen on an H100 whose UUID holds ``00``): a
+    shorter value matches when it is ``wanted``'s prefix followed there by a zero byte."""
+    if not isinstance(raw, bytes):
+        return normalize_uuid(str(raw)).replace("-", "") == wanted.replace("-", "")
+    try:
+        wanted_bytes = bytes.fromhex(wanted.replace("-", ""))
+    except ValueError:
+        return False
+    if len(raw) >= len(wanted_bytes):
+        return raw[:len(wanted_bytes)] == wanted_bytes
+    return wanted_bytes.startswith(raw) and wanted_bytes[len(raw)] == 0
+
+
 def find_device(cupy: Any, uuid: str, pci_bus_id: str = "") -> int:
     """The daemon's device index of the GPU at ``pci_bus_id``, else the one with ``uuid``.
 
     The PCI bus id comes first: cupy returns the UUID's 16 bytes through a C string, which
-    stops at the first zero byte, so UUIDs with a zero byte never match."""
+    stops at the first zero byte; by UUID such a GPU matches only by that prefix, and
+    only when no other visible GPU shares it."""
     wanted = normalize_uuid(uuid)
     runtime = cupy.cuda.runtime
     try:
@@ -246,13 +262,10 @@ def find_device(cupy: Any, uuid: str, pci_bus_id: str = "") -> int:
         for index in range(count):
             if normalize_pci_bus_id(runtime.deviceGetPCIBusId(index)) == wanted_bus:
                 return index
-    for index in range(count):
-        raw = runtime.getDeviceProperties(index).get("uuid", b"")
-        hexed = raw.hex() if isinstance(raw, bytes) else str(raw)
-        dashed = (f"{hexed[:8]}-{hexed[8:12]}-{hexed[12:16]}-{hexed[16:20]}-{hexed[20:]}"
-                  if len(hexed) == 32 else hexed)
-        if normalize_uuid(dashed) == wanted:
-            return index
+    matches = [index for index in range(count)
+               if _uuid_matches(runtime.getDeviceProperties(index).get("uuid", b""), wanted)]
+    if len(matches) == 1:
+        return matches[0]
     raise CopiesRefused("gpu_not_visible", f"GPU {uuid} (PCI {pci_bus_id or '?'}) is not "
                         "visible to the daemon "
                         f"({count} device(s); check CUDA_VISIBLE_DEVICES / the container's "

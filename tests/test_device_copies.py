@@ -500,5 +500,11 @@ def test_find_device_prefers_the_pci_bus_id_over_a_truncated_uuid() -> None:
     dashed = "GPU-58e2a100-0b3c-4d5e-8f9a-0b1c2d3e4f50"
     assert normalize_pci_bus_id("00000000:18:00.0") == normalize_pci_bus_id("0000:18:00.0")
     assert find_device(cupy, dashed, "00000000:18:00.0") == 1
+    assert find_device(cupy, dashed) == 1  # by UUID: the prefix cupy kept, then a zero byte
     with pytest.raises(CopiesRefused, match="not visible"):
-        find_device(cupy, dashed)  # by UUID alone the truncated bytes never match
+        find_device(cupy, "GPU-58e2a1ff-0b3c-4d5e-8f9a-0b1c2d3e4f50")
+    # The H100 of the first GPU run: its UUID holds a zero byte, cupy gave 6 bytes of 16.
+    h100 = bytes.fromhex("a1681e1bb876e2a500076180ee4bf701")
+    runtime.getDeviceProperties = lambda index: {"uuid": h100.split(b"\0")[0]}
+    runtime.getDeviceCount = lambda: 1
+    assert find_device(cupy, "a1681e1b-b876-e2a5-0007-6180ee4bf701") == 0
