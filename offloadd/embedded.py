@@ -18,6 +18,16 @@ class DaemonStartError(RuntimeError):
     pass
 
 
+MAX_SOCKET_PATH_NBYTES = 107
+"""sizeof(sockaddr_un.sun_path) - 1 on Linux."""
+
+
+def _short_tmp() -> str:
+    """A temp dir whose socket paths fit AF_UNIX: ``$TMPDIR`` unless it is long."""
+    base = tempfile.gettempdir()
+    return base if len(os.fsencode(base)) <= 64 else "/tmp"
+
+
 class PrivateDaemon:
     """``offloadd serve`` as a child process on a socket in a private directory."""
 
@@ -55,6 +65,14 @@ class PrivateDaemon:
         workdir = str(workdir)
         os.makedirs(workdir, exist_ok=True)
         socket_path = os.path.join(workdir, "offloadd.sock")
+        short_dir = None
+        if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH_NBYTES:
+            # A deep workdir (a job's scratch tree, pytest's tmp_path) can pass AF_UNIX's
+            # 108-byte limit: the socket then lives in a private dir of its own, short.
+            short_dir = tempfile.mkdtemp(prefix="offloadd-", dir=_short_tmp())
+            socket_path = os.path.join(short_dir, "offloadd.sock")
+            scratch_dirs = [*(scratch_dirs or []), short_dir] if exit_when_idle_s is not None \
+                else scratch_dirs
         args = [sys.executable, "-m", "offloadd", "serve", "--socket", socket_path,
                 "--arena-size", str(arena_size), "--log-level", "info"]
         for swap_dir in swap_dirs or []:
@@ -72,6 +90,8 @@ class PrivateDaemon:
                                        start_new_session=exit_when_idle_s is not None)
         daemon = cls(process, socket_path, workdir, log_path, owned)
         daemon.scratch_dirs = [str(path) for path in scratch_dirs or []]
+        if short_dir is not None and exit_when_idle_s is None:
+            daemon.remove_on_stop.append(short_dir)
         daemon._wait_ready(timeout_s)
         return daemon
 

@@ -199,3 +199,21 @@ def test_a_second_job_on_the_node_gets_a_daemon_of_its_own(tmp_path: Path,
     second_rank.close_job()
     assert exit_code(second) == 0
     assert list((tmp_path / "nvme").iterdir()) == []
+
+
+def test_a_workdir_too_deep_for_af_unix_gets_a_short_socket_dir(tmp_path: Path) -> None:
+    """sun_path holds 107 bytes: a deep workdir (a scratch tree, pytest-xdist's tmp_path)
+    must not stop the daemon from starting; its socket goes to a private short dir,
+    removed when it stops."""
+    deep = tmp_path / ("d" * 60) / ("e" * 60)
+    daemon = PrivateDaemon.start(deep, arena_size="32MiB")
+    try:
+        socket_dir = Path(daemon.socket_path).parent
+        assert len(os.fsencode(str(deep / "offloadd.sock"))) > 107
+        assert socket_dir != deep and (socket_dir.stat().st_mode & 0o777) == 0o700
+        with OffloadClient.connect(daemon.socket_path, job="deep") as client:
+            client.put("a", b"reached")
+            assert client.get("a") == b"reached"
+    finally:
+        assert daemon.stop() == 0
+    assert not socket_dir.exists()
