@@ -122,4 +122,9 @@ if int(os.environ.get("RANK", "0")) == 0:
     (out / "result.json").write_text(json.dumps({
         "losses": losses, "eval_loss": metrics["eval_loss"],
         "global_step": hf_trainer.state.global_step}))
+if torch.distributed.is_initialized():
+    # Both modes leave the group together: a rank exiting while gloo's threads still run
+    # aborts ("terminate called without an active exception"), seen under load in the DDP run.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 sys.exit(0)
