@@ -114,7 +114,6 @@ class DaemonBackend(StateBackend):
         (NVMe only): the next gradient window re-creates it."""
         self._device_sums: dict[int, torch.Tensor] = {}
         """Running gradient sums of open accumulation windows, on the compute device."""
-        self._device_sums_nbytes = 0
         self.device_sum_room_nbytes = _device_sum_room(self.copies)
         """Device memory the running sums may take (a quarter of what is free at start)."""
         self.moved_nbytes = 0
@@ -316,16 +315,16 @@ class DaemonBackend(StateBackend):
         held = self._device_sums.pop(unit, None)
         if held is not None and not first:
             held.add_(grad)
-            if not last:
-                self._device_sums[unit] = held
-                return None
-            return held, True
-        if held is not None:  # a window that ended without its last micro-batch
-            self._device_sums_nbytes -= held.nbytes
-        if last or self._device_sums_nbytes + grad.numel() * 4 > self.device_sum_room_nbytes:
+            if last:
+                return held, True
+            self._device_sums[unit] = held
+            return None
+        # A held sum met by first=True is a window that ended without its last micro-batch:
+        # it was popped above and is dropped.
+        held_nbytes = sum(total.nbytes for total in self._device_sums.values())
+        if last or held_nbytes + grad.numel() * 4 > self.device_sum_room_nbytes:
             return grad, first
         self._device_sums[unit] = grad.to(torch.float32, copy=True)
-        self._device_sums_nbytes += grad.numel() * 4
         return None
 
     def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
@@ -334,8 +333,6 @@ class DaemonBackend(StateBackend):
             summed = self._sum_on_device(unit, grad, first=first, last=last)
             if summed is None:
                 return None
-            if summed[0] is not grad:  # the window's sum leaves the device now
-                self._device_sums_nbytes -= summed[0].nbytes
             grad, first = summed
         self._settle(unit)
         if not self.copies.zero_copy:
