@@ -91,3 +91,9 @@ if int(os.environ.get("RANK", "0")) == 0:
     (out / "result.json").write_text(json.dumps({"losses": losses}))
     torch.save({name: value.float() for name, value in state.items()}, out / "final.pt")
 accelerator.end_training()
+
+if torch.distributed.is_initialized():
+    # Both ranks leave the group together: a rank exiting while gloo's threads still run
+    # aborts ("terminate called without an active exception"), seen under load in DDP runs.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -106,3 +106,9 @@ lightning_trainer = pl.Trainer(
     enable_model_summary=False, use_distributed_sampler=True)
 lightning_trainer.fit(LanguageModel(), train_dataloaders=loader(1, 12),
                       val_dataloaders=loader(2, 8), ckpt_path=args.ckpt_path)
+
+if torch.distributed.is_initialized():
+    # Both ranks leave the group together: a rank exiting while gloo's threads still run
+    # aborts ("terminate called without an active exception"), seen under load in DDP runs.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
