@@ -15,6 +15,7 @@ import itertools
 import os
 import re
 import select
+import shutil
 import socket
 import tempfile
 import threading
@@ -70,6 +71,29 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateDaemon]:
     code = instance.stop()
     assert alive, f"the daemon died during the module; log: {instance.log_path}"
     assert code == 0
+
+
+_SUITE_TMP = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 32 else "/tmp"
+"""Where each test's own temp dir goes: short, so sockets made under it fit AF_UNIX."""
+
+
+@pytest.fixture(autouse=True)
+def test_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Every temp path a test makes goes to one dir of its own, removed after the test.
+
+    ``TMPDIR`` is set for the test and every process it starts (rank processes, torchrun
+    and its ``torchelastic_*`` dirs, private daemons, their default swap dirs), and
+    ``tempfile`` in this process uses it too: rank bodies' ``mkdtemp`` calls, checkpoints
+    and swap files (gigabytes per suite run otherwise) go with the test.
+    """
+    root = tempfile.mkdtemp(prefix="ot-", dir=_SUITE_TMP)
+    os.chmod(root, 0o755)  # other uids' clients (the trust tests) reach sockets under it
+    monkeypatch.setenv("TMPDIR", root)
+    monkeypatch.setattr(tempfile, "tempdir", root)
+    try:
+        yield Path(root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture
