@@ -14,8 +14,10 @@ import io
 import os
 import queue
 import socket
+import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -347,3 +349,30 @@ class RankPool:
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+
+
+@contextmanager
+def shared_daemon(rank: int, swap_dir: str | None = None, *, arena_size: int = 512 << 20,
+                  enabled: bool = True) -> Iterator[str]:
+    """Rank body helper: rank 0 starts one daemon for every rank; yields its socket path.
+
+    On the way out every rank waits for the others before rank 0 stops it, so no rank
+    loses the daemon while another still trains. ``enabled=False`` yields "" (a case
+    without offload) and keeps the closing barrier.
+    """
+    daemon, box = None, [""]
+    if rank == 0 and enabled:
+        from offloadd.embedded import PrivateDaemon
+
+        daemon = PrivateDaemon.start(tempfile.mkdtemp(prefix="offloadd-test-"),
+                                     arena_size=arena_size,
+                                     swap_dirs=[swap_dir] if swap_dir else [])
+        box = [daemon.socket_path]
+    try:
+        if enabled:
+            dist.broadcast_object_list(box, src=0)
+        yield box[0]
+    finally:
+        dist.barrier()
+        if daemon is not None:
+            daemon.stop()

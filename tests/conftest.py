@@ -78,7 +78,8 @@ _SUITE_TMP = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 32 else "/tm
 
 
 @pytest.fixture(autouse=True)
-def test_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+def test_tmpdir(monkeypatch: pytest.MonkeyPatch,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Every temp path a test makes goes to one dir of its own, removed after the test.
 
     ``TMPDIR`` is set for the test and every process it starts (rank processes, torchrun
@@ -86,6 +87,7 @@ def test_tmpdir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     ``tempfile`` in this process uses it too: rank bodies' ``mkdtemp`` calls, checkpoints
     and swap files (gigabytes per suite run otherwise) go with the test.
     """
+    tmp_path_factory.getbasetemp()  # fixed once per session, before TMPDIR moves
     root = tempfile.mkdtemp(prefix="ot-", dir=_SUITE_TMP)
     os.chmod(root, 0o755)  # other uids' clients (the trust tests) reach sockets under it
     monkeypatch.setenv("TMPDIR", root)

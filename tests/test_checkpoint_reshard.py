@@ -16,9 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from _dist import base_config, make_batch, make_model, max_relative_error, run_ranks
-from test_engine_parity import _shared_daemon
+from _dist import base_config, make_batch, make_model, max_relative_error, run_ranks, shared_daemon
 
 import trainer
 from trainer.checkpoint import consolidate_fp32_state_dict
@@ -73,9 +71,8 @@ def _state(engine: Any) -> dict[str, Any]:
 
 
 def save_and_continue(rank: int, world: int, root: str) -> dict[str, Any]:
-    socket_path, daemon = _shared_daemon(rank, None)
     results = {}
-    try:
+    with shared_daemon(rank, None) as socket_path:
         for name, config in CONFIGS.items():
             engine, _, _, _ = trainer.initialize(
                 model=make_model(0), config=_with_daemon(config, socket_path, f"s{name}"))
@@ -86,10 +83,6 @@ def save_and_continue(rank: int, world: int, root: str) -> dict[str, Any]:
             results[name] = {**_state(engine), "losses": losses}
             engine.close()
             results[f"{name}-resumed"] = resume(rank, world, root, name, socket_path)
-    finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
     return results
 
 
@@ -120,18 +113,13 @@ def resume_alone(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def load_at_two(rank: int, world: int, root: str) -> dict[str, Any]:
     """The 1-rank checkpoint loaded at 2 ranks, before any step."""
-    socket_path, daemon = _shared_daemon(rank, None)
     results = {}
-    try:
+    with shared_daemon(rank, None) as socket_path:
         for name in CONFIGS:
             engine = _engine(name, world, socket_path, f"t{name}")
             engine.load_checkpoint(Path(root) / f"{name}-one")
             results[name] = _state(engine)
             engine.close()
-    finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
     return results
 
 

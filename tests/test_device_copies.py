@@ -260,17 +260,14 @@ def _train_cases(rank: int, world: int, device: str, cases: list[dict]) -> list[
     """Rank body: each case in its own job on one shared daemon, with daemon copies."""
     import tempfile
 
-    import torch.distributed as dist
-    from _dist import make_batch, make_model
-    from test_engine_parity import _shared_daemon
+    from _dist import make_batch, make_model, shared_daemon
 
     import trainer
     from trainer.checkpoint import consolidate_fp32_state_dict
 
     swap_dir = tempfile.mkdtemp(prefix="offloadd-swap-") if device == "nvme" else None
-    socket_path, daemon = _shared_daemon(rank, swap_dir, arena_size=256 << 20)
     results = []
-    try:
+    with shared_daemon(rank, swap_dir, arena_size=256 << 20) as socket_path:
         for index, config in enumerate(cases):
             config = {**config, "offloadd": {"socket": socket_path, "job": f"dc{device}{index}",
                                              "arena_size": 16 << 20,
@@ -295,10 +292,6 @@ def _train_cases(rank: int, world: int, device: str, cases: list[dict]) -> list[
                 results.append((consolidate_fp32_state_dict(engine), stats))
             finally:
                 engine.close()
-    finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
     return results
 
 

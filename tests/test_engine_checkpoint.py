@@ -9,9 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from _dist import base_config, make_batch, make_model, run_ranks
-from test_engine_parity import _shared_daemon
+from _dist import base_config, make_batch, make_model, run_ranks, shared_daemon
 
 import trainer
 from trainer.checkpoint import consolidate_fp32_state_dict
@@ -40,9 +38,8 @@ def _with_daemon(config: dict[str, Any], socket_path: str, job: str) -> dict[str
 
 
 def round_trip(rank: int, world: int, configs: list[dict[str, Any]], root: str) -> list[Any]:
-    socket_path, daemon = _shared_daemon(rank, None)
     results = []
-    try:
+    with shared_daemon(rank, None) as socket_path:
         for index, config in enumerate(configs):
             save_dir = Path(root) / f"case{index}"
             engine, _, _, _ = trainer.initialize(
@@ -59,10 +56,6 @@ def round_trip(rank: int, world: int, configs: list[dict[str, Any]], root: str) 
             _train(fresh, rank, range(5, 10))
             results.append((straight, _summary(fresh)))
             fresh.close()
-    finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
     return results
 
 

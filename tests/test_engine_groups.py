@@ -17,9 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from _dist import make_batch, make_model, max_relative_error, run_ranks
-from test_engine_parity import _shared_daemon
+from _dist import make_batch, make_model, max_relative_error, run_ranks, shared_daemon
 from torch import nn
 
 import trainer
@@ -75,9 +73,8 @@ TRAINED = {"frozen": ("head.",), "middle": ("head.", "inp.")}
 
 def train_rank(rank: int, world: int, cases: list[tuple[str, int, str]]) -> list[Any]:
     swap_dir = tempfile.mkdtemp(prefix="offloadd-groups-")
-    socket_path, daemon = _shared_daemon(rank, swap_dir)
     results = []
-    try:
+    with shared_daemon(rank, swap_dir) as socket_path:
         for index, (kind, stage, device) in enumerate(cases):
             config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 4,
                                       "optimizer": OPTIMIZER,
@@ -104,10 +101,6 @@ def train_rank(rank: int, world: int, cases: list[tuple[str, int, str]]) -> list
                 results.append((state, facts))
             finally:
                 engine.close()
-    finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
     return results
 
 

@@ -7,15 +7,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from _dist import (
     lm_adamw_reference,
     lm_engine_train,
     lm_tokens_alternating,
     max_relative_error,
     run_ranks,
+    shared_daemon,
 )
-from test_engine_parity import _shared_daemon
 
 import trainer
 from trainer.checkpoint import consolidate_fp32_state_dict
@@ -46,9 +45,8 @@ def ds_config(offload: str) -> dict[str, Any]:
 
 
 def train_rank(rank: int, world: int) -> list[Any]:
-    socket_path, daemon = _shared_daemon(rank, None)
     results = []
-    try:
+    with shared_daemon(rank, None) as socket_path:
         for offload in ("none", "cpu"):
             config = ds_config(offload)
             if offload != "none":
@@ -57,10 +55,6 @@ def train_rank(rank: int, world: int) -> list[Any]:
             losses = lm_engine_train(engine, STEPS, rank, lm_tokens_alternating)
             results.append((consolidate_fp32_state_dict(engine), losses))
             engine.close()
-    finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
     return results
 
 

@@ -15,8 +15,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from _dist import base_config, engine_train, max_relative_error, reference_train, run_ranks
+from _dist import (
+    base_config,
+    engine_train,
+    max_relative_error,
+    reference_train,
+    run_ranks,
+    shared_daemon,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device_twin")]
 
@@ -47,29 +53,12 @@ def parity_cases(device: str) -> list[dict[str, Any]]:
     return cases
 
 
-def _shared_daemon(rank: int, swap_dir: str | None,
-                   arena_size: int = 512 << 20) -> tuple[str, Any]:
-    """Rank 0 starts one daemon for every rank; each rank gets (socket path, daemon or None).
-    The caller stops it after a barrier."""
-    daemon, box = None, [""]
-    if rank == 0:
-        from offloadd.embedded import PrivateDaemon
-
-        daemon = PrivateDaemon.start(tempfile.mkdtemp(prefix="offloadd-test-"),
-                                     arena_size=arena_size,
-                                     swap_dirs=[swap_dir] if swap_dir else [])
-        box = [daemon.socket_path]
-    dist.broadcast_object_list(box, src=0)
-    return box[0], daemon
-
-
 def run_cases(rank: int, world: int, cases: list[dict[str, Any]], device: str,
               embedded_case: int) -> list[Any]:
     """Rank body: every case in order; offloaded cases use the shared daemon but one."""
     swap_dir = tempfile.mkdtemp(prefix="offloadd-swap-") if device == "nvme" else None
-    socket_path, daemon = _shared_daemon(rank, swap_dir) if device != "none" else ("", None)
     results = []
-    try:
+    with shared_daemon(rank, swap_dir, enabled=device != "none") as socket_path:
         for index, config in enumerate(cases):
             config = dict(config)
             if device == "nvme":
@@ -81,10 +70,6 @@ def run_cases(rank: int, world: int, cases: list[dict[str, Any]], device: str,
                                       "arena_size": 16 << 20}
             steps = config.pop("_steps", STEPS)
             results.append(engine_train(rank, world, config, steps, cycle=config.pop("_cycle", 0)))
-    finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
     return results
 
 

@@ -22,9 +22,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from _dist import lm_adamw_run, lm_tokens, max_relative_error, run_ranks
-from test_engine_parity import HAS_NVME_TIER, _shared_daemon
+from _dist import lm_adamw_run, lm_tokens, max_relative_error, run_ranks, shared_daemon
+from test_engine_parity import HAS_NVME_TIER
 
 import trainer
 from trainer.checkpoint import consolidate_fp32_state_dict
@@ -110,9 +109,8 @@ def train(engine: Any, rank: int, *, stray_gather: bool) -> tuple[list[float], l
 
 def train_rank(rank: int, world: int) -> list[Any]:
     swap_dir = tempfile.mkdtemp(prefix="offloadd-prefetch-step-")
-    socket_path, daemon = _shared_daemon(rank, swap_dir)
     results = []
-    try:
+    with shared_daemon(rank, swap_dir) as socket_path:
         for case, (clip, stray) in enumerate(zip(CLIPS, STRAY_GATHER, strict=True)):
             model = make_llama()
             engine, _, _, _ = trainer.initialize(
@@ -123,10 +121,6 @@ def train_rank(rank: int, world: int) -> list[Any]:
             losses, gathers = train(engine, rank, stray_gather=stray)
             results.append((consolidate_fp32_state_dict(engine), losses, gathers, unsafe))
             engine.close()
-    finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
     return results
 
 

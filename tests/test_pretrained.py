@@ -21,10 +21,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from _dist import lm_tokens, run_ranks
+from _dist import lm_tokens, run_ranks, shared_daemon
 from safetensors import safe_open
-from test_engine_parity import _shared_daemon
 
 import trainer
 from trainer.checkpoint import consolidate_fp32_state_dict
@@ -106,9 +104,8 @@ def build(kind: str, path: Path, how: str, config: dict[str, Any]) -> Any:
 
 
 def load_rank(rank: int, world: int, paths: dict[str, Path]) -> dict[str, Any]:
-    socket_path, daemon = _shared_daemon(rank, None, arena_size=64 << 20)
     results: dict[str, Any] = {}
-    try:
+    with shared_daemon(rank, None, arena_size=64 << 20) as socket_path:
         for index, (name, kind, checkpoint, how, stage, device) in enumerate(CASES):
             config = ds_config(stage, device, socket_path, f"pretrained{index}")
             model = build(kind, paths[checkpoint], how, config)
@@ -129,10 +126,6 @@ def load_rank(rank: int, world: int, paths: dict[str, Path]) -> dict[str, Any]:
             engine.step()
             results[name] = {"on_meta": on_meta, "logits": logits, "first_loss": loss.item()}
             engine.close()
-    finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
     return results
 
 

@@ -181,23 +181,21 @@ def test_disconnect_with_read_ahead_in_flight_leaks_no_lease_or_pin(
 def _train_readahead(rank: int, world: int, device: str, config: dict) -> object:
     import tempfile
 
-    import torch.distributed as dist
-    from _dist import make_batch, make_model
-    from test_engine_parity import _shared_daemon
+    from _dist import make_batch, make_model, shared_daemon
 
     import trainer
     from trainer.checkpoint import consolidate_fp32_state_dict
 
     swap_dir = tempfile.mkdtemp(prefix="offloadd-swap-") if device == "nvme" else None
-    socket_path, daemon = _shared_daemon(rank, swap_dir, arena_size=256 << 20)
-    config = {**config, "offloadd": {"socket": socket_path, "job": f"ra{device}",
+    config = {**config, "offloadd": {"job": f"ra{device}",
                                      "arena_size": 16 << 20, "device_copies": "daemon",
                                      "staging_slots": 4, "staging_readahead_slots": 2}}
     if swap_dir:
         for section in config["zero_optimization"].values():
             if isinstance(section, dict):
                 section["nvme_path"] = swap_dir
-    try:
+    with shared_daemon(rank, swap_dir, arena_size=256 << 20) as socket_path:
+        config["offloadd"]["socket"] = socket_path
         model = make_model(0)
         engine, _, _, _ = trainer.initialize(model=model, model_parameters=model.parameters(),
                                              config=config)
@@ -216,10 +214,6 @@ def _train_readahead(rank: int, world: int, device: str, config: dict) -> object
             return consolidate_fp32_state_dict(engine), firsts, stats
         finally:
             engine.close()
-    finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
 
 
 STEPS = 5

@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from _dist import (
     lm_adamw_reference,
     lm_engine_train,
@@ -17,8 +16,9 @@ from _dist import (
     lm_tokens_alternating,
     max_relative_error,
     run_ranks,
+    shared_daemon,
 )
-from test_engine_parity import HAS_NVME_TIER, _shared_daemon
+from test_engine_parity import HAS_NVME_TIER
 
 import trainer
 from trainer.checkpoint import consolidate_fp32_state_dict
@@ -78,9 +78,8 @@ def _edit_and_check(engine: Any, model: Any, rank: int) -> dict[str, Any]:
 
 def train_rank(rank: int, world: int, device: str) -> list[Any]:
     swap_dir = tempfile.mkdtemp(prefix="offloadd-swap-") if device == "nvme" else None
-    socket_path, daemon = _shared_daemon(rank, swap_dir) if device != "none" else ("", None)
     results = []
-    try:
+    with shared_daemon(rank, swap_dir, enabled=device != "none") as socket_path:
         for stage in (3, 2):
             config = ds_config(stage, device, swap_dir, socket_path, f"init{stage}")
             with Init(config_dict_or_path=config):
@@ -94,10 +93,6 @@ def train_rank(rank: int, world: int, device: str) -> list[Any]:
             results.append({"stage": stage, "on_meta": on_meta, "initial": initial,
                             "final": final, "losses": losses, "edits": edits})
             engine.close()
-    finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
     return results
 
 
