@@ -27,6 +27,7 @@ from offloadd.errors import (
 from offloadd.protocol import Placed, check_ids
 from offloadd.scheduler import Priority
 from offloadd.shards import (
+    IN_ARENA,
     Lease,
     Residency,
     Shard,
@@ -204,6 +205,8 @@ class Job:
                ) -> Placed | Awaitable[Placed]:
         if leases is not None and mode is not None:
             check_grantable(shards, mode)
+        if _ready(shards, mode):  # the common case, checked in one pass
+            return self._lease_and_reply(shards, leases, mode)
         if mode == "w" and any(s.io is not None for s in shards):
             return self._serve_slow(shards, leases, mode)  # wait for the write-back
         if all(s.in_arena for s in shards) or self._place_now(shards):
@@ -439,6 +442,14 @@ class Job:
             "swap_reserved_nbytes": swap_reserved,
             "sessions": self.num_sessions,
         }
+
+
+def _ready(shards: list[Shard], mode: str | None) -> bool:
+    """Every shard in the arena, and none with a write-back a writer must wait for."""
+    for shard in shards:
+        if shard.residency not in IN_ARENA or (mode == "w" and shard.io is not None):
+            return False
+    return True
 
 
 def _count_shards(shards: Iterable[Shard], residency: dict[str, int]) -> int:

@@ -32,6 +32,7 @@ from offloadd.errors import (
     PermissionDeniedError,
     VersionMismatchError,
 )
+from offloadd.metrics import Histogram
 from offloadd.shards import Lease, Shard
 
 if TYPE_CHECKING:
@@ -95,11 +96,14 @@ class Session(asyncio.Protocol):
         self.writing_paused = False
         self.in_flight = 0
         self.max_ids = daemon.config.max_ids_per_request
-        self.observe_request = daemon.metrics.observe_request
         self.max_frame_nbytes = min(p.MAX_FRAME_NBYTES, daemon.config.max_partial_frame_nbytes)
         self.pending_nbytes = 0
         """Bytes of ``buffer`` counted against the uid (LimitGuard.pending_changed)."""
-        self.handlers: dict[type, Callable[[Any], Any]] = {
+        self.staging: device_copies.SessionStaging | None = None
+        """Daemon-driven device copies into this rank's GPU staging slots, once opened."""
+        self.staging_opening = False
+        """A staging_open is being served (its copier opens off the loop)."""
+        handlers: dict[type, Callable[[Any], Any]] = {
             p.Alloc: self.on_alloc,
             p.Acquire: self.on_acquire,
             p.Release: self.on_release,
@@ -110,12 +114,13 @@ class Session(asyncio.Protocol):
             p.Stats: self.on_stats,
             p.OptimizerStep: self.on_optimizer_step,
             p.CloseJob: self.on_close_job,
+            **device_copies.handlers(self),
         }
-        self.staging: device_copies.SessionStaging | None = None
-        """Daemon-driven device copies into this rank's GPU staging slots, once opened."""
-        self.staging_opening = False
-        """A staging_open is being served (its copier opens off the loop)."""
-        self.handlers.update(device_copies.handlers(self))
+        self.routes: dict[type, Route] = {
+            kind: (handler, _op_name(kind), daemon.metrics.ok_histogram(_op_name(kind)))
+            for kind, handler in handlers.items()}
+        """The data-plane requests of a live session: handler, op label and the histogram an
+        ok reply is observed in, found with one look-up per request."""
 
     # -- connection lifecycle -------------------------------------------------------
 
@@ -338,25 +343,16 @@ class Session(asyncio.Protocol):
     # -- dispatch -------------------------------------------------------------------
 
     def dispatch(self, request: p.Request, started: float) -> None:
-        kind = type(request)
-        op = _OP_NAMES.get(kind) or _op_name(kind)
+        route = self.routes.get(type(request)) if self.job is not None else None
+        if route is None:
+            self.dispatch_control(request, started)
+            return
+        handler, op, ok_seconds = route  # the hot path: a data-plane request of a live session
         try:
             ids = getattr(request, "ids", None)
             if ids is not None and len(ids) > self.max_ids:
                 self.daemon.limits.check_ids(len(ids))
-            handler = self.handlers.get(kind) if self.job is not None else None
-            if handler is not None:  # the hot path: a data-plane request of a live session
-                result: Any = handler(request)
-            elif isinstance(request, p.Hello):
-                self.on_hello(request)  # replies itself: the arena fd rides on its reply
-                self.daemon.metrics.observe_request(op, "ok", time.perf_counter() - started)
-                return
-            elif isinstance(request, p.NodeStatus):  # admin query: uid checked at connect
-                result = self.on_node_status(request)
-            elif self.job is None:
-                raise NoSessionError("send hello before any other request")
-            else:
-                result = self.handlers[type(request)](request)
+            result: Any = handler(request)
         except OffloadError as exc:
             self.reply_error(request.rid, op, exc, started)
             return
@@ -364,7 +360,36 @@ class Session(asyncio.Protocol):
             log.exception("event=handler_failed op=%s", op)
             self.reply_error(request.rid, op, InternalError(f"{op} failed: {exc!r}"), started)
             return
-        if result is None or isinstance(result, p.Reply):
+        if result is not None and not isinstance(result, p.Reply):
+            self.spawn(self.finish_async(request.rid, op, result, started))
+            return
+        transport = self.transport
+        if transport is not None and not self.closed:
+            reply = p.Ok(request.rid) if result is None else result
+            reply.rid = request.rid
+            payload = _encode(reply)
+            transport.write(p.HEADER.pack(len(payload)) + payload)  # one write per reply
+        ok_seconds.observe(time.perf_counter() - started)
+
+    def dispatch_control(self, request: p.Request, started: float) -> None:
+        """Hello, node_status, and any request of a connection without a job."""
+        op = _op_name(type(request))
+        try:
+            if isinstance(request, p.Hello):
+                self.on_hello(request)  # replies itself: the arena fd rides on its reply
+                self.daemon.metrics.observe_request(op, "ok", time.perf_counter() - started)
+                return
+            if not isinstance(request, p.NodeStatus):  # admin query: uid checked at connect
+                raise NoSessionError("send hello before any other request")
+            result = self.on_node_status(request)
+        except OffloadError as exc:
+            self.reply_error(request.rid, op, exc, started)
+            return
+        except Exception as exc:  # a daemon bug must cost one request, not the daemon
+            log.exception("event=handler_failed op=%s", op)
+            self.reply_error(request.rid, op, InternalError(f"{op} failed: {exc!r}"), started)
+            return
+        if isinstance(result, p.Reply):
             self.reply_ok(request.rid, op, result, started)
         else:
             self.spawn(self.finish_async(request.rid, op, result, started))
@@ -374,10 +399,8 @@ class Session(asyncio.Protocol):
             reply = p.Ok(rid)
         else:
             reply.rid = rid
-        if self.transport is not None and not self.closed:
-            payload = _encode(reply)
-            self.transport.write(p.HEADER.pack(len(payload)) + payload)
-        self.observe_request(op, "ok", time.perf_counter() - started)
+        self.send(reply)
+        self.daemon.metrics.observe_request(op, "ok", time.perf_counter() - started)
 
     def reply_error(self, rid: int, op: str, error: OffloadError, started: float) -> None:
         self.send(p.ErrorReply(rid, error.code.value, error.message, error.shard_ids))
@@ -599,13 +622,13 @@ class Session(asyncio.Protocol):
         return step
 
 
-_OP_NAMES: dict[type, str] = {}
+Route = tuple[Callable[[Any], Any], str, Histogram]
+"""A data-plane request's handler, op label and ok-duration histogram (Session.routes)."""
 
 
 def _op_name(kind: type) -> str:
-    """The wire tag of a request type (the metrics' ``op`` label), cached per type."""
-    name = _OP_NAMES[kind] = kind.__struct_config__.tag  # type: ignore[attr-defined]
-    return name
+    """The wire tag of a request type (the metrics' ``op`` label)."""
+    return kind.__struct_config__.tag  # type: ignore[attr-defined]
 
 
 MAX_JOB_NAME_NBYTES = 128

@@ -98,6 +98,12 @@ class Shard:
     serial: int = 0
     """Creation order within the job's table: the order a scan of the table meets it,
     which breaks ties between equal eviction keys (offloadd.eviction)."""
+    arena_nbytes: int = field(init=False, repr=False)
+    """The arena range it needs (``nbytes`` page-aligned, at least one page); a shard's
+    size never changes, so this is worked out once, not on every lease."""
+
+    def __post_init__(self) -> None:
+        self.arena_nbytes = align_up(max(self.nbytes, 1))
 
     @property
     def leased(self) -> bool:
@@ -110,10 +116,6 @@ class Shard:
     @property
     def in_arena(self) -> bool:
         return self.residency in IN_ARENA
-
-    @property
-    def arena_nbytes(self) -> int:
-        return align_up(max(self.nbytes, 1))
 
 
 class Lease:
@@ -270,7 +272,7 @@ class ShardTable:
 
     def grant(self, leases: dict[Shard, Lease], shard: Shard, mode: str) -> None:
         """Record a lease that ``check_grantable`` allowed."""
-        if not shard.leased:
+        if not shard.readers and not shard.writer:
             self._leased_nbytes += shard.arena_nbytes
         grant(leases, shard, mode)
         changed = self.changed
@@ -281,7 +283,7 @@ class ShardTable:
                   torn: bool = False) -> bool:
         """Drop one lease (see the module's ``give_back``), keeping the leased-bytes count."""
         dirtied = give_back(leases, shard, dirty, torn)
-        if not shard.leased:
+        if not shard.readers and not shard.writer:
             self._leased_nbytes -= shard.arena_nbytes
         changed = self.changed
         if changed is not None:
@@ -295,24 +297,32 @@ def check_grantable(shards: list[Shard], mode: str) -> None:
     Checked for the whole batch before any lease is taken, so a conflict leaks
     nothing; ``grant`` then only records.
     """
+    if mode == "w":
+        check_writable(shards)
+        return
+    for shard in shards:
+        if shard.torn:
+            raise TornShardError(
+                f"shard {shard.shard_id!r} was torn: its last write lease ended by an error or "
+                "its client's death; write it again (acquire 'w' and release) before reading",
+                [shard.shard_id])
+        if shard.writer:
+            raise LeaseConflictError(
+                f"shard {shard.shard_id!r} is leased for writing; release it first",
+                [shard.shard_id],
+            )
+
+
+def check_writable(shards: list[Shard]) -> None:
+    """Write leases are exclusive: no shard of the batch leased, nor named twice."""
     seen: set[int] = set()
     for shard in shards:
-        if mode == "w" and (shard.leased or id(shard) in seen):
+        if shard.leased or id(shard) in seen:
             holder = "for writing" if shard.writer else f"by {shard.readers} reader(s)"
             raise LeaseConflictError(
                 f"shard {shard.shard_id!r} is already leased "
                 f"({holder if shard.leased else 'twice in this batch'}); "
                 "release it before acquiring for writing",
-                [shard.shard_id],
-            )
-        if mode == "r" and shard.torn:
-            raise TornShardError(
-                f"shard {shard.shard_id!r} was torn: its last write lease ended by an error or "
-                "its client's death; write it again (acquire 'w' and release) before reading",
-                [shard.shard_id])
-        if mode == "r" and shard.writer:
-            raise LeaseConflictError(
-                f"shard {shard.shard_id!r} is leased for writing; release it first",
                 [shard.shard_id],
             )
         seen.add(id(shard))

@@ -117,6 +117,9 @@ class ShardLease:
     used after its release wherever the engine calls ``check_view``.
     """
 
+    __slots__ = ("_owner", "_view", "dtype", "group", "mode", "nbytes", "offset", "shard_id",
+                 "version")
+
     def __init__(self, owner: Any, shard_id: str, mode: str, offset: int, nbytes: int,
                  version: int, dtype: str, view: memoryview) -> None:
         self._owner = owner
@@ -124,6 +127,7 @@ class ShardLease:
         self.nbytes, self.version, self.dtype = nbytes, version, dtype
         self._view: memoryview | None = view
         self.group: LeaseGroup | None = None
+        """The batch this lease was taken in (``acquire_many``); None for ``acquire``."""
 
     @property
     def released(self) -> bool:
@@ -155,7 +159,7 @@ class ShardLease:
 
     def release(self, dirty: bool | None = None) -> None:
         """Give the lease back; a write lease is committed (dirty) unless told otherwise."""
-        if self.released:
+        if self._view is None or self._owner.closed:  # released
             return
         self._owner._release([self], self.mode == "w" if dirty is None else dirty)
 
@@ -333,6 +337,15 @@ class _ClientBase:
         self._next_rid += 1
         return self._next_rid
 
+    def _lease(self, shard_id: str, mode: str, reply: p.Reply) -> ShardLease:
+        """The lease of a single-shard acquire (``_leases`` for one id, without the lists)."""
+        assert isinstance(reply, p.Placed)
+        offset, nbytes = reply.offsets[0], reply.nbytes[0]
+        if self.lease_ranges is not None:
+            self.lease_ranges.hold(offset, nbytes, shard_id)
+        return ShardLease(self, shard_id, mode, offset, nbytes, reply.versions[0],
+                          reply.dtypes[0], self.arena.view[offset : offset + nbytes])
+
     def _leases(self, ids: list[str], mode: str, reply: p.Reply) -> list[ShardLease]:
         assert isinstance(reply, p.Placed)
         view = self.arena.view
@@ -408,8 +421,9 @@ class OffloadClient(_ClientBase):
         if self.closed:
             raise DaemonUnavailableError("client is closed")
         self._next_rid = request.rid = rid = self._next_rid + 1
+        payload = _encode(request)
         try:
-            self._sock.sendall(_frame(request))
+            self._sock.sendall(p.HEADER.pack(len(payload)) + payload)
         except (TimeoutError, BlockingIOError):  # SO_SNDTIMEO/SO_RCVTIMEO ran out
             raise self._timed_out() from None
         except OSError as exc:
@@ -423,6 +437,12 @@ class OffloadClient(_ClientBase):
 
     def _read_frame(self) -> p.Reply:
         buffer = self._rbuf
+        if not buffer:  # the common case: one recv returns exactly one reply
+            chunk = self._recv()
+            if (len(chunk) >= p.HEADER_NBYTES
+                    and p.HEADER.unpack_from(chunk)[0] == len(chunk) - p.HEADER_NBYTES):
+                return p.decode_reply(chunk[p.HEADER_NBYTES:])
+            buffer += chunk
         while True:
             if len(buffer) >= p.HEADER_NBYTES:
                 (length,) = p.HEADER.unpack_from(buffer)
@@ -432,20 +452,18 @@ class OffloadClient(_ClientBase):
                         reply = p.decode_reply(view[p.HEADER_NBYTES:end])
                     del buffer[:end]
                     return reply
-            try:
-                chunk = self._sock.recv(1 << 16)
-            except (TimeoutError, BlockingIOError):
-                raise self._timed_out() from None
-            except OSError as exc:
-                raise DaemonUnavailableError(f"lost the daemon: {exc}") from exc
-            if not chunk:
-                raise DaemonUnavailableError("the daemon closed the connection")
-            if not buffer and len(chunk) >= p.HEADER_NBYTES:
-                # The common case: the chunk is exactly one reply; decode it in place.
-                (length,) = p.HEADER.unpack_from(chunk)
-                if len(chunk) == p.HEADER_NBYTES + length:
-                    return p.decode_reply(memoryview(chunk)[p.HEADER_NBYTES:])
-            buffer += chunk
+            buffer += self._recv()
+
+    def _recv(self) -> bytes:
+        try:
+            chunk = self._sock.recv(1 << 16)
+        except (TimeoutError, BlockingIOError):
+            raise self._timed_out() from None
+        except OSError as exc:
+            raise DaemonUnavailableError(f"lost the daemon: {exc}") from exc
+        if not chunk:
+            raise DaemonUnavailableError("the daemon closed the connection")
+        return chunk
 
     def _wait_reply(self, rid: int) -> p.Reply:
         with self._lock:
@@ -476,9 +494,8 @@ class OffloadClient(_ClientBase):
 
     def acquire(self, shard_id: str, mode: str = "r") -> ShardLease:
         """Lease one shard; use as a context manager. ``mode`` is "r" or "w"."""
-        ids = [shard_id]
-        request = p.Acquire(0, ids, mode)  # type: ignore[arg-type]
-        return self._group(ids, mode, self._call(request))[0]
+        reply = self._call(p.Acquire(0, [shard_id], mode))  # type: ignore[arg-type]
+        return self._lease(shard_id, mode, reply)
 
     def acquire_many(self, ids: Iterable[str], mode: str = "r") -> LeaseGroup:
         id_list = list(ids)
