@@ -52,7 +52,15 @@ config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}
 rank = 0
 """,
     "import transformers, trainer": """
-config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+import os
+offload = {"device": "nvme", "nvme_path": os.path.abspath("nvme")}  # in the test's tmp_path
+config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+          "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10}},
+          "bf16": {"enabled": True},
+          "zero_optimization": {"stage": 3, "offload_param": offload,
+                                "offload_optimizer": offload}}
+resume = False
 """,
     "for step, batch in enumerate(loader, start=engine.global_steps):": _GPT2 + """
 import trainer
