@@ -4,11 +4,14 @@
 the compute stream. Inside ``ahead_of_compute`` the host issues to the copy
 stream and does not wait; compute waits at use (``wait_on_compute(ready())``).
 These tests check that structure, never timings: with the worker held, issuing
-returns.
+returns; in a stage-3 step the H2D of the next unit is issued before the
+current unit computes and waited for only after it; no gradient D2H is waited
+for during backward (the optimizer step it feeds is sent once it completed).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -16,7 +19,10 @@ from typing import Any
 import pytest
 import torch
 
-from trainer.copy_engine import CopyAfterReleaseError, TwinCopyEngine
+import trainer
+import trainer.copy_engine
+from offloadd import demo_train
+from trainer.copy_engine import CopyAfterReleaseError, TwinCopyEngine, TwinEvent
 
 ISSUE_TIMEOUT_S = 60.0
 """Only a failing test waits this long (issuing hung on a held worker)."""
@@ -106,3 +112,95 @@ def test_stage3_prefetch_returns_with_its_copy_in_flight(connect, twin: TwinCopy
         full.free(unit)
     finally:
         backend.close()
+
+
+class RecordingTwin(TwinCopyEngine):
+    """Logs, in the host's order, each H2D into a unit's parameters and each time the
+    host blocks on a copy event, tagged with the event's copy."""
+
+    def __init__(self, log: list[tuple[str, str]], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.log = log
+        self.tags: dict[int, str] = {}
+        self._last_h2d = ""
+
+    def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Any = None) -> Any:
+        event = super().h2d(dst, src, guard=guard)
+        shard_id = getattr(guard, "shard_id", "")
+        self.tags[id(event)] = self._last_h2d = f"h2d {shard_id.split('.')[0]}"
+        self.log.append(("issue", self._last_h2d))
+        return event
+
+    def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Any = None) -> Any:
+        event = super().d2h(dst, src, guard=guard)
+        self.tags[id(event)] = f"d2h {getattr(guard, 'shard_id', '').split('.')[0]}"
+        return event
+
+    def ready(self) -> Any:
+        event = super().ready()
+        self.tags[id(event)] = f"ready {self._last_h2d.removeprefix('h2d ')}"
+        return event
+
+
+def _record_blocking_waits(monkeypatch: pytest.MonkeyPatch, engines: list[RecordingTwin]) -> None:
+    synchronize = TwinEvent.synchronize
+
+    def recorded(event: TwinEvent) -> None:
+        if not event.query():
+            for engine in engines:
+                if id(event) in engine.tags:
+                    engine.log.append(("wait", engine.tags[id(event)]))
+        synchronize(event)
+
+    monkeypatch.setattr(TwinEvent, "synchronize", recorded)
+
+
+def test_stage3_step_issues_each_h2d_before_the_previous_unit_computes(monkeypatch) -> None:
+    """Forward of a stage-3 step on the twin, after the first step: unit k+1's H2D is
+    issued before unit k computes, and the host waits for it only after that compute (at
+    use); backward waits for no gradient D2H."""
+    log: list[tuple[str, str]] = []
+    engines: list[RecordingTwin] = []
+
+    def select(device: Any, kind: str | None = None) -> RecordingTwin:
+        engines.append(RecordingTwin(log, max_delay_s=0.0, device=torch.device(device)))
+        return engines[-1]
+
+    monkeypatch.setattr(trainer.copy_engine, "select_copy_engine", select)
+    _record_blocking_waits(monkeypatch, engines)
+    torch.manual_seed(0)
+    model = demo_train.TinyGPT(depth=3)
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                    "offload_param": {"device": "cpu"}},
+              "units": {"module_classes": ["GPTBlock"]}}
+    engine, _, _, _ = trainer.initialize(model=model, config=config)
+    blocks = [f"u{index}" for index in range(1, 4)]  # unit 0 is the root (embeddings, head)
+    for name, block in zip(blocks, engine.module.blocks, strict=True):
+        block.register_forward_pre_hook(lambda *_, name=name: log.append(("compute", name)))
+        block.register_full_backward_pre_hook(
+            lambda *_, name=name: log.append(("backward", name)))
+    try:
+        for step in range(2):
+            if step == 1:
+                del log[:]
+            ids = demo_train.synthetic_batch(step, 0)[:2].to(engine.collectives.device)
+            engine.backward(engine(ids))
+            log.append(("end", "backward"))
+            engine.step()
+        engine.backend.wait_steps()
+        deferred_steps = engine.backend.stats()["rank_deferred_steps"]
+    finally:
+        engine.close()
+    for previous, unit in itertools.pairwise(blocks):
+        issued = log.index(("issue", f"h2d {unit}"))
+        computed = log.index(("compute", previous))
+        assert issued < computed, log
+        assert ("wait", f"h2d {unit}") not in log, log  # never waited for at issue
+        waits = [i for i, entry in enumerate(log) if entry == ("wait", f"ready {unit}")]
+        assert all(wait > computed for wait in waits), log
+    backward = log[log.index(("backward", blocks[-1])):log.index(("end", "backward"))]
+    assert not [entry for entry in backward
+                if entry[0] == "wait" and entry[1].startswith("d2h")], backward
+    assert deferred_steps > 0
