@@ -190,7 +190,7 @@ def test_stage3_step_issues_each_h2d_before_the_previous_unit_computes(monkeypat
             log.append(("end", "backward"))
             engine.step()
         engine.backend.wait_steps()
-        deferred_steps = engine.backend.stats()["rank_deferred_steps"]
+        deferred_steps = engine.backend.stats().get("rank_deferred_steps", 0)
     finally:
         engine.close()
     for previous, unit in itertools.pairwise(blocks):
