@@ -14,11 +14,20 @@ a stream of its own:
   imported lazily: it lives in the ``cuda`` extra.
 - ``TwinDeviceCopier``: the CPU twin. The "device" is the rank's memfd,
   copies run on one worker thread (one stream: in issue order) after a random
-  small delay, and an event is the completion the reply reports.
+  small delay. The memfd ends with an events area: per slot the rank's
+  "consumed" count and the daemon's "filled" sequence number, 64-bit words
+  both sides map, which play the two IPC events (``TwinEvents``).
 
-Hazard (lease outlives the DMA): a copier returns only once its copy has
-completed, so the caller releases the shard's lease, or commits the write
-lease, after the DMA and never during it (invariant 6).
+A copy is *issued* at once: ``copy_in`` returns the slot's fill sequence
+number (the reply the rank gets; its compute waits on the "filled" event at
+use) and the copy's completion, which the caller awaits off the reply path.
+Several copies of one rank are in flight at once; each waits on its stream
+for the rank's "consumed" event of the slot, so a slot is never overwritten
+while the rank still reads it.
+
+Hazard (lease outlives the DMA): the caller releases the shard's lease, or
+commits the write lease, when the completion is done, never at issue
+(invariant 6).
 
 ``open_copier`` raises ``CopiesRefused`` with a reason from
 ``FALLBACK_REASONS`` when the path is impossible; the rank then copies itself.
@@ -34,7 +43,9 @@ import logging
 import mmap
 import os
 import random
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from offloadd.arena import buffer_address
@@ -51,6 +62,68 @@ TWIN_UUID_PREFIX = "twin-"
 MAX_STAGING_SLOTS = 64
 MAX_STAGING_NBYTES = 64 << 30
 """Upper bounds of one rank's staging layout (a bad request, not a real GPU)."""
+TWIN_EVENT_TIMEOUT_S = 60.0
+"""How long a twin stream waits for the other side's event before failing the copy (the
+other process died, or never records it)."""
+TWIN_FAILED = 1 << 63
+"""Set in a slot's "filled" word when the copy of that sequence number failed."""
+
+
+def twin_events_offset(num_slots: int, slot_nbytes: int) -> int:
+    """Where the twin staging memfd's events area starts (after the slots, 64-aligned)."""
+    return -(-num_slots * slot_nbytes // 64) * 64
+
+
+def twin_staging_nbytes(num_slots: int, slot_nbytes: int) -> int:
+    """Size of a twin staging memfd: the slots, then per slot two 64-bit event words."""
+    return twin_events_offset(num_slots, slot_nbytes) + 16 * num_slots
+
+
+class TwinEventTimeout(RuntimeError):
+    """A twin stream waited ``TWIN_EVENT_TIMEOUT_S`` for the other process's event."""
+
+
+class TwinEvents:
+    """The twin's interprocess events of one staging memfd: per slot the rank's "consumed"
+    count (words ``2 * slot``) and the daemon's "filled" sequence number (``2 * slot + 1``).
+
+    Hazard (torn words): each word is written by one side only, as one aligned 8-byte
+    store (a memoryview item), which x86-64 makes atomic; the slot bytes are written
+    before the word that publishes them (stores are not reordered there either)."""
+
+    def __init__(self, buffer: memoryview, num_slots: int, slot_nbytes: int) -> None:
+        start = twin_events_offset(num_slots, slot_nbytes)
+        self.words = buffer[start : start + 16 * num_slots].cast("Q")
+
+    def consumed(self, slot: int) -> int:
+        return int(self.words[2 * slot])
+
+    def record_consumed(self, slot: int) -> None:
+        self.words[2 * slot] += 1
+
+    def filled(self, slot: int) -> int:
+        return int(self.words[2 * slot + 1])
+
+    def record_filled(self, slot: int, seq: int, failed: bool = False) -> None:
+        self.words[2 * slot + 1] = seq | (TWIN_FAILED if failed else 0)
+
+    def wait(self, index: int, target: int, what: str,
+             abandoned: Callable[[], bool] = lambda: False) -> int:
+        """Block until word ``index`` reaches ``target`` (the failed bit aside); returns the
+        word. Polls with a growing pause: a twin, not a hot path."""
+        deadline = time.monotonic() + TWIN_EVENT_TIMEOUT_S
+        pause_s = 1e-6
+        while (word := int(self.words[index])) & ~TWIN_FAILED < target:
+            if abandoned():
+                raise TwinEventTimeout(f"{what}: the other side went away")
+            if time.monotonic() > deadline:
+                raise TwinEventTimeout(f"{what}: no event after {TWIN_EVENT_TIMEOUT_S} s")
+            time.sleep(pause_s)
+            pause_s = min(2 * pause_s, 1e-3)
+        return word
+
+    def release(self) -> None:
+        self.words.release()
 
 
 class CopiesRefused(Exception):
@@ -73,19 +146,30 @@ class DeviceCopier(abc.ABC):
         self.slot_nbytes = slot_nbytes
         self.copies = 0
         self.copied_nbytes = 0
+        self.fills = [0] * num_slots
+        """Per slot, the sequence number of its last copy_in (its "filled" event)."""
 
     @abc.abstractmethod
-    async def copy_in(self, slot: int, src: memoryview) -> None:
-        """Arena ``src`` -> the slot; returns once the copy completed and the slot's "filled"
-        event is recorded (the rank's compute stream waits on it)."""
+    def copy_in(self, slot: int, src: memoryview) -> tuple[int, asyncio.Future[None]]:
+        """Issue arena ``src`` -> the slot after the rank's "consumed" event of the slot;
+        returns the slot's fill sequence number (its "filled" event, recorded when the copy
+        completed: the rank's compute waits on it) and the copy's completion."""
 
     @abc.abstractmethod
-    async def copy_out(self, slot: int, dst: memoryview) -> None:
-        """The slot's first ``len(dst)`` bytes -> arena ``dst``, after the rank's event that
-        says it wrote them; returns once the copy completed."""
+    def copy_out(self, slot: int, dst: memoryview) -> asyncio.Future[None]:
+        """Issue the slot's first ``len(dst)`` bytes -> arena ``dst``, after the rank's event
+        that says it wrote them; returns the copy's completion."""
 
-    def consumed(self, slot: int) -> None:  # noqa: B027 - the twin's rank consumes in order
-        """The rank reported ``slot_done``: later copies into the slot wait on its event."""
+    def _next_fill(self, slot: int) -> int:
+        self.fills[slot] += 1
+        return self.fills[slot]
+
+    def consumed(self, slot: int) -> None:  # noqa: B027 - CUDA waits on the latest record
+        """The rank recorded its "consumed" event of the slot (it sent slot_done, or wrote
+        the slot for a stage_out): later copies on the slot wait for it."""
+
+    def abandon(self) -> None:  # noqa: B027 - a dead rank's IPC events are recorded
+        """The rank went away: copies waiting for its events stop waiting and fail."""
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -97,7 +181,8 @@ class DeviceCopier(abc.ABC):
 
 
 class TwinDeviceCopier(DeviceCopier):
-    """The slots are the rank's memfd; copies run on one worker thread after a random delay."""
+    """The slots are the rank's memfd; copies run on one worker thread after a random delay,
+    each after the rank's "consumed" count of its slot reached what the rank announced."""
 
     kind = "twin"
 
@@ -109,8 +194,12 @@ class TwinDeviceCopier(DeviceCopier):
                                                DEFAULT_TWIN_MAX_DELAY_S * 1e6)) * 1e-6
         self.max_delay_s = max(0.0, max_delay_s)
         self._random = random.Random(seed)
-        self._map = mmap.mmap(fd, num_slots * slot_nbytes)
+        self._map = mmap.mmap(fd, twin_staging_nbytes(num_slots, slot_nbytes))
         self._view = memoryview(self._map)
+        self._events = TwinEvents(self._view, num_slots, slot_nbytes)
+        self._announced = [0] * num_slots
+        """Per slot, the "consumed" records the rank announced (slot_done, stage_out)."""
+        self._abandoned = False
         self._stream = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="offloadd-twin-stream")
 
@@ -118,18 +207,43 @@ class TwinDeviceCopier(DeviceCopier):
         start = slot * self.slot_nbytes
         return self._view[start : start + nbytes]
 
-    async def _run(self, dst: memoryview, src: memoryview) -> None:
+    def consumed(self, slot: int) -> None:
+        self._announced[slot] += 1
+
+    def abandon(self) -> None:
+        self._abandoned = True
+
+    def _issue(self, slot: int, dst: memoryview, src: memoryview, seq: int
+               ) -> asyncio.Future[None]:
         delay_s = self._random.uniform(0.0, self.max_delay_s)
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._stream, _delayed_copy, dst, src, delay_s)
+        job = self._stream.submit(self._copy, slot, self._announced[slot], dst, src, delay_s,
+                                  seq)
         self.copies += 1
         self.copied_nbytes += len(src)
+        return asyncio.wrap_future(job)
 
-    async def copy_in(self, slot: int, src: memoryview) -> None:
-        await self._run(self._slot(slot, len(src)), src)
+    def copy_in(self, slot: int, src: memoryview) -> tuple[int, asyncio.Future[None]]:
+        seq = self._next_fill(slot)
+        return seq, self._issue(slot, self._slot(slot, len(src)), src, seq)
 
-    async def copy_out(self, slot: int, dst: memoryview) -> None:
-        await self._run(dst, self._slot(slot, len(dst)))
+    def copy_out(self, slot: int, dst: memoryview) -> asyncio.Future[None]:
+        return self._issue(slot, dst, self._slot(slot, len(dst)), 0)
+
+    def _copy(self, slot: int, consumed: int, dst: memoryview, src: memoryview, delay_s: float,
+              seq: int) -> None:
+        """On the stream: wait for the rank's consumer event, copy, record "filled"."""
+        try:
+            self._events.wait(2 * slot, consumed, f"slot {slot}'s consumed event",
+                              lambda: self._abandoned)
+            if delay_s:
+                time.sleep(delay_s)
+            dst[:] = src
+        except BaseException:
+            if seq:
+                self._events.record_filled(slot, seq, failed=True)
+            raise
+        if seq:
+            self._events.record_filled(slot, seq)
 
     def close(self) -> None:
         # Unmapped by the worker itself, after the copies queued before it: no copy can
@@ -138,14 +252,9 @@ class TwinDeviceCopier(DeviceCopier):
         self._stream.shutdown(wait=False)
 
     def _unmap(self) -> None:
+        self._events.release()
         self._view.release()
         self._map.close()
-
-
-def _delayed_copy(dst: memoryview, src: memoryview, delay_s: float) -> None:
-    if delay_s:
-        time.sleep(delay_s)
-    dst[:] = src
 
 
 def open_twin_staging(peer_pid: int, peer_uid: int, fd_number: int, nbytes: int) -> int:
@@ -300,54 +409,64 @@ class CupyDeviceCopier(DeviceCopier):
         except Exception as error:  # CUDARuntimeError: IPC refused (namespace, driver)
             raise CopiesRefused("ipc_refused", f"cudaIpcOpen* failed: {error}") from error
         self._arena_address = 0
+        self._done_events: list[Any] = []
+        """Private completion events, pooled (list appends and pops are atomic)."""
 
     def register_arena(self, address: int, nbytes: int) -> None:
         """Pin the job's arena mapping for this process (once per arena, refcounted), so
         cudaMemcpyAsync from it is real async DMA rather than a staged pageable copy."""
-        if _pinned.get(address, 0) == 0:
-            with self._device:
-                try:  # cudaHostRegisterPortable: pinned for every context of the daemon
-                    self._runtime.hostRegister(address, nbytes, 1)
-                except Exception as error:  # memlock: copies still work, staged and slower
-                    log.warning("event=arena_pin_failed nbytes=%d error=%r: daemon copies run "
-                                "from pageable memory; raise LimitMEMLOCK of the daemon",
-                                nbytes, str(error))
-                    return
-        _pinned[address] = _pinned.get(address, 0) + 1
+        with _pinned_lock:  # two ranks' staging_open run on two executor threads
+            if _pinned.get(address, 0) == 0:
+                with self._device:
+                    try:  # cudaHostRegisterPortable: pinned for every context of the daemon
+                        self._runtime.hostRegister(address, nbytes, 1)
+                    except Exception as error:  # memlock: copies work, staged and slower
+                        log.warning("event=arena_pin_failed nbytes=%d error=%r: daemon copies "
+                                    "run from pageable memory; raise LimitMEMLOCK of the "
+                                    "daemon", nbytes, str(error))
+                        return
+            _pinned[address] = _pinned.get(address, 0) + 1
         self._arena_address = address
 
-    async def _finish(self, slot: int) -> None:
-        # Completion is waited for off the loop (invariant 5); the caller's lease is
-        # released after it (invariant 6).
-        await asyncio.get_running_loop().run_in_executor(None, self._synchronize, slot)
+    def _completion(self) -> asyncio.Future[None]:
+        """A private event after the copy just issued, synchronized off the loop (invariant
+        5); the caller's lease goes back after it (invariant 6). Not the IPC "filled"
+        event: a later copy into the slot may record that one again before we wait."""
+        event = self._done_events.pop() if self._done_events else self._cupy.cuda.Event(
+            block=False, disable_timing=True)
+        event.record(self._stream)
+        return asyncio.get_running_loop().run_in_executor(None, self._synchronize, event)
 
-    def _synchronize(self, slot: int) -> None:
+    def _synchronize(self, event: Any) -> None:
         with self._device:  # an executor thread has no current context of its own
-            self._runtime.eventSynchronize(self._filled[slot])
+            event.synchronize()
+        self._done_events.append(event)
 
-    async def copy_in(self, slot: int, src: memoryview) -> None:
+    def copy_in(self, slot: int, src: memoryview) -> tuple[int, asyncio.Future[None]]:
         runtime, stream = self._runtime, self._stream.ptr
         with self._device:
             runtime.streamWaitEvent(stream, self._consumed[slot], 0)
             runtime.memcpyAsync(self._slots_ptr + slot * self.slot_nbytes, buffer_address(src),
                                 len(src), runtime.memcpyHostToDevice, stream)
             runtime.eventRecord(self._filled[slot], stream)
-        await self._finish(slot)
+            done = self._completion()
         self.copies += 1
         self.copied_nbytes += len(src)
+        return self._next_fill(slot), done
 
-    async def copy_out(self, slot: int, dst: memoryview) -> None:
+    def copy_out(self, slot: int, dst: memoryview) -> asyncio.Future[None]:
         runtime, stream = self._runtime, self._stream.ptr
         with self._device:
             runtime.streamWaitEvent(stream, self._consumed[slot], 0)
             runtime.memcpyAsync(buffer_address(dst), self._slots_ptr + slot * self.slot_nbytes,
                                 len(dst), runtime.memcpyDeviceToHost, stream)
-            runtime.eventRecord(self._filled[slot], stream)
-        await self._finish(slot)
+            done = self._completion()
         self.copies += 1
         self.copied_nbytes += len(dst)
+        return done
 
     def close(self) -> None:
+        """Blocks until the stream drained and unpins the arena: run it off the loop."""
         runtime = self._runtime
         with self._device:
             self._stream.synchronize()
@@ -355,14 +474,16 @@ class CupyDeviceCopier(DeviceCopier):
                 runtime.eventDestroy(event)
             runtime.ipcCloseMemHandle(self._base)
             if self._arena_address:
-                _pinned[self._arena_address] -= 1
-                if not _pinned[self._arena_address]:
-                    del _pinned[self._arena_address]
-                    runtime.hostUnregister(self._arena_address)
+                with _pinned_lock:
+                    _pinned[self._arena_address] -= 1
+                    if not _pinned[self._arena_address]:
+                        del _pinned[self._arena_address]
+                        runtime.hostUnregister(self._arena_address)
 
 
 _pinned: dict[int, int] = {}
 """Arena mappings this daemon registered with CUDA -> copiers using them."""
+_pinned_lock = threading.Lock()
 
 
 def open_copier(*, kind: str, device_uuid: str, peer_pid: int, peer_uid: int, staging_fd: int,
@@ -375,7 +496,8 @@ def open_copier(*, kind: str, device_uuid: str, peer_pid: int, peer_uid: int, st
             raise CopiesRefused("gpu_not_visible", f"GPU {device_uuid!r} is not visible to "
                                 f"the daemon's twin (twin devices are named "
                                 f"{TWIN_UUID_PREFIX}<n>)")
-        fd = open_twin_staging(peer_pid, peer_uid, staging_fd, num_slots * slot_nbytes)
+        fd = open_twin_staging(peer_pid, peer_uid, staging_fd,
+                                twin_staging_nbytes(num_slots, slot_nbytes))
         try:
             return TwinDeviceCopier(fd, num_slots, slot_nbytes)
         finally:

@@ -11,8 +11,11 @@ counts the outcome in ``offloadd_device_copies_sessions_total{path,reason}``.
 Afterwards the rank names shards by id and slots by index:
 
 - ``stage_in(shard, slot)``: read-lease the shard (reading it in from NVMe if
-  needed), copy it into the slot, release the lease after the copy; the reply
-  is the slot's "filled" event.
+  needed), issue its copy into the slot, release the lease after the copy
+  completed. The reply goes out when the copy is *issued*: a ``Staged`` reply
+  with the slot's fill sequence number, the "filled" event the rank's compute
+  waits on at use. So a rank keeps several stage_ins in flight (its own
+  prefetch, the gathers issued ahead of compute) instead of one at a time.
 - ``stage_out(shard, slot, nbytes)``: write-lease the shard, copy the slot into
   it, commit (release dirty) only after the copy completed; a failed copy
   releases the lease torn, so nothing half-written is published.
@@ -41,7 +44,14 @@ bumps its version (or tears it), which the stage_in that claims the slot sees.
 Each slot is a small state machine (``SlotState``). A slot is reused only after
 its last use finished: ``stage_in`` into a slot the rank has not reported
 consumed, or any request on a slot whose copy is in flight, fails with
-``SlotBusyError`` and the session serves on.
+``SlotBusyError`` and the session serves on. slot_done may come before the
+copy into the slot completed (the rank reports it when its consumer is
+issued); the next copy into the slot waits on the copier's stream for the
+rank's "consumed" event, never on the loop.
+
+Read-ahead never stages a shard whose current version already sits in one of
+the rank's slots (staged and not reported consumed): the rank has those bytes
+on its GPU, and a second copy would only cost PCIe time and a slot.
 """
 
 from __future__ import annotations
@@ -78,8 +88,8 @@ PINNED_OUTCOMES = ("pinned", "failed", "not_attempted")
 
 class SlotState(enum.Enum):
     FREE = "free"  # the daemon may fill it (stage_in); the rank may write it (stage_out)
-    COPYING = "copying"  # a daemon copy reads or writes it: nobody else may touch it
-    STAGED = "staged"  # filled by stage_in; the rank has not reported slot_done yet
+    COPYING = "copying"  # being leased for a copy, or drained by a stage_out: hands off
+    STAGED = "staged"  # its stage_in copy is issued; the rank has not sent slot_done yet
     AHEAD = "ahead"  # a read-ahead slot filled ahead of use, not handed to the rank yet
 
 
@@ -122,7 +132,7 @@ class DeviceCopiesMetrics:
 class _Ahead:
     """A shard the daemon stages ahead of use into a read-ahead slot."""
 
-    __slots__ = ("claimed", "settled", "shard", "slot", "task", "version")
+    __slots__ = ("claimed", "issued", "seq", "settled", "shard", "slot", "task", "version")
 
     def __init__(self, shard: Shard, slot: int) -> None:
         self.shard, self.slot = shard, slot
@@ -133,6 +143,10 @@ class _Ahead:
         first (the task's done callback, or a stage_in that awaited the finished task)."""
         self.version = -1
         """The shard's version when the copy started (-1 until then)."""
+        self.seq = 0
+        """The slot's fill sequence number of the copy (0 until issued)."""
+        self.issued: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        """True once the copy is issued, False when it will not be (gone, written)."""
         self.task: asyncio.Future[bool] | None = None
         """The copy; True once the slot holds the shard's bytes of ``version``."""
 
@@ -156,6 +170,9 @@ class SessionStaging:
         self.writes: dict[str, int] = {}
         """Shard id -> the rank's writes of it in flight (optimizer steps, stage_outs): not
         staged ahead until they are done, as the copy would be stale before its use."""
+        self.holding: list[tuple[Shard, int] | None] = [None] * copier.num_slots
+        """Per slot, the shard and version a stage_in put there, until the rank's slot_done:
+        bytes on the rank's GPU, which read-ahead does not copy again."""
 
     @property
     def readahead(self) -> bool:
@@ -188,16 +205,15 @@ class SessionStaging:
         self._check_fits(shard.nbytes, req.shard_id)
         if not self.readahead:
             self.states[req.slot] = SlotState.COPYING
-            return self._copied_ok(
-                self._copy(job, rank, req.shard_id, req.slot, "r", SlotState.STAGED))
+            return self._staged(self._copy(job, rank, req.shard_id, req.slot, "r"), req.slot,
+                                "")
         if self.trace is not None and len(self.trace.current) < READAHEAD_TRACE_MAX:
             self.trace.record(shard, time.monotonic())
         entry = self.ahead.pop(req.shard_id, None)
         if entry is None:
             self.states[req.slot] = SlotState.COPYING
             # Started before the read-ahead below, so the demand copy goes first.
-            copy = asyncio.ensure_future(
-                self._copy(job, rank, req.shard_id, req.slot, "r", SlotState.STAGED))
+            copy = asyncio.ensure_future(self._copy(job, rank, req.shard_id, req.slot, "r"))
             reply = self._staged(copy, req.slot, "miss")
         else:
             entry.claimed = True
@@ -205,40 +221,57 @@ class SessionStaging:
         self.read_ahead(job, rank)
         return reply
 
-    @staticmethod
-    async def _copied_ok(copy: Awaitable[int]) -> None:
-        await copy
-
-    async def _staged(self, copy: Awaitable[int], slot: int, outcome: str) -> p.Staged:
-        version = await copy
-        self.metrics.readahead.add((outcome,))
-        return p.Staged(0, slot, version, outcome)
+    async def _staged(self, copy: Awaitable[tuple[int, int]], slot: int,
+                      outcome: str) -> p.Staged:
+        version, seq = await copy
+        if outcome:
+            self.metrics.readahead.add((outcome,))
+        return p.Staged(0, slot, version, outcome, seq)
 
     async def _claim(self, job: Job, rank: int, entry: _Ahead) -> p.Staged:
-        """A stage_in of a shard staged ahead: its slot, once the copy completed and if the
-        shard is unchanged since; otherwise the shard is copied into that slot again."""
+        """A stage_in of a shard staged ahead: its slot once the copy is issued, if the shard
+        is unchanged since (a copy still in flight keeps a read lease until it completed);
+        otherwise the shard is copied into that slot again."""
         assert entry.task is not None
         shard_id, slot = entry.shard.shard_id, entry.slot
         try:
-            copied = await asyncio.shield(entry.task)
+            issued = await asyncio.shield(entry.issued)
         finally:
             # A task already done when awaited returns at once, before its done callbacks.
             if entry.task.done():
                 self._ahead_copied(entry.task, job, entry)
         current = job.table.shards.get((rank, shard_id))
-        if copied and current is entry.shard and current.version == entry.version:
+        failed = entry.task.done() and not entry.task.cancelled() and (
+            entry.task.exception() is not None or not entry.task.result())
+        if issued and not failed and current is entry.shard and current.version == entry.version:
             try:
                 check_grantable([current], "r")  # torn, or being written: as a stage_in
+                self._lease_until_copied(job, rank, entry)
             except BaseException:
                 self.states[slot] = SlotState.FREE
                 raise
             self.states[slot] = SlotState.STAGED
+            self.holding[slot] = (current, entry.version)
             self.metrics.readahead.add(("hit",))
-            return p.Staged(0, slot, entry.version, "hit")
+            return p.Staged(0, slot, entry.version, "hit", entry.seq)
+        if not entry.task.done():  # the slot is refilled on the same stream, after it
+            await asyncio.shield(entry.task)
         self.states[slot] = SlotState.COPYING
-        outcome = "stale" if copied else "miss"
-        return await self._staged(self._copy(job, rank, shard_id, slot, "r", SlotState.STAGED),
-                                  slot, outcome)
+        outcome = "stale" if issued and not failed else "miss"
+        return await self._staged(self._copy(job, rank, shard_id, slot, "r"), slot, outcome)
+
+    def _lease_until_copied(self, job: Job, rank: int, entry: _Ahead) -> None:
+        """A claimed read-ahead copy still reading the arena: from now on the shard is the
+        rank's to read, so a read lease keeps writers off it until the DMA is done (the pin
+        alone would let a write tear the bytes being copied)."""
+        assert entry.task is not None
+        if entry.task.done():
+            return
+        leases: dict[Shard, Lease] = {}
+        placed = job.acquire(rank, [entry.shard.shard_id], "r", leases)
+        assert isinstance(placed, p.Placed), "a pinned shard in the arena is leased at once"
+        entry.task.add_done_callback(
+            lambda _: job.release(rank, [entry.shard.shard_id], False, leases))
 
     async def writing(self, job: Job, rank: int, shard_id: str,
                       pending: Awaitable[Any]) -> Any:
@@ -273,8 +306,8 @@ class SessionStaging:
         for scanned, (seen, _due) in enumerate(upcoming):
             if scanned >= READAHEAD_SCAN * count or len(wanted) == count:
                 break
-            if seen.shard_id not in wanted:
-                wanted.append(seen.shard_id)
+            if seen.shard_id not in wanted and not self._on_device(seen):
+                wanted.append(seen.shard_id)  # the rank's staged bytes are not copied again
         for shard_id in wanted:
             if shard_id in self.ahead or shard_id in self.writes:
                 continue
@@ -286,6 +319,11 @@ class SessionStaging:
             if slot is None:
                 return
             self._start_ahead(job, shard, slot)
+
+    def _on_device(self, shard: Shard) -> bool:
+        """The shard's current bytes sit in a slot the rank has not reported consumed."""
+        return any(held is not None and held[0] is shard and held[1] == shard.version
+                   for held in self.holding)
 
     def _ahead_slot(self, wanted: list[str]) -> int | None:
         """A free read-ahead slot, or one holding a shard the trace does not want soon."""
@@ -310,16 +348,23 @@ class SessionStaging:
         entry.task.add_done_callback(lambda task: self._ahead_copied(task, job, entry))
 
     async def _ahead_copy(self, job: Job, shard: Shard, entry: _Ahead) -> bool:
-        if not shard.in_arena and job.tier is not None:
-            await job.tier.read_in(job.table, shard, Priority.PREFETCH)
-        alive = job.table.shards.get((shard.rank, shard.shard_id)) is shard
-        if not alive or not shard.in_arena or shard.writer or shard.torn:
-            return False
-        assert shard.offset is not None
-        entry.version = shard.version
-        arena = job.arena.slice(shard.offset, shard.nbytes)
-        # Its own task, as _copy's: demand copies started before it run first.
-        await asyncio.ensure_future(self.copier.copy_in(entry.slot, arena))
+        try:
+            if not shard.in_arena and job.tier is not None:
+                await job.tier.read_in(job.table, shard, Priority.PREFETCH)
+            alive = job.table.shards.get((shard.rank, shard.shard_id)) is shard
+            if not alive or not shard.in_arena or shard.writer or shard.torn:
+                entry.issued.set_result(False)
+                return False
+            assert shard.offset is not None
+            entry.version = shard.version
+            arena = job.arena.slice(shard.offset, shard.nbytes)
+            entry.seq, done = self.copier.copy_in(entry.slot, arena)
+        except BaseException:
+            if not entry.issued.done():
+                entry.issued.set_result(False)
+            raise
+        entry.issued.set_result(True)
+        await done
         return True
 
     def _ahead_copied(self, task: asyncio.Future[bool], job: Job, entry: _Ahead) -> None:
@@ -336,14 +381,16 @@ class SessionStaging:
                         shard.shard_id, task.exception())
         if copied:
             self.metrics.copied.add(("h2d",), shard.nbytes)
-        if copied:
+        if entry.claimed:
+            pass  # the slot is its stage_in's: handed to the rank, or filled again
+        elif copied:
             self.states[entry.slot] = SlotState.AHEAD
-        elif not entry.claimed:  # a claimed slot stays taken: its stage_in copies again
+        else:
             self.states[entry.slot] = SlotState.FREE
         if not copied and self.ahead.get(shard.shard_id) is entry:
             del self.ahead[shard.shard_id]
         if self.closed and not self.in_flight:
-            self.copier.close()
+            self._close_copier()
 
     def stage_out(self, job: Job, rank: int, req: p.StageOut) -> Awaitable[None]:
         self._take(req.slot, SlotState.FREE, "stage_out")
@@ -353,20 +400,28 @@ class SessionStaging:
             raise InvalidRequestError(f"stage_out of {req.nbytes} B into shard "
                                       f"{req.shard_id!r} of {shard.nbytes} B", [req.shard_id])
         self.states[req.slot] = SlotState.COPYING
-        copy = self._copied_ok(self._copy(job, rank, req.shard_id, req.slot, "w", SlotState.FREE))
+        self.copier.consumed(req.slot)  # the rank recorded it after writing the slot
+        copy = self._copy(job, rank, req.shard_id, req.slot, "w")
         if not self.readahead:
-            return copy
-        return self.writing(job, rank, req.shard_id, copy)
+            return self._committed(copy)
+        return self.writing(job, rank, req.shard_id, self._committed(copy))
+
+    @staticmethod
+    async def _committed(copy: Awaitable[tuple[int, int]]) -> None:
+        await copy
 
     def slot_done(self, req: p.SlotDone, job: Job | None = None, rank: int = 0) -> None:
         self._take(req.slot, SlotState.STAGED, "slot_done")
         self.states[req.slot] = SlotState.FREE
+        self.holding[req.slot] = None
         self.copier.consumed(req.slot)
         if req.slot >= self.own_slots and job is not None:
             self.read_ahead(job, rank)  # a read-ahead slot came back
 
-    async def _copy(self, job: Job, rank: int, shard_id: str, slot: int, mode: str,
-                    after: SlotState) -> int:
+    async def _copy(self, job: Job, rank: int, shard_id: str, slot: int,
+                    mode: str) -> tuple[int, int]:
+        """Lease the shard and issue its copy; (version, fill sequence number) once a copy
+        into the slot is issued ("r"), or once a copy out of it committed ("w")."""
         leases: dict[Shard, Lease] = {}
         try:
             placed = job.acquire(rank, [shard_id], mode, leases)
@@ -376,44 +431,62 @@ class SessionStaging:
             self.states[slot] = SlotState.FREE
             raise
         arena = job.arena.slice(placed.offsets[0], placed.nbytes[0])
+        seq = 0
         if mode == "r":
-            copy = self.copier.copy_in(slot, arena)
+            seq, done = self.copier.copy_in(slot, arena)
+            self.states[slot] = SlotState.STAGED
+            self.holding[slot] = (job.table.lookup(rank, [shard_id])[0], placed.versions[0])
         else:
-            copy = self.copier.copy_out(slot, arena)
-        task = asyncio.ensure_future(copy)
+            done = self.copier.copy_out(slot, arena)
         self.in_flight += 1
         # The lease goes back when the copy is done, also when this request is cancelled
         # (the client went away): the copy keeps running and still reads/writes its bytes.
-        # Registered before shield()'s own callback, so the commit and the slot's new state
-        # happen before the reply goes out (the rank acts on the reply at once).
+        # Registered before shield()'s own callback, so a stage_out's commit and its slot's
+        # new state happen before its reply goes out (the rank acts on the reply at once).
         nbytes = placed.nbytes[0]
-        task.add_done_callback(lambda done: self._copied(done, job, rank, shard_id, slot,
-                                                         mode, after, leases, nbytes))
-        await asyncio.shield(task)
-        return placed.versions[0]
+        done.add_done_callback(lambda finished: self._copied(finished, job, rank, shard_id,
+                                                             slot, mode, leases, nbytes))
+        if mode == "w":
+            await asyncio.shield(done)
+        return placed.versions[0], seq
 
     def _copied(self, task: asyncio.Future[None], job: Job, rank: int, shard_id: str, slot: int,
-                mode: str, after: SlotState, leases: dict[Shard, Lease], nbytes: int) -> None:
+                mode: str, leases: dict[Shard, Lease], nbytes: int) -> None:
         self.in_flight -= 1
         failed = task.cancelled() or task.exception() is not None
         if mode == "w":
             job.release(rank, [shard_id], not failed, leases, torn=failed)
-        else:
+            self.states[slot] = SlotState.FREE
+        else:  # the slot is the rank's since the issue; a failure is in its "filled" event
             job.release(rank, [shard_id], False, leases)
-        self.states[slot] = SlotState.FREE if failed else after
+        if failed and not task.cancelled():
+            log.warning("event=device_copy_failed job=%s shard=%s mode=%s error=%r", job.name,
+                        shard_id, mode, task.exception())
         if not failed:
             direction = "h2d" if mode == "r" else "d2h"
             self.metrics.copied.add((direction,), nbytes)
         if self.closed and not self.in_flight:
-            self.copier.close()
+            self._close_copier()
 
     def close(self) -> None:
-        """The session ended: unmap the slots once the copies in flight finished."""
+        """The session ended: unmap the slots once the copies in flight finished (copies
+        waiting for the gone rank's events stop waiting)."""
         if self.closed:
             return
         self.closed = True
+        self.copier.abandon()
         if not self.in_flight:
+            self._close_copier()
+
+    def _close_copier(self) -> None:
+        # Off the loop (invariant 5): a CUDA copier synchronizes its stream and unpins
+        # the arena when it closes.
+        try:
+            closing = asyncio.get_running_loop().run_in_executor(None, self.copier.close)
+        except RuntimeError:  # the daemon is shutting its loop down: nothing left to block
             self.copier.close()
+            return
+        closing.add_done_callback(_log_close_failure)
 
 
 class DeviceCopiesService:
@@ -448,7 +521,7 @@ class DeviceCopiesService:
             raise
         session.staging_opening = False
         if session.closed:  # the rank went away meanwhile: nobody will close it later
-            copier.close()
+            await asyncio.get_running_loop().run_in_executor(None, copier.close)
             raise InvalidRequestError("the connection closed during staging_open")
         session.staging = SessionStaging(copier, self.metrics, req.readahead_slots)
         self.metrics.sessions.add(("daemon", "none"))
@@ -485,6 +558,11 @@ class DeviceCopiesService:
                            num_slots=req.num_slots, slot_nbytes=req.slot_nbytes,
                            arena=session.job.arena.view,
                            device_pci_bus_id=req.device_pci_bus_id)
+
+
+def _log_close_failure(closing: asyncio.Future[None]) -> None:
+    if not closing.cancelled() and closing.exception() is not None:
+        log.error("event=device_copier_close_failed error=%r", closing.exception())
 
 
 def _staging(session: Session) -> SessionStaging:

@@ -23,7 +23,7 @@ from offloadd.errors import ErrorCode, InvalidRequestError, UntrustedDaemonError
 if TYPE_CHECKING:
     import torch
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 HEADER = struct.Struct("<I")
 HEADER_NBYTES = HEADER.size
 MAX_FRAME_NBYTES = 16 << 20
@@ -223,12 +223,15 @@ class StagingOk(Reply, tag="staging_ok"):
 
 
 class Staged(Reply, tag="staged"):
-    """A stage_in's reply on a session with read-ahead slots: the slot that holds the shard
-    (the one named, or a read-ahead slot) and the version copied; outcome hit|miss|stale."""
+    """A stage_in's reply, sent when the copy is issued: the slot that holds the shard (the
+    one named, or a read-ahead slot), the version copied, the read-ahead's outcome
+    (hit|miss|stale; "" without read-ahead slots), and the slot's fill sequence number:
+    the rank waits at use for the slot's "filled" event of that number."""
 
     slot: int
     version: int
     outcome: str = ""
+    seq: int = 0
 
 
 AnyReply = HelloOk | Placed | Ok | StatsOk | ErrorReply | StagingOk | Staged

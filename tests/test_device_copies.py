@@ -9,17 +9,21 @@ through the daemon path against plain torch.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import mmap
 import os
+import time
 import warnings
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
 from test_daemon_metrics import scrape, value
 
 from offloadd import protocol as p
+from offloadd.cuda import TWIN_FAILED, TwinEvents, twin_staging_nbytes
 from offloadd.embedded import PrivateDaemon
 from offloadd.errors import InvalidRequestError, SlotBusyError, UnknownShardError
 from trainer.client import OffloadClient
@@ -34,19 +38,23 @@ SESSIONS = "offloadd_device_copies_sessions_total"
 
 
 class TwinSlots:
-    """A raw rank's twin staging: a memfd it lends the daemon by staging_open."""
+    """A raw rank's twin staging: a memfd it lends the daemon by staging_open, ending with
+    the events area (offloadd.cuda.TwinEvents) where the rank records "consumed" and waits
+    for "filled"."""
 
     def __init__(self, num_slots: int = NUM_SLOTS, slot_nbytes: int = SLOT_NBYTES,
                  seal: bool = True) -> None:
+        nbytes = twin_staging_nbytes(num_slots, slot_nbytes)
         self.fd = os.memfd_create("test-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self.fd, num_slots * slot_nbytes)
+        os.ftruncate(self.fd, nbytes)
         if seal:
             fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-        self.map = mmap.mmap(self.fd, num_slots * slot_nbytes)
-        self.slot_nbytes = slot_nbytes
+        self.map = mmap.mmap(self.fd, nbytes)
+        self.events = TwinEvents(memoryview(self.map), num_slots, slot_nbytes)
+        self.num_slots, self.slot_nbytes = num_slots, slot_nbytes
 
     def open_request(self, **fields: object) -> p.StagingOpen:
-        request = p.StagingOpen(0, "twin", "twin-0", NUM_SLOTS, self.slot_nbytes,
+        request = p.StagingOpen(0, "twin", "twin-0", self.num_slots, self.slot_nbytes,
                                 staging_fd=self.fd)
         for key, field_value in fields.items():
             setattr(request, key, field_value)
@@ -60,7 +68,28 @@ class TwinSlots:
         start = index * self.slot_nbytes
         self.map[start : start + len(data)] = data
 
+    def filled(self, reply: p.Reply | None) -> p.Staged:
+        """Wait for the copy a stage_in's reply names (the reply comes at issue)."""
+        assert isinstance(reply, p.Staged), reply
+        word = self.events.wait(2 * reply.slot + 1, reply.seq, "filled")
+        assert not word & TWIN_FAILED, f"copy {reply.seq} into slot {reply.slot} failed"
+        return reply
+
+    def stage_in(self, client: OffloadClient, shard_id: str, index: int) -> p.Staged:
+        return self.filled(client.request(p.StageIn(0, shard_id, index)))
+
+    def slot_done(self, client: OffloadClient, index: int) -> None:
+        self.events.record_consumed(index)
+        client.request(p.SlotDone(0, index))
+
+    def stage_out(self, client: OffloadClient, shard_id: str, index: int,
+                  data: bytes) -> None:
+        self.write(index, data)
+        self.events.record_consumed(index)
+        client.request(p.StageOut(0, shard_id, index, len(data)))
+
     def close(self) -> None:
+        self.events.release()
         self.map.close()
         os.close(self.fd)
 
@@ -87,13 +116,12 @@ def test_stage_in_and_out_move_shard_bytes(daemon: PrivateDaemon, connect,
     client = _opened(connect, slots)
     payload = os.urandom(1000)
     client.put("w", payload)
-    client.request(p.StageIn(0, "w", 1))
+    slots.stage_in(client, "w", 1)
     assert slots.slot(1, 1000) == payload
-    client.request(p.SlotDone(0, 1))
+    slots.slot_done(client, 1)
 
     gradient = os.urandom(1000)
-    slots.write(2, gradient)
-    client.request(p.StageOut(0, "w", 2, 1000))
+    slots.stage_out(client, "w", 2, gradient)
     assert client.get("w") == gradient  # committed once the copy completed
     with client.acquire("w", "r") as lease:
         assert lease.version == 2
@@ -107,16 +135,16 @@ def test_slot_reused_before_consumer_event_fails(connect, slots: TwinSlots) -> N
     """The twin catches a slot filled again before the rank reported consuming it."""
     client = _opened(connect, slots)
     client.put_many({"a": b"a" * 64, "b": b"b" * 64})
-    client.request(p.StageIn(0, "a", 0))
+    slots.stage_in(client, "a", 0)
     with pytest.raises(SlotBusyError, match="consumer event"):
         client.request(p.StageIn(0, "b", 0))
     assert slots.slot(0, 64) == b"a" * 64  # the refused copy never touched the slot
     with pytest.raises(SlotBusyError):  # a staged slot is not drained either
         client.request(p.StageOut(0, "b", 0, 64))
-    client.request(p.SlotDone(0, 0))
+    slots.slot_done(client, 0)
     with pytest.raises(SlotBusyError):  # consumed twice
         client.request(p.SlotDone(0, 0))
-    client.request(p.StageIn(0, "b", 0))
+    slots.stage_in(client, "b", 0)
     assert slots.slot(0, 64) == b"b" * 64
 
 
@@ -129,6 +157,60 @@ def test_two_copies_in_flight_on_one_slot_fail(connect, slots: TwinSlots) -> Non
     first.wait()
     with pytest.raises(SlotBusyError):
         second.wait()
+
+
+def test_stage_in_replies_at_issue_and_the_copy_waits_at_use(connect, slots: TwinSlots) -> None:
+    """Depth > 1: each stage_in is answered when its copy is issued, with the sequence number
+    of the slot's "filled" event the rank waits for at use. A copy into a slot whose
+    consumer event the rank has not recorded yet waits on the daemon's stream, so the
+    replies of it and of the copies queued behind it come while none has completed."""
+    client = _opened(connect, slots)
+    values = {name: name.encode() * 64 for name in "abcd"}
+    client.put_many(values)
+    first = slots.stage_in(client, "a", 0)
+    client.request(p.SlotDone(0, 0))  # announced; the rank records "consumed" only below
+    replies = [client.request(p.StageIn(0, name, slot))
+               for name, slot in (("b", 0), ("c", 1), ("d", 2))]
+    assert [(reply.slot, reply.seq) for reply in replies if isinstance(reply, p.Staged)] \
+        == [(0, first.seq + 1), (1, 1), (2, 1)]
+    time.sleep(0.2)  # the daemon's stream stays held at the consumer event meanwhile
+    assert [slots.events.filled(slot) for slot in range(NUM_SLOTS)] == [first.seq, 0, 0]
+    assert slots.slot(0, 64) == values["a"]  # the rank still reads it: not overwritten
+    slots.events.record_consumed(0)
+    for reply, name in zip(replies, "bcd", strict=True):
+        assert slots.slot(slots.filled(reply).slot, 64) == values[name]
+
+
+def test_staging_open_pins_off_the_event_loop(monkeypatch) -> None:
+    """Opening a copier (cudaHostRegister of the whole arena: seconds for a large one) runs
+    off the daemon's loop, which keeps serving other sessions meanwhile."""
+    import offloadd.device_copies as device_copies
+
+    pin_s = 0.3
+
+    def slow_open_copier(**_fields: object) -> SimpleNamespace:
+        time.sleep(pin_s)  # as hostRegister of a large arena
+        return SimpleNamespace(kind="twin", num_slots=NUM_SLOTS, slot_nbytes=SLOT_NBYTES)
+
+    monkeypatch.setattr(device_copies, "open_copier", slow_open_copier)
+    job = SimpleNamespace(name="job", arena=SimpleNamespace(view=memoryview(b"")))
+    session = SimpleNamespace(job=job, rank=0, peer_pid=0, peer_uid=0, staging=None,
+                              staging_opening=False, closed=False)
+    request = p.StagingOpen(0, "twin", "twin-0", NUM_SLOTS, SLOT_NBYTES, staging_fd=3)
+
+    async def open_while_serving() -> tuple[p.StagingOk, int]:
+        service = device_copies.DeviceCopiesService()
+        opening = asyncio.ensure_future(service.open(session, request))  # type: ignore[arg-type]
+        ticks = 0
+        while not opening.done():  # another session's requests, answered every 10 ms
+            await asyncio.sleep(0.01)
+            ticks += 1
+        return opening.result(), ticks
+
+    reply, ticks = asyncio.run(open_while_serving())
+    assert (reply.path, reply.reason) == ("daemon", "")
+    assert ticks >= pin_s / 0.01 / 3, ticks  # blocked on the loop it would be 1
+    assert session.staging is not None
 
 
 def test_bad_stage_requests_get_typed_errors_and_the_daemon_serves_on(
@@ -157,7 +239,7 @@ def test_bad_stage_requests_get_typed_errors_and_the_daemon_serves_on(
         unopened.request(p.StageIn(0, "theirs", 0))
     # Every slot is still usable and the daemon serves both clients.
     for slot in range(NUM_SLOTS):
-        client.request(p.StageIn(0, "mine", slot))
+        slots.stage_in(client, "mine", slot)
         assert slots.slot(slot, 16) == b"m" * 16
     assert other.get("theirs") == b"t" * 16
 
@@ -409,6 +491,7 @@ def test_client_gone_during_a_copy_releases_its_lease(daemon: PrivateDaemon, con
         client.put_many({"big": b"\x01" * nbytes, "out": b"\x02" * nbytes})
         assert isinstance(client.request(staging.open_request(num_slots=2)), p.StagingOk)
         staging.write(1, b"\x03" * nbytes)
+        staging.events.record_consumed(1)
         client.request_async(p.StageIn(0, "big", 0))
         client.request_async(p.StageOut(0, "out", 1, nbytes))
         client.close()
@@ -480,8 +563,6 @@ def test_staging_must_be_a_sealed_memfd_of_the_rank(daemon: PrivateDaemon, conne
 def test_find_device_prefers_the_pci_bus_id_over_a_truncated_uuid() -> None:
     """cupy hands the UUID's 16 bytes through a C string that stops at the first zero byte;
     the PCI bus id (nvidia-smi writes an 8-digit domain, CUDA a 4-digit one) still matches."""
-    from types import SimpleNamespace
-
     from offloadd.cuda import CopiesRefused, find_device, normalize_pci_bus_id
 
     uuid = bytes.fromhex("58e2a1000b3c4d5e8f9a0b1c2d3e4f50")

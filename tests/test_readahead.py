@@ -10,6 +10,7 @@ train stage 3 through it against plain torch.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 from test_daemon_metrics import scrape, value
@@ -17,7 +18,7 @@ from test_device_copies import TwinSlots
 
 from offloadd import protocol as p
 from offloadd.embedded import PrivateDaemon
-from offloadd.errors import InvalidRequestError, SlotBusyError
+from offloadd.errors import InvalidRequestError, LeaseConflictError, SlotBusyError
 from trainer.client import OffloadClient
 
 pytestmark = pytest.mark.usefixtures("strict_device_twin")
@@ -38,12 +39,11 @@ def _open(connect, staging: TwinSlots, **fields: object) -> OffloadClient:
 def _read(client: OffloadClient, staging: TwinSlots, shard_id: str, nbytes: int = NBYTES,
           done: bool = True) -> tuple[p.Staged, bytes]:
     """One stage_in into the rank's slot 0; the bytes come from the slot the reply names."""
-    reply = client.request(p.StageIn(0, shard_id, 0))
-    assert isinstance(reply, p.Staged)
+    reply = staging.stage_in(client, shard_id, 0)
     assert reply.slot == 0 or reply.slot >= SLOTS - LENT
     data = staging.slot(reply.slot, nbytes)
     if done:
-        client.request(p.SlotDone(0, reply.slot))
+        staging.slot_done(client, reply.slot)
     return reply, data
 
 
@@ -92,8 +92,7 @@ def test_shard_written_after_staged_ahead_is_copied_again(daemon: PrivateDaemon,
     client.put_many({"a": b"a" * NBYTES, "b": b"b" * NBYTES, "c": b"c" * NBYTES})
     _learn(client, staging, ["a", "b", "c"])  # step_begin staged a and b ahead
     client.put("a", b"A" * NBYTES)
-    staging.write(1, b"B" * NBYTES)
-    client.request(p.StageOut(0, "b", 1, NBYTES))
+    staging.stage_out(client, "b", 1, b"B" * NBYTES)
     first, data = _read(client, staging, "a")
     assert (first.outcome, first.version, data) == ("stale", 2, b"A" * NBYTES)
     second, data = _read(client, staging, "b")
@@ -123,9 +122,32 @@ def test_read_ahead_slot_reused_only_after_slot_done(connect, staging: TwinSlots
         client.request(p.StageIn(0, "b", held.slot))
     with pytest.raises(InvalidRequestError, match="lent to the daemon"):
         client.request(p.StageOut(0, "b", held.slot, NBYTES))
-    client.request(p.SlotDone(0, held.slot))
+    staging.slot_done(client, held.slot)
     with pytest.raises(SlotBusyError, match="consumer event"):
         client.request(p.SlotDone(0, held.slot))
+
+
+def test_read_ahead_skips_shards_the_rank_holds_staged(daemon: PrivateDaemon, connect) -> None:
+    """Bytes the rank staged itself (its own prefetch) and has not reported consumed are on
+    its GPU: the read-ahead slot goes to the next shard instead of a second copy of them."""
+    copied = "offloadd_device_copies_bytes_total"
+    staging = TwinSlots(num_slots=SLOTS, slot_nbytes=NBYTES)  # slot 3 lent
+    try:
+        client = connect()
+        reply = client.request(staging.open_request(num_slots=SLOTS, readahead_slots=1))
+        assert isinstance(reply, p.StagingOk) and reply.readahead_slots == 1
+        values = {name: name.encode() * NBYTES for name in "xay"}
+        client.put_many(values)
+        _learn(client, staging, ["x", "a", "a", "y"])  # "a" is read twice in a row
+        assert staging.stage_in(client, "x", 0).outcome == "hit"  # from slot 3, held
+        assert staging.stage_in(client, "a", 1).slot == 1  # the rank's prefetch, held
+        before = value(scrape(daemon), copied, direction="h2d")
+        staging.slot_done(client, 3)  # next in the trace: "a" (held by the rank), then "y"
+        reply = staging.stage_in(client, "y", 0)
+        assert (reply.outcome, staging.slot(reply.slot, NBYTES)) == ("hit", values["y"])
+        assert value(scrape(daemon), copied, direction="h2d") == before + NBYTES  # y only
+    finally:
+        staging.close()
 
 
 def test_readahead_slots_must_leave_the_rank_a_slot(connect, staging: TwinSlots) -> None:
@@ -136,7 +158,8 @@ def test_readahead_slots_must_leave_the_rank_a_slot(connect, staging: TwinSlots)
     reply = client.request(staging.open_request(num_slots=SLOTS))  # none lent: as before
     assert isinstance(reply, p.StagingOk) and reply.readahead_slots == 0
     client.put("x", b"x" * 8)
-    assert isinstance(client.request(p.StageIn(0, "x", 3)), p.Ok)
+    reply = staging.stage_in(client, "x", 3)
+    assert (reply.slot, reply.outcome) == (3, "")
 
 
 def test_disconnect_with_read_ahead_in_flight_leaks_no_lease_or_pin(
@@ -162,7 +185,14 @@ def test_disconnect_with_read_ahead_in_flight_leaks_no_lease_or_pin(
         client.request_async(p.StageIn(0, ids[0], 0))  # claims one copy still running
         client.close()
         again = connect()
-        again.request(p.Drop(0, ids))  # waits for pins: one left behind would hang here
+        for _ in range(10_000):  # waits for pins; a claimed copy in flight holds a read lease
+            try:
+                again.request(p.Drop(0, ids))  # one pin left behind would hang here
+                break
+            except LeaseConflictError:
+                time.sleep(0.001)
+        else:
+            raise AssertionError("the claimed copy's lease never came back")
         stats = again.stats()
         assert stats["leased_nbytes"] == 0 and stats["num_shards"] == 0, stats
         again.close()

@@ -125,6 +125,11 @@ class CopyEngine(abc.ABC):
         """``tensor`` (allocated in ``ahead_of_compute``) was read by compute: its memory
         must not go back to the copy stream's pool before that compute has run."""
 
+    def before_collective(self) -> None:  # noqa: B027 - CUDA orders collectives itself
+        """A collective is about to read what the current stream wrote (the H2D of its
+        input). On CUDA, NCCL runs after the current stream's work; the twin's "NCCL"
+        (gloo) runs at issue, so there the host waits for the copies issued so far."""
+
     def synchronize(self) -> None:  # noqa: B027 - inline copies are done at issue
         """Wait for every copy issued so far."""
 
@@ -238,9 +243,15 @@ class TwinEvent:
 class TwinCopyEngine(CopyEngine):
     """The CPU twin of ``CudaCopyEngine``: copies run later, on a worker thread, in order.
 
-    One worker plays one copy stream (copies complete in issue order, as on a
-    CUDA stream). ``hold()`` pauses the worker so tests can place releases
-    deterministically between a copy's issue and its completion.
+    One worker plays the copy stream (copies complete in issue order, as on a
+    CUDA stream); the host thread plays the compute stream. As on CUDA, work
+    issued inside ``ahead_of_compute`` goes to the copy stream: there
+    ``wait_on_compute`` orders nothing on the host (the worker runs in issue
+    order already), ``run_on_stream`` queues device work behind the copies,
+    and ``ready()`` is a marker the host waits for at use. Outside it, the
+    host waits at once, as a compute stream waits on an event. ``hold()``
+    pauses the worker so tests can place releases deterministically between
+    a copy's issue and its completion.
     """
 
     kind = "twin"
@@ -279,9 +290,17 @@ class TwinCopyEngine(CopyEngine):
         """Copies that found their guard released (each failed its event)."""
         self.registered: dict[int, int] = {}
         """Pinned host regions (address -> nbytes), tracked like cudaHostRegister would."""
+        self._stream = threading.local()
+        """``depth``: how many ``ahead_of_compute`` blocks this thread is in (like CUDA's
+        current stream, per thread)."""
         self._worker = threading.Thread(target=self._run, name="offloadd-twin-copy",
                                         daemon=True)
         self._worker.start()
+
+    @property
+    def on_copy_stream(self) -> bool:
+        """The calling thread issues to the copy stream (inside ``ahead_of_compute``)."""
+        return getattr(self._stream, "depth", 0) > 0
 
     def _take_event(self) -> TwinEvent:
         event = self._pool.pop() if self._pool else TwinEvent(self.timing)
@@ -314,8 +333,46 @@ class TwinCopyEngine(CopyEngine):
         return self._issue(dst, src, guard)
 
     def wait_on_compute(self, event: CopyEvent) -> None:
-        # The twin's compute stream is the host thread itself.
-        event.synchronize()
+        if self.on_copy_stream:
+            # The current stream is the copy stream, whose worker runs jobs in issue
+            # order: later work on it runs after this event anyway. A failure surfaces at
+            # the next ``ready()`` marker and at the event's own release.
+            return
+        event.synchronize()  # the compute stream is the host thread itself
+
+    @contextmanager
+    def ahead_of_compute(self) -> Iterator[None]:
+        self._stream.depth = getattr(self._stream, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._stream.depth -= 1
+
+    def ready(self) -> CopyEvent:
+        """A marker behind every job issued so far; it fails with the first failure of a
+        job since the previous marker (CUDA errors are sticky: bytes of a failed copy are
+        never used silently)."""
+        event = self._take_event()
+        self._jobs.put((None, None, None, event, 0.0))
+        return event
+
+    def run_on_stream(self, work: Callable[[], None]) -> CopyEvent:
+        """Device work (a kernel) on the current stream: on the copy stream it runs on the
+        worker after the copies issued before it; on the compute stream (the host), now."""
+        if not self.on_copy_stream:
+            work()
+            return _DONE
+        event = self._take_event()
+        self._jobs.put((work, None, None, event, 0.0))
+        return event
+
+    def before_collective(self) -> None:
+        if self.on_copy_stream:
+            marker = self.ready()
+            try:
+                marker.synchronize()
+            finally:
+                self.recycle(marker)
 
     def synchronize(self) -> None:
         last = self._last
@@ -345,6 +402,7 @@ class TwinCopyEngine(CopyEngine):
             raise RuntimeError(f"host region {address:#x} was never registered")
 
     def _run(self) -> None:
+        failed: BaseException | None = None  # since the last ``ready()`` marker
         while True:
             job = self._jobs.get()
             if job is None:
@@ -352,6 +410,13 @@ class TwinCopyEngine(CopyEngine):
             dst, src, guard, event, delay_s = job
             del job
             self._running.wait()
+            if src is None:  # a marker, or device work queued by run_on_stream
+                error = failed if dst is None else _run_work(dst)
+                failed = None if dst is None else failed or error
+                del dst
+                event._finish(error)
+                del event, error
+                continue
             if delay_s:
                 time.sleep(delay_s)
             started = time.perf_counter()
@@ -364,6 +429,7 @@ class TwinCopyEngine(CopyEngine):
                 if left_s > 0:
                     time.sleep(left_s)
             self.timing.copy_s += time.perf_counter() - started
+            failed = failed or error
             event._finish(error)
             del event, error
 
@@ -384,6 +450,14 @@ class TwinCopyEngine(CopyEngine):
         self._running.set()
         self._jobs.put(None)
         self._worker.join()
+
+
+def _run_work(work: Callable[[], None]) -> BaseException | None:
+    try:
+        work()
+    except BaseException as error:  # surfaces at the event's synchronize()
+        return error
+    return None
 
 
 # ---------------------------------------------------------------------------

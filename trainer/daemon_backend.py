@@ -120,6 +120,8 @@ class DaemonBackend(StateBackend):
         """Bytes this rank copied into or out of arena leases."""
         self.wait_s = 0.0
         """Seconds this rank spent blocked on the daemon (leases, step completion)."""
+        self.deferred_steps = 0
+        """Optimizer steps held back until their gradient's D2H completed."""
         _OPEN_BACKENDS.add(self)
 
     @staticmethod
@@ -157,9 +159,11 @@ class DaemonBackend(StateBackend):
     def _settle(self, unit: int) -> None:
         """Wait for the unit's optimizer step, if one is in flight: its shards are leased."""
         handle = self._steps.pop(unit, None)
-        self._inflight_step_nbytes.pop(unit, None)
         if handle is not None:
-            handle.wait()
+            try:
+                handle.wait()  # a deferred step is sent first
+            finally:
+                self._inflight_step_nbytes.pop(unit, None)
             if self.swaps:  # the step asked the daemon to drop it (``step_async``)
                 self._dropped_grads.add(unit)
 
@@ -286,7 +290,7 @@ class DaemonBackend(StateBackend):
             raise
         self._release_after(event, lease)
         self.moved_nbytes += target.nbytes
-        self.releases.poll()
+        self._poll_copies()
         return squared_norm(total) if want_sq_norm else None
 
     def _accumulate_by_daemon(self, daemon_copies: DaemonCopies, unit: int, grad: torch.Tensor,
@@ -365,28 +369,54 @@ class DaemonBackend(StateBackend):
 
     def step_async(self, unit: int, *, step: int, hyper: AdamHyper,
                    grad_scale: float) -> StepHandle:
-        """Start the step; it is waited for at the unit's next use (or ``wait_steps``)."""
+        """Start the step; it is waited for at the unit's next use (or ``wait_steps``).
+
+        The step reads the committed gradient: while the gradient's D2H is in flight the
+        step is deferred, and sent at the first poll that finds the copy done (or when it
+        is waited for), so the host goes on issuing compute instead of blocking on it."""
         self._settle(unit)
+        handle: StepHandle
+        if self._names[unit][1] in self._leased_for_copy:
+            handle = _DeferredStep(lambda: self._send_step(unit, step, hyper, grad_scale))
+            self.deferred_steps += 1
+        else:
+            handle = self._send_step(unit, step, hyper, grad_scale)
+        self._steps[unit] = handle
+        return handle
+
+    def _send_steps_copied(self) -> None:
+        """Send the deferred steps whose gradient D2H completed (after a ``poll``)."""
+        for unit, handle in list(self._steps.items()):
+            if (isinstance(handle, _DeferredStep) and not handle.sent
+                    and self._names[unit][1] not in self._leased_for_copy):
+                handle.send()
+
+    def _poll_copies(self) -> None:
+        """Run the releases of completed copies, then send the steps they held back."""
+        self.releases.poll()
+        self._send_steps_copied()
+
+    def _send_step(self, unit: int, step: int, hyper: AdamHyper,
+                   grad_scale: float) -> StepHandle:
         self._settle_copies_of(self._names[unit][1])  # the step reads the committed grad
         if self._daemon_copies is not None:  # the step reads the grad and rewrites the param
             self._daemon_copies.settle(self._names[unit][1])
             self._daemon_copies.discard(self._names[unit][2])
         spec = self._specs[unit]
         pinned_nbytes = spec.part_numel * (16 + spec.param_dtype.itemsize)
-        while len(self._steps) >= MIN_INFLIGHT_STEPS and (
+        while len(self._inflight_step_nbytes) >= MIN_INFLIGHT_STEPS and (
                 sum(self._inflight_step_nbytes.values()) + pinned_nbytes
                 > self.inflight_steps_room_nbytes):
-            self._settle(next(iter(self._steps)))  # the oldest: steps finish in order
+            # The oldest sent step (steps finish in order); deferred ones pin nothing yet.
+            self._settle(next(iter(self._inflight_step_nbytes)))
         self._inflight_step_nbytes[unit] = pinned_nbytes
-        handle = _TimedHandle(self.client.optimizer_step_async(
+        return _TimedHandle(self.client.optimizer_step_async(
             self._names[unit][0], step=step, lr=hyper.lr, beta1=hyper.beta1,
             beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
             decoupled_weight_decay=hyper.decoupled_weight_decay, grad_scale=grad_scale,
             # The step consumes the gradient and the next window overwrites it: dropped
             # at once, it frees arena room and is never written back or read in dead.
             drop_grad=self.swaps), self)
-        self._steps[unit] = handle
-        return handle
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:
         self._settle(unit)
@@ -397,7 +427,7 @@ class DaemonBackend(StateBackend):
             return
         if not self.copies.zero_copy:
             self._stage_in(self._acquire(self._names[unit][2], "r"), out)
-            self.releases.poll()
+            self._poll_copies()
             return
         with self._acquire(self._names[unit][2], "r") as lease:
             part = lease.tensor(self._specs[unit].param_dtype)
@@ -426,7 +456,7 @@ class DaemonBackend(StateBackend):
             self.client.prefetch([self._names[unit][2] for unit in units])
 
     def begin_step(self) -> None:
-        self.releases.poll()
+        self._poll_copies()
         if self.swaps or self._daemon_copies is not None:
             # The access order steers the NVMe tier's prefetch and the daemon's read-ahead.
             self.client.step_begin()
@@ -463,6 +493,7 @@ class DaemonBackend(StateBackend):
         rank_side = {"rank_moved_nbytes": self.moved_nbytes, "rank_wait_s": self.wait_s,
                      "rank_copy_engine": self.copies.kind,
                      "rank_releases_deferred": self.releases.deferred,
+                     "rank_deferred_steps": self.deferred_steps,
                      "rank_arena_pinned": self.arena_pinned,
                      "rank_device_copies": self.device_copies_path,
                      "rank_device_copies_reason": self.device_copies_reason}
@@ -525,6 +556,28 @@ def _close_at_exit() -> None:
 
 
 atexit.register(_close_at_exit)
+
+
+class _DeferredStep:
+    """An optimizer step not sent yet: its gradient's D2H was in flight at ``step_async``.
+    Sent by the backend's poll once the copy completed, or by ``wait``."""
+
+    def __init__(self, send: Callable[[], StepHandle]) -> None:
+        self._send = send
+        self._sent: StepHandle | None = None
+
+    @property
+    def sent(self) -> bool:
+        return self._sent is not None
+
+    def send(self) -> None:
+        if self._sent is None:
+            self._sent = self._send()
+
+    def wait(self) -> None:
+        self.send()
+        assert self._sent is not None
+        self._sent.wait()
 
 
 class _TimedHandle:

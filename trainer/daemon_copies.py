@@ -5,10 +5,12 @@ daemon (``staging_open``): on CUDA one device allocation exported with a CUDA
 IPC handle plus two interprocess events per slot; on the CPU twin a memfd the
 daemon maps. It then asks for shards by id:
 
-- parameters (H2D): ``stage_in`` fills a slot; the daemon's reply is the slot's
-  "filled" event (the compute stream waits on it, never the host on CUDA); the
-  rank copies the slot into its own buffer, records the slot's "consumed"
-  event and reports ``slot_done``. ``prefetch`` stages upcoming units ahead of
+- parameters (H2D): ``stage_in`` fills a slot; the daemon replies when the
+  copy is *issued*, with the sequence number of the slot's "filled" event,
+  which the rank waits for at use (the compute stream on CUDA, the host on
+  the twin), so several stage_ins are in flight at once; the rank copies the
+  slot into its own buffer, records the slot's "consumed" event and reports
+  ``slot_done``. ``prefetch`` stages upcoming units ahead of
   use, in free slots only.
 - read-ahead: the rank may lend its last slots to the daemon
   (``readahead_slots``), which stages the shards the rank's learned trace says
@@ -45,6 +47,7 @@ from typing import Any
 import torch
 
 from offloadd import protocol as p
+from offloadd.cuda import TWIN_FAILED, TwinEvents, twin_staging_nbytes
 from trainer.copy_engine import CopyEngine
 
 log = logging.getLogger(__name__)
@@ -65,6 +68,10 @@ class StagingUnavailable(Exception):
         self.reason = reason
 
 
+class DeviceCopyFailed(RuntimeError):
+    """The daemon's copy into a staging slot failed after its stage_in was answered."""
+
+
 class Staging(abc.ABC):
     """The rank's staging slots on its compute device and their events."""
 
@@ -80,10 +87,12 @@ class Staging(abc.ABC):
     def export(self) -> dict[str, Any]:
         """The ``staging_open`` fields that let the daemon map the slots."""
 
-    def wait_filled(self, slot: int) -> None:  # noqa: B027 - twin: the reply is the event
-        """Make later compute wait for the daemon's copy into ``slot``."""
+    @abc.abstractmethod
+    def wait_filled(self, slot: int, seq: int) -> None:
+        """Make later compute wait for the daemon's copy number ``seq`` into ``slot``."""
 
-    def record_consumed(self, slot: int) -> None:  # noqa: B027 - twin: host order is enough
+    @abc.abstractmethod
+    def record_consumed(self, slot: int) -> None:
         """Mark the point after which the daemon may copy into/out of ``slot`` again."""
 
     @abc.abstractmethod
@@ -92,7 +101,9 @@ class Staging(abc.ABC):
 
 
 class TwinStaging(Staging):
-    """The twin's "device" slots: a memfd the daemon maps (see offloadd.cuda)."""
+    """The twin's "device" slots: a memfd the daemon maps, ending with the events area
+    both sides map (see offloadd.cuda.TwinEvents). The host plays the compute stream: it
+    waits for a slot's "filled" event at use."""
 
     kind = "twin"
 
@@ -100,21 +111,33 @@ class TwinStaging(Staging):
         super().__init__(num_slots, slot_nbytes)
         self.device_uuid = os.environ.get(TWIN_GPU_UUID_ENV, f"twin-{local_rank}")
         self.fd = os.memfd_create("offloadd-staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(self.fd, num_slots * slot_nbytes)
+        nbytes = twin_staging_nbytes(num_slots, slot_nbytes)
+        os.ftruncate(self.fd, nbytes)
         # Backed now and sealed: the daemon maps it and must never fault on it (SIGBUS on a
         # page tmpfs cannot supply, or on a file shrunk under its mapping).
-        os.posix_fallocate(self.fd, 0, num_slots * slot_nbytes)
+        os.posix_fallocate(self.fd, 0, nbytes)
         fcntl.fcntl(self.fd, fcntl.F_ADD_SEALS,
                     fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
-        self._map = mmap.mmap(self.fd, num_slots * slot_nbytes)
+        self._map = mmap.mmap(self.fd, nbytes)
+        self._events = TwinEvents(memoryview(self._map), num_slots, slot_nbytes)
         whole = torch.frombuffer(self._map, dtype=torch.uint8)
         self.slots = [whole[i * slot_nbytes : (i + 1) * slot_nbytes] for i in range(num_slots)]
 
     def export(self) -> dict[str, Any]:
         return {"staging_fd": self.fd}
 
+    def wait_filled(self, slot: int, seq: int) -> None:
+        word = self._events.wait(2 * slot + 1, seq, f"slot {slot}'s filled event {seq}")
+        if word & TWIN_FAILED and word & ~TWIN_FAILED == seq:
+            raise DeviceCopyFailed(f"the daemon's copy {seq} into staging slot {slot} failed "
+                                   "(see the daemon's log)")
+
+    def record_consumed(self, slot: int) -> None:
+        self._events.record_consumed(slot)
+
     def close(self) -> None:
         self.slots = []
+        self._events.release()
         os.close(self.fd)
         try:
             self._map.close()
@@ -162,7 +185,9 @@ class CudaStaging(Staging):
         return {"ipc_handle": self._ipc_handle, "ipc_offset": self._ipc_offset,
                 "event_handles": handles}
 
-    def wait_filled(self, slot: int) -> None:
+    def wait_filled(self, slot: int, seq: int) -> None:
+        # The daemon recorded the IPC event on its stream before it replied, and records it
+        # again only after this slot's next slot_done: its latest record is copy ``seq``.
         torch.cuda.current_stream(self.device).wait_event(self.filled[slot])
 
     def record_consumed(self, slot: int) -> None:
@@ -281,19 +306,26 @@ class DaemonCopies:
             self._free.append(slot)
 
     def _filled(self, slot: int, handle: Any) -> int:
-        """Wait for a stage_in into ``slot``; returns the slot holding the shard (a read-ahead
-        slot of the daemon's when it staged the shard ahead: ``slot`` is free again)."""
+        """Wait for a stage_in's copy into ``slot`` to be issued, then for the copy itself
+        (at use: the compute stream on CUDA); returns the slot holding the shard (a
+        read-ahead slot of the daemon's when it staged the shard ahead: ``slot`` is free
+        again). A failed copy gives the slot back and raises."""
         try:
             handle.wait()
         except BaseException:
             self._free.append(slot)  # the daemon freed the slot of a failed stage_in
             raise
         reply = handle.reply
-        if not isinstance(reply, p.Staged):  # no read-ahead: the slot named
-            return slot
-        self.readahead[reply.outcome] = self.readahead.get(reply.outcome, 0) + 1
+        assert isinstance(reply, p.Staged), reply
+        if reply.outcome:
+            self.readahead[reply.outcome] = self.readahead.get(reply.outcome, 0) + 1
         if reply.slot != slot:
             self._free.append(slot)
+        try:
+            self.staging.wait_filled(reply.slot, reply.seq)
+        except BaseException:
+            self._consumed(reply.slot)
+            raise
         return reply.slot
 
     def _stage(self, shard_id: str) -> tuple[int, Any]:
@@ -318,7 +350,6 @@ class DaemonCopies:
         hit = entry is not None
         slot, handle = entry if entry is not None else self._stage(shard_id)
         slot = self._filled(slot, handle)
-        self.staging.wait_filled(slot)
         out.view(-1).copy_(self.staging.slots[slot][: out.nbytes].view(out.dtype))
         self._consumed(slot)
         self.prefetch_hits += hit
@@ -348,7 +379,8 @@ class DaemonCopies:
 
     def discard(self, shard_id: str) -> None:
         """Forget a stage-in made ahead (its bytes are about to change, or its slot is
-        needed): wait for the copy, then give the slot back."""
+        needed): wait for the copy (nothing may write the slot under it), then give the
+        slot back."""
         entry = self._staged.pop(shard_id, None)
         if entry is None:
             return

@@ -20,12 +20,16 @@ from collections.abc import Callable, Container, Iterable
 
 import torch
 
-from trainer.collectives import Collectives, Pending
+from trainer.collectives import Collectives, Done, Pending
 from trainer.copy_engine import CopyEngine, CopyEvent, InlineCopyEngine
 from trainer.lease_debug import check_view
 from trainer.partition import Unit
 
 ReleasePartition = Callable[[], None]
+
+
+def _nothing() -> None:
+    return None
 
 
 class GatherState(enum.Enum):
@@ -43,6 +47,12 @@ class PartitionLoader:
     def lease(self, unit: Unit) -> tuple[torch.Tensor, ReleasePartition]:
         """This rank's partition to all-gather from, and how to give it back afterwards."""
         raise NotImplementedError
+
+    def read_into(self, unit: Unit, out: torch.Tensor) -> bool:
+        """Issue the copy of this rank's partition into device ``out`` on the current
+        stream; False when this source can only lease it (a world of one then copies
+        the lease)."""
+        return False
 
 
 class _UnitBuffer:
@@ -144,9 +154,15 @@ class FullParams:
             self.before_gather(buffer.unit)
         with self.copies.ahead_of_compute():
             buffer.storage.resize_(buffer.nbytes)
-            part, buffer.release_part = self.loader.lease(buffer.unit)
-            buffer.part = part
-            buffer.pending = self.collectives.all_gather(buffer.flat, part, async_op=True)
+            if self.collectives.world_size == 1 and self.loader.read_into(buffer.unit,
+                                                                          buffer.flat):
+                # A world of one gathers nothing: the partition's copy fills the buffer.
+                buffer.pending, buffer.release_part = Done(), _nothing
+            else:
+                part, buffer.release_part = self.loader.lease(buffer.unit)
+                buffer.part = part
+                self.copies.before_collective()
+                buffer.pending = self.collectives.all_gather(buffer.flat, part, async_op=True)
             buffer.ready = self.copies.ready()
         buffer.state = GatherState.GATHERING
         self.live_numel += buffer.unit.padded_numel

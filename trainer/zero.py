@@ -93,6 +93,10 @@ class OffloadedPartitions(PartitionSource):
     def lease(self, unit: Unit) -> tuple[torch.Tensor, ReleasePartition]:
         return self.backend.lease_params(unit.index)
 
+    def read_into(self, unit: Unit, out: torch.Tensor) -> bool:
+        self.backend.read_params(unit.index, out)
+        return True
+
     def refresh(self, unit: Unit) -> None:
         """The optimizer step writes ``u{N}.param`` in place; nothing to copy."""
 
