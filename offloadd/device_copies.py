@@ -171,6 +171,9 @@ class SessionStaging:
         """Shard id -> the rank's writes of it in flight (optimizer steps, stage_outs): not
         staged ahead until they are done, as the copy would be stale before its use."""
         self.holding: list[tuple[Shard, int] | None] = [None] * copier.num_slots
+        self.reading: dict[str, set[asyncio.Future[Any]]] = {}
+        """Copies out of each shard still holding their read lease (replied at issue): a
+        stage_out of the shard waits for them, as the same stream would order it."""
         """Per slot, the shard and version a stage_in put there, until the rank's slot_done:
         bytes on the rank's GPU, which read-ahead does not copy again."""
 
@@ -268,10 +271,34 @@ class SessionStaging:
         if entry.task.done():
             return
         leases: dict[Shard, Lease] = {}
-        placed = job.acquire(rank, [entry.shard.shard_id], "r", leases)
+        shard_id = entry.shard.shard_id
+        placed = job.acquire(rank, [shard_id], "r", leases)
         assert isinstance(placed, p.Placed), "a pinned shard in the arena is leased at once"
-        entry.task.add_done_callback(
-            lambda _: job.release(rank, [entry.shard.shard_id], False, leases))
+
+        def release() -> None:
+            job.release(rank, [shard_id], False, leases)
+
+        self._reading(shard_id, entry.task, release)
+
+    def _reading(self, shard_id: str, copy: asyncio.Future[Any],
+                 release: Callable[[], None]) -> None:
+        """``copy`` reads the shard under a read lease that ``release`` gives back."""
+        self.reading.setdefault(shard_id, set()).add(copy)
+
+        def done(_: object) -> None:
+            readers = self.reading.get(shard_id)
+            if readers is not None:
+                readers.discard(copy)
+                if not readers:
+                    del self.reading[shard_id]
+            release()
+
+        copy.add_done_callback(done)
+
+    async def _wait_readers(self, shard_id: str) -> None:
+        """Until no copy of ours still reads the shard (a write lease would be refused)."""
+        while readers := self.reading.get(shard_id):
+            await asyncio.wait(list(readers))
 
     async def writing(self, job: Job, rank: int, shard_id: str,
                       pending: Awaitable[Any]) -> Any:
@@ -424,6 +451,8 @@ class SessionStaging:
         into the slot is issued ("r"), or once a copy out of it committed ("w")."""
         leases: dict[Shard, Lease] = {}
         try:
+            if mode == "w":
+                await self._wait_readers(shard_id)
             placed = job.acquire(rank, [shard_id], mode, leases)
             if not isinstance(placed, p.Placed):
                 placed = await placed
@@ -446,6 +475,8 @@ class SessionStaging:
         nbytes = placed.nbytes[0]
         done.add_done_callback(lambda finished: self._copied(finished, job, rank, shard_id,
                                                              slot, mode, leases, nbytes))
+        if mode == "r":  # _copied gives its lease back
+            self._reading(shard_id, done, _nothing)
         if mode == "w":
             await asyncio.shield(done)
         return placed.versions[0], seq
@@ -622,3 +653,7 @@ def session_closed(session: Session) -> None:
     if staging is not None:
         session.staging = None
         staging.close()
+
+
+def _nothing() -> None:
+    return None

@@ -1,7 +1,7 @@
 """Multi-rank test helper: run a function on N real gloo ranks in spawned processes.
 
 ``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (spawn),
-each joins a gloo process group on a free loopback port with the torchrun
+each joins a gloo process group through a TCPStore the test process serves, with the torchrun
 environment variables set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT),
 calls ``fn(rank, world_size, *args)`` and returns the per-rank results in rank
 order. A failure in any rank is re-raised in the parent with that rank's
@@ -10,11 +10,16 @@ traceback; a hang is killed after ``timeout_s``.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import faulthandler
 import io
 import os
 import queue
+import signal
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,16 +36,39 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any],
-               args: tuple[Any, ...], results: Any) -> None:
+class RendezvousStore:
+    """The ranks' TCPStore, served by the test process itself on a port the kernel picks.
+
+    A port found free and handed to rank 0 to bind can be taken by another test (xdist
+    workers, torchrun launches) in between: that rank failed with EADDRINUSE and its
+    peers waited out the test's timeout. Holding the listening socket here from the
+    start leaves no such window.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
+                                   wait_for_workers=False)
+        self.port = int(self.store.port)
+
+
+def _join_group(rank: int, world_size: int, port: int, **kwargs: Any) -> None:
+    """Set torchrun's variables, make stacks dumpable (SIGUSR1: see ``_collect``) and, for
+    more than one rank, join the gloo group through the test process's store."""
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)
+    if world_size > 1:
+        store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                **kwargs)
+
+
+def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any],
+               args: tuple[Any, ...], results: Any) -> None:
     try:
-        if world_size > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                    rank=rank, world_size=world_size)
+        _join_group(rank, world_size, port)
         results.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
@@ -61,13 +89,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank."""
     context = mp.get_context("spawn")
     results = context.Queue()
-    port = free_port()
-    procs = [context.Process(target=_rank_main, args=(rank, world_size, port, fn, args, results))
+    rendezvous = RendezvousStore(world_size)
+    procs = [context.Process(target=_rank_main,
+                             args=(rank, world_size, rendezvous.port, fn, args, results))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
     try:
-        collected = _collect(results, world_size, timeout_s)
+        collected = _collect(results, world_size, timeout_s, procs)
     finally:
         for proc in procs:
             proc.join(timeout=10)
@@ -76,18 +105,30 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     return [collected[rank] for rank in range(world_size)]
 
 
-def _collect(results: Any, world_size: int, timeout_s: float) -> dict[int, Any]:
+def _collect(results: Any, world_size: int, timeout_s: float,
+             procs: list[Any]) -> dict[int, Any]:
+    """Each rank's result; on a timeout the ranks still running print their stacks (to
+    the test's captured stderr) before the error is raised."""
     collected: dict[int, Any] = {}
     while len(collected) < world_size:
         try:
             rank, ok, value = results.get(timeout=timeout_s)
         except queue.Empty:
+            _dump_stacks(procs)
             raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(collected))} "
                                f"gave no result within {timeout_s}s") from None
         if not ok:
             raise RuntimeError(f"rank {rank} failed:\n{value}")
         collected[rank] = torch.load(io.BytesIO(value), weights_only=False)
     return collected
+
+
+def _dump_stacks(procs: list[Any]) -> None:
+    for proc in procs:
+        if proc.is_alive() and proc.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(1.0)  # let faulthandler write before the processes are killed
 
 
 # ---------------------------------------------------------------------------
@@ -283,14 +324,7 @@ def max_relative_error(ours: dict[str, torch.Tensor], reference: dict[str, torch
 def _pool_main(rank: int, world_size: int, port: int, setup: Callable[..., Any],
                inbox: Any, results: Any) -> None:
     """A rank that runs ``fn(rank, world_size, context, *args)`` per message until None."""
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size),
-                       "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    torch.set_num_threads(1)
-    import datetime
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=90))
+    _join_group(rank, world_size, port, timeout=datetime.timedelta(seconds=90))
     context = None
     try:
         context = setup(rank, world_size)
@@ -322,9 +356,9 @@ class RankPool:
         self.world_size = world_size
         self.results = context.Queue()
         self.inboxes = [context.Queue() for _ in range(world_size)]
-        port = free_port()
+        self.rendezvous = RendezvousStore(world_size)
         self.procs = [context.Process(target=_pool_main, args=(
-            rank, world_size, port, setup, self.inboxes[rank], self.results))
+            rank, world_size, self.rendezvous.port, setup, self.inboxes[rank], self.results))
             for rank in range(world_size)]
         for proc in self.procs:
             proc.start()
@@ -335,7 +369,7 @@ class RankPool:
         for inbox in self.inboxes:
             inbox.put((fn, args))
         try:
-            collected = _collect(self.results, self.world_size, timeout_s)
+            collected = _collect(self.results, self.world_size, timeout_s, self.procs)
         except BaseException:
             self.broken = True
             raise

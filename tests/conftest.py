@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import fcntl
 import itertools
 import os
 import re
@@ -271,12 +272,25 @@ def swap_root() -> Iterator[Path]:
 # -- huge pages --------------------------------------------------------------------------
 
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
+HUGE_PAGES_LOCK = Path("/tmp/offloadd-tests-huge-pages.lock")
+"""Held by a test using the node's huge-page pool: another test process (an xdist worker,
+a second suite run) resizing or restoring the pool meanwhile would take its pages."""
 
 
 @pytest.fixture
 def huge_pages() -> Iterator[Callable[[int], None]]:
     """``reserve(n)``: make sure ``n`` 2 MiB huge pages are free, growing the pool (as
-    root) for this test and restoring it after; skips where that is not possible."""
+    root) for this test and restoring it after; skips where that is not possible. Tests
+    using it run one at a time across processes (``HUGE_PAGES_LOCK``)."""
+    lock = open(HUGE_PAGES_LOCK, "a")  # noqa: SIM115 - held until the teardown below
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield from _huge_page_pool()
+    finally:
+        lock.close()  # releases the flock
+
+
+def _huge_page_pool() -> Iterator[Callable[[int], None]]:
     original = int(NR_HUGEPAGES.read_text()) if NR_HUGEPAGES.exists() else None
 
     def reserve(count: int) -> None:

@@ -181,6 +181,27 @@ def test_stage_in_replies_at_issue_and_the_copy_waits_at_use(connect, slots: Twi
         assert slots.slot(slots.filled(reply).slot, 64) == values[name]
 
 
+def test_stage_out_waits_for_a_copy_still_reading_the_shard(connect, slots: TwinSlots) -> None:
+    """A rank reads a gradient in (stage_in, answered at issue), adds to it on the device and
+    writes it back (stage_out) before the read's copy ran: the write waits for that copy's
+    read lease instead of failing with a lease conflict, and the shard ends up holding the
+    written bytes while the slot read in holds the old ones."""
+    client = _opened(connect, slots)
+    old, new = b"o" * 64, b"n" * 64
+    client.put_many({"grad": old, "other": b"x" * 64})
+    slots.stage_in(client, "other", 0)
+    client.request(p.SlotDone(0, 0))  # the rank records "consumed" only below
+    read = client.request(p.StageIn(0, "grad", 0))  # answered at issue, held on the stream
+    slots.write(1, new)
+    slots.events.record_consumed(1)
+    write = client.request_async(p.StageOut(0, "grad", 1, len(new)))
+    time.sleep(0.2)
+    slots.events.record_consumed(0)  # the read copy runs, then the write
+    write.wait()
+    assert slots.slot(slots.filled(read).slot, 64) == old
+    assert client.get("grad") == new
+
+
 def test_staging_open_pins_off_the_event_loop(monkeypatch) -> None:
     """Opening a copier (cudaHostRegister of the whole arena: seconds for a large one) runs
     off the daemon's loop, which keeps serving other sessions meanwhile."""

@@ -399,6 +399,7 @@ class DaemonBackend(StateBackend):
     def _send_step(self, unit: int, step: int, hyper: AdamHyper,
                    grad_scale: float) -> StepHandle:
         self._settle_copies_of(self._names[unit][1])  # the step reads the committed grad
+        self._settle_copies_of(self._names[unit][2])  # and rewrites the param a copy may read
         if self._daemon_copies is not None:  # the step reads the grad and rewrites the param
             self._daemon_copies.settle(self._names[unit][1])
             self._daemon_copies.discard(self._names[unit][2])
