@@ -49,8 +49,9 @@ split and a resumed run round alike.
 This module is the formats' specification (names, sizes, layout, rounding
 key) and imports no torch, so the daemon can check shards before its first
 optimizer step loads torch; ``offloadd.moment_codec`` is the torch reference
-encoder/decoder, which the native kernel (``offloadd._native``) reproduces
-byte for byte.
+encoder/decoder: a native kernel's compact step (``offloadd._native``) equals
+decoding with it, that kernel's fp32 step and encoding with it, byte for byte
+(``tests/test_compact_kernels.py``).
 """
 
 from __future__ import annotations

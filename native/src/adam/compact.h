@@ -1,6 +1,6 @@
 // Adam over compact moments: bf16 with stochastic rounding, or 8-bit block-wise
-// (the formats are specified in offloadd/moments.py, whose torch code is the
-// reference these kernels reproduce byte for byte).
+// (the formats are specified in offloadd/moments.py; offloadd/moment_codec.py is
+// the torch encoder/decoder these kernels reproduce byte for byte).
 //
 // One algorithm for every ISA: each kernel TU defines a traits type V (its
 // vector registers, loads, stores and arithmetic) and instantiates this code
