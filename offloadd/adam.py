@@ -3,7 +3,9 @@
 `adam_step` updates master, exp_avg and exp_avg_sq in place (typically views
 of the shared arena) with exactly the semantics of torch.optim.AdamW
 (decoupled weight decay) or torch.optim.Adam (L2 weight decay), and can write
-a bf16/fp16/fp32 copy of the updated master in the same pass.
+a bf16/fp16/fp32 copy of the updated master in the same pass. The moments
+may be compact (bf16 or 8-bit block-wise, see offloadd.moments): they are
+decoded, updated in fp32 and encoded again in the same pass.
 
 The native kernel (offloadd._native) is one fused pass that reads every byte
 once, chosen at runtime among AVX-512, AVX2+FMA and scalar code, spread over
@@ -19,6 +21,8 @@ from typing import Any, Literal
 
 import torch
 
+from offloadd import moment_codec, moments
+
 try:
     import offloadd._native as _native
 except ImportError:  # the package must work without its compiled part
@@ -32,6 +36,10 @@ KernelName = Literal["avx512", "avx2", "scalar", "torch"]
 
 _GRAD_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 _OUT_DTYPE_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+_MOMENT_FORMAT_CODES = {"bfloat16": 1, "blockwise8": 2}
+_TORCH_SPAN_ELEMENTS = 1 << 20
+"""The torch path updates compact moments this many elements at a time (a multiple of
+the blockwise8 block), so its fp32 temporaries stay small whatever the unit's size."""
 
 
 def native_kernels() -> list[str]:
@@ -63,8 +71,14 @@ def adam_step(
     num_threads: int | None = None,
     use_native: bool | None = None,
     use_kernel: KernelName | None = None,
+    rounding_seed: int = 0,
 ) -> None:
-    """One Adam/AdamW step over flat fp32 state, in place.
+    """One Adam/AdamW step over flat state, in place.
+
+    master is fp32. exp_avg and exp_avg_sq are both fp32, both bf16, or both uint8
+    (blockwise8 buffers of offloadd.moments); compact moments are decoded, updated in
+    fp32 and stored again, bf16 with stochastic rounding keyed by rounding_seed and
+    step (the same seed and step round alike in every kernel and thread split).
 
     grad (fp32 or bf16) is multiplied by grad_scale before use, which folds
     loss-scale unscaling and gradient clipping into this pass.  step is the
@@ -91,7 +105,15 @@ def adam_step(
         decoupled_weight_decay=decoupled_weight_decay,
         grad_scale=grad_scale,
     )
-    if kernel == "torch":
+    fmt = moment_codec.format_of(exp_avg.dtype)
+    if fmt != "float32":
+        key = moments.rounding_key(rounding_seed, step)
+        if kernel == "torch":
+            _torch_compact_step(master, exp_avg, exp_avg_sq, grad, param_out, key, **hyper)
+        else:
+            _native_compact_step(master, exp_avg, exp_avg_sq, grad, param_out, key, kernel,
+                                 num_threads, **hyper)
+    elif kernel == "torch":
         _torch_step(master, exp_avg, exp_avg_sq, grad, param_out, **hyper)
     else:
         _native_step(master, exp_avg, exp_avg_sq, grad, param_out, kernel, num_threads, **hyper)
@@ -122,12 +144,25 @@ def _check_state(
         raise ValueError(f"master must be a torch.Tensor, got {type(master).__name__}")
     numel = master.numel()
     _check_tensor("master", master, (torch.float32,), numel)
-    _check_tensor("exp_avg", exp_avg, (torch.float32,), numel)
-    _check_tensor("exp_avg_sq", exp_avg_sq, (torch.float32,), numel)
+    _check_moments(exp_avg, exp_avg_sq, numel)
     _check_tensor("grad", grad, (torch.float32, torch.bfloat16), numel)
     if param_out is not None:
         out_dtypes = (torch.bfloat16, torch.float16, torch.float32)
         _check_tensor("param_out", param_out, out_dtypes, numel)
+
+
+def _check_moments(exp_avg: Any, exp_avg_sq: Any, numel: int) -> None:
+    """fp32, bf16 or blockwise8 (uint8) moments, both in one format, sized for numel."""
+    moment_dtypes = (torch.float32, torch.bfloat16, torch.uint8)
+    for name, moment in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        if not isinstance(moment, torch.Tensor) or moment.dtype not in moment_dtypes:
+            _check_tensor(name, moment, moment_dtypes, numel)  # raises the type error
+        fmt = moment_codec.format_of(moment.dtype)
+        _check_tensor(name, moment, moment_dtypes,
+                      moments.moment_nbytes(fmt, numel) // moment.element_size())
+    if exp_avg.dtype != exp_avg_sq.dtype:
+        raise ValueError(f"exp_avg and exp_avg_sq must share one format, got {exp_avg.dtype} "
+                         f"and {exp_avg_sq.dtype}")
 
 
 def _check_hyperparameters(
@@ -195,6 +230,69 @@ def _native_step(
         num_threads=num_threads or 0,
         **hyper,
     )
+
+
+def _native_compact_step(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    param_out: torch.Tensor | None,
+    key: int,
+    kernel: str,
+    num_threads: int | None,
+    **hyper: Any,
+) -> None:
+    assert _native is not None
+    numel = master.numel()
+    fmt = moment_codec.format_of(exp_avg.dtype)
+    addresses = []
+    for moment in (exp_avg, exp_avg_sq):
+        if fmt == "blockwise8":
+            scales, codes = moment_codec.split_blockwise8(moment, numel)
+            addresses.append((codes.data_ptr(), scales.data_ptr()))
+        else:
+            addresses.append((moment.data_ptr(), 0))
+    (exp_avg_address, exp_avg_scales), (exp_avg_sq_address, exp_avg_sq_scales) = addresses
+    _native.adam_step_compact(
+        master.data_ptr(),
+        grad.data_ptr(),
+        _GRAD_DTYPE_CODES[grad.dtype],
+        0 if param_out is None else param_out.data_ptr(),
+        _OUT_DTYPE_CODES[None if param_out is None else param_out.dtype],
+        numel,
+        _MOMENT_FORMAT_CODES[fmt],
+        exp_avg_address,
+        exp_avg_sq_address,
+        exp_avg_scales,
+        exp_avg_sq_scales,
+        key,
+        kernel=kernel,
+        num_threads=num_threads or 0,
+        **hyper,
+    )
+
+
+def _torch_compact_step(
+    master: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    grad: torch.Tensor,
+    param_out: torch.Tensor | None,
+    key: int,
+    **hyper: Any,
+) -> None:
+    """The reference: decode a span's moments, run the fp32 step, encode them again."""
+    numel = master.numel()
+    for begin in range(0, numel, _TORCH_SPAN_ELEMENTS):
+        end = min(numel, begin + _TORCH_SPAN_ELEMENTS)
+        exp_avg_span = moment_codec.decode_span(exp_avg, numel, begin, end, signed=True)
+        exp_avg_sq_span = moment_codec.decode_span(exp_avg_sq, numel, begin, end, signed=False)
+        _torch_step(master[begin:end], exp_avg_span, exp_avg_sq_span, grad[begin:end],
+                    None if param_out is None else param_out[begin:end], **hyper)
+        moment_codec.encode_span_(exp_avg, numel, begin, end, exp_avg_span, signed=True, key=key)
+        moment_codec.encode_span_(exp_avg_sq, numel, begin, end, exp_avg_sq_span, signed=False,
+                             key=key)
 
 
 def _torch_step(

@@ -1,11 +1,15 @@
 """The optimizer service: Adam/AdamW over a unit's shards, in place in the arena.
 
 A rank asks for ``optimizer_step(unit)`` once the unit's reduced gradient is
-in ``{unit}.grad``; the daemon leases ``{unit}.master``, ``.exp_avg``,
-``.exp_avg_sq`` (fp32) and ``.grad`` (fp32 or bf16), runs the fused kernel on
-a worker thread (the loop never blocks), writes the updated parameter into
+in ``{unit}.grad``; the daemon leases ``{unit}.master`` (fp32), ``.exp_avg``,
+``.exp_avg_sq`` and ``.grad`` (fp32 or bf16), runs the fused kernel on a
+worker thread (the loop never blocks), writes the updated parameter into
 ``{unit}.param`` in that shard's dtype when it exists, and releases the
 updated shards dirty so the swap tier persists them.
+
+The moments' format is their shards' dtype tag (``offloadd.moments``):
+float32, bfloat16 (stochastic rounding, seeded per rank and unit so a resumed
+run rounds as the uninterrupted one) or uint8 (8-bit block-wise).
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from offloadd.errors import InvalidRequestError, LeaseConflictError, UnknownShardError
 from offloadd.metrics import Counters, Histogram, histogram_family
+from offloadd.moments import SHARD_DTYPES, moment_nbytes
 from offloadd.protocol import DTYPE_ITEMSIZE, Placed, torch_dtypes
 from offloadd.shards import Lease, Shard
 
@@ -35,6 +41,10 @@ log = logging.getLogger(__name__)
 STATE_SUFFIXES = ("master", "exp_avg", "exp_avg_sq", "grad")
 
 
+MOMENT_FORMAT_OF_DTYPE = {dtype: fmt for fmt, dtype in SHARD_DTYPES.items()}
+"""Shard dtype tag of a moment -> its format (uint8: 8-bit block-wise)."""
+
+
 def element_count(shard: Shard) -> int:
     return shard.nbytes // DTYPE_ITEMSIZE[shard.dtype]
 
@@ -42,20 +52,46 @@ def element_count(shard: Shard) -> int:
 def check_unit_shards(unit: str, state: list[Shard], param: Shard | None) -> None:
     """The step's shards must agree on element count and carry the expected dtypes."""
     master, exp_avg, exp_avg_sq, grad = state
-    for shard in (master, exp_avg, exp_avg_sq):
-        if shard.dtype != "float32":
-            raise InvalidRequestError(
-                f"{shard.shard_id!r} must be float32 for the optimizer step, not {shard.dtype}")
+    if master.dtype != "float32":
+        raise InvalidRequestError(
+            f"{master.shard_id!r} must be float32 for the optimizer step, not {master.dtype}")
+    numel = element_count(master)
+    _check_moments(unit, exp_avg, exp_avg_sq, numel)
     if grad.dtype not in ("float32", "bfloat16"):
         raise InvalidRequestError(f"{grad.shard_id!r} must be float32 or bfloat16")
     if param is not None and param.dtype not in ("float32", "bfloat16", "float16"):
         raise InvalidRequestError(f"{param.shard_id!r} must be float32, bfloat16 or float16")
-    numel = element_count(master)
-    for shard in (exp_avg, exp_avg_sq, grad, *((param,) if param else ())):
+    for shard in (grad, *((param,) if param else ())):
         if element_count(shard) != numel:
             raise InvalidRequestError(
                 f"unit {unit!r}: {shard.shard_id!r} has {element_count(shard)} elements, "
                 f"{master.shard_id!r} has {numel}")
+
+
+def _check_moments(unit: str, exp_avg: Shard, exp_avg_sq: Shard, numel: int) -> None:
+    """Both moments in one format, each of the size that format gives ``numel`` elements."""
+    for shard in (exp_avg, exp_avg_sq):
+        if shard.dtype not in MOMENT_FORMAT_OF_DTYPE:
+            raise InvalidRequestError(
+                f"{shard.shard_id!r} must be float32, bfloat16 or uint8 (8-bit block-wise) for "
+                f"the optimizer step, not {shard.dtype}")
+    if exp_avg.dtype != exp_avg_sq.dtype:
+        raise InvalidRequestError(
+            f"unit {unit!r}: {exp_avg.shard_id!r} is {exp_avg.dtype} but "
+            f"{exp_avg_sq.shard_id!r} is {exp_avg_sq.dtype}: both moments share one format")
+    fmt = MOMENT_FORMAT_OF_DTYPE[exp_avg.dtype]
+    expected = moment_nbytes(fmt, numel)
+    for shard in (exp_avg, exp_avg_sq):
+        if shard.nbytes != expected:
+            raise InvalidRequestError(
+                f"unit {unit!r}: {shard.shard_id!r} has {shard.nbytes} bytes, but a {fmt} "
+                f"moment of {numel} elements (the master's) takes {expected}")
+
+
+def rounding_seed(rank: int, unit: str) -> int:
+    """Seed of a unit's stochastic rounding: distinct per rank and unit, the same across
+    restarts (a resumed run rounds as the uninterrupted one would have)."""
+    return zlib.crc32(f"{rank}:{unit}".encode())
 
 
 class OptimizerService:
@@ -127,7 +163,7 @@ class OptimizerService:
             await placed  # the tier had to read some state back from swap first
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        kernel = loop.run_in_executor(self.executor, self._run, job, shards, req)
+        kernel = loop.run_in_executor(self.executor, self._run, job, rank, shards, req)
         outcome: asyncio.Future[None] = loop.create_future()
 
         def on_kernel_end(done: asyncio.Future[None]) -> None:
@@ -168,7 +204,7 @@ class OptimizerService:
         view = job.arena.slice(shard.offset, shard.nbytes)
         return torch.frombuffer(view, dtype=torch_dtypes()[shard.dtype])
 
-    def _run(self, job: Job, shards: list[Shard], req: OptimizerStep) -> None:
+    def _run(self, job: Job, rank: int, shards: list[Shard], req: OptimizerStep) -> None:
         """On the worker thread (torch is imported here, off the event loop)."""
         from offloadd import adam
 
@@ -179,7 +215,7 @@ class OptimizerService:
             step=req.step, lr=req.lr, beta1=req.beta1, beta2=req.beta2, eps=req.eps,
             weight_decay=req.weight_decay, decoupled_weight_decay=req.decoupled_weight_decay,
             grad_scale=req.grad_scale, param_out=views[4] if len(views) > 4 else None,
-            num_threads=self.num_threads,
+            num_threads=self.num_threads, rounding_seed=rounding_seed(rank, req.unit),
         )
 
     def families(self) -> list[Metric]:

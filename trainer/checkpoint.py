@@ -6,8 +6,8 @@ Layout of ``engine.save_checkpoint(save_dir, tag)``::
       latest                 text: the tag of the newest complete checkpoint
       <tag>/
         meta.json            written by rank 0: format version, world size,
-                             ZeRO stage, training dtype, and per unit its name,
-                             numel, padded_numel and part_numel
+                             ZeRO stage, training dtype, Adam moment format, and
+                             per unit its name, numel, padded_numel and part_numel
         rank_00000.pt        one torch.save file per rank (see below)
         rank_00001.pt
         ...
@@ -15,10 +15,13 @@ Layout of ``engine.save_checkpoint(save_dir, tag)``::
 Each ``rank_NNNNN.pt`` holds a dict:
 
 - ``units``: ``{unit_index: {"param", "master", "exp_avg", "exp_avg_sq"}}``,
-  this rank's partition of every unit: ``param`` in the training dtype, the
-  others fp32. With offload the tensors are read back through the daemon
-  client; for ``nvme`` the daemon is also asked to ``flush(tag)`` so its own
-  swap state is durable. Swap files are never copied.
+  this rank's partition of every unit: ``param`` in the training dtype,
+  ``master`` fp32, the moments as the daemon stores them
+  (``offload_optimizer.state_dtype``: fp32, bf16, or the uint8 bytes of
+  8-bit block-wise moments, see offloadd.moments), so a resume restores them
+  exactly. With offload the tensors are read back through the daemon client;
+  for ``nvme`` the daemon is also asked to ``flush(tag)`` so its own swap
+  state is durable. Swap files are never copied.
 - ``engine``: global/micro steps and samples, optimizer scalars (Adam step
   count, skipped steps, param group hyper-parameters), LR scheduler state,
   loss scaler state.
@@ -29,10 +32,14 @@ Rank 0 also keeps the model's HF configs (``config.json``,
 ``generation_config.json``) in ``<tag>/hf/`` for ``python -m trainer.export``.
 Rank files are written first, then a barrier, then rank 0 writes
 ``latest``, so ``latest`` never names a partial checkpoint. Loading needs
-the same stage, dtype and units; at the same world size it restores
-bit-exactly, at another one ``trainer.reshard`` re-partitions every unit's
-parameters, fp32 master and Adam moments (an optimizer step then differs from
-the uninterrupted run only by the summation order of the gradients).
+the same stage, dtype and units; at the same world size and moment format it
+restores bit-exactly, at another one ``trainer.reshard`` re-partitions every
+unit's parameters, fp32 master and Adam moments (an optimizer step then
+differs from the uninterrupted run only by the summation order of the
+gradients, and 8-bit moments by their re-quantization in the new blocks).
+Moments saved in another format than the run's are converted on load (a
+warning says so): fp32 or bf16 into a compact format rounds once, as the
+next step would; compact into fp32 is exact.
 ``consolidate_fp32_state_dict(engine)`` all-gathers the fp32 masters into a
 regular ``state_dict`` on rank 0 (other ranks get ``{}``).
 """
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +76,7 @@ def _meta(engine: Engine) -> dict[str, Any]:
         "world_size": engine.collectives.world_size,
         "stage": engine.config.zero_optimization.stage,
         "dtype": engine.precision.dtype_name,
+        "moment_format": engine.config.zero_optimization.offload_optimizer.moment_format,
         "units": [{"index": u.index, "name": u.name, "numel": u.numel,
                    "padded_numel": u.padded_numel, "part_numel": u.part_numel}
                   for u in engine.units],
@@ -181,6 +190,11 @@ def _check_meta(engine: Engine, tag_dir: Path) -> dict[str, Any]:
         raise ValueError(
             f"checkpoint {tag_dir} has units={saved['units']!r} but this engine has "
             f"{current['units']!r}; load it with the same model and 'units' config")
+    saved_format = saved.get("moment_format", "float32")  # written since compact moments
+    if saved_format != current["moment_format"]:
+        warnings.warn(f"checkpoint {tag_dir} holds {saved_format} Adam moments; this run keeps "
+                      f"{current['moment_format']} (zero_optimization.offload_optimizer."
+                      "state_dtype): they are converted on load", UserWarning, stacklevel=3)
     return saved
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union
 
+from offloadd.moments import MomentFormat
 from trainer.deepspeed_features import (
     check_type,
     check_unsupported,
@@ -32,6 +33,7 @@ from trainer.deepspeed_features import (
 )
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
+StateDtype = Literal["fp32", "bf16", "8bit"]
 OptimizerType = Literal["Adam", "AdamW"]
 WarmupType = Literal["log", "linear"]
 
@@ -319,14 +321,37 @@ class OffloadDeviceConfig:
     """Swap directory for device nvme; unset means ``<tmpdir>/offloadd-swap-<job>``."""
 
 
+STATE_DTYPE_FORMATS: dict[str, MomentFormat] = {
+    "fp32": "float32", "bf16": "bfloat16", "8bit": "blockwise8"}
+"""``offload_optimizer.state_dtype`` -> the daemon's moment format (offloadd.moments)."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class OffloadOptimizerConfig(OffloadDeviceConfig):
+    """``zero_optimization.offload_optimizer``: placement, and how the Adam moments are
+    stored (the one key DeepSpeed lacks; it means nothing without offload)."""
+
+    state_dtype: StateDtype = "fp32"
+    """Storage of exp_avg and exp_avg_sq in the daemon's arena and on NVMe (the fp32
+    master stays fp32): "fp32" (4 B each, exactly torch's AdamW), "bf16" (2 B, stochastic
+    rounding), "8bit" (~1.016 B: 8-bit codes with one fp32 absmax per 256 elements, as
+    bitsandbytes' 8-bit Adam). Moment bytes per parameter: 8 / 4 / 2.03."""
+
+    @property
+    def moment_format(self) -> MomentFormat:
+        """The daemon's name of ``state_dtype`` (offloadd.moments)."""
+        return STATE_DTYPE_FORMATS[self.state_dtype]
+
+
 @dataclass(kw_only=True, frozen=True)
 class ZeroConfig:
     """The ``zero_optimization`` section."""
 
     stage: int = 0
     """0: replicate everything; 1: + partition optimizer state; 2: + grads; 3: + params."""
-    offload_optimizer: OffloadDeviceConfig = field(default_factory=OffloadDeviceConfig)
-    """Where the fp32 master, Adam moments and reduced grads live, and where Adam runs."""
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    """Where the fp32 master, Adam moments and reduced grads live, where Adam runs, and
+    the moments' storage dtype."""
     offload_param: OffloadDeviceConfig = field(default_factory=OffloadDeviceConfig)
     """Where each rank's stage-3 parameter partition lives between uses."""
     overlap_comm: bool = True
@@ -358,6 +383,11 @@ class ZeroConfig:
                "zero_optimization.offload_param.device", param_device,
                "'none' unless offload_optimizer.device is cpu or nvme too "
                "(the daemon's optimizer step writes the offloaded parameters)")
+        state_dtype = self.offload_optimizer.state_dtype
+        _check(state_dtype == "fp32" or self.offload_optimizer.device != "none",
+               "zero_optimization.offload_optimizer.state_dtype", state_dtype,
+               "'fp32' unless offload_optimizer.device is cpu or nvme (compact moments "
+               "live in the daemon; the in-rank optimizer keeps torch's fp32 state)")
 
     @property
     def offloaded(self) -> bool:

@@ -33,12 +33,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from offloadd import moment_codec
+from offloadd.moments import SHARD_DTYPES, MomentFormat, moment_nbytes
 from trainer.collectives import Collectives, node_key
 from trainer.config import EngineConfig
 from trainer.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue
 from trainer.daemon_copies import DaemonCopies, open_daemon_copies, report_rank_copies
 from trainer.lease_debug import check_view
 from trainer.offload import (
+    MOMENT_KINDS,
     STATE_KINDS,
     AdamHyper,
     StateBackend,
@@ -67,8 +70,11 @@ class DaemonBackend(StateBackend):
                  private_daemon: Any | None = None, swaps: bool = False,
                  copies: CopyEngine | None = None, device_copies: str = "rank",
                  staging_slots: int = 4, local_rank: int = 0,
-                 staging_readahead_slots: int = 0) -> None:
+                 staging_readahead_slots: int = 0,
+                 moment_format: MomentFormat = "float32") -> None:
         self.client = client
+        self.moment_format: MomentFormat = moment_format
+        """How exp_avg / exp_avg_sq shards are stored (``offload_optimizer.state_dtype``)."""
         self.copies = copies or InlineCopyEngine()
         """Moves lease bytes to/from the compute device (see trainer.copy_engine)."""
         self.device_copies_path = "rank"
@@ -140,8 +146,10 @@ class DaemonBackend(StateBackend):
             self.client.put(self._names[spec.index][2], master.to(spec.param_dtype))
             return
         zeros = torch.zeros(spec.part_numel, dtype=torch.float32)
+        # All-zero bytes are zero moments in every format (blockwise8: zero scales and codes).
+        moment = moment_codec.empty(self.moment_format, spec.part_numel).zero_()
         shards = dict(zip(self._ids(spec.index, *SHARD_KINDS), (
-            master, zeros, zeros, zeros.to(spec.grad_dtype), master.to(spec.param_dtype)),
+            master, moment, moment, zeros.to(spec.grad_dtype), master.to(spec.param_dtype)),
             strict=True))
         if self.swaps:  # made by the first gradient window: zeros would only be written out
             del shards[self._names[spec.index][1]]
@@ -403,8 +411,7 @@ class DaemonBackend(StateBackend):
         if self._daemon_copies is not None:  # the step reads the grad and rewrites the param
             self._daemon_copies.settle(self._names[unit][1])
             self._daemon_copies.discard(self._names[unit][2])
-        spec = self._specs[unit]
-        pinned_nbytes = spec.part_numel * (16 + spec.param_dtype.itemsize)
+        pinned_nbytes = self._step_nbytes(self._specs[unit])
         while len(self._inflight_step_nbytes) >= MIN_INFLIGHT_STEPS and (
                 sum(self._inflight_step_nbytes.values()) + pinned_nbytes
                 > self.inflight_steps_room_nbytes):
@@ -418,6 +425,12 @@ class DaemonBackend(StateBackend):
             # The step consumes the gradient and the next window overwrites it: dropped
             # at once, it frees arena room and is never written back or read in dead.
             drop_grad=self.swaps), self)
+
+    def _step_nbytes(self, spec: UnitSpec) -> int:
+        """Arena bytes one step of the unit leases: master, moments, grad and param."""
+        numel = spec.part_numel
+        return (numel * (4 + spec.grad_dtype.itemsize + spec.param_dtype.itemsize)
+                + 2 * moment_nbytes(self.moment_format, numel))
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:
         self._settle(unit)
@@ -468,7 +481,7 @@ class DaemonBackend(StateBackend):
         self._settle(unit)
         self._drain_copies()
         with self.client.acquire_many(self._ids(unit, *STATE_KINDS), "r") as leases:
-            return {kind: lease.tensor(torch.float32).clone()
+            return {kind: lease.tensor().clone()  # the shard's own dtype: moments as stored
                     for kind, lease in zip(STATE_KINDS, leases, strict=True)}
 
     def set_state(self, unit: int, state: dict[str, torch.Tensor]) -> None:
@@ -479,7 +492,11 @@ class DaemonBackend(StateBackend):
         param = state.get("param")
         if param is None:
             param = state["master"].to(self._specs[unit].param_dtype)
-        values = [state[kind].cpu() for kind in STATE_KINDS] + [param.cpu()]
+        numel = self._specs[unit].part_numel
+        moments = [moment_codec.convert(state[kind].cpu(), self.moment_format,
+                                        signed=kind == "exp_avg", numel=numel)
+                   for kind in MOMENT_KINDS]
+        values = [state["master"].cpu(), *moments, param.cpu()]
         self._drain_copies()
         self.client.put_many(dict(zip(self._ids(unit, *STATE_KINDS, "param"), values,
                                       strict=True)))
@@ -617,7 +634,7 @@ def _device_sum_room(copies: CopyEngine) -> int:
 
 def _dtype_tag(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16",
-            torch.float16: "float16"}[dtype]
+            torch.float16: "float16", torch.uint8: SHARD_DTYPES["blockwise8"]}[dtype]
 
 
 # ---------------------------------------------------------------------------
@@ -630,15 +647,19 @@ def _node_world_size(collectives: Collectives) -> int:
 
 
 def estimate_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) -> int:
-    """Bytes of daemon shards one rank needs (fp32 master/moments/grad + param copy, and
-    the param copy of frozen parameters under stage 3)."""
+    """Bytes of daemon shards one rank needs (fp32 master and grad, the moments in their
+    ``state_dtype``, the param copy, and the param copy of frozen parameters under
+    stage 3)."""
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     parts = world_size if config.zero_optimization.stage >= 1 else 1
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype_name]
     frozen = 0  # stage 3 keeps frozen parameters' partitions in the daemon too (no state)
     if config.zero_optimization.stage == 3:
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    return -(-numel // parts) * (16 + itemsize) + -(-frozen // parts) * itemsize
+    part = -(-numel // parts)
+    moments_nbytes = 2 * moment_nbytes(config.zero_optimization.offload_optimizer.moment_format,
+                                       part)
+    return part * (8 + itemsize) + moments_nbytes + -(-frozen // parts) * itemsize
 
 
 def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Collectives) -> int:
@@ -801,4 +822,5 @@ def connect_backend(config: EngineConfig, collectives: Collectives,
                          device_copies=device_copies_choice(config),
                          staging_slots=config.offloadd.staging_slots,
                          local_rank=collectives.local_rank,
-                         staging_readahead_slots=config.offloadd.readahead_slots)
+                         staging_readahead_slots=config.offloadd.readahead_slots,
+                         moment_format=zero.offload_optimizer.moment_format)

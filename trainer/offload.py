@@ -4,9 +4,10 @@ The engine talks to one ``StateBackend`` and never asks where the state is.
 Per unit N it holds this rank's partition of:
 
 - ``u{N}.master``     fp32 master parameters
-- ``u{N}.exp_avg``    fp32 Adam first moment
-- ``u{N}.exp_avg_sq`` fp32 Adam second moment
-- ``u{N}.grad``       fp32 reduced gradient, accumulated over micro-batches
+- ``u{N}.exp_avg``    Adam first moment (fp32; in the daemon optionally bf16 or 8-bit,
+                      ``offload_optimizer.state_dtype``, see offloadd.moments)
+- ``u{N}.exp_avg_sq`` Adam second moment (likewise)
+- ``u{N}.grad``       reduced gradient (fp32, or bf16 where the reduction rounded to it)
 - ``u{N}.param``      the master cast to the training dtype (what ranks gather)
 
 Two implementations:
@@ -28,7 +29,10 @@ from typing import Any, Protocol
 
 import torch
 
+from offloadd import moment_codec
+
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
+MOMENT_KINDS = ("exp_avg", "exp_avg_sq")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -119,13 +123,15 @@ class StateBackend(abc.ABC):
 
     @abc.abstractmethod
     def get_state(self, unit: int) -> dict[str, torch.Tensor]:
-        """Copies of the unit's master, exp_avg and exp_avg_sq (fp32, in the rank);
-        empty for a frozen unit."""
+        """Copies of the unit's master (fp32), exp_avg and exp_avg_sq (as stored: fp32,
+        bf16 or blockwise8 bytes, see offloadd.moment_codec), in the rank; empty for a
+        frozen unit."""
 
     @abc.abstractmethod
     def set_state(self, unit: int, state: dict[str, torch.Tensor]) -> None:
         """Overwrite master/exp_avg/exp_avg_sq (and the param copy derived from master);
-        a frozen unit takes ``state["param"]``."""
+        moments in another format than the backend's are converted to it. A frozen unit
+        takes ``state["param"]``."""
 
     def flush(self, tag: str | None) -> None:  # noqa: B027 - nothing to persist in-process
         """Make the state durable (daemon NVMe tier); a no-op in-process."""
@@ -226,5 +232,10 @@ class InProcessBackend(StateBackend):
             self._frozen[unit][1].copy_(state["param"])
             return
         target = self._units[unit]
-        for kind in STATE_KINDS:
-            getattr(target, kind).copy_(state[kind])
+        target.master.copy_(state["master"])
+        for kind in MOMENT_KINDS:
+            value = state[kind]
+            if value.dtype != torch.float32:  # a checkpoint of compact daemon moments
+                value = moment_codec.decode(value.cpu(), signed=kind == "exp_avg",
+                                            numel=target.spec.part_numel)
+            getattr(target, kind).copy_(value)

@@ -3,7 +3,10 @@
 A unit's state is one flat buffer per kind (``param``, ``master``, ``exp_avg``,
 ``exp_avg_sq``) of ``numel`` real elements, padded to a multiple of the number
 of partitions and cut into equal contiguous partitions, one per rank
-(``trainer.partition``). Padding is zero and never trained, so the flat state
+(``trainer.partition``). Moments stored compactly (bf16, 8-bit block-wise:
+offloadd.moments) are decoded to fp32 per saved partition first, since 8-bit
+blocks do not survive a new cut; the backend encodes them again (bf16 exactly,
+8-bit re-quantized in the new blocks). Padding is zero and never trained, so the flat state
 does not depend on the world size: concatenating the saved partitions and
 dropping the old padding gives it back, and re-padding and slicing gives this
 rank's partition at the new world size. The rank files are memory-mapped, so a
@@ -23,6 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from offloadd import moment_codec
+from trainer.offload import MOMENT_KINDS
 
 if TYPE_CHECKING:
     from trainer.engine import Engine
@@ -59,7 +65,8 @@ def load_resharded(engine: Engine, tag_dir: Path, saved: dict[str, Any],
              for file in files]
     for unit, saved_unit in zip(engine.units, saved["units"], strict=True):
         parts = [payload["units"][unit.index] for payload in ranks]
-        state = {kind: _repartition(unit, [part[kind] for part in parts], saved_unit)
+        state = {kind: _repartition(unit, [_flat(part[kind], kind, saved_unit)
+                                           for part in parts], saved_unit)
                  for kind in parts[0]}
         engine.backend.set_state(unit.index, state)
         engine.placement.after_step(unit)
@@ -68,6 +75,14 @@ def load_resharded(engine: Engine, tag_dir: Path, saved: dict[str, Any],
                       "micro_steps": int(rest["engine"]["global_steps"])
                       * engine.gradient_accumulation_steps()}
     return rest
+
+
+def _flat(part: torch.Tensor, kind: str, saved_unit: dict[str, Any]) -> torch.Tensor:
+    """A saved partition as elements: compact moments decoded to fp32."""
+    if kind in MOMENT_KINDS and part.dtype != torch.float32:
+        return moment_codec.decode(part, signed=kind == "exp_avg",
+                                   numel=saved_unit["part_numel"])
+    return part
 
 
 def _repartition(unit: Unit, saved_parts: list[torch.Tensor],

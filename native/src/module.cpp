@@ -47,6 +47,40 @@ void adam_step(uintptr_t master, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintpt
   adam::run_step(fn, scalars, buffers, numel, num_threads);
 }
 
+// exp_avg / exp_avg_sq in a compact format (offloadd/moments.py): moment_format 1 is
+// bf16 (rounded with rounding_key), 2 is blockwise8 (the *_scales addresses used).
+void adam_step_compact(uintptr_t master, uintptr_t grad, int grad_dtype, uintptr_t param_out,
+                       int out_dtype, size_t numel, int moment_format, uintptr_t exp_avg,
+                       uintptr_t exp_avg_sq, uintptr_t exp_avg_scales,
+                       uintptr_t exp_avg_sq_scales, uint32_t rounding_key, int64_t step,
+                       double lr, double beta1, double beta2, double eps, double weight_decay,
+                       bool decoupled_weight_decay, double grad_scale, const std::string& kernel,
+                       int num_threads) {
+  if (grad_dtype < 0 || grad_dtype > 1) throw std::invalid_argument("grad_dtype must be 0 or 1");
+  if (out_dtype < 0 || out_dtype > 3) throw std::invalid_argument("out_dtype must be in 0..3");
+  if (moment_format != 1 && moment_format != 2) {
+    throw std::invalid_argument("moment_format must be 1 (bf16) or 2 (blockwise8)");
+  }
+  const adam::CompactKernelFn fn = adam::find_compact_kernel(kernel);
+  const adam::Buffers buffers{reinterpret_cast<float*>(master),
+                              nullptr,
+                              nullptr,
+                              reinterpret_cast<const void*>(grad),
+                              adam::GradDtype(grad_dtype),
+                              reinterpret_cast<void*>(param_out),
+                              adam::OutDtype(out_dtype)};
+  const adam::CompactMoments moments{adam::MomentFormat(moment_format),
+                                     reinterpret_cast<void*>(exp_avg),
+                                     reinterpret_cast<void*>(exp_avg_sq),
+                                     reinterpret_cast<float*>(exp_avg_scales),
+                                     reinterpret_cast<float*>(exp_avg_sq_scales),
+                                     rounding_key};
+  const adam::StepScalars scalars = adam::make_step_scalars(
+      step, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, grad_scale);
+  nb::gil_scoped_release no_gil;  // after argument checks: those may raise
+  adam::run_compact_step(fn, scalars, buffers, moments, numel, num_threads);
+}
+
 // Owns one backend; closing it waits for in-flight IO (see the backends).
 class IoEngine {
  public:
@@ -115,6 +149,11 @@ NB_MODULE(_native, m) {
         "grad_dtype"_a, "param_out"_a, "out_dtype"_a, "numel"_a, "step"_a, "lr"_a, "beta1"_a,
         "beta2"_a, "eps"_a, "weight_decay"_a, "decoupled_weight_decay"_a, "grad_scale"_a,
         "kernel"_a, "num_threads"_a);
+  m.def("adam_step_compact", &offloadd::adam_step_compact, "master"_a, "grad"_a, "grad_dtype"_a,
+        "param_out"_a, "out_dtype"_a, "numel"_a, "moment_format"_a, "exp_avg"_a,
+        "exp_avg_sq"_a, "exp_avg_scales"_a, "exp_avg_sq_scales"_a, "rounding_key"_a, "step"_a,
+        "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "decoupled_weight_decay"_a,
+        "grad_scale"_a, "kernel"_a, "num_threads"_a);
 
   nb::class_<IoEngine>(m, "IoEngine")
       .def(nb::init<const std::string&, unsigned, unsigned>(), "kind"_a, "queue_depth"_a,

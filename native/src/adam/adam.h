@@ -1,8 +1,10 @@
-// Fused CPU Adam/AdamW over fp32 master weights and fp32 moments.
+// Fused CPU Adam/AdamW over fp32 master weights and fp32 or compact moments.
 //
 // One pass reads master, exp_avg, exp_avg_sq and grad and writes master,
 // exp_avg, exp_avg_sq and (optionally) a low-precision copy of the updated
 // master.  The arithmetic follows torch.optim.Adam/AdamW (see StepScalars).
+// Compact moments (bf16, 8-bit block-wise; compact.h) are decoded to fp32,
+// updated with the same arithmetic and encoded again in the same pass.
 #pragma once
 
 #include <cstddef>
@@ -42,6 +44,18 @@ struct Buffers {
   OutDtype out_dtype;
 };
 
+// How exp_avg / exp_avg_sq are stored when they are not fp32 (offloadd/moments.py).
+enum class MomentFormat : int { kBFloat16 = 1, kBlockwise8 = 2 };
+
+struct CompactMoments {
+  MomentFormat format;
+  void* exp_avg;               // bf16 bits, or blockwise8 codes (one byte per element)
+  void* exp_avg_sq;
+  float* exp_avg_scales;       // blockwise8: one absmax per kBlockElements elements
+  float* exp_avg_sq_scales;
+  uint32_t rounding_key;       // bf16: key of this step's stochastic rounding
+};
+
 // Updates elements [begin, end).  Each kernel computes an element the same
 // way wherever chunk boundaries fall, so threading never changes results.
 using KernelFn = void (*)(const StepScalars&, const Buffers&, size_t begin, size_t end);
@@ -50,6 +64,20 @@ void step_scalar(const StepScalars&, const Buffers&, size_t begin, size_t end);
 #if defined(OFFLOADD_X86_KERNELS)
 void step_avx2(const StepScalars&, const Buffers&, size_t begin, size_t end);
 void step_avx512(const StepScalars&, const Buffers&, size_t begin, size_t end);
+#endif
+
+// The same over compact moments (Buffers' exp_avg / exp_avg_sq are unused).  begin
+// is a multiple of the blockwise8 block size; only the final task ends mid-block.
+using CompactKernelFn = void (*)(const StepScalars&, const Buffers&, const CompactMoments&,
+                                 size_t begin, size_t end);
+
+void step_compact_scalar(const StepScalars&, const Buffers&, const CompactMoments&, size_t begin,
+                         size_t end);
+#if defined(OFFLOADD_X86_KERNELS)
+void step_compact_avx2(const StepScalars&, const Buffers&, const CompactMoments&, size_t begin,
+                       size_t end);
+void step_compact_avx512(const StepScalars&, const Buffers&, const CompactMoments&,
+                         size_t begin, size_t end);
 #endif
 
 }  // namespace offloadd::adam

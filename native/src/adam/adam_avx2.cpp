@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "adam.h"
+#include "compact.h"
 #include "variants.h"
 
 namespace offloadd::adam {
@@ -118,10 +119,87 @@ struct Avx2Kernel {
   }
 };
 
+// 8-lane vectors for compact.h: the same arithmetic as Avx2Kernel (fused where it is).
+struct Avx2Lanes {
+  using F = __m256;
+  using I = __m256i;
+  using M = __m256i;  // all-ones lanes
+  static constexpr size_t kLanes = adam::kLanes;
+
+  static F setf(float value) { return _mm256_set1_ps(value); }
+  static I seti(uint32_t value) { return _mm256_set1_epi32(int(value)); }
+  static I iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static F loadf(const float* source) { return _mm256_loadu_ps(source); }
+  static void storef(float* destination, F value) { _mm256_storeu_ps(destination, value); }
+  template <GradDtype kGrad>
+  static F load_grad(const void* grad, size_t i) { return adam::load_grad<kGrad>(grad, i); }
+  template <OutDtype kOut>
+  static void store_out(void* out, size_t i, F value) { adam::store_out<kOut>(out, i, value); }
+  static I load_u8(const uint8_t* source) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(source)));
+  }
+  static void store_u8(uint8_t* destination, I value) {
+    // Byte 0 of each 32-bit lane to the front of its 128-bit half, then join the halves.
+    const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, -1, -1, -1);
+    const __m256i packed = _mm256_shuffle_epi8(value, pick);
+    const __m128i joined = _mm_unpacklo_epi32(_mm256_castsi256_si128(packed),
+                                              _mm256_extracti128_si256(packed, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(destination), joined);
+  }
+  static I load_u16(const uint16_t* source) {
+    return _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source)));
+  }
+  static void store_u16(uint16_t* destination, I value) {
+    // Lanes hold values below 2^16, so unsigned saturation packs them exactly.
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(destination),
+                     _mm_packus_epi32(_mm256_castsi256_si128(value),
+                                      _mm256_extracti128_si256(value, 1)));
+  }
+
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F maxf(F a, F b) { return _mm256_max_ps(a, b); }
+  static F absf(F a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), a); }
+  static float hmax(F a) {
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    half = _mm_max_ss(half, _mm_shuffle_ps(half, half, 1));
+    return _mm_cvtss_f32(half);
+  }
+  static M isnan(F a) { return _mm256_castps_si256(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)); }
+
+  static I as_int(F value) { return _mm256_castps_si256(value); }
+  static F as_float(I bits) { return _mm256_castsi256_ps(bits); }
+  static I addi(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I subi(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I andi(I a, I b) { return _mm256_and_si256(a, b); }
+  static I ori(I a, I b) { return _mm256_or_si256(a, b); }
+  static I xori(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  template <int kBits>
+  static I srl(I a) { return _mm256_srli_epi32(a, kBits); }
+  template <int kBits>
+  static I sll(I a) { return _mm256_slli_epi32(a, kBits); }
+  static M lt(I a, I b) { return _mm256_cmpgt_epi32(b, a); }
+  static M eq(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
+  static I select(M mask, I a, I b) { return _mm256_blendv_epi8(b, a, mask); }
+};
+
 }  // namespace
 
 void step_avx2(const StepScalars& s, const Buffers& b, size_t begin, size_t end) {
   run_variant<Avx2Kernel>(s, b, begin, end);
+}
+
+void step_compact_avx2(const StepScalars& s, const Buffers& b, const CompactMoments& m,
+                       size_t begin, size_t end) {
+  compact::run<Avx2Lanes>(s, b, m, begin, end);
 }
 
 }  // namespace offloadd::adam

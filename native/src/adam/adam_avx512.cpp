@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "adam.h"
+#include "compact.h"
 #include "variants.h"
 
 namespace offloadd::adam {
@@ -120,10 +121,75 @@ struct Avx512Kernel {
   }
 };
 
+// 16-lane vectors for compact.h: the same arithmetic as Avx512Kernel (fused where it is).
+struct Avx512Lanes {
+  using F = __m512;
+  using I = __m512i;
+  using M = __mmask16;
+  static constexpr size_t kLanes = 16;
+  static constexpr __mmask16 kAll = 0xFFFF;
+
+  static F setf(float value) { return _mm512_set1_ps(value); }
+  static I seti(uint32_t value) { return _mm512_set1_epi32(int(value)); }
+  static I iota() { return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+  static F loadf(const float* source) { return _mm512_loadu_ps(source); }
+  static void storef(float* destination, F value) { _mm512_storeu_ps(destination, value); }
+  template <GradDtype kGrad>
+  static F load_grad(const void* grad, size_t i) { return adam::load_grad<kGrad>(grad, i, kAll); }
+  template <OutDtype kOut>
+  static void store_out(void* out, size_t i, F value) {
+    adam::store_out<kOut>(out, i, value, kAll, false);
+  }
+  static I load_u8(const uint8_t* source) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(source)));
+  }
+  static void store_u8(uint8_t* destination, I value) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(destination), _mm512_cvtepi32_epi8(value));
+  }
+  static I load_u16(const uint16_t* source) {
+    return _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(source)));
+  }
+  static void store_u16(uint16_t* destination, I value) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(destination), _mm512_cvtepi32_epi16(value));
+  }
+
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F maxf(F a, F b) { return _mm512_max_ps(a, b); }
+  static F absf(F a) { return _mm512_abs_ps(a); }
+  static float hmax(F a) { return _mm512_reduce_max_ps(a); }
+  static M isnan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+
+  static I as_int(F value) { return _mm512_castps_si512(value); }
+  static F as_float(I bits) { return _mm512_castsi512_ps(bits); }
+  static I addi(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I subi(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I andi(I a, I b) { return _mm512_and_si512(a, b); }
+  static I ori(I a, I b) { return _mm512_or_si512(a, b); }
+  static I xori(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  template <int kBits>
+  static I srl(I a) { return _mm512_srli_epi32(a, kBits); }
+  template <int kBits>
+  static I sll(I a) { return _mm512_slli_epi32(a, kBits); }
+  static M lt(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
+  static M eq(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
+  static I select(M mask, I a, I b) { return _mm512_mask_blend_epi32(mask, b, a); }
+};
+
 }  // namespace
 
 void step_avx512(const StepScalars& s, const Buffers& b, size_t begin, size_t end) {
   run_variant<Avx512Kernel>(s, b, begin, end);
+}
+
+void step_compact_avx512(const StepScalars& s, const Buffers& b, const CompactMoments& m,
+                         size_t begin, size_t end) {
+  compact::run<Avx512Lanes>(s, b, m, begin, end);
 }
 
 }  // namespace offloadd::adam

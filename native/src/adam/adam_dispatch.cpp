@@ -13,6 +13,7 @@ namespace {
 struct KernelInfo {
   const char* name;
   KernelFn fn;
+  CompactKernelFn compact_fn;
   bool (*supported)();
 };
 
@@ -35,16 +36,26 @@ bool cpu_has_avx2() {
 // Best first: the first supported entry is the default kernel.
 constexpr KernelInfo kKernels[] = {
 #if defined(OFFLOADD_X86_KERNELS)
-    {"avx512", step_avx512, cpu_has_avx512},
-    {"avx2", step_avx2, cpu_has_avx2},
+    {"avx512", step_avx512, step_compact_avx512, cpu_has_avx512},
+    {"avx2", step_avx2, step_compact_avx2, cpu_has_avx2},
 #endif
-    {"scalar", step_scalar, always_supported},
+    {"scalar", step_scalar, step_compact_scalar, always_supported},
 };
 
 // Elements per task: 64 Ki fp32 = 256 KiB per stream, large enough to
 // amortise task hand-out, small enough to balance 2..128 threads.
-// A multiple of 16 so only the final task has a SIMD tail.
+// A multiple of 16 so only the final task has a SIMD tail, and of the blockwise8
+// block (256) so every task but the last covers whole blocks.
 constexpr size_t kTaskElements = size_t(1) << 16;
+
+const KernelInfo& find_info(const std::string& name) {
+  for (const KernelInfo& info : kKernels) {
+    if (name != info.name) continue;
+    if (!info.supported()) throw std::invalid_argument("kernel '" + name + "' is not supported by this CPU");
+    return info;
+  }
+  throw std::invalid_argument("unknown kernel '" + name + "'");
+}
 
 }  // namespace
 
@@ -74,13 +85,10 @@ std::vector<std::string> supported_kernels() {
   return names;
 }
 
-KernelFn find_kernel(const std::string& name) {
-  for (const KernelInfo& info : kKernels) {
-    if (name != info.name) continue;
-    if (!info.supported()) throw std::invalid_argument("kernel '" + name + "' is not supported by this CPU");
-    return info.fn;
-  }
-  throw std::invalid_argument("unknown kernel '" + name + "'");
+KernelFn find_kernel(const std::string& name) { return find_info(name).fn; }
+
+CompactKernelFn find_compact_kernel(const std::string& name) {
+  return find_info(name).compact_fn;
 }
 
 void run_step(KernelFn kernel, const StepScalars& scalars, const Buffers& buffers, size_t numel,
@@ -90,6 +98,16 @@ void run_step(KernelFn kernel, const StepScalars& scalars, const Buffers& buffer
   ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](size_t task) {
     const size_t begin = task * kTaskElements;
     kernel(scalars, buffers, begin, std::min(numel, begin + kTaskElements));
+  });
+}
+
+void run_compact_step(CompactKernelFn kernel, const StepScalars& scalars, const Buffers& buffers,
+                      const CompactMoments& moments, size_t numel, int num_threads) {
+  if (num_threads <= 0) num_threads = available_cpus();
+  const size_t num_tasks = (numel + kTaskElements - 1) / kTaskElements;
+  ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](size_t task) {
+    const size_t begin = task * kTaskElements;
+    kernel(scalars, buffers, moments, begin, std::min(numel, begin + kTaskElements));
   });
 }
 

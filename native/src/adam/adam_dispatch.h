@@ -19,4 +19,10 @@ KernelFn find_kernel(const std::string& name);
 void run_step(KernelFn kernel, const StepScalars& scalars, const Buffers& buffers, size_t numel,
               int num_threads);
 
+// The same kernel's compact-moment variant, and its threaded step.
+CompactKernelFn find_compact_kernel(const std::string& name);
+
+void run_compact_step(CompactKernelFn kernel, const StepScalars& scalars, const Buffers& buffers,
+                      const CompactMoments& moments, size_t numel, int num_threads);
+
 }  // namespace offloadd::adam
