@@ -27,6 +27,15 @@ from offloadd.errors import (
 from offloadd.protocol import DTYPES
 
 MAX_ID_LENGTH = 256
+SHARD_KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
+"""What the ZeRO engine's shard ids end with (``u17.exp_avg``): the kinds the swap
+tier counts its bytes by. Any other id counts as ``other`` (bounded metric labels)."""
+
+
+def shard_kind(shard_id: str) -> str:
+    """The kind a shard's swap bytes are counted under (``SHARD_KINDS`` or ``other``)."""
+    _unit, dot, kind = shard_id.rpartition(".")
+    return kind if dot and kind in SHARD_KINDS else "other"
 
 
 @dataclass
@@ -55,6 +64,17 @@ class SwapPlacement:
     bound: bool = True
     """Chunk checksums are bound to their place (``offloadd.tier.chunk_seed``); False only
     for copies recovered from a format-1 manifest, whose checksums cover the bytes alone."""
+    reads: int = 0
+    """Times these extents were read back into the arena: a second read of one version
+    is a byte read twice (counted as ``reread_nbytes``)."""
+    needed: bool = False
+    """Something relied on this copy: its shard was evicted while it was current, or a
+    manifest named it. A copy superseded or dropped before that was written for nothing
+    (counted as ``writeback_unneeded_nbytes``)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.nbytes for chunk in self.chunks)
 
 
 class Residency(enum.Enum):

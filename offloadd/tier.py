@@ -32,7 +32,7 @@ from offloadd.manifests import (
 )
 from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, READABLE_FORMATS, JobFile
 from offloadd.scheduler import AccessTrace, PrefetchWindow, Priority
-from offloadd.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement
+from offloadd.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement, shard_kind
 
 if TYPE_CHECKING:
     from offloadd.nvme import SwapSpace
@@ -137,6 +137,7 @@ class JobTier:
             chunk.checksum = await self.space.checksum(view, seed)
             await self.space.io("write", jobfile, offset, view, priority,
                                 self.space.ticket_for(shard.io, priority))
+            self.space.counters.kind_nbytes.add(("write", shard_kind(shard.shard_id)), nbytes)
         except BaseException:
             jobfile.free(chunk)
             raise
@@ -148,6 +149,7 @@ class JobTier:
         view = self._view(table, shard, start, chunk.nbytes)
         await self.space.io("read", self.files[chunk.dir_index], chunk.offset, view, priority,
                             self.space.ticket_for(shard.io, priority))
+        self.space.counters.kind_nbytes.add(("read", shard_kind(shard.shard_id)), chunk.nbytes)
         seed = (chunk_seed(self.job, shard.rank, shard.shard_id, placement.version, index)
                 if placement.bound else 0)
         if await self.space.checksum(view, seed) != chunk.checksum:
@@ -162,6 +164,8 @@ class JobTier:
         """Give a shard's old swap copy back, once no manifest names it."""
         if placement is None:
             return
+        if not placement.needed:
+            self.space.counters.writeback_unneeded_nbytes += placement.nbytes
         placement.released = True
         if placement.gens:
             return  # a durable or in-commit manifest names these extents: _release_gen frees
@@ -171,6 +175,7 @@ class JobTier:
     def _name_in_gen(self, gen: int, placements: list[SwapPlacement]) -> None:
         for placement in placements:
             placement.gens.add(gen)
+            placement.needed = True
         self.named[gen] = placements
 
     def _release_gen(self, gen: int) -> None:
@@ -214,6 +219,8 @@ class JobTier:
     async def _write_back(self, table: ShardTable, shard: Shard, priority: Priority) -> None:
         spans = self._chunk_spans(shard)
         version = shard.version  # no writer holds the shard while its write-back runs
+        if shard.swap is not None and shard.swap.version == version:
+            self.space.counters.clean_writeback_nbytes += shard.arena_nbytes
         self._stripe = (self._stripe + 1) % len(self.files)
         try:
             results = await _settle_all(
@@ -239,6 +246,8 @@ class JobTier:
         assert shard.evictable and shard.residency is Residency.ARENA_CLEAN
         table.unplace(shard)
         shard.residency = Residency.NVME
+        if shard.swap is not None:
+            shard.swap.needed = True
         if shard.prefetched:
             shard.prefetched = False
             self.space.counters.prefetch_wasted += 1
@@ -480,6 +489,9 @@ class JobTier:
         finally:
             self._end_io(table, shard)
         shard.residency = Residency.ARENA_CLEAN
+        if placement.reads:
+            self.space.counters.reread_nbytes += placement.nbytes
+        placement.reads += 1
         shard.prefetched = priority is Priority.PREFETCH
         if shard.prefetched:
             table.touch(shard)  # about to be used: not the LRU victim of the next prefetch
