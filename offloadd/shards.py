@@ -115,6 +115,10 @@ class Shard:
     """A write lease ended by an exception or its client's death: the arena bytes are
     half-written. Never written back; reads raise TornShardError until a writer
     releases it dirty again; a flush keeps its last written-back version."""
+    unread: bool = False
+    """Placed for a writer that overwrites it whole (the optimizer's ``param``) without
+    reading its swap copy, which stays current: torn until the writer releases it
+    dirty; given back unwritten, it leaves the arena again (``discard_unread``)."""
     serial: int = 0
     """Creation order within the job's table: the order a scan of the table meets it,
     which breaks ties between equal eviction keys (offloadd.eviction)."""
@@ -251,6 +255,23 @@ class ShardTable:
             return False
         shard.residency = Residency.ARENA_CLEAN
         return True
+
+    def place_unread(self, shard: Shard) -> bool:
+        """Place a swapped-out shard for a writer that overwrites it whole, reading nothing.
+        Its arena bytes are undefined: torn (reads refused, never written back) until the
+        writer releases it dirty."""
+        if not self.try_place(shard):
+            return False
+        shard.residency = Residency.ARENA_CLEAN
+        shard.torn = shard.unread = True
+        return True
+
+    def discard_unread(self, shard: Shard) -> None:
+        """The writer of an unread shard gave it back unwritten: its swap copy is current."""
+        assert shard.unread and shard.swap is not None and not shard.leased
+        self.unplace(shard)
+        shard.residency = Residency.NVME
+        shard.torn = shard.unread = False
 
     def unplace(self, shard: Shard) -> None:
         assert shard.offset is not None and not shard.leased
