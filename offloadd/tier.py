@@ -80,11 +80,8 @@ DIRTY_EVICTION_COST = 2
 WRITE_AHEAD_S = 0.1
 """The background write-back keeps clean the victims for this much eviction ahead, at
 the rate evictions ran lately (bounded by ``write_behind_nbytes``)."""
-STEPS_READ_AHEAD = 0
-"""Queued optimizer steps whose state is read in before the worker gets to them. Off:
-with 1, GPT-2 124M on 2 ranks with a 512 MiB arena (bench/scale.py, issue 21) failed
-once with OverBudgetError (one root unit's 270 MB optimizer state requested while as
-much was leased; cause not found), and ran with 0."""
+STEPS_READ_AHEAD = 1
+"""Queued optimizer steps whose state is read in before the worker gets to them."""
 PREFETCH_ROOM_RETRIES = 4
 """Times a prefetch waits for write-backs to free room before it gives up."""
 T = TypeVar("T")
