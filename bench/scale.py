@@ -20,7 +20,23 @@ with the daemon arena at 1/8 .. 1.25 of its working set (20 B/param, fp32);
 writes bench/figures/arena_sweep.json and, with matplotlib (the ``bench``
 extra), arena_sweep.png: median step time against arena size.
 
-The last line printed is JSON.
+Default mode also runs DeepSpeed ZeRO-3 (``DS_ACCELERATOR=cpu``, the same config,
+its ``nvme_path`` on the same disk) on the same model after ours, when ``import
+deepspeed`` works (``--no-deepspeed`` skips it); its error is reported in place of its
+figures when it cannot run. Per step: the daemon's swap bytes by shard kind, and the
+whole disk's bytes (/sys/dev/block stat of the swap dir's device, every process's IO).
+``io_bound_s``: the persistent state that does not fit the arena, read once and written
+once at fio's O_DIRECT bandwidth measured in the same run.
+
+    python bench/scale.py --layers 12 --width 768 --heads 12 --arena-gib 0.5 --steps 4
+
+(GPT-2 124M with the arena capped at about a quarter of the working set.)
+
+The last line printed is JSON, with ``ratio_vs_io_bound`` = io_bound_s / our median
+step, ``ratio_vs_deepspeed`` = DeepSpeed's median step / ours,
+``ratio_vs_deepspeed_disk_bytes`` (its disk bytes per step / ours) and
+``ratio_vs_deepspeed_dram_per_param`` (> 1: ours better; null when DeepSpeed did not
+run). Medians are over the steps after the first.
 """
 
 from __future__ import annotations
