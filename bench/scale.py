@@ -20,14 +20,32 @@ with the daemon arena at 1/8 .. 1.25 of its working set (20 B/param, fp32);
 writes bench/figures/arena_sweep.json and, with matplotlib (the ``bench``
 extra), arena_sweep.png: median step time against arena size.
 
-The last line printed is JSON.
+Default mode also runs DeepSpeed ZeRO-3 (``DS_ACCELERATOR=cpu``, the same config,
+its ``nvme_path`` on the same disk) on the same model after ours, when ``import
+deepspeed`` works (``--no-deepspeed`` skips it); its error is reported in place of its
+figures when it cannot run. Per step: the daemon's swap bytes by shard kind, and the
+whole disk's bytes (/sys/dev/block stat of the swap dir's device, every process's IO).
+``io_bound_s``: the persistent state that does not fit the arena, read once and written
+once at fio's O_DIRECT bandwidth measured in the same run.
+
+    python bench/scale.py --layers 12 --width 768 --heads 12 --arena-gib 0.5 --steps 4
+
+(GPT-2 124M with the arena capped at about a quarter of the working set.)
+
+The last line printed is JSON, with ``ratio_vs_io_bound`` = io_bound_s / our median
+step, ``ratio_vs_deepspeed`` = DeepSpeed's median step / ours,
+``ratio_vs_deepspeed_disk_bytes`` (its disk bytes per step / ours) and
+``ratio_vs_deepspeed_dram_per_param`` (> 1: ours better; null when DeepSpeed did not
+run). Medians are over the steps after the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import queue
 import shutil
 import socket
 import statistics
@@ -48,6 +66,7 @@ SEQ = 16
 VOCAB = 50257
 STATE_BYTES_PER_PARAM = 16
 FIGURES = Path(__file__).resolve().parent / "figures"
+SWEEP_FRACTIONS = [0.125, 0.25, 0.5, 0.75, 1.0, 1.25]
 
 
 def mem_total_nbytes() -> int:
@@ -119,11 +138,30 @@ def disk_counters(path: str) -> tuple[int, int]:
     return int(fields[2]) * 512, int(fields[6]) * 512
 
 
-def swap_counters(engine: Any) -> tuple[int, int]:
-    """(bytes read from, bytes written to) the daemon's swap dirs so far (0s without)."""
+def swap_counters(engine: Any) -> dict[str, int]:
+    """The daemon's swap byte counters so far (empty without swap): ``read``/``written``
+    (every swap dir), ``<kind>_read``/``<kind>_written`` per shard kind (param, grad,
+    master, exp_avg, exp_avg_sq), ``reread`` (a swap copy read a second time) and
+    ``unneeded`` (write-backs superseded or dropped before anything read them)."""
     swap = engine.offload_stats().get("swap") or {}
     dirs = swap.get("dirs", [])
-    return sum(d["read_nbytes"] for d in dirs), sum(d["written_nbytes"] for d in dirs)
+    out = {"read": sum(d["read_nbytes"] for d in dirs),
+           "written": sum(d["written_nbytes"] for d in dirs),
+           "reread": swap.get("reread_nbytes", 0),
+           "unneeded": swap.get("writeback_unneeded_nbytes", 0)}
+    for kind, moved in swap.get("by_kind", {}).items():
+        out[f"{kind}_read"], out[f"{kind}_written"] = moved["read_nbytes"], moved["written_nbytes"]
+    return out
+
+
+def counter_deltas(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    return {key: value - before.get(key, 0) for key, value in after.items()}
+
+
+def median_counters(steps: list[dict[str, int]]) -> dict[str, float]:
+    """Per key, the median over the steps (a key missing from a step counts 0)."""
+    keys = sorted({key for step in steps for key in step})
+    return {key: statistics.median(step.get(key, 0) for step in steps) for key in keys}
 
 
 def node_used_nbytes() -> int:
@@ -204,18 +242,42 @@ def rank_main(rank: int, port: int, args: dict[str, Any], results: Any) -> None:
             dist.destroy_process_group()
 
 
-def train(rank: int, args: dict[str, Any]) -> dict[str, Any]:
+def build(args: dict[str, Any]) -> Any:
+    """The engine for ``args["peer"]``: ours (``trainer``, the model built under its
+    ``zero.Init``) or DeepSpeed on the same model and config (without our keys)."""
     import transformers
 
-    import trainer
-    from trainer.zero import Init
-
     config = engine_config(args["workdir"], bf16=args["bf16"], arena_nbytes=args["arena"])
-    start = time.perf_counter()
-    with Init(config_dict_or_path=config):
+    if args.get("peer") == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+        config.pop("units")
+        config.pop("offloadd", None)
+        config["steps_per_print"] = 10**9
+        # DeepSpeed 0.19.8's zero.Init fails under torch 2.13 (its Tensor.__new__ patch
+        # trips a signature check of torch's dynamo polyfill): the model is built whole on
+        # each rank, then partitioned by initialize (fine below a few B params).
+        building: Any = contextlib.nullcontext()
+        initialize = deepspeed.initialize
+    else:
+        import trainer
+        from trainer.zero import Init
+
+        building, initialize = Init(config_dict_or_path=config), trainer.initialize
+    with building:
         model = transformers.GPT2LMHeadModel(gpt2_config(args["layers"], args["width"],
                                                          args["vocab"], args.get("heads", 0)))
-    engine, _, _, _ = trainer.initialize(model=model, config=config)
+    engine, _, _, _ = initialize(model=model, config=config,
+                                 model_parameters=model.parameters())
+    return engine
+
+
+def train(rank: int, args: dict[str, Any]) -> dict[str, Any]:
+    start = time.perf_counter()
+    engine = build(args)
+    ours = args.get("peer") != "deepspeed"
     init_s = time.perf_counter() - start
     init_hwm = hwm_nbytes()
     times, losses, disk, swapped = [], [], [], []
@@ -225,28 +287,32 @@ def train(rank: int, args: dict[str, Any]) -> dict[str, Any]:
             ids = torch.randint(0, args["vocab"], (1, SEQ), generator=generator)
             dist.barrier()
             before = disk_counters(args["workdir"])
-            swap_before = swap_counters(engine) if rank == 0 else (0, 0)
+            swap_before = swap_counters(engine) if rank == 0 and ours else {}
             begin = time.perf_counter()
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
-            engine.backend.wait_steps()
+            if ours:
+                engine.backend.wait_steps()
             times.append(time.perf_counter() - begin)
             after = disk_counters(args["workdir"])
             disk.append([after[0] - before[0], after[1] - before[1]])
-            swap_after = swap_counters(engine) if rank == 0 else (0, 0)
-            swapped.append([swap_after[0] - swap_before[0], swap_after[1] - swap_before[1]])
+            swapped.append(counter_deltas(swap_counters(engine), swap_before)
+                           if rank == 0 and ours else {})
             losses.append(float(loss.item()))
-        stats = engine.offload_stats()
+        stats = engine.offload_stats() if ours else {}
         daemon_pid = stats.get("daemon_pid")
+        numel = (sum(s.numel for u in engine.units for s in u.slots) if ours
+                 else sum(p.ds_numel for p in engine.module.parameters()))
         return {"init_s": init_s, "times": times, "losses": losses, "init_hwm": init_hwm,
-                "disk_read_write_nbytes": disk, "swap_read_write_nbytes": swapped,
+                "disk_read_write_nbytes": disk, "swap_nbytes": swapped,
                 "arena_nbytes": stats.get("arena_nbytes"),
                 "hwm": hwm_nbytes(),
                 "daemon_hwm": hwm_nbytes(int(daemon_pid)) if daemon_pid else 0,
-                "numel": sum(s.numel for u in engine.units for s in u.slots)}
+                "numel": numel}
     finally:
-        engine.close()
+        if ours:
+            engine.close()
 
 
 def launch(args: dict[str, Any]) -> dict[str, Any]:
@@ -261,8 +327,18 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
     for proc in procs:
         proc.start()
     outcomes: dict[int, dict[str, Any]] = {}
-    while len(outcomes) < WORLD:
-        rank, outcome = results.get(timeout=3600)
+    deadline = time.monotonic() + 3600
+    while len(outcomes) < WORLD and time.monotonic() < deadline:
+        try:
+            rank, outcome = results.get(timeout=5)
+        except queue.Empty:
+            dead = [r for r, proc in enumerate(procs) if proc.exitcode not in (None, 0)
+                    and r not in outcomes]
+            if dead:  # killed (the OOM killer, say) before it could report
+                outcomes[dead[0]] = {"error": f"rank {dead[0]} died with exit code "
+                                              f"{procs[dead[0]].exitcode}"}
+                break
+            continue
         outcomes[rank] = outcome
         if "error" in outcome:  # the other rank would wait in a collective forever
             break
@@ -273,8 +349,8 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
     memory = sampler.stop()
     exit_codes = [proc.exitcode for proc in procs]
     errors = [o["error"] for o in outcomes.values() if "error" in o]
-    if errors:
-        raise RuntimeError(errors[0])
+    if errors or len(outcomes) < WORLD:
+        raise RuntimeError(errors[0] if errors else "no result within an hour")
     steps = [max(pair) for pair in zip(outcomes[0]["times"], outcomes[1]["times"], strict=True)]
     return {
         "params": outcomes[0]["numel"],
@@ -286,7 +362,7 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         "daemon_peak_nbytes": max(o["daemon_hwm"] for o in outcomes.values()),
         "arena_nbytes": outcomes[0]["arena_nbytes"],
         "disk_read_write_nbytes": outcomes[0]["disk_read_write_nbytes"],
-        "swap_read_write_nbytes": outcomes[0]["swap_read_write_nbytes"],
+        "swap_nbytes": outcomes[0]["swap_nbytes"],
         "rank_exit_codes": exit_codes,
         **memory,
     }
@@ -337,6 +413,7 @@ def scale(ns: argparse.Namespace) -> dict[str, Any]:
     ram = mem_total_nbytes()
     layers = ns.layers or layers_for(ns.ram_factor * ram, ns.width)
     numel = gpt2_numel(layers, ns.width, ns.vocab)
+    arena = int(ns.arena_gib * 2**30) // (2 << 20) * (2 << 20) if ns.arena_gib else None
     workdir = tempfile.mkdtemp(prefix="offloadd-scale-", dir=ns.dir)
     try:
         free = shutil.disk_usage(workdir).free
@@ -347,25 +424,84 @@ def scale(ns: argparse.Namespace) -> dict[str, Any]:
         bandwidth = fio_bandwidth(workdir)
         result = launch({"workdir": workdir, "layers": layers, "width": ns.width,
                          "vocab": ns.vocab, "heads": ns.heads, "steps": ns.steps, "bf16": True,
-                         "arena": int(ns.arena_gib * 2**30) // (2 << 20) * (2 << 20)
-                         if ns.arena_gib else None})
+                         "arena": arena})
         swap_nbytes = sum(f.stat().st_size for f in Path(workdir).rglob("*") if f.is_file())
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     state = result["params"] * STATE_BYTES_PER_PARAM
     node_peak = sum(result["rank_peak_nbytes"]) + result["daemon_peak_nbytes"]
     bound = io_bound(result["params"], 2, result["arena_nbytes"] or 0, bandwidth)
-    step_s = statistics.median(result["step_s"])
+    step_s = statistics.median(warm(result["step_s"]))
+    result["median_swap_nbytes"] = median_counters(warm(result["swap_nbytes"]))
     ours_peak = result["ours_pss_peak_nbytes"]
-    return {"mode": "scale", "layers": layers, "width": ns.width, "vocab": ns.vocab,
-            "params": result["params"], "state_nbytes": state, "ram_nbytes": ram,
-            "state_over_ram": state / ram, "node_peak_nbytes": node_peak,
-            "node_peak_over_state": node_peak / state, "swap_nbytes_at_end": swap_nbytes,
-            "median_step_s": step_s, **bound,
-            "step_over_io_bound": step_s / bound["io_bound_s"] if bound.get("io_bound_s")
-            else None,
-            "dram_bytes_per_param": ours_peak / result["params"],
-            **result}
+    summary = {"mode": "scale", "layers": layers, "width": ns.width, "vocab": ns.vocab,
+               "params": result["params"], "state_nbytes": state, "ram_nbytes": ram,
+               "state_over_ram": state / ram, "node_peak_nbytes": node_peak,
+               "node_peak_over_state": node_peak / state, "swap_nbytes_at_end": swap_nbytes,
+               "median_step_s": step_s, **bound,
+               "step_over_io_bound": step_s / bound["io_bound_s"] if bound.get("io_bound_s")
+               else None,
+               "dram_bytes_per_param": ours_peak / result["params"],
+               "disk_nbytes_per_step": median_disk(result), **result}
+    peer = deepspeed_run(ns, layers, arena) if ns.deepspeed else {"error": "--no-deepspeed"}
+    summary["deepspeed"] = peer
+    return {**summary, **ratios(summary, peer)}
+
+
+def warm(per_step: list[Any]) -> list[Any]:
+    """The steps after the first (which has no access trace yet), or the only one."""
+    return per_step[1:] or per_step
+
+
+def median_disk(result: dict[str, Any]) -> dict[str, float]:
+    """Whole-disk bytes per step (/proc/diskstats of the swap dir's device), median of the
+    warm steps: every process's IO counts, other tenants' too."""
+    disk = warm(result["disk_read_write_nbytes"])
+    return {"read": statistics.median(r for r, _w in disk),
+            "written": statistics.median(w for _r, w in disk)}
+
+
+def deepspeed_run(ns: argparse.Namespace, layers: int, arena: int | None) -> dict[str, Any]:
+    """DeepSpeed ZeRO-3 on the same model and config (its nvme_path on the same disk), or
+    why it could not run."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return {"error": "deepspeed is not installed (pip install deepspeed; its async_io op "
+                         "needs libaio-dev)"}
+    workdir = tempfile.mkdtemp(prefix="offloadd-scale-ds-", dir=ns.dir)
+    try:
+        result = launch({"workdir": workdir, "layers": layers, "width": ns.width,
+                         "vocab": ns.vocab, "heads": ns.heads, "steps": ns.steps, "bf16": True,
+                         "arena": arena, "peer": "deepspeed"})
+    except Exception as error:  # reported plainly next to our figures
+        return {"error": f"{type(error).__name__}: {error}"}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return {"median_step_s": statistics.median(warm(result["step_s"])),
+            "step_s": result["step_s"], "losses": result["losses"],
+            "disk_nbytes_per_step": median_disk(result),
+            "dram_bytes_per_param": result["ours_pss_peak_nbytes"] / result["params"],
+            "node_used_peak_nbytes": result["node_used_peak_nbytes"]}
+
+
+def ratios(ours: dict[str, Any], deepspeed: dict[str, Any]) -> dict[str, float | None]:
+    """``ratio_vs_<peer>``, > 1 better: the IO bound over our step time; DeepSpeed's step
+    time over ours, its disk bytes per step over ours, its DRAM per parameter over ours."""
+    def over(theirs: float | None, mine: float | None) -> float | None:
+        return theirs / mine if theirs is not None and mine else None
+
+    ds_disk = deepspeed.get("disk_nbytes_per_step", {})
+    disk = ours["disk_nbytes_per_step"]
+    return {
+        "ratio_vs_io_bound": over(ours.get("io_bound_s"), ours["median_step_s"]),
+        "ratio_vs_deepspeed": over(deepspeed.get("median_step_s"), ours["median_step_s"]),
+        "ratio_vs_deepspeed_disk_bytes": over(
+            ds_disk.get("read", 0) + ds_disk.get("written", 0) if ds_disk else None,
+            disk["read"] + disk["written"]),
+        "ratio_vs_deepspeed_dram_per_param": over(deepspeed.get("dram_bytes_per_param"),
+                                                  ours["dram_bytes_per_param"]),
+    }
 
 
 def sweep(ns: argparse.Namespace) -> dict[str, Any]:
@@ -373,7 +509,7 @@ def sweep(ns: argparse.Namespace) -> dict[str, Any]:
     working_set = numel * 20
     bandwidth = fio_bandwidth(ns.dir)
     points = []
-    for fraction in (0.125, 0.25, 0.5, 0.75, 1.0, 1.25):
+    for fraction in ns.fractions:
         arena = max(64 << 20, int(working_set * fraction) // (2 << 20) * (2 << 20))
         workdir = tempfile.mkdtemp(prefix="offloadd-sweep-", dir=ns.dir)
         try:
@@ -383,18 +519,20 @@ def sweep(ns: argparse.Namespace) -> dict[str, Any]:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         timed = result["step_s"][1:]  # the first step warms the daemon's caches
-        swapped = result["swap_read_write_nbytes"][1:]
+        swapped = median_counters(result["swap_nbytes"][1:])
         bound = io_bound(result["params"], 4, arena, bandwidth)
         points.append({"fraction": fraction, "arena_nbytes": arena,
                        "median_step_s": statistics.median(timed), "step_s": timed,
-                       "median_swap_read_nbytes": statistics.median(r for r, _w in swapped),
-                       "median_swap_written_nbytes": statistics.median(w for _r, w in swapped),
-                       **bound})
+                       "median_swap_read_nbytes": swapped.get("read", 0),
+                       "median_swap_written_nbytes": swapped.get("written", 0),
+                       "median_swap_nbytes": swapped, **bound})
         print(json.dumps(points[-1]), flush=True)
-    FIGURES.mkdir(exist_ok=True)
     payload = {"mode": "sweep", "params": numel, "working_set_nbytes": working_set,
                "layers": ns.sweep_layers, "width": ns.sweep_width, "steps": ns.steps,
                "points": points}
+    if ns.fractions != SWEEP_FRACTIONS:  # a partial sweep: the figures stay as they are
+        return payload
+    FIGURES.mkdir(exist_ok=True)
     (FIGURES / "arena_sweep.json").write_text(json.dumps(payload, indent=2) + "\n")
     payload["png"] = plot(payload)
     return payload
@@ -449,9 +587,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--arena-gib", type=float, default=0, help="0: the engine's default")
     parser.add_argument("--dir", default="/var/tmp", help="where the NVMe swap files go")
+    parser.add_argument("--no-deepspeed", dest="deepspeed", action="store_false",
+                        help="skip DeepSpeed on the same model (run when importable)")
     parser.add_argument("--sweep-layers", type=int, default=12)
     parser.add_argument("--sweep-width", type=int, default=384)
     parser.add_argument("--sweep-vocab", type=int, default=2048)
+    parser.add_argument("--fractions", type=lambda text: [float(f) for f in text.split(",")],
+                        default=SWEEP_FRACTIONS,
+                        help="arena / working set of the sweep's points, comma-separated "
+                             "(figures are written only for the default, full set)")
     ns = parser.parse_args()
     result = sweep(ns) if ns.sweep else scale(ns)
     print(json.dumps(result))

@@ -51,9 +51,13 @@ _shard_of = itemgetter(0)
 class EvictionIndex:
     """Eviction candidates of one job's table (see the module docstring)."""
 
-    def __init__(self, table: ShardTable, traces: dict[int, AccessTrace]) -> None:
+    def __init__(self, table: ShardTable, traces: dict[int, AccessTrace],
+                 expected: Container[Shard] = ()) -> None:
         self.table = table
         self.traces = traces
+        self.expected = expected
+        """Shards a queued optimizer step will use (``JobTier.expect``): next use -inf,
+        so they are picked last, and never by a pick with a floor."""
         self.heaps: dict[tuple[int, bool], list[Entry]] = {}
         self.entries: dict[Shard, Entry] = {}
         self.nbytes = {False: 0, True: 0}
@@ -139,10 +143,14 @@ class EvictionIndex:
             self.heaps[key] = live
 
     def _next_use_at(self, shard: Shard) -> float:
+        if shard in self.expected:
+            return -math.inf
         trace = self.traces.get(shard.rank)
         return trace.next_use_at(shard) if trace is not None and trace.known else math.inf
 
     def next_use_s(self, shard: Shard) -> float:
+        if shard in self.expected:
+            return -math.inf
         trace = self.traces.get(shard.rank)
         return trace.next_use_s(shard) if trace is not None and trace.known else math.inf
 

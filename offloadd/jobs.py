@@ -49,8 +49,11 @@ class SwapTier(Protocol):
     async def make_room(self, table: ShardTable, nbytes: int) -> bool: ...
     async def read_in(self, table: ShardTable, shard: Shard,
                       priority: Priority = Priority.DEMAND) -> None: ...
-    def note_access(self, table: ShardTable, shard: Shard) -> None: ...
+    def note_access(self, table: ShardTable, shard: Shard, traced: bool = True) -> None: ...
     def after_access(self, table: ShardTable, rank: int) -> None: ...
+    def expect(self, table: ShardTable, rank: int, shards: list[Shard], reads: list[Shard],
+               due_s: float) -> None: ...
+    def unexpect(self, table: ShardTable, shards: list[Shard]) -> None: ...
     def note_stall(self, rank: int, seconds: float) -> None: ...
     def hurry(self, shard: Shard) -> None: ...
     def step_begin(self, table: ShardTable, rank: int) -> None: ...
@@ -194,6 +197,33 @@ class Job:
         """Lease ``shards`` (one slice of a large acquire; see offloadd.batches)."""
         return self._serve(shards, leases, mode)
 
+    # -- the optimizer service's leases ---------------------------------------------
+
+    def expect_step(self, rank: int, shards: list[Shard], reads: list[Shard],
+                    due_s: float) -> None:
+        """A queued optimizer step will write ``shards`` in about ``due_s`` seconds; the swap
+        tier keeps them resident and starts reading ``reads`` now (``offloadd.tier``)."""
+        if self.tier is not None:
+            self.tier.expect(self.table, rank, shards, reads, due_s)
+
+    def unexpect_step(self, shards: list[Shard]) -> None:
+        """The step holds its leases now (or gave up): ``shards`` are ordinary again."""
+        if self.tier is not None:
+            self.tier.unexpect(self.table, shards)
+
+    def acquire_for_step(self, rank: int, ids: list[str], leases: dict[Shard, Lease],
+                         overwrite: frozenset[Shard] = frozenset()
+                         ) -> Placed | Awaitable[Placed]:
+        """Write leases for the optimizer service; ``overwrite``: shards the kernel writes
+        whole, placed without reading their swap copy (``ShardTable.place_unread``).
+
+        The step's accesses were recorded in the rank's trace when it was queued
+        (``expect_step``), in the rank's program order; recording them again when the
+        worker gets to them would put them wherever the queue's delay fell this step,
+        and the trace would mispredict the next."""
+        return self._serve(self.table.lookup(rank, ids), leases, "w", traced=False,
+                           overwrite=overwrite)
+
     def _find_or_create(self, rank: int, shard_id: str, nbytes: int, dtype: str) -> Shard:
         shard = self.table.shards.get((rank, shard_id))
         if shard is None:
@@ -201,22 +231,31 @@ class Job:
         self.table.matches(shard, nbytes, dtype)
         return shard
 
-    def _serve(self, shards: list[Shard], leases: dict[Shard, Lease] | None, mode: str | None
+    def _serve(self, shards: list[Shard], leases: dict[Shard, Lease] | None, mode: str | None,
+               traced: bool = True, overwrite: frozenset[Shard] = frozenset()
                ) -> Placed | Awaitable[Placed]:
         if leases is not None and mode is not None:
             check_grantable(shards, mode)
         if _ready(shards, mode):  # the common case, checked in one pass
             return self._lease_and_reply(shards, leases, mode)
         if mode == "w" and any(s.io is not None for s in shards):
-            return self._serve_slow(shards, leases, mode)  # wait for the write-back
-        if all(s.in_arena for s in shards) or self._place_now(shards):
-            return self._lease_and_reply(shards, leases, mode)
-        return self._serve_slow(shards, leases, mode)
+            # wait for the write-back
+            return self._serve_slow(shards, leases, mode, traced, overwrite)
+        if all(s.in_arena for s in shards) or self._place_now(shards, overwrite):
+            return self._lease_and_reply(shards, leases, mode, traced)
+        return self._serve_slow(shards, leases, mode, traced, overwrite)
 
-    def _place_now(self, shards: list[Shard]) -> bool:
-        """Place never-written shards that fit right now; anything needing IO goes slow."""
+    def _place_now(self, shards: list[Shard], overwrite: frozenset[Shard] = frozenset()
+                   ) -> bool:
+        """Place never-written shards (and ``overwrite`` ones) that fit right now; anything
+        needing IO or eviction goes slow. A caller that gets False places the rest there."""
         for shard in shards:
             if shard.in_arena:
+                continue
+            if shard in overwrite and shard.residency is Residency.NVME \
+                    and shard.swap is not None:
+                if not self.table.place_unread(shard):
+                    return False
                 continue
             if shard.swap is not None or shard.residency is Residency.READING:
                 return False
@@ -237,7 +276,8 @@ class Job:
         )
 
     async def _serve_slow(self, shards: list[Shard], leases: dict[Shard, Lease] | None,
-                          mode: str | None) -> Placed:
+                          mode: str | None, traced: bool = True,
+                          overwrite: frozenset[Shard] = frozenset()) -> Placed:
         assert self.tier is not None
         started = time.monotonic()
         unique = list(dict.fromkeys(shards))
@@ -246,21 +286,31 @@ class Job:
             shard.pins += 1
             self.table.note_changed(shard)
         try:
-            await self._settle(unique, mode)
-        finally:
-            for shard in unique:
-                shard.pins -= 1
-                self.table.note_changed(shard)  # evictable again (offloadd.eviction)
-        # No await from here on: the conflict check and the grant are one atomic step.
-        if leases is not None and mode is not None:
-            check_grantable(shards, mode)
+            try:
+                await self._settle(unique, mode, overwrite)
+            finally:
+                for shard in unique:
+                    shard.pins -= 1
+                    self.table.note_changed(shard)  # evictable again (offloadd.eviction)
+            # No await from here on: the conflict check and the grant are one atomic step.
+            if leases is not None and mode is not None:
+                check_grantable(shards, mode)
+        except BaseException:
+            self._discard_unread(unique)  # placed for a writer that will not come
+            raise
         self.tier.note_stall(unique[0].rank, time.monotonic() - started)
-        return self._lease_and_reply(shards, leases, mode)
+        return self._lease_and_reply(shards, leases, mode, traced)
 
-    async def _settle(self, shards: list[Shard], mode: str | None) -> None:
+    def _discard_unread(self, shards: Iterable[Shard]) -> None:
+        for shard in shards:
+            if shard.unread and not shard.leased and shard.in_arena:
+                self.table.discard_unread(shard)
+
+    async def _settle(self, shards: list[Shard], mode: str | None,
+                      overwrite: frozenset[Shard] = frozenset()) -> None:
         """Make every shard resident; a writer also waits out write-backs in flight."""
         while True:
-            await asyncio.gather(*(self._make_resident(s) for s in shards))
+            await asyncio.gather(*(self._make_resident(s, s in overwrite) for s in shards))
             busy = [s for s in shards if s.io is not None and mode == "w"]
             if busy:
                 for shard in busy:
@@ -279,18 +329,21 @@ class Job:
                 [s.shard_id for s in shards],
             )
 
-    async def _make_resident(self, shard: Shard) -> None:
+    async def _make_resident(self, shard: Shard, overwrite: bool = False) -> None:
         assert self.tier is not None
         while not shard.in_arena:
             if (shard.rank, shard.shard_id) not in self.table.shards:
                 raise UnknownShardError(f"shard {shard.shard_id!r} was dropped", [shard.shard_id])
-            if shard.residency is Residency.READING or shard.swap is not None:
+            if shard.residency is Residency.READING or (shard.swap is not None and not overwrite):
                 await self.tier.read_in(self.table, shard)
+            elif shard.swap is not None:
+                if not self.table.place_unread(shard):
+                    await self.tier.make_room(self.table, shard.arena_nbytes)
             elif not self.table.place_unwritten(shard):
                 await self.tier.make_room(self.table, shard.arena_nbytes)
 
     def _lease_and_reply(self, shards: list[Shard], leases: dict[Shard, Lease] | None,
-                         mode: str | None) -> Placed:
+                         mode: str | None, traced: bool = True) -> Placed:
         table, tier = self.table, self.tier
         offsets: list[int] = []
         nbytes: list[int] = []
@@ -302,12 +355,12 @@ class Job:
                 table.grant(leases, shard, mode)  # type: ignore[arg-type]
             table.touch(shard)
             if tier is not None:
-                tier.note_access(table, shard)
+                tier.note_access(table, shard, traced)
             offsets.append(shard.offset)  # type: ignore[arg-type]
             nbytes.append(shard.nbytes)
             versions.append(shard.version)
             dtypes.append(shard.dtype)
-        if tier is not None and shards:
+        if tier is not None and shards and traced:
             tier.after_access(table, shards[0].rank)
         return Placed(0, offsets, nbytes, versions, dtypes)
 
@@ -326,6 +379,9 @@ class Job:
         for shard in self.table.lookup(rank, ids):
             if self.table.give_back(leases, shard, dirty, torn):
                 dirtied += shard.arena_nbytes
+                shard.unread = False
+            elif shard.unread and not shard.leased:
+                self.table.discard_unread(shard)  # never written: its swap copy is current
         if dirtied and self.tier is not None:
             self.tier.note_dirty(self.table, dirtied)
 

@@ -234,7 +234,17 @@ class SwapCounters:
     stall_seconds: Counters = field(default_factory=lambda: Counters(
         "offloadd_rank_stall_seconds", "Time rank requests waited for swap IO.",
         [JOB_LABEL, "rank"]))
+    kind_nbytes: Counters = field(default_factory=lambda: Counters(
+        "offloadd_swap_shard_bytes", "Bytes of shard copies read from or written to swap, by "
+        "op and shard kind (the id's suffix: param, grad, master, exp_avg, exp_avg_sq, other).",
+        ["op", "kind"]))
     writeback_nbytes: int = 0
+    reread_nbytes: int = 0
+    """Bytes of swap copies read into the arena again (one version read twice)."""
+    writeback_unneeded_nbytes: int = 0
+    """Bytes of write-backs superseded or dropped before anything relied on them."""
+    clean_writeback_nbytes: int = 0
+    """Bytes written back whose swap copy already held that version (a write for nothing)."""
     prefetch_issued: int = 0
     prefetch_hits: int = 0
     prefetch_late: int = 0
@@ -495,6 +505,10 @@ class SwapSpace:
             "io_seconds": {op: h.total for op, h in c.io_seconds.items()},
             "engine": getattr(self.engine, "kind", getattr(self.engine, "name", "")),
             "writeback_nbytes": c.writeback_nbytes, "demand_reads": c.demand_reads,
+            "by_kind": _by_kind(c.kind_nbytes),
+            "reread_nbytes": c.reread_nbytes,
+            "writeback_unneeded_nbytes": c.writeback_unneeded_nbytes,
+            "clean_writeback_nbytes": c.clean_writeback_nbytes,
             "prefetch_issued": c.prefetch_issued, "prefetch_hits": c.prefetch_hits,
             "prefetch_late": c.prefetch_late, "prefetch_wasted": c.prefetch_wasted,
             "checksum_failures": c.checksum_failures,
@@ -522,7 +536,7 @@ class SwapSpace:
             histogram_family("offloadd_swap_io_duration_seconds", "Swap IO request latency.",
                              ["op"], [([op], h) for op, h in c.io_seconds.items()]),
             c.io_errors.family(), c.evictions.family(), c.flushes.family(),
-            c.stall_seconds.family(),
+            c.stall_seconds.family(), c.kind_nbytes.family(),
         ]
         for name, doc, values in (
             ("offloadd_swap_read_bytes", "Bytes read from swap.",
@@ -536,6 +550,14 @@ class SwapSpace:
             out.append(family)
         for name, doc, value in (
             ("offloadd_writeback_bytes", "Dirty bytes written back.", c.writeback_nbytes),
+            ("offloadd_swap_reread_bytes", "Bytes of swap copies read into the arena again.",
+             c.reread_nbytes),
+            ("offloadd_writeback_unneeded_bytes",
+             "Bytes written back, then superseded or dropped before anything relied on them.",
+             c.writeback_unneeded_nbytes),
+            ("offloadd_clean_writeback_bytes",
+             "Bytes written back whose swap copy already held that version.",
+             c.clean_writeback_nbytes),
             ("offloadd_prefetch_issued", "Prefetch reads started.", c.prefetch_issued),
             ("offloadd_prefetch_hits", "Acquires served by a completed prefetch.", c.prefetch_hits),
             ("offloadd_prefetch_late", "Acquires that waited on a prefetch in flight.",
@@ -568,3 +590,12 @@ class SwapSpace:
         self.lock_fds.clear()
         for swap_dir in self.dirs:
             swap_dir.close()
+
+
+def _by_kind(kind_nbytes: Counters) -> dict[str, dict[str, int]]:
+    """``{kind: {"read_nbytes": .., "written_nbytes": ..}}`` for every kind that moved."""
+    out: dict[str, dict[str, int]] = {}
+    for (op, kind), nbytes in list(kind_nbytes.values.items()):
+        moved = out.setdefault(kind, {"read_nbytes": 0, "written_nbytes": 0})
+        moved["read_nbytes" if op == "read" else "written_nbytes"] = int(nbytes)
+    return out

@@ -122,19 +122,30 @@ class OptimizerService:
         ids = [shard.shard_id for shard in shards]
         # Leases are taken only when the worker is free: a queue of waiting steps
         # holding write leases would pin their whole state in the arena and starve
-        # the swap tier. (Prefetching queued steps' state was measured to hurt: it
-        # evicts parameters the forward needs sooner.)
+        # the swap tier. Until then the swap tier keeps the state the step will use
+        # resident and reads the rest ahead, evicting only what is needed later.
         slot = self.worker_slot
-        await slot.acquire(job.name)
+        job.expect_step(rank, shards, state, self._due_s())
         try:
-            outcome = await self._start_leased(job, rank, shards, ids, req)
-        except BaseException:
-            slot.release()
-            raise
+            await slot.acquire(job.name)
+            try:
+                outcome = await self._start_leased(job, rank, shards, ids, req)
+            except BaseException:
+                slot.release()
+                raise
+        finally:
+            job.unexpect_step(shards)
         outcome.add_done_callback(lambda _f: slot.release())
         await asyncio.shield(outcome)
         if req.drop_grad:
             await self._drop_grad(job, rank, state[3])
+
+    def _due_s(self) -> float:
+        """When a step queued now should get the worker: the steps ahead of it (every job's)
+        times the mean kernel time so far."""
+        count = sum(self.steps.values.values())
+        mean_s = self.step_seconds.total / count if count else 0.0
+        return (self.worker_slot.num_waiting() + self.worker_slot.busy) * mean_s
 
     @staticmethod
     async def _drop_grad(job: Job, rank: int, grad: Shard) -> None:
@@ -158,9 +169,12 @@ class OptimizerService:
         an eviction or another writer would use shards the kernel is still writing.
         """
         leases: dict[Shard, Lease] = {}
-        placed = job.acquire(rank, ids, "w", leases)
+        # The kernel writes the param whole: a swapped-out one is placed, not read.
+        overwrite = frozenset(shards[4:])
+        placed = job.acquire_for_step(rank, ids, leases, overwrite)
         if not isinstance(placed, Placed):
             await placed  # the tier had to read some state back from swap first
+        job.unexpect_step(shards)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         kernel = loop.run_in_executor(self.executor, self._run, job, rank, shards, req)

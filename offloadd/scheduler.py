@@ -146,6 +146,10 @@ class AccessTrace:
     def known(self) -> bool:
         return bool(self.previous)
 
+    def knows(self, shard: Shard) -> bool:
+        """The last step used ``shard``: its next use can be predicted."""
+        return shard.shard_id in self.positions
+
     def _elapsed_at_cursor(self) -> float:
         return self.previous[self.cursor - 1][1] if self.cursor else 0.0
 
@@ -249,3 +253,25 @@ class PrefetchWindow:
             self.fraction = min(self.largest, self.fraction * 2)
         self.issued = self.wasted = 0
         return self.fraction
+
+
+class RateMeter:
+    """Bytes per second of a stream of events, an exponentially weighted average with
+    time constant ``tau_s`` (recent seconds count most; an idle stream decays to 0)."""
+
+    def __init__(self, tau_s: float = 1.0) -> None:
+        self.tau_s = tau_s
+        self.rate = 0.0
+        self.updated = time.monotonic()
+
+    def _decay(self, now: float) -> None:
+        self.rate *= math.exp(-(now - self.updated) / self.tau_s)
+        self.updated = now
+
+    def add(self, nbytes: int, now: float | None = None) -> None:
+        self._decay(time.monotonic() if now is None else now)
+        self.rate += nbytes / self.tau_s
+
+    def bytes_per_s(self, now: float | None = None) -> float:
+        self._decay(time.monotonic() if now is None else now)
+        return self.rate

@@ -27,6 +27,15 @@ from offloadd.errors import (
 from offloadd.protocol import DTYPES
 
 MAX_ID_LENGTH = 256
+SHARD_KINDS = ("param", "grad", "master", "exp_avg", "exp_avg_sq")
+"""What the ZeRO engine's shard ids end with (``u17.exp_avg``): the kinds the swap
+tier counts its bytes by. Any other id counts as ``other`` (bounded metric labels)."""
+
+
+def shard_kind(shard_id: str) -> str:
+    """The kind a shard's swap bytes are counted under (``SHARD_KINDS`` or ``other``)."""
+    _unit, dot, kind = shard_id.rpartition(".")
+    return kind if dot and kind in SHARD_KINDS else "other"
 
 
 @dataclass
@@ -55,6 +64,17 @@ class SwapPlacement:
     bound: bool = True
     """Chunk checksums are bound to their place (``offloadd.tier.chunk_seed``); False only
     for copies recovered from a format-1 manifest, whose checksums cover the bytes alone."""
+    reads: int = 0
+    """Times these extents were read back into the arena: a second read of one version
+    is a byte read twice (counted as ``reread_nbytes``)."""
+    needed: bool = False
+    """Something relied on this copy: its shard was evicted while it was current, or a
+    manifest named it. A copy superseded or dropped before that was written for nothing
+    (counted as ``writeback_unneeded_nbytes``)."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.nbytes for chunk in self.chunks)
 
 
 class Residency(enum.Enum):
@@ -95,6 +115,10 @@ class Shard:
     """A write lease ended by an exception or its client's death: the arena bytes are
     half-written. Never written back; reads raise TornShardError until a writer
     releases it dirty again; a flush keeps its last written-back version."""
+    unread: bool = False
+    """Placed for a writer that overwrites it whole (the optimizer's ``param``) without
+    reading its swap copy, which stays current: torn until the writer releases it
+    dirty; given back unwritten, it leaves the arena again (``discard_unread``)."""
     serial: int = 0
     """Creation order within the job's table: the order a scan of the table meets it,
     which breaks ties between equal eviction keys (offloadd.eviction)."""
@@ -233,6 +257,23 @@ class ShardTable:
             return False
         shard.residency = Residency.ARENA_CLEAN
         return True
+
+    def place_unread(self, shard: Shard) -> bool:
+        """Place a swapped-out shard for a writer that overwrites it whole, reading nothing.
+        Its arena bytes are undefined: torn (reads refused, never written back) until the
+        writer releases it dirty."""
+        if not self.try_place(shard):
+            return False
+        shard.residency = Residency.ARENA_CLEAN
+        shard.torn = shard.unread = True
+        return True
+
+    def discard_unread(self, shard: Shard) -> None:
+        """The writer of an unread shard gave it back unwritten: its swap copy is current."""
+        assert shard.unread and shard.swap is not None and not shard.leased
+        self.unplace(shard)
+        shard.residency = Residency.NVME
+        shard.torn = shard.unread = False
 
     def unplace(self, shard: Shard) -> None:
         assert shard.offset is not None and not shard.leased

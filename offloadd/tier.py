@@ -10,9 +10,11 @@ chosen as a victim and a writer waits for the write-back to finish.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
@@ -31,13 +33,15 @@ from offloadd.manifests import (
     stage_file,
 )
 from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, READABLE_FORMATS, JobFile
-from offloadd.scheduler import AccessTrace, PrefetchWindow, Priority
-from offloadd.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement
+from offloadd.scheduler import AccessTrace, PrefetchWindow, Priority, RateMeter
+from offloadd.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement, shard_kind
 
 if TYPE_CHECKING:
     from offloadd.nvme import SwapSpace
 
 log = logging.getLogger(__name__)
+
+
 
 
 def open_tier(space: SwapSpace, job: str, *, recovering: bool = False,
@@ -68,6 +72,16 @@ measured worse when the arena holds half the working set (bench/train_step.py
 ``ours_half`` alone, two runs each: 360 / 347 ms per step and 150-200 prefetched
 shards evicted unused, vs 342 / 319 ms and 20-26 with a quarter): the prefetched
 shards crowd out state the step writes, and demand evictions take them back."""
+LAST_RESORT = -sys.float_info.max
+"""A floor that keeps only the shards of queued optimizer steps (next use -inf) out of a
+pick: make_room takes them only once nothing else can make room."""
+DIRTY_EVICTION_COST = 2
+"""Evicting a dirty shard costs a write and a read back, a clean one only the read."""
+WRITE_AHEAD_S = 0.1
+"""The background write-back keeps clean the victims for this much eviction ahead, at
+the rate evictions ran lately (bounded by ``write_behind_nbytes``)."""
+STEPS_READ_AHEAD = 1
+"""Queued optimizer steps whose state is read in before the worker gets to them."""
 PREFETCH_ROOM_RETRIES = 4
 """Times a prefetch waits for write-backs to free room before it gives up."""
 T = TypeVar("T")
@@ -113,6 +127,15 @@ class JobTier:
         self.recovered_owner: JobOwner | None = None
         """The owner the recovered manifest recorded (None: a format-1 manifest)."""
         self.prefetch_window = PrefetchWindow(PREFETCH_WINDOW)
+        self.expected: set[Shard] = set()
+        """Shards of queued optimizer steps, not leased yet (``expect``)."""
+        self.pending_steps: dict[Shard, list[Shard]] = {}
+        """Queued optimizer steps in the order the worker runs them (the service is FIFO
+        within a job), by their first shard: the state each reads (``_read_ahead``)."""
+        self.evictions = RateMeter()
+        """Bytes evicted per second lately (sizes the write-behind's reserve)."""
+        self.unused_prefetches: set[Shard] = set()
+        """Prefetched shards in the arena not used yet: no other prefetch evicts them."""
 
     # -- chunks -------------------------------------------------------------------
 
@@ -137,6 +160,7 @@ class JobTier:
             chunk.checksum = await self.space.checksum(view, seed)
             await self.space.io("write", jobfile, offset, view, priority,
                                 self.space.ticket_for(shard.io, priority))
+            self.space.counters.kind_nbytes.add(("write", shard_kind(shard.shard_id)), nbytes)
         except BaseException:
             jobfile.free(chunk)
             raise
@@ -148,6 +172,7 @@ class JobTier:
         view = self._view(table, shard, start, chunk.nbytes)
         await self.space.io("read", self.files[chunk.dir_index], chunk.offset, view, priority,
                             self.space.ticket_for(shard.io, priority))
+        self.space.counters.kind_nbytes.add(("read", shard_kind(shard.shard_id)), chunk.nbytes)
         seed = (chunk_seed(self.job, shard.rank, shard.shard_id, placement.version, index)
                 if placement.bound else 0)
         if await self.space.checksum(view, seed) != chunk.checksum:
@@ -162,6 +187,8 @@ class JobTier:
         """Give a shard's old swap copy back, once no manifest names it."""
         if placement is None:
             return
+        if not placement.needed:
+            self.space.counters.writeback_unneeded_nbytes += placement.nbytes
         placement.released = True
         if placement.gens:
             return  # a durable or in-commit manifest names these extents: _release_gen frees
@@ -171,6 +198,7 @@ class JobTier:
     def _name_in_gen(self, gen: int, placements: list[SwapPlacement]) -> None:
         for placement in placements:
             placement.gens.add(gen)
+            placement.needed = True
         self.named[gen] = placements
 
     def _release_gen(self, gen: int) -> None:
@@ -214,6 +242,8 @@ class JobTier:
     async def _write_back(self, table: ShardTable, shard: Shard, priority: Priority) -> None:
         spans = self._chunk_spans(shard)
         version = shard.version  # no writer holds the shard while its write-back runs
+        if shard.swap is not None and shard.swap.version == version:
+            self.space.counters.clean_writeback_nbytes += shard.arena_nbytes
         self._stripe = (self._stripe + 1) % len(self.files)
         try:
             results = await _settle_all(
@@ -239,10 +269,13 @@ class JobTier:
         assert shard.evictable and shard.residency is Residency.ARENA_CLEAN
         table.unplace(shard)
         shard.residency = Residency.NVME
+        if shard.swap is not None:
+            shard.swap.needed = True
         if shard.prefetched:
-            shard.prefetched = False
+            self._set_prefetched(shard, False)
             self.space.counters.prefetch_wasted += 1
             self.prefetch_window.wasted += 1
+        self.evictions.add(shard.arena_nbytes)
         reason = "writeback" if shard in self.cleaned else "clean"
         self.cleaned.discard(shard)
         self.space.counters.evictions.add((reason,))
@@ -253,6 +286,8 @@ class JobTier:
                 sum(f.allocator.capacity for f in self.files))
 
     def next_use_s(self, shard: Shard) -> float:
+        if shard in self.expected:
+            return -math.inf
         trace = self.traces.get(shard.rank)
         return trace.next_use_s(shard) if trace is not None and trace.known else math.inf
 
@@ -282,7 +317,11 @@ class JobTier:
                     continue
                 shortfall = need - allocator.free_nbytes if allocator.free_nbytes < need else need
                 floor = _clean_floor(index, not_before_s)
-                victims = index.pick(False, shortfall, floor=floor)
+                # Hazard: two prefetches (two ranks' read-ahead, say) that may each evict
+                # what is needed later than their own shard take each other's shards in
+                # turn, each read again and again while their next uses stay close.
+                skip = self.unused_prefetches if not_before_s is not None else ()
+                victims = index.pick(False, shortfall, floor=floor, skip=skip)
                 for victim, _next_use in victims:
                     self.evict(table, victim)
                 if victims or allocator.largest_free() >= need:
@@ -296,9 +335,11 @@ class JobTier:
                 progress = self._io_progress(table) + list(self.cleaning.values())
                 if not progress and floor is not None:
                     # No write-back can help: a clean shard needed soon is the only room.
-                    for victim, _next_use in index.pick(False, shortfall):
+                    victims = index.pick(False, shortfall)
+                    for victim, _next_use in victims:
                         self.evict(table, victim)
-                    continue
+                    if victims:
+                        continue
                 if not progress:
                     raise OverBudgetError(
                         f"job {self.job!r}: no evictable shard can make room for {need} bytes "
@@ -312,7 +353,7 @@ class JobTier:
 
     def _index(self, table: ShardTable) -> EvictionIndex:
         if self.index is None:
-            self.index = EvictionIndex(table, self.traces)
+            self.index = EvictionIndex(table, self.traces, self.expected)
         return self.index
 
     def _io_progress(self, table: ShardTable) -> list[asyncio.Future[Any]]:
@@ -328,25 +369,32 @@ class JobTier:
                 and table.shards.get((shard.rank, shard.shard_id)) is shard]
 
     def _clean(self, table: ShardTable, shortfall: int, not_before_s: float | None,
-               floor: float | None = None) -> None:
+               floor: float | None) -> None:
         """Write back the next dirty victims in the background (write-behind).
 
-        Keeps up to ``write_behind_nbytes`` (beyond the shortfall) clean or being
-        cleaned, so that a stream of writers finds clean victims and the drive
-        sees many writes in flight instead of one per request.
+        Keeps ``shortfall`` plus ``write_ahead_nbytes`` of victims clean or being cleaned
+        (clean ones count from ``floor`` on, as make_room takes them), so that a stream
+        of requests finds clean victims and the drive sees many writes in flight
+        instead of one per request. A prefetch (``not_before_s``) writes back only
+        what is needed later than its own shard; a shard a queued optimizer step
+        will use (next use -inf) is written back only for the shortfall itself.
         """
         if self.background_error is not None:
             return  # report the failure before retrying: a full drive must not spin
         index = self._index(table)
-        in_flight = self._cleaning_nbytes()
-        target = shortfall + self.write_behind_nbytes(table)
-        # Clean room needed no sooner than the floor, counted only up to the target.
-        clean = index.pick(False, target - in_flight, floor=floor)
-        ready = in_flight + sum(s.arena_nbytes for s, _t in clean)
-        if ready >= target:
-            return
-        for shard, _t in index.pick(True, target - ready, above=not_before_s,
-                                    skip=self.cleaning):
+        target = shortfall + self.write_ahead_nbytes(table)
+        ready = self._cleaning_nbytes()
+        ready += sum(s.arena_nbytes for s, _t in index.pick(False, target - ready, floor=floor))
+        furthest: float | None = None
+        for shard, next_use in index.pick(True, target - ready, above=not_before_s,
+                                          skip=self.cleaning):
+            furthest = next_use if furthest is None else furthest
+            # Beyond the shortfall, only what make_room would take before a clean shard:
+            # a dirty shard needed much sooner than the furthest is likely written again
+            # (its step updates it) before anything needs its room.
+            if ready >= shortfall and next_use < furthest / DIRTY_EVICTION_COST:
+                break
+            ready += shard.arena_nbytes
             self._start_cleaning(table, shard)
 
     def _start_cleaning(self, table: ShardTable, shard: Shard) -> None:
@@ -362,14 +410,35 @@ class JobTier:
     def write_behind_nbytes(self, table: ShardTable) -> int:
         return min(table.arena.nbytes // 4, self.space.queue.depth * self.chunk_nbytes)
 
+    def write_ahead_nbytes(self, table: ShardTable) -> int:
+        """Victims the write-behind keeps clean ahead of make_room, beyond a shortfall.
+
+        None once a rank's trace is known: its read-ahead (learned prefetch, a queued
+        optimizer step's state) asks for room before the shard is used, and the
+        write-backs that room takes are started then, exactly what it evicts. Any
+        reserve beyond that is a guess at which dirty shard goes next, and with
+        furthest-next-use eviction the state a step just updated is always next in
+        line: it was cleaned as it was made, then a clean shard was evicted instead
+        and the step updated it again (``tests/_zero_steps.py``, half the working set
+        as arena: 1.5-2.3x the least bytes written with a 4 MiB or a predicted reserve,
+        1.1-1.3x without; bench/scale.py --sweep: a quarter of the arena as reserve
+        wrote all the state every step, 357 MB where 24 MB did not fit). Before any
+        trace: what evictions took in the last ``WRITE_AHEAD_S`` at their recent rate,
+        at least one chunk, at most ``write_behind_nbytes``.
+        """
+        if any(trace.known for trace in self.traces.values()):
+            return 0
+        ahead = int(self.evictions.bytes_per_s() * WRITE_AHEAD_S)
+        return min(self.write_behind_nbytes(table), max(self.chunk_nbytes, ahead))
+
     def note_dirty(self, table: ShardTable, nbytes: int) -> None:
         """A writer released ``nbytes`` of new versions: maybe start background write-back.
 
-        Like the kernel's dirty_background threshold: once the job's shards outgrow
-        its arena, eviction is certain and every dirty shard not needed again soon
-        will have to be written, so it is written while the drive has room rather
-        than when a request is waiting for its arena range. Passes are batched (one
-        per ``write_behind_nbytes / 4`` dirtied) to keep releases cheap.
+        Once the job's shards outgrow its arena, eviction is certain, and the dirty
+        shards next in the eviction order will have to be written: they are written
+        while the drive has room rather than when a request is waiting for their
+        arena range. Passes are batched (one per ``write_behind_nbytes / 4`` dirtied)
+        to keep releases cheap.
         """
         self.dirtied_nbytes += nbytes
         if self.dirtied_nbytes >= self.write_behind_nbytes(table) // 4:
@@ -379,6 +448,8 @@ class JobTier:
         self.dirtied_nbytes = 0
         if not table.overcommitted() or self.background_error is not None:
             return
+        if not self.write_ahead_nbytes(table):
+            return  # the ranks' read-ahead asks for room ahead of use (write_ahead_nbytes)
         room = self.write_behind_nbytes(table) - self._cleaning_nbytes()
         if room <= 0:
             return
@@ -443,7 +514,7 @@ class JobTier:
             self.space.hurry(shard.io, priority)  # a write-back or prefetch we wait behind
             await asyncio.shield(shard.io)
         if late:
-            shard.prefetched = False  # counted as late, not again as a hit
+            self._set_prefetched(shard, False)  # counted as late, not again as a hit
         if shard.in_arena or shard.swap is None:
             return
         if priority is Priority.DEMAND:
@@ -480,9 +551,19 @@ class JobTier:
         finally:
             self._end_io(table, shard)
         shard.residency = Residency.ARENA_CLEAN
-        shard.prefetched = priority is Priority.PREFETCH
+        if placement.reads:
+            self.space.counters.reread_nbytes += placement.nbytes
+        placement.reads += 1
+        self._set_prefetched(shard, priority is Priority.PREFETCH)
         if shard.prefetched:
             table.touch(shard)  # about to be used: not the LRU victim of the next prefetch
+
+    def _set_prefetched(self, shard: Shard, prefetched: bool) -> None:
+        shard.prefetched = prefetched
+        if prefetched:
+            self.unused_prefetches.add(shard)
+        else:
+            self.unused_prefetches.discard(shard)
 
     # -- learned and explicit prefetch ------------------------------------------------
 
@@ -493,17 +574,21 @@ class JobTier:
             self.index.note_trace_shards(trace)
         trace.begin_step()
 
-    def note_access(self, table: ShardTable, shard: Shard) -> None:
+    def note_access(self, table: ShardTable, shard: Shard, traced: bool = True) -> None:
+        if traced:
+            self._record(shard)
+        if shard.prefetched:
+            self._set_prefetched(shard, False)
+            self.space.counters.prefetch_hits += 1
+        self.prefetching.discard(shard)
+
+    def _record(self, shard: Shard) -> None:
         trace = self.traces.get(shard.rank)
         if trace is not None:
             cursor = trace.cursor
             trace.record(shard, time.monotonic())
             if trace.cursor != cursor and self.index is not None:
                 self.index.note_trace_moved(trace, cursor, trace.cursor)
-        if shard.prefetched:
-            shard.prefetched = False
-            self.space.counters.prefetch_hits += 1
-        self.prefetching.discard(shard)
 
     def after_access(self, table: ShardTable, rank: int) -> None:
         trace = self.traces.get(rank)
@@ -517,7 +602,14 @@ class JobTier:
             self._start_prefetch(table, shard, due)
 
     def prefetch(self, table: ShardTable, shards: list[Shard], deadline_s: float) -> None:
+        """A rank's hint. Once the rank's trace knows a shard, its learned prefetch reads
+        it when it comes into the window, in the rank's order: a hint would read it now
+        whatever the arena holds (hints name every unit in a bucket, far more than
+        a small arena holds, and each read in would evict the hint before it)."""
         for shard in shards:
+            trace = self.traces.get(shard.rank)
+            if trace is not None and trace.knows(shard):
+                continue
             self._start_prefetch(table, shard, max(deadline_s, 0.0))
 
     def _start_prefetch(self, table: ShardTable, shard: Shard, due_s: float) -> None:
@@ -546,6 +638,46 @@ class JobTier:
 
     def note_stall(self, rank: int, seconds: float) -> None:
         self.space.counters.stall_seconds.add((self.job, str(rank)), seconds)
+
+    # -- queued optimizer steps ------------------------------------------------------
+
+    def expect(self, table: ShardTable, rank: int, shards: list[Shard], reads: list[Shard],
+               due_s: float) -> None:
+        """An optimizer step of ``rank`` was queued: it will lease ``shards`` in about
+        ``due_s`` seconds, once the worker gets to it.
+
+        The accesses are recorded in the rank's trace now, in the rank's program order
+        (the worker's own acquire is not recorded, ``Job.acquire_for_step``). Until the
+        step holds its leases, the shards are the last eviction candidates: the trace
+        alone would think a queued step's state already used once its cursor passed
+        where the last step's worker reached it, and evict it (or write its gradient
+        back) for the next step. The ``reads`` of the next ``STEPS_READ_AHEAD`` steps
+        to run are read in ahead of the worker, so that one step's Adam overlaps the
+        next one's reads; reading every queued step's state at once took the arena
+        room the ranks' parameters needed, which were then read twice.
+        """
+        for shard in reads:  # not the param: the kernel overwrites it, reading nothing
+            self._record(shard)
+        for shard in shards:
+            self.expected.add(shard)
+            table.note_changed(shard)
+        self.after_access(table, rank)
+        self.pending_steps[shards[0]] = reads
+        self._read_ahead(table)
+
+    def unexpect(self, table: ShardTable, shards: list[Shard]) -> None:
+        """The step leased ``shards`` (or failed): they are ordinary candidates again."""
+        for shard in shards:
+            if shard in self.expected:
+                self.expected.discard(shard)
+                table.note_changed(shard)
+        if self.pending_steps.pop(shards[0], None) is not None:
+            self._read_ahead(table)
+
+    def _read_ahead(self, table: ShardTable) -> None:
+        for reads in itertools.islice(self.pending_steps.values(), STEPS_READ_AHEAD):
+            for shard in reads:
+                self._start_prefetch(table, shard, 0.0)
 
     # -- flush and recovery -----------------------------------------------------------
 
@@ -719,6 +851,8 @@ class JobTier:
         self._free_placement(shard.swap)
         shard.swap = None
         self.prefetching.discard(shard)
+        self.expected.discard(shard)
+        self.unused_prefetches.discard(shard)
         self.cleaned.discard(shard)
 
     async def quiesce(self) -> None:
@@ -779,15 +913,21 @@ def _clean_floor(index: EvictionIndex, not_before_s: float | None) -> float | No
 
     Clean-first alone evicts a clean shard needed in milliseconds (a prefetched
     one, a parameter the backward reads again) ahead of dirty state needed only at
-    the next step's optimizer, so the clean one is read back in the same step. A
-    clean shard needed sooner than the furthest-needed dirty candidate is kept:
-    writing that dirty one back (in the background) is the cheaper room.
+    the next step's optimizer, so the clean one is read back in the same step.
+    Furthest-next-use alone writes back a dirty shard needed a step from now
+    rather than drop a clean one needed most of a step from now, though both
+    are read back before their use: the write is the difference. Evicting costs a
+    dirty shard a write and a read, a clean one a read, so a clean shard is kept
+    only when it is needed sooner than half the furthest dirty candidate's next use.
     A prefetch keeps its own bound (``not_before_s``).
     """
     if not_before_s is not None:
         return not_before_s
     # >= in the pick: with no trace yet every next use is inf, and clean-first still applies.
-    return index.furthest_next_use(dirty=True)
+    furthest = index.furthest_next_use(dirty=True)
+    if furthest is None or furthest == -math.inf:
+        return LAST_RESORT  # no dirty candidate but a queued step's: not its clean shards
+    return furthest / DIRTY_EVICTION_COST
 
 
 async def _settle_all(coros: Iterable[Awaitable[T]]) -> list[T | BaseException]:

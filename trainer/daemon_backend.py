@@ -156,7 +156,15 @@ class DaemonBackend(StateBackend):
             self._dropped_grads.add(spec.index)
         self.client.alloc(list(shards), [t.nbytes for t in shards.values()],
                           [_dtype_tag(t.dtype) for t in shards.values()])
-        self.client.put_many(shards)
+        if not self.swaps:
+            self.client.put_many(shards)
+            return
+        # Hazard: put_many leases the unit's whole state at once. With an arena capped
+        # below the working set, two ranks registering a large unit together (GPT-2's
+        # root unit: 270 MB each against a 512 MiB arena) are refused OverBudgetError;
+        # one shard at a time, each rank leases at most one shard.
+        for shard_id, tensor in shards.items():
+            self.client.put(shard_id, tensor)
 
     def part_numel(self, unit: int) -> int:
         return self._specs[unit].part_numel
