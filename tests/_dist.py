@@ -46,6 +46,12 @@ class RendezvousStore:
     """
 
     def __init__(self, world_size: int) -> None:
+        self.store: dist.TCPStore | None = None
+        if world_size == 1:
+            # No group is joined for the rank: its MASTER_PORT is a free port the rank
+            # binds itself when it initialises torch.distributed (as torchrun's rank 0).
+            self.port = free_port()
+            return
         self.store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True,
                                    wait_for_workers=False)
         self.port = int(self.store.port)

@@ -14,9 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from _dist import base_config, make_batch, make_model, run_ranks
-from test_engine_parity import _shared_daemon
+from _dist import base_config, make_batch, make_model, run_ranks, shared_daemon
 
 import trainer
 from offloadd.errors import InvalidRequestError
@@ -123,9 +121,8 @@ def _engine(state_dtype: str, world: int, socket_path: str, job: str) -> Any:
 
 def save_and_continue(rank: int, world: int, root: str) -> dict[str, Any]:
     """Per state dtype: 3 steps, save, 3 more; then a fresh engine resumes from the save."""
-    socket_path, daemon = _shared_daemon(rank, None)
     results: dict[str, Any] = {}
-    try:
+    with shared_daemon(rank) as socket_path:
         for state_dtype in STATE_DTYPES:
             engine = _engine(state_dtype, world, socket_path, f"s{state_dtype}")
             for step in range(SAVE_AT):
@@ -142,10 +139,6 @@ def save_and_continue(rank: int, world: int, root: str) -> dict[str, Any]:
                 "losses": losses, "stored": _stored(fresh),
                 "params": consolidate_fp32_state_dict(fresh)}
             fresh.close()
-    finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
     return results
 
 

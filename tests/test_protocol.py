@@ -206,8 +206,10 @@ def test_a_partial_frame_waits_for_its_remaining_bytes() -> None:
 
 
 def test_the_client_imports_only_the_protocol_and_errors_of_the_daemon() -> None:
-    """The dtype table lives next to the protocol: the rank side never loads the daemon's
-    optimizer service (or any other daemon component) to talk to it."""
+    """The dtype table lives next to the protocol, and the compact moment formats (the
+    spec and its torch codec, which checkpoints and resharding read) are shared data
+    formats too: the rank side never loads the daemon's optimizer service (or any other
+    daemon component) to talk to it."""
     import subprocess
     import sys
 
@@ -215,4 +217,5 @@ def test_the_client_imports_only_the_protocol_and_errors_of_the_daemon() -> None
             "print(sorted(m for m in sys.modules if m.startswith('offloadd')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, timeout=120).stdout
-    assert loaded.strip() == "['offloadd', 'offloadd.errors', 'offloadd.protocol']", loaded
+    assert loaded.strip() == ("['offloadd', 'offloadd.errors', 'offloadd.moment_codec', "
+                              "'offloadd.moments', 'offloadd.protocol']"), loaded
