@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -97,3 +98,9 @@ if torch.distributed.is_initialized():
     # aborts ("terminate called without an active exception"), seen under load in DDP runs.
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+if args.mode == "ddp":
+    # The reference still aborted at interpreter teardown under load, after its results
+    # were written: leave without running C++ static destructors (no daemon to stop here).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
