@@ -160,7 +160,8 @@ def check_recovered(daemon: PrivateDaemon, history: History) -> None:
             with model.acquire(shard_id) as lease:  # a ChecksumError fails the test here
                 found[shard_id] = digest(lease.view)
         assert found in (history.flushed, history.in_flight), (
-            "rank 0's shards are neither its last completed flush nor the one in flight")
+            "rank 0's shards are neither its last completed flush nor the one in flight: "
+            + _which(found, history))
         history.model, history.flushed, history.in_flight = dict(found), found, None
         for shard_id in BUSY_IDS:
             try:
@@ -169,6 +170,20 @@ def check_recovered(daemon: PrivateDaemon, history: History) -> None:
                         f"{shard_id} is no version that was ever written")
             except UnknownShardError:
                 pass  # never flushed, or dropped before the flush
+
+
+def _which(found: dict[str, bytes], history: History) -> str:
+    """Per shard, which state the recovered bytes are (to tell a torn flush from a lost one)."""
+    def name(shard_id: str) -> str:
+        states = [label for label, state in (("flushed", history.flushed),
+                                             ("in_flight", history.in_flight or {}),
+                                             ("latest_write", history.model))
+                  if state.get(shard_id) == found[shard_id]]
+        return "+".join(states) or "none"
+
+    return ", ".join(f"{shard_id}={name(shard_id)}" for shard_id in sorted(found)) + (
+        f" (flushes so far {history.flushes}, a flush in flight: "
+        f"{history.in_flight is not None})")
 
 
 def crash_cycles(root: Path, cycles: int, seed: int) -> History:
