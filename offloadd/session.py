@@ -353,12 +353,8 @@ class Session(asyncio.Protocol):
             if ids is not None and len(ids) > self.max_ids:
                 self.daemon.limits.check_ids(len(ids))
             result: Any = handler(request)
-        except OffloadError as exc:
-            self.reply_error(request.rid, op, exc, started)
-            return
-        except Exception as exc:  # a daemon bug must cost one request, not the daemon
-            log.exception("event=handler_failed op=%s", op)
-            self.reply_error(request.rid, op, InternalError(f"{op} failed: {exc!r}"), started)
+        except Exception as exc:
+            self.reply_failed(request.rid, op, exc, started)
             return
         if result is not None and not isinstance(result, p.Reply):
             self.spawn(self.finish_async(request.rid, op, result, started))
@@ -382,12 +378,8 @@ class Session(asyncio.Protocol):
             if not isinstance(request, p.NodeStatus):  # admin query: uid checked at connect
                 raise NoSessionError("send hello before any other request")
             result = self.on_node_status(request)
-        except OffloadError as exc:
-            self.reply_error(request.rid, op, exc, started)
-            return
-        except Exception as exc:  # a daemon bug must cost one request, not the daemon
-            log.exception("event=handler_failed op=%s", op)
-            self.reply_error(request.rid, op, InternalError(f"{op} failed: {exc!r}"), started)
+        except Exception as exc:
+            self.reply_failed(request.rid, op, exc, started)
             return
         if isinstance(result, p.Reply):
             self.reply_ok(request.rid, op, result, started)
@@ -402,6 +394,15 @@ class Session(asyncio.Protocol):
         self.send(reply)
         self.daemon.metrics.observe_request(op, "ok", time.perf_counter() - started)
 
+    def reply_failed(self, rid: int, op: str, exc: Exception, started: float) -> None:
+        """Reply a handler's exception: an OffloadError as itself, anything else (a daemon
+        bug, which must cost one request, not the daemon) logged and sent as internal.
+        Called from the ``except`` block, so the log carries the traceback."""
+        if not isinstance(exc, OffloadError):
+            log.exception("event=handler_failed op=%s", op)
+            exc = InternalError(f"{op} failed: {exc!r}")
+        self.reply_error(rid, op, exc, started)
+
     def reply_error(self, rid: int, op: str, error: OffloadError, started: float) -> None:
         self.send(p.ErrorReply(rid, error.code.value, error.message, error.shard_ids))
         self.daemon.metrics.observe_request(op, error.code.value, time.perf_counter() - started)
@@ -410,13 +411,8 @@ class Session(asyncio.Protocol):
                            started: float) -> None:
         try:
             reply = await pending
-        except OffloadError as exc:
-            self.reply_error(rid, op, exc, started)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.exception("event=handler_failed op=%s", op)
-            self.reply_error(rid, op, InternalError(f"{op} failed: {exc!r}"), started)
+        except Exception as exc:  # CancelledError is a BaseException: it propagates
+            self.reply_failed(rid, op, exc, started)
         else:
             self.reply_ok(rid, op, reply, started)
 
