@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from _dist import free_port
@@ -32,3 +34,20 @@ def torchrun(script: Path, args: list[str], log_dir: Path, *, nproc: int = 2,
     if code:
         tail = log_path.read_text(errors="replace")[-4000:]
         raise AssertionError(f"torchrun {script.name} {' '.join(args)} exited {code}:\n{tail}")
+
+
+def process_gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie (an orphan's reaper may not be init)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rpartition(")")[2].split()[0] == "Z"
+
+
+def wait_for(what: str, ready: Callable[[], object], within_s: float) -> None:
+    """Poll ``ready`` until it is true; fail naming ``what`` after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while not ready():
+        assert time.monotonic() < deadline, f"{what} within {within_s} s"
+        time.sleep(0.05)

@@ -31,7 +31,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import free_port
+from _torchrun import process_gone, wait_for
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = pytest.mark.slow
@@ -62,22 +62,6 @@ def _load_script() -> Any:
 
 
 journey = _load_script()
-
-
-def process_gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie (an orphan's reaper may not be init)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rpartition(")")[2].split()[0] == "Z"
-
-
-def wait_for(what: str, ready: Any, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while not ready():
-        assert time.monotonic() < deadline, f"{what} within {within_s} s"
-        time.sleep(0.05)
 
 
 class Launch:

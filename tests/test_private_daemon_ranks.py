@@ -15,12 +15,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _dist import free_port
+from _torchrun import process_gone, wait_for
 from conftest import call, raw_socket, start_daemon
 
 from offloadd import protocol as p
@@ -64,22 +64,6 @@ def finish(tmp_path: Path, run: subprocess.Popen[bytes]) -> int:
 
 def log_tail(tmp_path: Path) -> str:
     return (tmp_path / "run.log").read_text(errors="replace")[-4000:]
-
-
-def process_gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie (an orphan's reaper may not be init)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return True
-    return stat.rpartition(")")[2].split()[0] == "Z"
-
-
-def wait_for(what: str, ready: Any, within_s: float) -> None:
-    deadline = time.monotonic() + within_s
-    while not ready():
-        assert time.monotonic() < deadline, f"{what} within {within_s} s"
-        time.sleep(0.1)
 
 
 def read_report(tmp_path: Path, rank: int) -> dict[str, Any]:
