@@ -211,17 +211,19 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=16, help="tokens per sequence")
     parser.add_argument("--width", type=int, default=320, help="TinyGPT width (heads: /64)")
     parser.add_argument("--depth", type=int, default=6, help="TinyGPT blocks")
-    parser.add_argument("--accuracy-steps", type=int, default=400)
+    parser.add_argument("--accuracy-steps", type=int, default=400,
+                        help="steps of the accuracy part (0: skip it)")
     parser.add_argument("--no-io", action="store_true", help="the accuracy part only")
     args = parser.parse_args()
     summary: dict[str, Any] = {}
-    curves = {case: loss_curve(case, args.accuracy_steps) for case in CASES}
-    for case in CASES:
-        tail = curves[case][-20:]
+    curves = {case: loss_curve(case, args.accuracy_steps) for case in CASES} \
+        if args.accuracy_steps else {}
+    for case, curve in curves.items():
+        tail = curve[-20:]
         summary[f"final_loss_{case}"] = round(statistics.fmean(tail), 4)
-        print(f"accuracy {case}: loss {curves[case][0]:.3f} -> {statistics.fmean(tail):.4f}",
+        print(f"accuracy {case}: loss {curve[0]:.3f} -> {statistics.fmean(tail):.4f}",
               flush=True)
-    for case in CASES[1:]:
+    for case in CASES[1:] if curves else ():
         summary[f"loss_rel_gap_{case}"] = round(loss_rel_gap(curves[case], curves["fp32"]), 4)
         summary[f"ratio_vs_fp32_states_{case}_bytes_per_param"] = round(
             state_bytes_per_param("fp32") / state_bytes_per_param(case), 3)

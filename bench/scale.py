@@ -18,7 +18,8 @@ peak), init and step times, losses.
 ``--sweep``: a model that fits (``--sweep-layers``/``--sweep-width``) trained
 with the daemon arena at 1/8 .. 1.25 of its working set (20 B/param, fp32);
 writes bench/figures/arena_sweep.json and, with matplotlib (the ``bench``
-extra), arena_sweep.png: median step time against arena size.
+extra), arena_sweep.png: median step time against arena size, each point the median
+of ``--repeats`` (3) runs.
 
 Default mode also runs DeepSpeed ZeRO-3 (``DS_ACCELERATOR=cpu``, the same config,
 its ``nvme_path`` on the same disk) on the same model after ours, when ``import
@@ -47,6 +48,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import socket
 import statistics
 import sys
@@ -350,7 +352,7 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
     exit_codes = [proc.exitcode for proc in procs]
     errors = [o["error"] for o in outcomes.values() if "error" in o]
     if errors or len(outcomes) < WORLD:
-        raise RuntimeError(errors[0] if errors else "no result within an hour")
+        raise RunFailed(failure(exit_codes, errors), memory)
     steps = [max(pair) for pair in zip(outcomes[0]["times"], outcomes[1]["times"], strict=True)]
     return {
         "params": outcomes[0]["numel"],
@@ -366,6 +368,26 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         "rank_exit_codes": exit_codes,
         **memory,
     }
+
+
+class RunFailed(RuntimeError):
+    """A run that did not finish: why, and the node memory sampled until then."""
+
+    def __init__(self, message: str, memory: dict[str, int]) -> None:
+        super().__init__(message)
+        self.memory = memory
+
+
+def failure(exit_codes: list[int | None], errors: list[str]) -> str:
+    """Why a run failed. A rank killed by a signal comes first: the other rank then only
+    sees its peer's socket close ("Connection closed by peer"), which names nothing."""
+    for rank, code in enumerate(exit_codes):
+        if code is not None and code < 0:
+            name = signal.Signals(-code).name
+            why = " (the kernel's OOM killer, when the node ran out of memory)" \
+                if -code == signal.SIGKILL else ""
+            return f"rank {rank} was killed by {name}{why}"
+    return errors[0] if errors else "no result within an hour"
 
 
 def fio_bandwidth(workdir: str, size_mib: int = 1024) -> dict[str, float] | None:
@@ -474,7 +496,9 @@ def deepspeed_run(ns: argparse.Namespace, layers: int, arena: int | None) -> dic
         result = launch({"workdir": workdir, "layers": layers, "width": ns.width,
                          "vocab": ns.vocab, "heads": ns.heads, "steps": ns.steps, "bf16": True,
                          "arena": arena, "peer": "deepspeed"})
-    except Exception as error:  # reported plainly next to our figures
+    except RunFailed as error:  # reported plainly next to our figures
+        return {"error": str(error), **error.memory}
+    except Exception as error:
         return {"error": f"{type(error).__name__}: {error}"}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -511,24 +535,29 @@ def sweep(ns: argparse.Namespace) -> dict[str, Any]:
     points = []
     for fraction in ns.fractions:
         arena = max(64 << 20, int(working_set * fraction) // (2 << 20) * (2 << 20))
-        workdir = tempfile.mkdtemp(prefix="offloadd-sweep-", dir=ns.dir)
-        try:
-            result = launch({"workdir": workdir, "layers": ns.sweep_layers,
-                             "width": ns.sweep_width, "vocab": ns.sweep_vocab,
-                             "steps": ns.steps + 1, "bf16": False, "arena": arena})
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
-        timed = result["step_s"][1:]  # the first step warms the daemon's caches
-        swapped = median_counters(result["swap_nbytes"][1:])
-        bound = io_bound(result["params"], 4, arena, bandwidth)
+        runs = []
+        for _ in range(ns.repeats):
+            workdir = tempfile.mkdtemp(prefix="offloadd-sweep-", dir=ns.dir)
+            try:
+                runs.append(launch({"workdir": workdir, "layers": ns.sweep_layers,
+                                    "width": ns.sweep_width, "vocab": ns.sweep_vocab,
+                                    "steps": ns.steps + 1, "bf16": False, "arena": arena}))
+            finally:
+                shutil.rmtree(workdir, ignore_errors=True)
+        # the first step of each run warms the daemon's caches
+        timed = [run["step_s"][1:] for run in runs]
+        swapped = median_counters([step for run in runs for step in run["swap_nbytes"][1:]])
+        bound = io_bound(runs[0]["params"], 4, arena, bandwidth)
         points.append({"fraction": fraction, "arena_nbytes": arena,
-                       "median_step_s": statistics.median(timed), "step_s": timed,
+                       "median_step_s": statistics.median(statistics.median(t) for t in timed),
+                       "step_s": timed,
                        "median_swap_read_nbytes": swapped.get("read", 0),
                        "median_swap_written_nbytes": swapped.get("written", 0),
                        "median_swap_nbytes": swapped, **bound})
         print(json.dumps(points[-1]), flush=True)
     payload = {"mode": "sweep", "params": numel, "working_set_nbytes": working_set,
                "layers": ns.sweep_layers, "width": ns.sweep_width, "steps": ns.steps,
+               "repeats": ns.repeats,
                "points": points}
     if ns.fractions != SWEEP_FRACTIONS:  # a partial sweep: the figures stay as they are
         return payload
@@ -548,12 +577,17 @@ def plot(payload: dict[str, Any]) -> str | None:
         print("matplotlib is not installed (pip install '.[bench]'): no PNG", file=sys.stderr)
         return None
     points = payload["points"]
-    fractions = [p["fraction"] for p in points]
+    # where each point really is: the smallest arenas are rounded up to 64 MiB
+    fractions = [p["arena_nbytes"] / payload["working_set_nbytes"] for p in points]
     fig, (time_ax, bytes_ax) = plt.subplots(1, 2, figsize=(10, 4))
     time_ax.plot(fractions, [p["median_step_s"] for p in points], "o-", label="step")
     if all("io_bound_s" in p for p in points):
         time_ax.plot(fractions, [p["io_bound_s"] for p in points], "k--",
                      label="IO bound (fio O_DIRECT)")
+        resident = [p["median_step_s"] for p in points if not p["spill_nbytes"]]
+        if resident:  # the step's compute, with nothing swapped, plus the IO not hidden
+            time_ax.plot(fractions, [min(resident) + p["io_bound_s"] for p in points], "k:",
+                         label="resident step + IO bound (no overlap)")
     time_ax.set_ylabel("median step time (s)")
     gib = float(1 << 30)
     bytes_ax.plot(fractions, [p["median_swap_read_nbytes"] / gib for p in points], "o-",
@@ -568,7 +602,8 @@ def plot(payload: dict[str, Any]) -> str | None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(f"ZeRO-3, params + optimizer on NVMe, {payload['params'] / 1e6:.0f} M params, "
-                 f"2 ranks, {payload['steps']} timed steps per point", fontsize=9)
+                 f"2 ranks, median of {payload.get('repeats', 1)} runs x {payload['steps']} "
+                 "timed steps per point", fontsize=9)
     fig.tight_layout()
     path = FIGURES / "arena_sweep.png"
     fig.savefig(path, dpi=120)
@@ -592,6 +627,9 @@ def main() -> None:
     parser.add_argument("--sweep-layers", type=int, default=12)
     parser.add_argument("--sweep-width", type=int, default=384)
     parser.add_argument("--sweep-vocab", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="runs per sweep point: its step time is the median of the "
+                             "runs' medians, its bytes the median over all their steps")
     parser.add_argument("--fractions", type=lambda text: [float(f) for f in text.split(",")],
                         default=SWEEP_FRACTIONS,
                         help="arena / working set of the sweep's points, comma-separated "
