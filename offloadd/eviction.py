@@ -36,7 +36,7 @@ import math
 from collections.abc import Container, Iterable
 from operator import itemgetter
 
-from offloadd.scheduler import AccessTrace
+from offloadd.scheduler import AccessTrace, untraced_next_use
 from offloadd.shards import IN_ARENA, Residency, Shard, ShardTable
 
 Entry = tuple[float, int, int, int, Shard, bool]
@@ -146,13 +146,15 @@ class EvictionIndex:
         if shard in self.expected:
             return -math.inf
         trace = self.traces.get(shard.rank)
-        return trace.next_use_at(shard) if trace is not None and trace.known else math.inf
+        return trace.next_use_at(shard) if trace is not None and trace.known \
+            else untraced_next_use(shard)
 
     def next_use_s(self, shard: Shard) -> float:
         if shard in self.expected:
             return -math.inf
         trace = self.traces.get(shard.rank)
-        return trace.next_use_s(shard) if trace is not None and trace.known else math.inf
+        return trace.next_use_s(shard) if trace is not None and trace.known \
+            else untraced_next_use(shard)
 
     # -- picks ------------------------------------------------------------------------
 

@@ -199,6 +199,8 @@ class OptimizerService:
 
     def _finish(self, job: Job, rank: int, shards: list[Shard], leases: dict[Shard, Lease],
                 ok: bool, started: float) -> None:
+        for shard in shards[:3]:  # master and moments (scheduler.untraced_next_use)
+            shard.optimizer_state = True  # before the release re-keys them for eviction
         # The gradient is consumed, not changed; the rest is dirty only if the kernel ran.
         for shard in shards:
             if (rank, shard.shard_id) not in job.table.shards:

@@ -103,6 +103,10 @@ class Shard:
     writer: bool = False
     last_use: int = 0
     """Logical clock of the last acquire, for LRU when no access trace is known."""
+    optimizer_state: bool = False
+    """An optimizer step has updated this shard as its master or a moment: with no
+    access trace yet, it is next used one step after its last use
+    (``scheduler.untraced_next_use``)."""
     swap: SwapPlacement | None = None
     """Where the last written swap copy lives (NVMe tier), if any."""
     pins: int = 0

@@ -33,7 +33,13 @@ from offloadd.manifests import (
     stage_file,
 )
 from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, READABLE_FORMATS, JobFile
-from offloadd.scheduler import AccessTrace, PrefetchWindow, Priority, RateMeter
+from offloadd.scheduler import (
+    AccessTrace,
+    PrefetchWindow,
+    Priority,
+    RateMeter,
+    untraced_next_use,
+)
 from offloadd.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement, shard_kind
 
 if TYPE_CHECKING:
@@ -289,7 +295,8 @@ class JobTier:
         if shard in self.expected:
             return -math.inf
         trace = self.traces.get(shard.rank)
-        return trace.next_use_s(shard) if trace is not None and trace.known else math.inf
+        return trace.next_use_s(shard) if trace is not None and trace.known \
+            else untraced_next_use(shard)
 
     async def make_room(self, table: ShardTable, nbytes: int,
                         not_before_s: float | None = None,
@@ -919,15 +926,18 @@ def _clean_floor(index: EvictionIndex, not_before_s: float | None) -> float | No
     are read back before their use: the write is the difference. Evicting costs a
     dirty shard a write and a read, a clean one a read, so a clean shard is kept
     only when it is needed sooner than half the furthest dirty candidate's next use.
-    A prefetch keeps its own bound (``not_before_s``).
+    A prefetch also keeps its own bound (``not_before_s``): the later of the two.
     """
-    if not_before_s is not None:
-        return not_before_s
-    # >= in the pick: with no trace yet every next use is inf, and clean-first still applies.
+    # >= in the pick. With no trace yet, half the furthest stepped optimizer state
+    # (scheduler.UNTRACED_STATE_S) lies beyond every other untraced shard, so a clean
+    # parameter stays while stepped state can be written back; before any step,
+    # half of UNTRACED_S lies below them all and clean-first applies.
     furthest = index.furthest_next_use(dirty=True)
     if furthest is None or furthest == -math.inf:
-        return LAST_RESORT  # no dirty candidate but a queued step's: not its clean shards
-    return furthest / DIRTY_EVICTION_COST
+        # no dirty candidate but a queued step's: not its clean shards
+        return LAST_RESORT if not_before_s is None else not_before_s
+    floor = furthest / DIRTY_EVICTION_COST
+    return floor if not_before_s is None else max(floor, not_before_s)
 
 
 async def _settle_all(coros: Iterable[Awaitable[T]]) -> list[T | BaseException]:

@@ -9,8 +9,10 @@ dropped) is never written at all.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from _zero_steps import KINDS, PERSISTENT_KINDS, Model, run_steps
+from _zero_steps import KINDS, PERSISTENT_KINDS, Model, Rank, run_steps, swap_counters
 
 from offloadd.embedded import PrivateDaemon
 
@@ -82,3 +84,29 @@ def test_the_counters_cover_every_byte(per_step: list[dict[str, int]]) -> None:
     for counters in per_step:
         assert sum(counters.get(f"{kind}_read", 0) for kind in KINDS) == counters["read"]
         assert sum(counters.get(f"{kind}_written", 0) for kind in KINDS) == counters["written"]
+
+
+def test_without_a_trace_stepped_state_goes_before_parameters(tmp_path: Path) -> None:
+    """The first step has no trace. Least recently used evicted the parameters (last
+    used in the backward) before the optimizer state the backward had just stepped, so
+    the next forward read parameters back while state it would not need until the next
+    backward sat in the arena (the second step read 1.9x the bytes that do not fit,
+    the third 1.1x). The state an optimizer step updated is the first victim instead,
+    most recently stepped first (``scheduler.untraced_next_use``): after the first step
+    every parameter is still in the arena."""
+    model = Model(num_units=8, unit_numel=1 << 18, num_ranks=1)
+    arena = int(model.working_set_nbytes * FRACTION) // 4096 * 4096
+    with PrivateDaemon.start(tmp_path / "d", arena_size=2 * arena,
+                             swap_dirs=[str(tmp_path / "swap")]) as daemon:
+        rank = Rank(daemon.socket_path, "zero", 0, model, arena)
+        try:
+            rank.register()
+            rank.step(1)
+            before = swap_counters(rank.client)
+            for unit in range(model.num_units):
+                rank.read_param(unit)
+            after = swap_counters(rank.client)
+        finally:
+            rank.close()
+    assert after["param_read"] == before.get("param_read", 0), (before, after)
+    assert after["read"] == before["read"], (before, after)
