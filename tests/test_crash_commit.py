@@ -9,6 +9,7 @@ being made durable, or disconnect the client that asked for the flush.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -171,6 +172,44 @@ def test_a_commit_names_its_snapshot_and_its_extents_survive_writes_and_drops(ti
         for index in range(12, 24):  # after the commit: the durable manifest still holds
             await t.put(f"new{index}", 0x40 + index)
             await t.write_back(f"new{index}")
+        assert t.named_chunks_intact()
+
+    tier_at(body)
+
+
+def test_a_flush_waits_for_the_write_behind_that_took_a_shard_it_listed(tier_at) -> None:
+    """test_sigkill_soak's one failure: a write-behind task made before the flush ran, but
+    started after the flush listed the shard dirty, took the shard's write-back; the
+    flush's own write-back then found the shard busy and skipped it, nothing waited for
+    the write-behind, and the manifest named the shard's previous version."""
+    async def body(t: Tier) -> None:
+        await t.put("a", 1)
+        await t.tier.flush(t.job.table, "one")
+        await t.put("a", 2)
+        shard = t.job.table.get(0, "a")
+        writes_open, writing = asyncio.Event(), asyncio.Event()
+        real_io = t.space.io
+
+        async def gated_io(op: str, *args: Any, **kwargs: Any) -> None:
+            if op == "write":
+                writing.set()
+                await writes_open.wait()
+            await real_io(op, *args, **kwargs)
+
+        t.space.io = gated_io  # type: ignore[method-assign]
+        # The order of one loop iteration under load: the flush task runs first and
+        # lists a, the write-behind runs next and begins a's write-back, then the
+        # flush's write-back of a runs and finds a busy.
+        flush = asyncio.ensure_future(t.tier.flush(t.job.table, "two"))
+        behind = asyncio.ensure_future(t.tier.write_back(t.job.table, shard, Priority.WRITEBACK))
+        await writing.wait()
+        with contextlib.suppress(asyncio.TimeoutError):  # the commit must not start yet
+            await asyncio.wait_for(t.syncing.wait(), 0.5)
+        writes_open.set()
+        assert await behind
+        await flush
+        named = {entry["id"]: entry for entry in t.manifest()["shards"]}
+        assert named["a"]["version"] == shard.version  # not the version flush "one" named
         assert t.named_chunks_intact()
 
     tier_at(body)
