@@ -201,6 +201,13 @@ def descendants_pss_nbytes(root: int) -> int:
     return total
 
 
+def wait_for_memory(nbytes: int, timeout_s: float = 120.0) -> None:
+    """Until the node uses at most ``nbytes`` (``free``'s used), or ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while node_used_nbytes() > nbytes and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 class MemorySampler:
     """Peak of node memory (``free``'s used) and of our processes' PSS, sampled each
     ``interval_s`` on a thread of the parent while the ranks run."""
@@ -465,6 +472,8 @@ def scale(ns: argparse.Namespace) -> dict[str, Any]:
                else None,
                "dram_bytes_per_param": ours_peak / result["params"],
                "disk_nbytes_per_step": median_disk(result), **result}
+    if ns.deepspeed:  # on a node as empty as ours was: our daemon's arena gone first
+        wait_for_memory(result["node_used_before_nbytes"] + (1 << 30))
     peer = deepspeed_run(ns, layers, arena) if ns.deepspeed else {"error": "--no-deepspeed"}
     summary["deepspeed"] = peer
     return {**summary, **ratios(summary, peer)}
