@@ -54,6 +54,10 @@ class SwapRetention:
         self.space = space
         self.retention_s = retention_s
         self.jobs: dict[str, RetainedJob] = {}
+        self.deleting: dict[str, RetainedJob] = {}
+        """Reclaimed jobs whose files are being deleted: still listed (with
+        ``deleting``) until they are gone from disk, so a status that no longer lists a
+        job means its files are gone."""
         self.reclaiming: set[asyncio.Task[int]] = set()
         self.reclaimed_nbytes = 0
 
@@ -84,9 +88,14 @@ class SwapRetention:
             self.space.dirs[index].reserved_nbytes -= nbytes
         loop = asyncio.get_running_loop()
         freed = 0
-        for swap_dir in self.space.dirs:
-            freed += await loop.run_in_executor(None, remove_job_dir, swap_dir.root_fd,
-                                                self.space.job_dir(swap_dir, job))
+        self.deleting[job] = entry
+        try:
+            for swap_dir in self.space.dirs:
+                freed += await loop.run_in_executor(None, remove_job_dir, swap_dir.root_fd,
+                                                    self.space.job_dir(swap_dir, job))
+        finally:
+            if self.deleting.get(job) is entry:
+                del self.deleting[job]
         self.reclaimed_nbytes += entry.nbytes
         log.info("event=swap_reclaimed job=%s uid=%s reason=%s freed_nbytes=%d", job,
                  entry.uid, reason, freed)
@@ -105,7 +114,12 @@ class SwapRetention:
 
     def listing(self, visible: Callable[[RetainedJob], bool]) -> dict[str, dict[str, Any]]:
         now = time.time()
-        return {name: entry.describe(now) for name, entry in self.jobs.items() if visible(entry)}
+        listed = {name: entry.describe(now) for name, entry in self.jobs.items()
+                  if visible(entry)}
+        for name, entry in self.deleting.items():
+            if visible(entry) and name not in listed:
+                listed[name] = {**entry.describe(now), "expires_in_s": 0.0, "deleting": True}
+        return listed
 
     def stats(self) -> dict[str, Any]:
         return {"retained_jobs": len(self.jobs),

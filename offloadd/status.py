@@ -174,8 +174,9 @@ def render_swap(status: dict[str, Any]) -> list[str]:
         f"errors: checksum_failures={swap.get('checksum_failures', 0)} "
         f"rank_stall={_number(swap, 'stall_s'):.1f}s",
         *(f"QUARANTINED {why}" for _job, why in sorted(swap.get("quarantined", {}).items())),
-        *(f"ended job {job} (uid {kept['uid']}): {format_nbytes(kept['nbytes'])} of swap kept "
-          f"for --recover, deleted in {kept['expires_in_s']:.0f}s"
+        *(f"ended job {job} (uid {kept['uid']}): {format_nbytes(kept['nbytes'])} of swap "
+          + ("being deleted" if kept.get("deleting") else
+             f"kept for --recover, deleted in {kept['expires_in_s']:.0f}s")
           for job, kept in sorted(status.get("retained", {}).items())),
     ]
 
