@@ -58,6 +58,8 @@ class SwapTier(Protocol):
     def hurry(self, shard: Shard) -> None: ...
     def step_begin(self, table: ShardTable, rank: int) -> None: ...
     def note_dirty(self, table: ShardTable, nbytes: int) -> None: ...
+    def note_room(self) -> None: ...
+    steps_running: Callable[[], bool]
     def prefetch(self, table: ShardTable, shards: list[Shard], deadline_s: float) -> None: ...
     async def flush(self, table: ShardTable, tag: str | None) -> int: ...
     def forget(self, table: ShardTable, shard: Shard) -> None: ...
@@ -78,6 +80,11 @@ class Job:
         """The uid its resources count against (offloadd.limits), set at its first hello."""
         self.ranks: set[int] = set()
         """Rank numbers that attached (offloadd.limits bounds them, and so per-rank state)."""
+        self.steps_leased = 0
+        """Optimizer steps holding their leases (kernel running): room they free by
+        themselves, which the swap tier waits for rather than report over budget."""
+        if tier is not None:
+            tier.steps_running = lambda: self.steps_leased > 0
 
     # -- alloc / acquire ------------------------------------------------------------
 
@@ -292,6 +299,7 @@ class Job:
                 for shard in unique:
                     shard.pins -= 1
                     self.table.note_changed(shard)  # evictable again (offloadd.eviction)
+                self.tier.note_room()
             # No await from here on: the conflict check and the grant are one atomic step.
             if leases is not None and mode is not None:
                 check_grantable(shards, mode)
@@ -382,8 +390,10 @@ class Job:
                 shard.unread = False
             elif shard.unread and not shard.leased:
                 self.table.discard_unread(shard)  # never written: its swap copy is current
-        if dirtied and self.tier is not None:
-            self.tier.note_dirty(self.table, dirtied)
+        if self.tier is not None:
+            if dirtied:
+                self.tier.note_dirty(self.table, dirtied)
+            self.tier.note_room()
 
     def drop(self, rank: int, ids: list[str]) -> Awaitable[None] | None:
         """Forget shards and free their arena and swap space; waits out IO in flight."""

@@ -88,6 +88,8 @@ WRITE_AHEAD_S = 0.1
 the rate evictions ran lately (bounded by ``write_behind_nbytes``)."""
 STEPS_READ_AHEAD = 1
 """Queued optimizer steps whose state is read in before the worker gets to them."""
+ROOM_WAIT_S = 2.0
+"""How long make_room waits for a lease or pin to end before it reports over budget."""
 PREFETCH_ROOM_RETRIES = 4
 """Times a prefetch waits for write-backs to free room before it gives up."""
 T = TypeVar("T")
@@ -134,6 +136,10 @@ class JobTier:
         """The owner the recovered manifest recorded (None: a format-1 manifest)."""
         self.prefetch_window = PrefetchWindow(PREFETCH_WINDOW)
         self.expected: set[Shard] = set()
+        self.room_event = asyncio.Event()
+        """Set by ``note_room`` (a lease ended, a batch unpinned)."""
+        self.steps_running: Callable[[], bool] = lambda: False
+        """Whether an optimizer step of the job holds leases (set by ``jobs.Job``)."""
         """Shards of queued optimizer steps, not leased yet (``expect``)."""
         self.pending_steps: dict[Shard, list[Shard]] = {}
         """Queued optimizer steps in the order the worker runs them (the service is FIFO
@@ -347,6 +353,8 @@ class JobTier:
                         self.evict(table, victim)
                     if victims:
                         continue
+                if not progress and await self._room_changed():
+                    continue  # a lease or a batch's pins ended meanwhile: pick again
                 if not progress:
                     raise OverBudgetError(
                         f"job {self.job!r}: no evictable shard can make room for {need} bytes "
@@ -356,6 +364,31 @@ class JobTier:
                 # ranges finish on their own, so holding it cannot deadlock.
                 await asyncio.wait([asyncio.shield(f) for f in progress],
                                    return_when=asyncio.FIRST_COMPLETED)
+        return True
+
+    def note_room(self) -> None:
+        """A lease ended or a batch unpinned its shards: they may be evictable now."""
+        self.room_event.set()
+
+    async def _room_changed(self) -> bool:
+        """Whether a lease ended or a batch unpinned within ``ROOM_WAIT_S``.
+
+        Hazard: no IO in flight and nothing evictable is not always over budget. The
+        shards held may belong to the daemon itself: a queued optimizer step's batch
+        pinned while it is made resident, then leased while its kernel runs, ends by
+        itself. An arena a few shards larger than one step (12-16 MiB, 2 MiB shards)
+        failed a rank's acquire with "leased 0" while only such a step held the room
+        (tests/test_zero_init_rss.py). A release or unpin within the wait means the
+        room is worth picking again; none means the holders are the ranks'. While a
+        step's kernel holds leases the wait has no limit (the first step of a daemon
+        imports torch on the worker: seconds on a loaded host).
+        """
+        self.room_event.clear()
+        try:  # a step's kernel ends by itself: no limit while one holds leases
+            await asyncio.wait_for(self.room_event.wait(),
+                                   None if self.steps_running() else ROOM_WAIT_S)
+        except asyncio.TimeoutError:
+            return False
         return True
 
     def _index(self, table: ShardTable) -> EvictionIndex:
