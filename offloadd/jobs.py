@@ -59,6 +59,7 @@ class SwapTier(Protocol):
     def step_begin(self, table: ShardTable, rank: int) -> None: ...
     def note_dirty(self, table: ShardTable, nbytes: int) -> None: ...
     def note_room(self) -> None: ...
+    async def room_changed(self) -> bool: ...
     steps_running: Callable[[], bool]
     def prefetch(self, table: ShardTable, shards: list[Shard], deadline_s: float) -> None: ...
     async def flush(self, table: ShardTable, tag: str | None) -> int: ...
@@ -80,11 +81,12 @@ class Job:
         """The uid its resources count against (offloadd.limits), set at its first hello."""
         self.ranks: set[int] = set()
         """Rank numbers that attached (offloadd.limits bounds them, and so per-rank state)."""
-        self.steps_leased = 0
-        """Optimizer steps holding their leases (kernel running): room they free by
-        themselves, which the swap tier waits for rather than report over budget."""
+        self.steps_holding = 0
+        """Optimizer steps whose shards are pinned (being made resident) or leased (the
+        kernel running): room they free by themselves, which the swap tier waits for
+        rather than report over budget."""
         if tier is not None:
-            tier.steps_running = lambda: self.steps_leased > 0
+            tier.steps_running = lambda: self.steps_holding > 0
 
     # -- alloc / acquire ------------------------------------------------------------
 
@@ -161,7 +163,7 @@ class Job:
 
         ``need_nbytes``: arena bytes of the batch's distinct shards; ``new_nbytes``: of
         those it creates. Without a swap tier every new shard must be placed now; with
-        one, only a leased batch must be resident at once (as ``_check_pinned_fit``).
+        one, only a leased batch must be resident at once (as ``_pinned_fit``).
         """
         if self.tier is None and new_nbytes > self.arena.allocator.free_nbytes:
             raise OverBudgetError(
@@ -288,7 +290,10 @@ class Job:
         assert self.tier is not None
         started = time.monotonic()
         unique = list(dict.fromkeys(shards))
-        self._check_pinned_fit(unique)
+        while not self._pinned_fit(unique):
+            # room an optimizer step of this job holds comes back by itself
+            if not await self.tier.room_changed():
+                self._raise_pinned_fit(unique)
         for shard in unique:  # pinned: reading one shard never evicts another of the batch
             shard.pins += 1
             self.table.note_changed(shard)
@@ -327,7 +332,11 @@ class Job:
             elif all(s.in_arena for s in shards):
                 return
 
-    def _check_pinned_fit(self, shards: list[Shard]) -> None:
+    def _pinned_fit(self, shards: list[Shard]) -> bool:
+        need = sum(s.arena_nbytes for s in set(shards))
+        return need + self.table.leased_nbytes() <= self.arena.nbytes
+
+    def _raise_pinned_fit(self, shards: list[Shard]) -> None:
         need = sum(s.arena_nbytes for s in set(shards))
         leased = self.table.leased_nbytes()
         if need + leased > self.arena.nbytes:

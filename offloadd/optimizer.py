@@ -171,11 +171,15 @@ class OptimizerService:
         leases: dict[Shard, Lease] = {}
         # The kernel writes the param whole: a swapped-out one is placed, not read.
         overwrite = frozenset(shards[4:])
-        placed = job.acquire_for_step(rank, ids, leases, overwrite)
-        if not isinstance(placed, Placed):
-            await placed  # the tier had to read some state back from swap first
+        job.steps_holding += 1  # its batch pins, then leases, until _finish released them
+        try:
+            placed = job.acquire_for_step(rank, ids, leases, overwrite)
+            if not isinstance(placed, Placed):
+                await placed  # the tier had to read some state back from swap first
+        except BaseException:
+            job.steps_holding -= 1
+            raise
         job.unexpect_step(shards)
-        job.steps_leased += 1  # until _finish released the leases
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         kernel = loop.run_in_executor(self.executor, self._run, job, rank, shards, req)
@@ -203,7 +207,7 @@ class OptimizerService:
         for shard in shards[:3]:  # master and moments (scheduler.untraced_next_use)
             shard.optimizer_state = True  # before the release re-keys them for eviction
         # The gradient is consumed, not changed; the rest is dirty only if the kernel ran.
-        job.steps_leased -= 1  # before the releases wake make_room (tier.note_room)
+        job.steps_holding -= 1  # before the releases wake make_room (tier.note_room)
         for shard in shards:
             if (rank, shard.shard_id) not in job.table.shards:
                 raise UnknownShardError(f"{shard.shard_id!r} vanished during the step")

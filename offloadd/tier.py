@@ -88,8 +88,9 @@ WRITE_AHEAD_S = 0.1
 the rate evictions ran lately (bounded by ``write_behind_nbytes``)."""
 STEPS_READ_AHEAD = 1
 """Queued optimizer steps whose state is read in before the worker gets to them."""
-ROOM_WAIT_S = 2.0
-"""How long make_room waits for a lease or pin to end before it reports over budget."""
+STEP_ROOM_WAIT_S = 10.0
+"""How long make_room waits for an optimizer step's pins or leases to end before it
+reports over budget (``JobTier.room_changed``)."""
 PREFETCH_ROOM_RETRIES = 4
 """Times a prefetch waits for write-backs to free room before it gives up."""
 T = TypeVar("T")
@@ -139,7 +140,7 @@ class JobTier:
         self.room_event = asyncio.Event()
         """Set by ``note_room`` (a lease ended, a batch unpinned)."""
         self.steps_running: Callable[[], bool] = lambda: False
-        """Whether an optimizer step of the job holds leases (set by ``jobs.Job``)."""
+        """Whether an optimizer step of the job holds pins or leases (set by ``jobs.Job``)."""
         """Shards of queued optimizer steps, not leased yet (``expect``)."""
         self.pending_steps: dict[Shard, list[Shard]] = {}
         """Queued optimizer steps in the order the worker runs them (the service is FIFO
@@ -353,7 +354,7 @@ class JobTier:
                         self.evict(table, victim)
                     if victims:
                         continue
-                if not progress and await self._room_changed():
+                if not progress and await self.room_changed():
                     continue  # a lease or a batch's pins ended meanwhile: pick again
                 if not progress:
                     raise OverBudgetError(
@@ -370,23 +371,25 @@ class JobTier:
         """A lease ended or a batch unpinned its shards: they may be evictable now."""
         self.room_event.set()
 
-    async def _room_changed(self) -> bool:
-        """Whether a lease ended or a batch unpinned within ``ROOM_WAIT_S``.
+    async def room_changed(self) -> bool:
+        """Whether a lease ended or a batch unpinned while an optimizer step of the job
+        holds shards, within ``STEP_ROOM_WAIT_S``; False at once when none does.
 
         Hazard: no IO in flight and nothing evictable is not always over budget. The
-        shards held may belong to the daemon itself: a queued optimizer step's batch
-        pinned while it is made resident, then leased while its kernel runs, ends by
+        shards held may belong to the daemon itself: a queued optimizer step's batch is
+        pinned while it is made resident, then leased while its kernel runs, and ends by
         itself. An arena a few shards larger than one step (12-16 MiB, 2 MiB shards)
         failed a rank's acquire with "leased 0" while only such a step held the room
-        (tests/test_zero_init_rss.py). A release or unpin within the wait means the
-        room is worth picking again; none means the holders are the ranks'. While a
-        step's kernel holds leases the wait has no limit (the first step of a daemon
-        imports torch on the worker: seconds on a loaded host).
+        (tests/test_zero_init_rss.py; the first step of a daemon imports torch on the
+        worker, seconds on a loaded host). The wait is bounded: the step's own batch
+        may be waiting for room the ranks hold, and then this is over budget after all.
+        When only ranks hold the room it is reported at once, as before.
         """
+        if not self.steps_running():
+            return False
         self.room_event.clear()
-        try:  # a step's kernel ends by itself: no limit while one holds leases
-            await asyncio.wait_for(self.room_event.wait(),
-                                   None if self.steps_running() else ROOM_WAIT_S)
+        try:
+            await asyncio.wait_for(self.room_event.wait(), STEP_ROOM_WAIT_S)
         except asyncio.TimeoutError:
             return False
         return True
