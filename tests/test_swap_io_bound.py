@@ -93,7 +93,9 @@ def test_without_a_trace_stepped_state_goes_before_parameters(tmp_path: Path) ->
     backward sat in the arena (the second step read 1.9x the bytes that do not fit,
     the third 1.1x). The state an optimizer step updated is the first victim instead,
     most recently stepped first (``scheduler.untraced_next_use``): after the first step
-    every parameter is still in the arena."""
+    the parameters are still in the arena. At most one is read back (a queued step's
+    read-ahead, timed by the host's load, may take one: 0 in five runs of six, 1 in
+    one, under a CPU burner); the old rule read back 3 of the 8 in six runs of six."""
     model = Model(num_units=8, unit_numel=1 << 18, num_ranks=1)
     arena = int(model.working_set_nbytes * FRACTION) // 4096 * 4096
     with PrivateDaemon.start(tmp_path / "d", arena_size=2 * arena,
@@ -108,5 +110,6 @@ def test_without_a_trace_stepped_state_goes_before_parameters(tmp_path: Path) ->
             after = swap_counters(rank.client)
         finally:
             rank.close()
-    assert after["param_read"] == before.get("param_read", 0), (before, after)
-    assert after["read"] == before["read"], (before, after)
+    read_back = after["param_read"] - before.get("param_read", 0)
+    assert read_back <= model.shard_nbytes, (before, after)
+    assert after["read"] - before["read"] == read_back, (before, after)
