@@ -96,10 +96,14 @@ def test_shard_written_after_staged_ahead_is_copied_again(daemon: PrivateDaemon,
     first, data = _read(client, staging, "a")
     assert (first.outcome, first.version, data) == ("stale", 2, b"A" * NBYTES)
     second, data = _read(client, staging, "b")
-    assert (second.outcome, second.version, data) == ("stale", 2, b"B" * NBYTES)
+    # The read of a can let the read-ahead copy b's new version before b is read (a
+    # loaded CI run saw it): a hit then, of version 2, never of the staged bytes.
+    assert second.outcome in ("stale", "hit")
+    assert (second.version, data) == (2, b"B" * NBYTES)
     third, data = _read(client, staging, "c")
     assert (third.outcome, data) == ("hit", b"c" * NBYTES)
-    assert value(scrape(daemon), READAHEAD, outcome="stale") == before + 2
+    stale = 1 + (second.outcome == "stale")
+    assert value(scrape(daemon), READAHEAD, outcome="stale") == before + stale
 
 
 def test_read_ahead_slot_reused_only_after_slot_done(connect, staging: TwinSlots) -> None:
