@@ -48,6 +48,17 @@ SYNC_SLICE = 2048
 _shard_of = itemgetter(0)
 
 
+def predicted_next_use_s(traces: dict[int, AccessTrace], expected: Container[Shard],
+                         shard: Shard) -> float:
+    """Seconds until ``shard`` is used again: -inf for a queued optimizer step's
+    shard (``expected``), its rank's trace once it knows one, else the untraced rule."""
+    if shard in expected:
+        return -math.inf
+    trace = traces.get(shard.rank)
+    return trace.next_use_s(shard) if trace is not None and trace.known \
+        else untraced_next_use(shard)
+
+
 class EvictionIndex:
     """Eviction candidates of one job's table (see the module docstring)."""
 
@@ -150,11 +161,7 @@ class EvictionIndex:
             else untraced_next_use(shard)
 
     def next_use_s(self, shard: Shard) -> float:
-        if shard in self.expected:
-            return -math.inf
-        trace = self.traces.get(shard.rank)
-        return trace.next_use_s(shard) if trace is not None and trace.known \
-            else untraced_next_use(shard)
+        return predicted_next_use_s(self.traces, self.expected, shard)
 
     # -- picks ------------------------------------------------------------------------
 

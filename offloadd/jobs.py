@@ -337,14 +337,14 @@ class Job:
         return need + self.table.leased_nbytes() <= self.arena.nbytes
 
     def _raise_pinned_fit(self, shards: list[Shard]) -> None:
+        """The batch does not fit beside the leases (``_pinned_fit`` said so)."""
         need = sum(s.arena_nbytes for s in set(shards))
-        leased = self.table.leased_nbytes()
-        if need + leased > self.arena.nbytes:
-            raise OverBudgetError(
-                f"job {self.name!r}: {need} bytes requested while {leased} bytes are leased, "
-                f"arena is {self.arena.nbytes}; release leases or request fewer shards at once",
-                [s.shard_id for s in shards],
-            )
+        raise OverBudgetError(
+            f"job {self.name!r}: {need} bytes requested while {self.table.leased_nbytes()} "
+            f"bytes are leased, arena is {self.arena.nbytes}; release leases or request "
+            "fewer shards at once",
+            [s.shard_id for s in shards],
+        )
 
     async def _make_resident(self, shard: Shard, overwrite: bool = False) -> None:
         assert self.tier is not None

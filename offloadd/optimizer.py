@@ -206,8 +206,8 @@ class OptimizerService:
                 ok: bool, started: float) -> None:
         for shard in shards[:3]:  # master and moments (scheduler.untraced_next_use)
             shard.optimizer_state = True  # before the release re-keys them for eviction
-        # The gradient is consumed, not changed; the rest is dirty only if the kernel ran.
         job.steps_holding -= 1  # before the releases wake make_room (tier.note_room)
+        # The gradient is consumed, not changed; the rest is dirty only if the kernel ran.
         for shard in shards:
             if (rank, shard.shard_id) not in job.table.shards:
                 raise UnknownShardError(f"{shard.shard_id!r} vanished during the step")

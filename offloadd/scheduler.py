@@ -197,7 +197,7 @@ UNTRACED_S = 1e12
 """Next use of a shard no trace knows: beyond any traced one (a step is seconds)."""
 UNTRACED_STATE_S = 4 * UNTRACED_S
 """Next use of optimizer state no trace knows, before its last use is added: far
-enough beyond ``UNTRACED_S`` that half of it (``tier.dirty_floor``) still lies beyond
+enough beyond ``UNTRACED_S`` that half of it (``tier._clean_floor``) still lies beyond
 every other untraced shard, so a clean one of those is not evicted for it."""
 
 

@@ -25,7 +25,7 @@ import xxhash
 from offloadd.arena import align_up
 from offloadd.auth import JobOwner
 from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIOError
-from offloadd.eviction import SYNC_SLICE, EvictionIndex
+from offloadd.eviction import SYNC_SLICE, EvictionIndex, predicted_next_use_s
 from offloadd.manifests import (
     discard_staged,
     keep_previous_generation,
@@ -33,13 +33,7 @@ from offloadd.manifests import (
     stage_file,
 )
 from offloadd.nvme import MANIFEST, MANIFEST_FORMAT, PREFETCH_HORIZON_S, READABLE_FORMATS, JobFile
-from offloadd.scheduler import (
-    AccessTrace,
-    PrefetchWindow,
-    Priority,
-    RateMeter,
-    untraced_next_use,
-)
+from offloadd.scheduler import AccessTrace, PrefetchWindow, Priority, RateMeter
 from offloadd.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement, shard_kind
 
 if TYPE_CHECKING:
@@ -137,11 +131,11 @@ class JobTier:
         """The owner the recovered manifest recorded (None: a format-1 manifest)."""
         self.prefetch_window = PrefetchWindow(PREFETCH_WINDOW)
         self.expected: set[Shard] = set()
+        """Shards of queued optimizer steps, not leased yet (``expect``)."""
         self.room_event = asyncio.Event()
         """Set by ``note_room`` (a lease ended, a batch unpinned)."""
         self.steps_running: Callable[[], bool] = lambda: False
         """Whether an optimizer step of the job holds pins or leases (set by ``jobs.Job``)."""
-        """Shards of queued optimizer steps, not leased yet (``expect``)."""
         self.pending_steps: dict[Shard, list[Shard]] = {}
         """Queued optimizer steps in the order the worker runs them (the service is FIFO
         within a job), by their first shard: the state each reads (``_read_ahead``)."""
@@ -299,11 +293,7 @@ class JobTier:
                 sum(f.allocator.capacity for f in self.files))
 
     def next_use_s(self, shard: Shard) -> float:
-        if shard in self.expected:
-            return -math.inf
-        trace = self.traces.get(shard.rank)
-        return trace.next_use_s(shard) if trace is not None and trace.known \
-            else untraced_next_use(shard)
+        return predicted_next_use_s(self.traces, self.expected, shard)
 
     async def make_room(self, table: ShardTable, nbytes: int,
                         not_before_s: float | None = None,

@@ -25,8 +25,8 @@ LEARNED = slice(2, None)
 """Steps after the first two: the first has no trace, the second one step's timing."""
 
 
-def arena_nbytes() -> int:
-    return int(MODEL.working_set_nbytes * FRACTION) // 4096 * 4096
+def arena_nbytes(model: Model = MODEL) -> int:
+    return int(model.working_set_nbytes * FRACTION) // 4096 * 4096
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_without_a_trace_stepped_state_goes_before_parameters(tmp_path: Path) ->
     read-ahead, timed by the host's load, may take one: 0 in five runs of six, 1 in
     one, under a CPU burner); the old rule read back 3 of the 8 in six runs of six."""
     model = Model(num_units=8, unit_numel=1 << 18, num_ranks=1)
-    arena = int(model.working_set_nbytes * FRACTION) // 4096 * 4096
+    arena = arena_nbytes(model)
     with PrivateDaemon.start(tmp_path / "d", arena_size=2 * arena,
                              swap_dirs=[str(tmp_path / "swap")]) as daemon:
         rank = Rank(daemon.socket_path, "zero", 0, model, arena)
