@@ -246,7 +246,7 @@ class Job:
         if leases is not None and mode is not None:
             check_grantable(shards, mode)
         if _ready(shards, mode):  # the common case, checked in one pass
-            return self._lease_and_reply(shards, leases, mode)
+            return self._lease_and_reply(shards, leases, mode, traced)
         if mode == "w" and any(s.io is not None for s in shards):
             # wait for the write-back
             return self._serve_slow(shards, leases, mode, traced, overwrite)
