@@ -36,7 +36,7 @@ import math
 from collections.abc import Container, Iterable
 from operator import itemgetter
 
-from offloadd.scheduler import AccessTrace, untraced_next_use
+from offloadd.scheduler import OVERDUE_ENTRIES, AccessTrace, untraced_next_use
 from offloadd.shards import IN_ARENA, Residency, Shard, ShardTable
 
 Entry = tuple[float, int, int, int, Shard, bool]
@@ -80,12 +80,16 @@ class EvictionIndex:
     # -- keeping up with the table ----------------------------------------------------
 
     def note_trace_moved(self, trace: AccessTrace, start: int, stop: int) -> None:
-        """The trace's cursor passed ``previous[start:stop]``: those shards' next uses moved.
+        """The trace's cursor passed ``previous[start:stop]``: those shards' next uses
+        moved, and those of the entries it is now ``OVERDUE_ENTRIES`` past (no longer
+        overdue, ``AccessTrace._next_position``).
 
         The trace holds the shard objects it saw; ``_refresh`` finds the live shard of
         one that was dropped and made again under its id.
         """
         self.changed.update(map(_shard_of, trace.previous[start:stop]))
+        self.changed.update(map(_shard_of, trace.previous[
+            max(0, start - OVERDUE_ENTRIES):max(0, stop - OVERDUE_ENTRIES)]))
 
     def note_trace_shards(self, trace: AccessTrace) -> None:
         """A step begins: every shard the trace names has a new next use."""

@@ -93,6 +93,9 @@ class IOQueue:
 MAX_CURSOR_SKIP = 16
 """Trace entries one record may skip; a step's async optimizer steps (two units of five
 shards in flight) can land on either side of step_begin."""
+OVERDUE_ENTRIES = 2 * MAX_CURSOR_SKIP
+"""How far (in trace entries) the cursor may pass a shard's position, the shard not yet
+used this step, before the trace stops expecting it this step (``AccessTrace``)."""
 
 
 class AccessTrace:
@@ -106,6 +109,9 @@ class AccessTrace:
         re-created within the step (the engine drops consumed gradients) is the same
         shard to the trace, so its next use stays known instead of looking unused."""
         self.current: list[tuple[Shard, float]] = []
+        self.seen: dict[str, int] = {}
+        """Accesses of each shard id this step: the first ``seen`` of its positions in
+        ``previous`` are done, whatever the cursor passed."""
         self.step_started = time.monotonic()
         self.cursor = 0
         self.misses = 0
@@ -120,12 +126,14 @@ class AccessTrace:
             for index, (shard, _t) in enumerate(self.previous):
                 self.positions.setdefault(shard.shard_id, []).append(index)
         self.current = []
+        self.seen = {}
         self.step_started = now
         self.cursor = 0
         self.misses = 0
 
     def record(self, shard: Shard, now: float) -> None:
         self.current.append((shard, now - self.step_started))
+        self.seen[shard.shard_id] = self.seen.get(shard.shard_id, 0) + 1
         positions = self.positions.get(shard.shard_id)
         if not positions:
             return
@@ -154,28 +162,43 @@ class AccessTrace:
     def _elapsed_at_cursor(self) -> float:
         return self.previous[self.cursor - 1][1] if self.cursor else 0.0
 
-    def next_use_s(self, shard: Shard) -> float:
-        """Predicted seconds until ``shard`` is used again (inf if the trace never uses it)."""
-        positions = self.positions.get(shard.shard_id)
-        if not positions:
-            return math.inf
-        here = self._elapsed_at_cursor()
+    def _next_position(self, shard_id: str, positions: list[int]) -> int:
+        """Index into ``positions`` of the shard's next use: the first the cursor has not
+        passed, or an overdue one.
+
+        Hazard: the cursor follows the rank's own accesses, and they do not keep the
+        last step's order with the daemon's queued optimizer steps exactly. A step
+        queued a little later than last time (the oldest in flight took longer) has
+        its state's positions passed by the rank's next parameter reads, and taken
+        for done, the state was predicted unused until the next step: the furthest,
+        it was evicted just before its step read it (S1 of bench/scale.py: 1.3-2.4 GB
+        of such state read twice a step, most of it read ahead and evicted unused).
+        A position passed less than ``OVERDUE_ENTRIES`` ago by a shard used fewer
+        times this step is overdue: needed now.
+        """
         index = bisect.bisect_left(positions, self.cursor)
-        if index < len(positions):
-            return self.previous[positions[index]][1] - here
-        return self.previous_s - here + self.previous[positions[0]][1]  # next step
+        seen = self.seen.get(shard_id, 0)
+        if seen < index:
+            return bisect.bisect_left(positions, self.cursor - OVERDUE_ENTRIES, seen, index)
+        return index
+
+    def next_use_s(self, shard: Shard) -> float:
+        """Predicted seconds until ``shard`` is used again (inf if the trace never uses
+        it; zero or less if overdue)."""
+        return self.next_use_at(shard) - self._elapsed_at_cursor()
 
     def next_use_at(self, shard: Shard) -> float:
         """``next_use_s`` plus the elapsed time at the cursor, which all of the rank's
         shards share: it changes only when the cursor passes one of the shard's
-        positions, so the eviction index can keep shards ordered by it."""
+        positions (or passes it by ``OVERDUE_ENTRIES``) and when the shard is used, so
+        the eviction index can keep shards ordered by it."""
         positions = self.positions.get(shard.shard_id)
         if not positions:
             return math.inf
-        index = bisect.bisect_left(positions, self.cursor)
+        index = self._next_position(shard.shard_id, positions)
         if index < len(positions):
             return self.previous[positions[index]][1]
-        return self.previous_s + self.previous[positions[0]][1]
+        return self.previous_s + self.previous[positions[0]][1]  # next step
 
     def upcoming(self, window_nbytes: int, horizon_s: float) -> Iterable[tuple[Shard, float]]:
         """Shards expected next, in order, within a byte window and a time horizon."""

@@ -620,8 +620,10 @@ class JobTier:
         if trace is not None:
             cursor = trace.cursor
             trace.record(shard, time.monotonic())
-            if trace.cursor != cursor and self.index is not None:
-                self.index.note_trace_moved(trace, cursor, trace.cursor)
+            if self.index is not None:
+                self.index.changed.add(shard)  # one more use this step: not overdue
+                if trace.cursor != cursor:
+                    self.index.note_trace_moved(trace, cursor, trace.cursor)
 
     def after_access(self, table: ShardTable, rank: int) -> None:
         trace = self.traces.get(rank)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from offloadd.scheduler import AccessTrace, IOQueue, Priority, pick_victims
+from offloadd.scheduler import OVERDUE_ENTRIES, AccessTrace, IOQueue, Priority, pick_victims
 from offloadd.shards import Residency, Shard
 
 MIB = 1 << 20
@@ -140,6 +140,37 @@ def test_access_trace_next_use_follows_the_previous_step() -> None:
     assert trace.next_use_s(d) == pytest.approx(1.0)
     assert trace.next_use_s(a) == pytest.approx(2.0)
     assert trace.next_use_s(b) == pytest.approx(3.0)
+
+
+def test_access_trace_expects_a_passed_shard_not_yet_used_this_step() -> None:
+    """A queued optimizer step's state (``state``) was used between two parameter reads
+    last step; this step the rank reads on past it before the step is queued. Until it is
+    used (or the cursor is ``OVERDUE_ENTRIES`` past it) it is overdue, needed now, not
+    idle until the next step: as the furthest next use it was evicted just before its
+    step read it."""
+    params = [make_shard(f"p{i}") for i in range(OVERDUE_ENTRIES + 4)]
+    state = make_shard("state")
+    trace = trained_trace([params[0], state, *params[1:]])  # state@1, step 37 s
+    step2 = OVERDUE_ENTRIES + 5.0
+    for index in range(3):
+        trace.record(params[index], now=step2 + index)  # the cursor passes state's place
+    assert trace.next_use_s(state) <= 0.0
+    assert trace.next_use_s(params[3]) == pytest.approx(1.0)
+    trace.record(state, now=step2 + 3.0)  # the step got to it: next use is a step away
+    assert trace.next_use_s(state) == pytest.approx(step2 - 2.0)
+    for index in range(3, len(params)):
+        trace.record(params[index], now=step2 + index + 1)
+
+    trace.begin_step(now=2 * step2)  # the same again, but the state is never used
+    (place,) = trace.positions["state"]
+    overdue = []
+    for index in range(len(params)):
+        trace.record(params[index], now=2 * step2 + index)
+        if trace.cursor > place:  # passed: overdue until OVERDUE_ENTRIES past it
+            overdue.append((trace.next_use_s(state) <= 0.0,
+                            trace.cursor <= place + OVERDUE_ENTRIES))
+    assert all(got == want for got, want in overdue), overdue
+    assert {want for _got, want in overdue} == {True, False}
 
 
 def test_access_trace_counts_repeated_uses_within_a_step() -> None:
