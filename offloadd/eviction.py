@@ -48,15 +48,18 @@ SYNC_SLICE = 2048
 _shard_of = itemgetter(0)
 
 
-def predicted_next_use_s(traces: dict[int, AccessTrace], expected: Container[Shard],
-                         shard: Shard) -> float:
+def predicted_next_use(traces: dict[int, AccessTrace], expected: Container[Shard],
+                       shard: Shard, *, trace_clock: bool = False) -> float:
     """Seconds until ``shard`` is used again: -inf for a queued optimizer step's
-    shard (``expected``), its rank's trace once it knows one, else the untraced rule."""
+    shard (``expected``), its rank's trace once it knows one, else the untraced rule.
+    ``trace_clock``: on the trace's own clock instead (``AccessTrace.next_use_at``, the
+    index's key); the other two are the same on either clock."""
     if shard in expected:
         return -math.inf
     trace = traces.get(shard.rank)
-    return trace.next_use_s(shard) if trace is not None and trace.known \
-        else untraced_next_use(shard)
+    if trace is None or not trace.known:
+        return untraced_next_use(shard)
+    return trace.next_use_at(shard) if trace_clock else trace.next_use_s(shard)
 
 
 class EvictionIndex:
@@ -158,14 +161,10 @@ class EvictionIndex:
             self.heaps[key] = live
 
     def _next_use_at(self, shard: Shard) -> float:
-        if shard in self.expected:
-            return -math.inf
-        trace = self.traces.get(shard.rank)
-        return trace.next_use_at(shard) if trace is not None and trace.known \
-            else untraced_next_use(shard)
+        return predicted_next_use(self.traces, self.expected, shard, trace_clock=True)
 
     def next_use_s(self, shard: Shard) -> float:
-        return predicted_next_use_s(self.traces, self.expected, shard)
+        return predicted_next_use(self.traces, self.expected, shard)
 
     # -- picks ------------------------------------------------------------------------
 

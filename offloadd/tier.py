@@ -25,7 +25,7 @@ import xxhash
 from offloadd.arena import align_up
 from offloadd.auth import JobOwner
 from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIOError
-from offloadd.eviction import SYNC_SLICE, EvictionIndex, predicted_next_use_s
+from offloadd.eviction import SYNC_SLICE, EvictionIndex, predicted_next_use
 from offloadd.manifests import (
     discard_staged,
     keep_previous_generation,
@@ -293,7 +293,7 @@ class JobTier:
                 sum(f.allocator.capacity for f in self.files))
 
     def next_use_s(self, shard: Shard) -> float:
-        return predicted_next_use_s(self.traces, self.expected, shard)
+        return predicted_next_use(self.traces, self.expected, shard)
 
     async def make_room(self, table: ShardTable, nbytes: int,
                         not_before_s: float | None = None,
