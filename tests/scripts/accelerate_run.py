@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ if args.mode == "offloadd":
     import trainer.hf  # noqa: F401  - the line an Accelerate script adds
 
 import torch  # noqa: E402
+from _leave import leave_group  # noqa: E402
 from accelerate import Accelerator, PartialState  # noqa: E402
 from accelerate.utils import DeepSpeedPlugin  # noqa: E402
 from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
@@ -93,14 +93,4 @@ if int(os.environ.get("RANK", "0")) == 0:
     torch.save({name: value.float() for name, value in state.items()}, out / "final.pt")
 accelerator.end_training()
 
-if torch.distributed.is_initialized():
-    # Both ranks leave the group together: a rank exiting while gloo's threads still run
-    # aborts ("terminate called without an active exception"), seen under load in DDP runs.
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-if args.mode == "ddp":
-    # The reference still aborted at interpreter teardown under load, after its results
-    # were written: leave without running C++ static destructors (no daemon to stop here).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+leave_group(skip_teardown=args.mode == "ddp")

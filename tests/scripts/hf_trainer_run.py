@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ if args.mode == "offloadd":
     import trainer.hf  # noqa: F401  - the line an HF script adds
 
 import torch  # noqa: E402
+from _leave import leave_group  # noqa: E402
 from transformers import (  # noqa: E402
     GPT2Config,
     GPT2LMHeadModel,
@@ -122,9 +122,4 @@ if int(os.environ.get("RANK", "0")) == 0:
     (out / "result.json").write_text(json.dumps({
         "losses": losses, "eval_loss": metrics["eval_loss"],
         "global_step": hf_trainer.state.global_step}))
-if torch.distributed.is_initialized():
-    # Both modes leave the group together: a rank exiting while gloo's threads still run
-    # aborts ("terminate called without an active exception"), seen under load in the DDP run.
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-sys.exit(0)
+leave_group(skip_teardown=args.mode == "ddp")
