@@ -27,7 +27,11 @@ deepspeed`` works (``--no-deepspeed`` skips it); its error is reported in place 
 figures when it cannot run. Per step: the daemon's swap bytes by shard kind, and the
 whole disk's bytes (/sys/dev/block stat of the swap dir's device, every process's IO).
 ``io_bound_s``: the persistent state that does not fit the arena, read once and written
-once at fio's O_DIRECT bandwidth measured in the same run.
+once at fio's O_DIRECT bandwidth measured in the same run (before and after the steps:
+the mean). ``cpu_bound_s``: the CPU time a step used (both ranks and the daemon, every
+thread, ``/proc/<pid>/stat``) over the CPUs the run may use, the least a step can take
+on this host whatever the disk. ``regime`` is "io" when the IO bound is the larger,
+and ``step_over_bound`` divides the step by the larger of the two.
 
     python bench/scale.py --layers 12 --width 768 --heads 12 --arena-gib 0.5 --steps 4
 
@@ -64,6 +68,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 WORLD = 2
+CORES = len(os.sched_getaffinity(0))
+"""The CPUs this run may use (ranks, daemon and IO share them)."""
 SEQ = 16
 VOCAB = 50257
 STATE_BYTES_PER_PARAM = 16
@@ -88,6 +94,16 @@ def hwm_nbytes(pid: int | str = "self") -> int:
     except OSError:
         pass
     return 0
+
+
+def cpu_seconds(pid: int | str = "self") -> float:
+    """User + system CPU time of a process so far, every thread (0 if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            fields = handle.read().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def gpt2_numel(layers: int, width: int, vocab: int = VOCAB, positions: int = SEQ) -> int:
@@ -289,14 +305,17 @@ def train(rank: int, args: dict[str, Any]) -> dict[str, Any]:
     ours = args.get("peer") != "deepspeed"
     init_s = time.perf_counter() - start
     init_hwm = hwm_nbytes()
-    times, losses, disk, swapped = [], [], [], []
+    times, losses, disk, swapped, cpu = [], [], [], [], []
     generator = torch.Generator().manual_seed(rank)
+    # Rank 0 also counts the private daemon's CPU time (its Adam threads and IO).
+    daemon = engine.offload_stats().get("daemon_pid") if ours and rank == 0 else None
     try:
         for _ in range(args["steps"]):
             ids = torch.randint(0, args["vocab"], (1, SEQ), generator=generator)
             dist.barrier()
             before = disk_counters(args["workdir"])
             swap_before = swap_counters(engine) if rank == 0 and ours else {}
+            cpu_before = cpu_seconds() + (cpu_seconds(int(daemon)) if daemon else 0.0)
             begin = time.perf_counter()
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
@@ -304,6 +323,8 @@ def train(rank: int, args: dict[str, Any]) -> dict[str, Any]:
             if ours:
                 engine.backend.wait_steps()
             times.append(time.perf_counter() - begin)
+            cpu.append(cpu_seconds() + (cpu_seconds(int(daemon)) if daemon else 0.0)
+                       - cpu_before)
             after = disk_counters(args["workdir"])
             disk.append([after[0] - before[0], after[1] - before[1]])
             swapped.append(counter_deltas(swap_counters(engine), swap_before)
@@ -314,6 +335,7 @@ def train(rank: int, args: dict[str, Any]) -> dict[str, Any]:
         numel = (sum(s.numel for u in engine.units for s in u.slots) if ours
                  else sum(p.ds_numel for p in engine.module.parameters()))
         return {"init_s": init_s, "times": times, "losses": losses, "init_hwm": init_hwm,
+                "cpu_s": cpu,
                 "disk_read_write_nbytes": disk, "swap_nbytes": swapped,
                 "arena_nbytes": stats.get("arena_nbytes"),
                 "hwm": hwm_nbytes(),
@@ -365,6 +387,8 @@ def launch(args: dict[str, Any]) -> dict[str, Any]:
         "params": outcomes[0]["numel"],
         "init_s": max(o["init_s"] for o in outcomes.values()),
         "step_s": steps,
+        "cpu_s": [sum(step) for step in zip(*(o["cpu_s"] for o in outcomes.values()),
+                                            strict=True)],
         "losses": outcomes[0]["losses"],
         "rank_peak_nbytes": [o["hwm"] for o in outcomes.values()],
         "rank_init_peak_nbytes": [o["init_hwm"] for o in outcomes.values()],
@@ -450,17 +474,24 @@ def scale(ns: argparse.Namespace) -> dict[str, Any]:
         if free < need:
             raise SystemExit(f"{ns.dir} has {free / 2**30:.1f} GiB free, the run needs about "
                              f"{need / 2**30:.1f} GiB; pass --dir on a larger disk")
-        bandwidth = fio_bandwidth(workdir)
+        fio_before = fio_bandwidth(workdir)
         result = launch({"workdir": workdir, "layers": layers, "width": ns.width,
                          "vocab": ns.vocab, "heads": ns.heads, "steps": ns.steps, "bf16": True,
                          "arena": arena})
         swap_nbytes = sum(f.stat().st_size for f in Path(workdir).rglob("*") if f.is_file())
+        # The disk's speed drifts (1.1 to 2.4 GB/s read on one day here): measured on
+        # both sides of the steps, the bound uses the mean.
+        fio_after = fio_bandwidth(workdir) if fio_before else None
+        bandwidth = ({rw: (fio_before[rw] + fio_after[rw]) / 2 for rw in fio_before}
+                     if fio_before and fio_after else None)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     state = result["params"] * STATE_BYTES_PER_PARAM
     node_peak = sum(result["rank_peak_nbytes"]) + result["daemon_peak_nbytes"]
     bound = io_bound(result["params"], 2, result["arena_nbytes"] or 0, bandwidth)
     step_s = statistics.median(warm(result["step_s"]))
+    cpu_bound_s = statistics.median(warm(result["cpu_s"])) / CORES
+    io_bound_s = bound.get("io_bound_s")
     result["median_swap_nbytes"] = median_counters(warm(result["swap_nbytes"]))
     ours_peak = result["ours_pss_peak_nbytes"]
     summary = {"mode": "scale", "layers": layers, "width": ns.width, "vocab": ns.vocab,
@@ -468,8 +499,11 @@ def scale(ns: argparse.Namespace) -> dict[str, Any]:
                "state_over_ram": state / ram, "node_peak_nbytes": node_peak,
                "node_peak_over_state": node_peak / state, "swap_nbytes_at_end": swap_nbytes,
                "median_step_s": step_s, **bound,
-               "step_over_io_bound": step_s / bound["io_bound_s"] if bound.get("io_bound_s")
-               else None,
+               "step_over_io_bound": step_s / io_bound_s if io_bound_s else None,
+               "fio_before_Bps": fio_before, "fio_after_Bps": fio_after,
+               "cpu_bound_s": cpu_bound_s,
+               "regime": "io" if io_bound_s and io_bound_s >= cpu_bound_s else "cpu",
+               "step_over_bound": step_s / max(io_bound_s or 0.0, cpu_bound_s),
                "dram_bytes_per_param": ours_peak / result["params"],
                "disk_nbytes_per_step": median_disk(result), **result}
     if ns.deepspeed:  # on a node as empty as ours was: our daemon's arena gone first

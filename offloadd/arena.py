@@ -164,6 +164,19 @@ class Allocator:
     def largest_free(self) -> int:
         return self._by_size[-1][0] if self._by_size else 0
 
+    def free_at(self, offset: int) -> int:
+        """Bytes of the free range that starts at ``offset`` (0: none does)."""
+        return self._free_nbytes.get(offset, 0)
+
+    def free_ending_at(self, end: int) -> int:
+        """Bytes of the free range that ends at ``end`` (0: none does)."""
+        index = self._free_offsets.bisect_left(end) - 1
+        if index < 0:
+            return 0
+        start = self._free_offsets[index]
+        size = self._free_nbytes[start]
+        return size if start + size == end else 0
+
     def free_extents(self) -> list[Extent]:
         return [Extent(offset, self._free_nbytes[offset]) for offset in self._free_offsets]
 

@@ -235,3 +235,52 @@ class EvictionIndex:
         skipped = sum(s.arena_nbytes for s in skip
                       if (entry := self.entries.get(s)) is not None and entry[5] == dirty)
         return self.nbytes[dirty] - skipped
+
+
+def contiguous_victims(table: ShardTable, ranked: list[Shard], need: int,
+                       pending: Iterable[Shard] = ()) -> list[Shard] | None:
+    """The shards to free for one free range of ``need`` bytes, taken from ``ranked``
+    (victims in order of preference): a contiguous run of free ranges and ranked shards,
+    the one whose worst-ranked shard comes first, then the fewest bytes; None if
+    the ranked shards make no such run. ``pending`` (write-backs in flight for an
+    earlier pick) rank first: their cost is paid.
+
+    Freeing victims in next-use order alone fragments an arena of shards of two sizes
+    (bf16 params and gradients beside fp32 state): a 2 B/element victim freed for a
+    4 B/element shard leaves a hole that fits nothing bigger, and the next victims are
+    taken until two holes happen to meet. In S1 a tenth of the arena stood free in
+    holes of half the size every request needed (bench/README.md, "fragmentation").
+    """
+    rank_of: dict[Shard, int] = {shard: -1 for shard in pending}
+    for index, shard in enumerate(ranked):
+        rank_of.setdefault(shard, index)
+    allocator = table.arena.allocator
+    best: tuple[tuple[int, int], list[Shard]] | None = None
+    for shard, rank in rank_of.items():
+        if best is not None and rank > best[0][0]:
+            break  # every run around a later shard ranks worse than the best one
+        if shard.offset is None:
+            continue
+        run, worst, start, end = [shard], rank, shard.offset, shard.offset + shard.arena_nbytes
+        while True:
+            start -= allocator.free_ending_at(start)
+            end += allocator.free_at(end)
+            if end - start >= need:
+                break
+            left = table.placed_ending_at.get(start)
+            right = table.placed_at.get(end)
+            options = [s for s in (left, right) if s is not None and s in rank_of]
+            if not options:
+                break
+            grown = min(options, key=rank_of.__getitem__)
+            run.append(grown)
+            worst = max(worst, rank_of[grown])
+            if grown is left:
+                start -= grown.arena_nbytes
+            else:
+                end += grown.arena_nbytes
+        if end - start >= need:
+            cost = (worst, sum(s.arena_nbytes for s in run))
+            if best is None or cost < best[0]:
+                best = (cost, run)
+    return best[1] if best is not None else None

@@ -191,6 +191,10 @@ class ShardTable:
         """Shards whose eviction candidacy or key may have changed, for the swap tier's
         eviction index (offloadd.eviction) to re-key; None while no index exists."""
         self._serials = itertools.count()
+        self.placed_at: dict[int, Shard] = {}
+        """Placed shards by arena offset, and by the end of their range below: the
+        neighbours of a range (``eviction.contiguous_victims``)."""
+        self.placed_ending_at: dict[int, Shard] = {}
 
     def get(self, rank: int, shard_id: str) -> Shard:
         try:
@@ -250,6 +254,8 @@ class ShardTable:
         if offset is None:
             return False
         shard.offset = offset
+        self.placed_at[offset] = shard
+        self.placed_ending_at[offset + shard.arena_nbytes] = shard
         self.note_changed(shard)
         return True
 
@@ -282,6 +288,8 @@ class ShardTable:
     def unplace(self, shard: Shard) -> None:
         assert shard.offset is not None and not shard.leased
         self.arena.allocator.free(shard.offset, shard.arena_nbytes)
+        del self.placed_at[shard.offset]
+        del self.placed_ending_at[shard.offset + shard.arena_nbytes]
         shard.offset = None
         self.note_changed(shard)
 

@@ -16,7 +16,7 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Container, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,7 +25,12 @@ import xxhash
 from offloadd.arena import align_up
 from offloadd.auth import JobOwner
 from offloadd.errors import ChecksumError, OffloadError, OverBudgetError, SwapIOError
-from offloadd.eviction import SYNC_SLICE, EvictionIndex, predicted_next_use
+from offloadd.eviction import (
+    SYNC_SLICE,
+    EvictionIndex,
+    contiguous_victims,
+    predicted_next_use,
+)
 from offloadd.manifests import (
     discard_staged,
     keep_previous_generation,
@@ -77,6 +82,11 @@ LAST_RESORT = -sys.float_info.max
 pick: make_room takes them only once nothing else can make room."""
 DIRTY_EVICTION_COST = 2
 """Evicting a dirty shard costs a write and a read back, a clean one only the read."""
+WINDOW_SLACK = 4
+"""make_room frees one contiguous range from victims within the first this many times
+the request's bytes of candidates (``JobTier._window``): the next use of such a victim
+is a little sooner than that of the first, and a range freed whole is not lost to
+fragmentation."""
 WRITE_AHEAD_S = 0.1
 """The background write-back keeps clean the victims for this much eviction ahead, at
 the rate evictions ran lately (bounded by ``write_behind_nbytes``)."""
@@ -325,6 +335,16 @@ class JobTier:
                 # what is needed later than their own shard take each other's shards in
                 # turn, each read again and again while their next uses stay close.
                 skip = self.unused_prefetches if not_before_s is not None else ()
+                window = self._window(table, index, align_up(need), floor, not_before_s, skip)
+                if window is not None:
+                    if not self._free_window(table, window):
+                        continue  # its shards were all clean: the range is free now
+                    if not_before_s is not None:
+                        return False
+                    progress = self._io_progress(table) + list(self.cleaning.values())
+                    await asyncio.wait([asyncio.shield(f) for f in progress],
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    continue
                 victims = index.pick(False, shortfall, floor=floor, skip=skip)
                 for victim, _next_use in victims:
                     self.evict(table, victim)
@@ -356,6 +376,37 @@ class JobTier:
                 await asyncio.wait([asyncio.shield(f) for f in progress],
                                    return_when=asyncio.FIRST_COMPLETED)
         return True
+
+    def _window(self, table: ShardTable, index: EvictionIndex, need: int,
+                floor: float | None, not_before_s: float | None,
+                skip: Container[Shard]) -> list[Shard] | None:
+        """Victims that free one range of ``need`` bytes (``contiguous_victims``) among
+        the first ``WINDOW_SLACK`` times ``need`` of clean, then dirty, candidates in
+        victim order, as the pick below would take them; None: pick as before."""
+        if self.background_error is not None:
+            return None  # the pick below reports a failed write-back before retrying
+        slack = need * WINDOW_SLACK
+        ranked = [shard for shard, _t in index.pick(False, slack, floor=floor, skip=skip)]
+        ranked += [shard for shard, next_use in index.pick(True, slack, above=not_before_s,
+                                                           skip=self.cleaning)
+                   if next_use > -math.inf]  # not a queued step's state (see _clean)
+        if not ranked and not self.cleaning:
+            return None
+        return contiguous_victims(table, ranked, need, pending=self.cleaning)
+
+    def _free_window(self, table: ShardTable, window: list[Shard]) -> bool:
+        """Evict the window's clean shards, start writing back its dirty ones; whether
+        some are (still) being written back."""
+        waiting = False
+        for shard in window:
+            if shard in self.cleaning:
+                waiting = True
+            elif shard.residency is Residency.ARENA_DIRTY:
+                self._start_cleaning(table, shard)
+                waiting = True
+            else:
+                self.evict(table, shard)
+        return waiting
 
     def note_room(self) -> None:
         """A lease ended or a batch unpinned its shards: they may be evictable now."""

@@ -40,19 +40,26 @@ class Model:
     unit_numel: int = 1 << 18
     """Elements of one unit's partition on one rank (fp32 state: 4 B each per kind)."""
     num_ranks: int = 2
+    bf16: bool = False
+    """Params and gradients in bf16 (half the bytes of the fp32 state), as bf16 training:
+    shards of two sizes share the arena."""
 
     @property
     def shard_nbytes(self) -> int:
+        """Bytes of one fp32 state shard (master, a moment)."""
         return self.unit_numel * 4
+
+    def kind_nbytes(self, kind: str) -> int:
+        return self.unit_numel * (2 if self.bf16 and kind in ("param", "grad") else 4)
 
     @property
     def persistent_nbytes(self) -> int:
         """Param + master + two moments of every unit of every rank: what must survive."""
-        return self.num_ranks * self.num_units * len(PERSISTENT_KINDS) * self.shard_nbytes
+        return self.num_ranks * self.num_units * sum(map(self.kind_nbytes, PERSISTENT_KINDS))
 
     @property
     def working_set_nbytes(self) -> int:
-        return self.num_ranks * self.num_units * len(KINDS) * self.shard_nbytes
+        return self.num_ranks * self.num_units * sum(map(self.kind_nbytes, KINDS))
 
 
 def least_swap_nbytes(model: Model, arena_nbytes: int) -> int:
@@ -64,7 +71,8 @@ def least_swap_nbytes(model: Model, arena_nbytes: int) -> int:
 def transient_nbytes(model: Model) -> int:
     """Arena room a step needs beyond persistent state at its busiest: the gradients of
     the queued steps and the five shards one step leases, on every rank."""
-    return model.num_ranks * (IN_FLIGHT_STEPS + len(KINDS)) * model.shard_nbytes
+    return model.num_ranks * (IN_FLIGHT_STEPS * model.kind_nbytes("grad")
+                              + sum(map(model.kind_nbytes, KINDS)))
 
 
 def swap_counters(client: OffloadClient) -> dict[str, int]:
@@ -86,14 +94,16 @@ class Rank:
         self.model = model
         self.client = OffloadClient.connect(socket_path, job=job, rank=rank,
                                             world_size=model.num_ranks, arena_nbytes=arena_nbytes)
-        self.grad = torch.full((model.unit_numel,), 1e-3)
+        dtype = torch.bfloat16 if model.bf16 else torch.float32
+        self.grad = torch.full((model.unit_numel,), 1e-3, dtype=dtype)
+        self.param = torch.zeros(model.unit_numel, dtype=dtype)
 
     def register(self) -> None:
         numel = self.model.unit_numel
         master = torch.zeros(numel)
         for unit in range(self.model.num_units):
             # As the engine on NVMe: no gradient shard before the first backward.
-            self.client.put_many({f"u{unit}.param": master, f"u{unit}.master": master,
+            self.client.put_many({f"u{unit}.param": self.param, f"u{unit}.master": master,
                                   f"u{unit}.exp_avg": master, f"u{unit}.exp_avg_sq": master})
 
     def read_param(self, unit: int) -> None:
@@ -165,8 +175,9 @@ def main() -> None:
     parser.add_argument("--unit-numel", type=int, default=1 << 18)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--dir", default="/var/tmp")
+    parser.add_argument("--bf16", action="store_true", help="bf16 params and gradients")
     ns = parser.parse_args()
-    model = Model(num_units=ns.units, unit_numel=ns.unit_numel)
+    model = Model(num_units=ns.units, unit_numel=ns.unit_numel, bf16=ns.bf16)
     arena = int(model.working_set_nbytes * ns.fraction) // 4096 * 4096
     with tempfile.TemporaryDirectory(dir=ns.dir) as workdir, \
             PrivateDaemon.start(Path(workdir) / "d", arena_size=2 * arena,

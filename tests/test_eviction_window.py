@@ -1,0 +1,177 @@
+"""make_room frees one contiguous range: ``contiguous_victims`` against a brute force.
+
+An arena holds shards of two sizes (as bf16 params and gradients beside fp32 state)
+with free holes between them. For a request bigger than every hole, the victims
+``contiguous_victims`` returns must be among the ranked candidates, free one range of
+the request's size once evicted, and be the best such set: no contiguous run of
+free ranges and candidates reaches the size with a better-ranked worst member
+(a brute force over every run in offset order).
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from offloadd.arena import Arena
+from offloadd.config import DaemonConfig
+from offloadd.eviction import contiguous_victims
+from offloadd.jobs import JobRegistry
+from offloadd.metrics import DaemonMetrics
+from offloadd.nvme import SwapSpace
+from offloadd.protocol import Placed
+from offloadd.shards import Lease, Shard, ShardTable
+from offloadd.tier import open_tier
+
+PAGE = 4096
+SMALL, LARGE = 2 * PAGE, 4 * PAGE
+
+
+async def settle(result: Placed | Awaitable[Any] | None) -> Any:
+    return result if isinstance(result, Placed) or result is None else await result
+
+
+def fill(table: ShardTable, layout: list[str]) -> list[Shard]:
+    """Place shards (and holes: 'f' a small, 'F' a large one) in layout order."""
+    shards, holes = [], []
+    for index, kind in enumerate(layout):
+        nbytes = SMALL if kind in "sf" else LARGE
+        shard = table.create(0, f"s{index}", nbytes, "uint8")
+        assert table.place_unwritten(shard)
+        (holes if kind in "fF" else shards).append(shard)
+    rest = table.arena.allocator.free_nbytes
+    if rest:  # the arena past the layout is held by a shard that is no candidate
+        assert table.place_unwritten(table.create(0, "rest", rest, "uint8"))
+    for hole in holes:
+        table.remove(hole)
+    return shards
+
+
+def best_worst_rank(table: ShardTable, rank_of: dict[Shard, int], need: int) -> int | None:
+    """The least worst rank of any run of free ranges and ranked shards of ``need`` bytes."""
+    allocator = table.arena.allocator
+    pieces = sorted([(e.offset, e.nbytes, None) for e in allocator.free_extents()]
+                    + [(s.offset, s.arena_nbytes, s) for s in table.placed_at.values()],
+                    key=lambda piece: piece[0])
+    best = None
+    for first in range(len(pieces)):
+        size, worst = 0, -2
+        for _offset, nbytes, shard in pieces[first:]:
+            if shard is not None:
+                if shard not in rank_of:
+                    break
+                worst = max(worst, rank_of[shard])
+            size += nbytes
+            if size >= need:
+                if worst > -2 and (best is None or worst < best):
+                    best = worst
+                break
+    return best
+
+
+@settings(max_examples=300, deadline=None)
+@given(layout=st.lists(st.sampled_from("sSfF"), min_size=1, max_size=40),
+       seed=st.integers(0, 2**32 - 1), ranked_fraction=st.floats(0.0, 1.0),
+       pending_count=st.integers(0, 2), need=st.sampled_from([SMALL, LARGE, 3 * LARGE]))
+def test_contiguous_victims_frees_the_best_ranked_run(layout: list[str], seed: int,
+                                                      ranked_fraction: float,
+                                                      pending_count: int, need: int) -> None:
+    arena = Arena("window", sum(SMALL if kind in "sf" else LARGE for kind in layout), lock=False)
+    try:
+        table = ShardTable("window", arena)
+        shards = fill(table, layout)
+        generator = random.Random(seed)
+        ranked = [s for s in shards if generator.random() < ranked_fraction]
+        generator.shuffle(ranked)
+        pending = ranked[:pending_count]
+        ranked = ranked[pending_count:]
+        if arena.allocator.largest_free() >= need:
+            return  # make_room returns before picking
+        rank_of = {shard: -1 for shard in pending}
+        rank_of.update((shard, index) for index, shard in enumerate(ranked))
+
+        victims = contiguous_victims(table, ranked, need, pending=pending)
+        event(f"victims: {'none' if victims is None else len(victims)}")
+
+        expected = best_worst_rank(table, rank_of, need)
+        if expected is None:
+            assert victims is None
+            return
+        assert victims is not None
+        assert set(victims) <= set(rank_of)
+        assert max(rank_of[v] for v in victims) == expected
+        for victim in victims:
+            table.unplace(victim)
+        assert arena.allocator.largest_free() >= need
+    finally:
+        arena.close()
+
+
+
+async def room_for_a_large_shard(root: Path, layout: list[str], order_seed: int,
+                                 dirty: bool) -> tuple[list[tuple[int, int]], int]:
+    """A job's arena filled in ``layout`` order (holes dropped), its shards used in a
+    random order (clean or dirty), then a large shard written: the ranges of the
+    shards evicted for it, and its own offset."""
+    config = DaemonConfig(swap_dirs=[str(root / "nvme0")], io_engine="python",
+                          chunk_size=PAGE, mlock=False, arena_hugepages="off")
+    space = SwapSpace(config, DaemonMetrics())
+    await space.open()
+    arena = sum(SMALL if kind in "sf" else LARGE for kind in layout)
+    registry = JobRegistry(4 * arena, 1.0, lock=False)
+    try:
+        job, _ = registry.open("window", arena, make_tier=lambda: open_tier(space, "window"))
+        ids = [f"s{index}" for index in range(len(layout))]
+        sizes = [SMALL if kind in "sf" else LARGE for kind in layout]
+        await settle(job.alloc(0, ids, sizes, ["uint8"] * len(ids)))
+        await settle(job.drop(0, [i for i, kind in zip(ids, layout, strict=True)
+                                  if kind in "fF"]))
+        kept = [i for i, kind in zip(ids, layout, strict=True) if kind in "sS"]
+        random.Random(order_seed).shuffle(kept)
+        for shard_id in kept:  # least recently used first: the victim order
+            leases: dict[Shard, Lease] = {}
+            await settle(job.acquire(0, [shard_id], "w" if dirty else "r", leases))
+            await settle(job.release(0, [shard_id], dirty, leases))
+        placed = {s: s.offset for s in job.table.shards.values() if s.offset is not None}
+        await settle(job.alloc(0, ["large"], [LARGE], ["uint8"]))
+        leases = {}
+        await settle(job.acquire(0, ["large"], "w", leases))
+        large = job.table.get(0, "large").offset
+        assert large is not None
+        await settle(job.release(0, ["large"], True, leases))
+        evicted = [(offset, s.arena_nbytes) for s, offset in placed.items()
+                   if s.offset is None and offset is not None]
+        return evicted, large
+    finally:
+        await space.close()
+        registry.close()
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(layout=st.lists(st.sampled_from("sSf"), min_size=4, max_size=24)
+       .filter(lambda layout: "f" in layout and "ff" not in "".join(layout)),
+       order_seed=st.integers(0, 2**32 - 1), dirty=st.booleans())
+def test_make_room_evicts_one_range_not_victims_scattered_over_the_holes(
+        tmp_path_factory: pytest.TempPathFactory, run_async: Callable[..., Any],
+        layout: list[str], order_seed: int, dirty: bool) -> None:
+    """Free ranges too small for the request (holes of a small shard) with the shards
+    used least recently scattered between them: every shard evicted for the request
+    lies under the range it gets. Picking victims in order alone evicted shards
+    elsewhere until two holes happened to meet (6-8 pages for a 4-page shard)."""
+    root = tmp_path_factory.mktemp("window")
+    try:
+        evicted, large = run_async(room_for_a_large_shard(root, layout, order_seed, dirty),
+                                   timeout_s=60)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    elsewhere = [(offset, nbytes) for offset, nbytes in evicted
+                 if offset + nbytes <= large or offset >= large + LARGE]
+    assert not elsewhere, f"evicted {evicted}, the shard went to {large}"
