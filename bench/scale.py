@@ -309,13 +309,17 @@ def train(rank: int, args: dict[str, Any]) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(rank)
     # Rank 0 also counts the private daemon's CPU time (its Adam threads and IO).
     daemon = engine.offload_stats().get("daemon_pid") if ours and rank == 0 else None
+
+    def used_cpu_s() -> float:
+        return cpu_seconds() + (cpu_seconds(int(daemon)) if daemon else 0.0)
+
     try:
         for _ in range(args["steps"]):
             ids = torch.randint(0, args["vocab"], (1, SEQ), generator=generator)
             dist.barrier()
             before = disk_counters(args["workdir"])
             swap_before = swap_counters(engine) if rank == 0 and ours else {}
-            cpu_before = cpu_seconds() + (cpu_seconds(int(daemon)) if daemon else 0.0)
+            cpu_before = used_cpu_s()
             begin = time.perf_counter()
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
@@ -323,8 +327,7 @@ def train(rank: int, args: dict[str, Any]) -> dict[str, Any]:
             if ours:
                 engine.backend.wait_steps()
             times.append(time.perf_counter() - begin)
-            cpu.append(cpu_seconds() + (cpu_seconds(int(daemon)) if daemon else 0.0)
-                       - cpu_before)
+            cpu.append(used_cpu_s() - cpu_before)
             after = disk_counters(args["workdir"])
             disk.append([after[0] - before[0], after[1] - before[1]])
             swapped.append(counter_deltas(swap_counters(engine), swap_before)
@@ -492,6 +495,7 @@ def scale(ns: argparse.Namespace) -> dict[str, Any]:
     step_s = statistics.median(warm(result["step_s"]))
     cpu_bound_s = statistics.median(warm(result["cpu_s"])) / CORES
     io_bound_s = bound.get("io_bound_s")
+    bound_s = max(io_bound_s or 0.0, cpu_bound_s)
     result["median_swap_nbytes"] = median_counters(warm(result["swap_nbytes"]))
     ours_peak = result["ours_pss_peak_nbytes"]
     summary = {"mode": "scale", "layers": layers, "width": ns.width, "vocab": ns.vocab,
@@ -503,7 +507,7 @@ def scale(ns: argparse.Namespace) -> dict[str, Any]:
                "fio_before_Bps": fio_before, "fio_after_Bps": fio_after,
                "cpu_bound_s": cpu_bound_s,
                "regime": "io" if io_bound_s and io_bound_s >= cpu_bound_s else "cpu",
-               "step_over_bound": step_s / max(io_bound_s or 0.0, cpu_bound_s),
+               "step_over_bound": step_s / bound_s if bound_s else None,
                "dram_bytes_per_param": ours_peak / result["params"],
                "disk_nbytes_per_step": median_disk(result), **result}
     if ns.deepspeed:  # on a node as empty as ours was: our daemon's arena gone first

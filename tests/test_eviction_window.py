@@ -12,30 +12,21 @@ from __future__ import annotations
 
 import random
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _tier_job import settle, tier_job
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from offloadd.arena import Arena
-from offloadd.config import DaemonConfig
 from offloadd.eviction import contiguous_victims
-from offloadd.jobs import JobRegistry
-from offloadd.metrics import DaemonMetrics
-from offloadd.nvme import SwapSpace
-from offloadd.protocol import Placed
 from offloadd.shards import Lease, Shard, ShardTable
-from offloadd.tier import open_tier
 
 PAGE = 4096
 SMALL, LARGE = 2 * PAGE, 4 * PAGE
-
-
-async def settle(result: Placed | Awaitable[Any] | None) -> Any:
-    return result if isinstance(result, Placed) or result is None else await result
 
 
 def fill(table: ShardTable, layout: list[str]) -> list[Shard]:
@@ -114,20 +105,13 @@ def test_contiguous_victims_frees_the_best_ranked_run(layout: list[str], seed: i
         arena.close()
 
 
-
 async def room_for_a_large_shard(root: Path, layout: list[str], order_seed: int,
                                  dirty: bool) -> tuple[list[tuple[int, int]], int]:
     """A job's arena filled in ``layout`` order (holes dropped), its shards used in a
     random order (clean or dirty), then a large shard written: the ranges of the
     shards evicted for it, and its own offset."""
-    config = DaemonConfig(swap_dirs=[str(root / "nvme0")], io_engine="python",
-                          chunk_size=PAGE, mlock=False, arena_hugepages="off")
-    space = SwapSpace(config, DaemonMetrics())
-    await space.open()
     arena = sum(SMALL if kind in "sf" else LARGE for kind in layout)
-    registry = JobRegistry(4 * arena, 1.0, lock=False)
-    try:
-        job, _ = registry.open("window", arena, make_tier=lambda: open_tier(space, "window"))
+    async with tier_job(root, "window", arena, chunk_nbytes=PAGE) as job:
         ids = [f"s{index}" for index in range(len(layout))]
         sizes = [SMALL if kind in "sf" else LARGE for kind in layout]
         await settle(job.alloc(0, ids, sizes, ["uint8"] * len(ids)))
@@ -149,9 +133,6 @@ async def room_for_a_large_shard(root: Path, layout: list[str], order_seed: int,
         evicted = [(offset, s.arena_nbytes) for s, offset in placed.items()
                    if s.offset is None and offset is not None]
         return evicted, large
-    finally:
-        await space.close()
-        registry.close()
 
 
 @settings(max_examples=25, deadline=None,

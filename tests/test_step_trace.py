@@ -13,40 +13,26 @@ was the one recorded.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _tier_job import settle, tier_job
 
-from offloadd.config import DaemonConfig
-from offloadd.jobs import JobRegistry
-from offloadd.metrics import DaemonMetrics
-from offloadd.nvme import SwapSpace
-from offloadd.protocol import Placed
 from offloadd.shards import Lease, Shard
-from offloadd.tier import JobTier, open_tier
+from offloadd.tier import JobTier
 
 KIB = 1 << 10
 SHARD_NBYTES = 16 * KIB
 STEP_KINDS = ("grad", "master", "exp_avg", "exp_avg_sq")
 
 
-async def settle(result: Placed | Awaitable[Any] | None) -> Any:
-    return result if isinstance(result, Placed) or result is None else await result
-
-
 async def worker_acquire_is_not_traced(root: Path, arena_units: int) -> list[str]:
     """Two steps of a 4-unit rank whose arena holds ``arena_units`` units; returns the
     second step's trace (shard ids in recorded order)."""
-    config = DaemonConfig(swap_dirs=[str(root / "nvme0")], io_engine="python",
-                          chunk_size=16 * KIB, mlock=False, arena_hugepages="off")
-    space = SwapSpace(config, DaemonMetrics())
-    await space.open()
     arena = arena_units * (1 + len(STEP_KINDS)) * SHARD_NBYTES
-    registry = JobRegistry(4 * arena, 1.0, lock=False)
-    try:
-        job, _ = registry.open("trace", arena, make_tier=lambda: open_tier(space, "trace"))
+    async with tier_job(root, "trace", arena, chunk_nbytes=16 * KIB) as job:
         tier = job.tier
         assert isinstance(tier, JobTier)
         units = [f"u{n}" for n in range(4)]
@@ -68,9 +54,6 @@ async def worker_acquire_is_not_traced(root: Path, arena_units: int) -> list[str
                 await settle(job.release(0, step_ids, True, worker))
             await tier.quiesce()
         return [shard.shard_id for shard, _t in tier.traces[0].current]
-    finally:
-        await space.close()
-        registry.close()
 
 
 @pytest.mark.parametrize("arena_units", [4, 1], ids=["resident", "swapping"])
