@@ -9,7 +9,7 @@ the daemon's best IO engine, ``qd`` chunks in flight, each slot its own region
 of the buffer. Buffers, in rotated order each round:
 
 - ``anon``: private anonymous memory (malloc / DeepSpeed's pinned tensor);
-- ``shmem``: an ``offloadd.arena.Arena`` with ``arena_hugepages = "off"`` (memfd);
+- ``shmem``: an ``offloadd.memory.arena.Arena`` with ``arena_hugepages = "off"`` (memfd);
 - ``hugetlb``: an ``Arena`` with ``arena_hugepages = "on"`` (needs reserved 2 MiB
   pages; ``--reserve-hugepages`` grows ``vm.nr_hugepages`` for the run as root and
   restores it; otherwise the case is skipped with a note).
@@ -34,9 +34,9 @@ from typing import Any
 
 from io_engine import open_test_file, run_loop, sequential_pass
 
-from offloadd import ioengine
-from offloadd.arena import HUGE_PAGE_NBYTES, Arena, free_huge_pages
 from offloadd.errors import OverBudgetError
+from offloadd.memory.arena import HUGE_PAGE_NBYTES, Arena, free_huge_pages
+from offloadd.swap import ioengine
 
 MIB = 1 << 20
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")

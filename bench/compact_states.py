@@ -2,7 +2,7 @@
 
 Two parts, one run:
 
-1. **IO-bound steps.** 2 gloo ranks train ``offloadd.demo_train.TinyGPT`` (fp32, ZeRO-3,
+1. **IO-bound steps.** 2 gloo ranks train ``trainer.demo.train.TinyGPT`` (fp32, ZeRO-3,
    parameters and optimizer on nvme) through a private daemon whose arena is capped at the
    same size for every case: half of the fp32-state working set, so state swaps every
    step. Micro-batch 1 x 16 tokens by default (issue 21's setting): little compute per
@@ -12,7 +12,7 @@ Two parts, one run:
    written per step (the daemon's swap counters) and the optimizer state's bytes per
    parameter (fp32 master + both moments: 12, 8, 6.03).
 2. **Accuracy.** ``loss_curve``: a small GPT (TinyGPT, 2 x 64, vocab 128) trained from
-   scratch on a fixed Markov-chain corpus with ``offloadd.adam.adam_step`` (the daemon's
+   scratch on a fixed Markov-chain corpus with ``offloadd.compute.adam.adam_step`` (the daemon's
    kernel) for ``--accuracy-steps`` steps, once per state dtype from the same init and data.
    Reported: the largest relative gap of the 20-step moving-average loss to fp32's, and
    each final loss (mean of the last 20 steps).
@@ -46,10 +46,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from offloadd import adam, moment_codec
-from offloadd.demo_train import TinyGPT, demo_config, half_working_set_nbytes, synthetic_batch
-from offloadd.moments import moment_nbytes
+from offloadd import moment_codec
+from offloadd.compute import adam
+from offloadd.formats import moment_nbytes
 from trainer.config import STATE_DTYPE_FORMATS
+from trainer.demo.train import TinyGPT, demo_config, half_working_set_nbytes, synthetic_batch
 
 WORLD = 2
 CASES = ("fp32", "bf16", "8bit")
@@ -77,7 +78,7 @@ def markov_batch(step: int, successors: torch.Tensor) -> torch.Tensor:
 
 
 def loss_curve(state_dtype: str, steps: int, lr: float = 3e-3) -> list[float]:
-    """Per-step losses of TinyGPT trained with ``offloadd.adam`` over moments stored in
+    """Per-step losses of TinyGPT trained with ``offloadd.compute.adam`` over moments stored in
     ``state_dtype``: the parameters are views of one flat fp32 master, as a unit's are.
     One torch thread: this small model runs ~20x slower on two (oversubscribed) cores."""
     threads = torch.get_num_threads()

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from offloadd import adam
+from offloadd.compute import adam
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 BYTES_PER_PARAM = {"fp32": 4 * 6 + 4, "mixed": 4 * 6 + 2 + 2}

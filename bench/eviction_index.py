@@ -29,13 +29,13 @@ import time
 from pathlib import Path
 
 from offloadd.config import DaemonConfig
-from offloadd.jobs import JobRegistry
+from offloadd.memory.shards import IN_ARENA, Lease, Residency, Shard
 from offloadd.metrics import DaemonMetrics
-from offloadd.nvme import SwapSpace
 from offloadd.protocol import Placed
-from offloadd.scheduler import pick_victims
-from offloadd.shards import IN_ARENA, Lease, Residency, Shard
-from offloadd.tier import JobTier, open_tier
+from offloadd.service.jobs import JobRegistry
+from offloadd.swap.nvme import SwapSpace
+from offloadd.swap.scheduler import pick_victims
+from offloadd.swap.tier import JobTier, open_tier
 
 PAGE = 4096
 

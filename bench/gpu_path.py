@@ -4,12 +4,12 @@ For each shard size, one real ``offloadd serve`` job, this rank's arena mapping
 registered with the copy engine (``cudaHostRegister`` on CUDA), and:
 
 - ``rank``: lease ``u.param`` (read) -> ``engine.h2d`` into a device buffer,
-  lease released after the copy's event (``trainer.copy_engine.ReleaseQueue``);
+  lease released after the copy's event (``trainer.device.copy_engine.ReleaseQueue``);
   a device gradient -> ``engine.d2h`` into a write lease, committed after its event.
-  This is the path ``trainer.daemon_backend`` takes.
+  This is the path ``trainer.offload.daemon_backend`` takes.
 - ``pinned_memcpy``: ``torch.empty(pin_memory=True)`` <-> device with
   ``copy_(non_blocking=True)`` on one stream (a plain ``cudaMemcpyAsync``).
-- ``daemon``: the daemon copies (``"device_copies": "daemon"``, trainer.daemon_copies):
+- ``daemon``: the daemon copies (``"device_copies": "daemon"``, trainer.offload.daemon_copies):
   ``stage_in`` of ``u.param`` into a staging slot (the daemon's stream: cupy on
   CUDA, its worker thread on the twin) then the slot into the device buffer;
   the device gradient into a slot then ``stage_out`` committed by the daemon.
@@ -48,10 +48,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
-from trainer.copy_engine import CopyEngine, ReleaseQueue, host_address, select_copy_engine
-from trainer.daemon_copies import DaemonCopies, open_daemon_copies
+from trainer.device.copy_engine import (
+    CopyEngine,
+    ReleaseQueue,
+    host_address,
+    select_copy_engine,
+)
+from trainer.offload.daemon_copies import DaemonCopies, open_daemon_copies
 
 MIB = 1 << 20
 

@@ -1,7 +1,7 @@
 """GPT training step on the compute device: ZeRO-3, params + optimizer offloaded through offloadd.
 
 One process per GPU (``torchrun --nproc-per-node N bench/gpu_train_step.py``) or a
-single process. The model is ``offloadd.demo_train.TinyGPT`` sized by
+single process. The model is ``trainer.demo.train.TinyGPT`` sized by
 ``--gpt WIDTH,DEPTH,HEADS`` (2048,20,16 is ~1.0B parameters), bf16, trained by
 ``trainer.initialize`` with ``offload_param`` + ``offload_optimizer`` on ``nvme``
 (swap files under ``--swap-dir``) through a private daemon, copies through the
@@ -52,7 +52,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trainer
-from offloadd.demo_train import TinyGPT
+from trainer.demo.train import TinyGPT
 
 
 def _offload(device: str, swap_dir: str) -> dict:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 JOB = "host-path"

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offloadd import ioengine
+from offloadd.swap import ioengine
 
 run_loop: Any
 try:

@@ -31,7 +31,7 @@ import threading
 import time
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 PAGE = 4096

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from offloadd.config import DaemonConfig
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import AsyncOffloadClient
 
 MIB = 1 << 20

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 MIB = 1 << 20

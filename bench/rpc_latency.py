@@ -45,7 +45,7 @@ import time
 from collections.abc import Callable
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 ECHO_SERVER = """

@@ -5,7 +5,7 @@ hello one after the other (rank 1 as soon as rank 0's hello returned: with ours,
 while the arena is still being backed):
 
 - ``background`` (the default): the arena's pages are backed on a thread after the
-  hello is answered (offloadd.arena);
+  hello is answered (offloadd.memory.arena);
 - ``now`` (the peer: how every arena was made before issue 21): backed before the
   hello is answered.
 
@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 

@@ -1,4 +1,4 @@
-"""What the stage-3 gather-trace check (``trainer.trace``) costs per training step.
+"""What the stage-3 gather-trace check (``trainer.zero.trace``) costs per training step.
 
     python bench/trace_check.py [--blocks 24] [--width 64] [--steps 30] [--rounds 3]
 

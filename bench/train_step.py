@@ -1,7 +1,7 @@
 """Training step time: our ZeRO-3 with params + optimizer offloaded through offloadd vs peers.
 
-Measured in one run, 2 gloo ranks each, same model (offloadd.demo_train.TinyGPT,
-fp32), same data, same config (offloadd.demo_train.demo_config: clip 1.0, AdamW,
+Measured in one run, 2 gloo ranks each, same model (trainer.demo.train.TinyGPT,
+fp32), same data, same config (trainer.demo.train.demo_config: clip 1.0, AdamW,
 WarmupLR):
 
 - ``torch``: plain DistributedDataParallel, every rank holds everything,
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from offloadd.demo_train import (
+from trainer.demo.train import (
     MICRO_BATCH,
     SEQ_LEN,
     TinyGPT,
@@ -67,7 +67,7 @@ def offload_device() -> str:
     wanted = os.environ.get("OFFLOADD_BENCH_DEVICE", "auto")
     if wanted != "auto":
         return wanted
-    return "nvme" if importlib.util.find_spec("offloadd.nvme") else "cpu"
+    return "nvme" if importlib.util.find_spec("offloadd.swap.nvme") else "cpu"
 
 
 def _init(rank: int, port: int) -> None:

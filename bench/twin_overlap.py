@@ -1,6 +1,6 @@
 """Overlap of copies with compute on the timed twin: a stage-3 step of TinyGPT on CPU.
 
-The twin copy engine (trainer.copy_engine.TwinCopyEngine) runs every H2D/D2H on its
+The twin copy engine (trainer.device.copy_engine.TwinCopyEngine) runs every H2D/D2H on its
 worker (the copy stream) for nbytes / ``--gbps`` (``OFFLOADD_TWIN_GBPS``), while the
 host plays the GPU's compute stream. ``overlap_fraction`` = hidden copy time / total
 copy time, where the exposed part is the time the host blocked waiting on a copy event.
@@ -53,7 +53,7 @@ def cpu_matmul_flops(size: int = 512, repeats: int = 20) -> float:
 
 def serial_copy_engine(device: Any, kind: str | None = None) -> Any:
     """The peer: a twin whose every copy is waited for by the host right after issue."""
-    from trainer.copy_engine import TwinCopyEngine
+    from trainer.device.copy_engine import TwinCopyEngine
 
     class SerialTwin(TwinCopyEngine):
         def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Any = None) -> Any:
@@ -71,12 +71,12 @@ def serial_copy_engine(device: Any, kind: str | None = None) -> Any:
 
 def run(steps: int, micro_batch: int, *, serial: bool) -> dict[str, float]:
     import trainer
-    import trainer.copy_engine
-    from offloadd import demo_train
+    import trainer.device.copy_engine
+    from trainer.demo import train as demo_train
 
-    select = trainer.copy_engine.select_copy_engine
+    select = trainer.device.copy_engine.select_copy_engine
     if serial:
-        trainer.copy_engine.select_copy_engine = serial_copy_engine  # type: ignore[assignment]
+        trainer.device.copy_engine.select_copy_engine = serial_copy_engine  # type: ignore[assignment]
     torch.manual_seed(0)
     model = demo_train.TinyGPT()
     config = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": 1,
@@ -87,7 +87,7 @@ def run(steps: int, micro_batch: int, *, serial: bool) -> dict[str, float]:
     try:
         engine, _, _, _ = trainer.initialize(model=model, config=config)
     finally:
-        trainer.copy_engine.select_copy_engine = select
+        trainer.device.copy_engine.select_copy_engine = select
     copies = engine.backend.copies
     device = engine.collectives.device
     try:
@@ -121,7 +121,7 @@ def main() -> None:
                         help="runs of each side, alternating (medians are reported)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--strict", action="store_true",
-                        help="device tensors of the strict twin (trainer.device_twin)")
+                        help="device tensors of the strict twin (trainer.device.twin)")
     args = parser.parse_args()
     os.environ["OFFLOADD_COPY_ENGINE"] = "twin"
     os.environ["OFFLOADD_TWIN_MAX_DELAY_US"] = "0"

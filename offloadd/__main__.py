@@ -1,3 +1,3 @@
-from offloadd.cli import main
+from offloadd.ops.cli import main
 
 raise SystemExit(main())

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import tomllib
 
 if TYPE_CHECKING:
-    from offloadd.arena import HugePages, Prefault
-    from offloadd.limits import Limits
+    from offloadd.memory.arena import HugePages, Prefault
+    from offloadd.service.limits import Limits
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 IOEngineKind = Literal["auto", "native", "io_uring", "threads", "python"]
@@ -117,7 +117,7 @@ class DaemonConfig:
     """Seconds a job with no sessions left keeps its arena and shards (a restarting rank
     can reattach) before it is freed; close_job frees it at once."""
     max_sessions: int = 4096
-    """Connections the daemon serves at once (offloadd.limits)."""
+    """Connections the daemon serves at once (offloadd.service.limits)."""
     max_sessions_per_uid: int = 1024
     """Connections one uid may hold at once."""
     hello_timeout_s: float = 30.0
@@ -198,7 +198,7 @@ class DaemonConfig:
             )
         if self.metrics_addr is not None:
             parse_host_port(self.metrics_addr)
-        from offloadd.limits import check_limits
+        from offloadd.service.limits import check_limits
 
         check_limits(self.limits())
         if self.metrics_idle_timeout_s <= 0:
@@ -220,7 +220,7 @@ class DaemonConfig:
                              f"got {self.exit_when_idle_s}")
 
     def limits(self) -> Limits:
-        from offloadd.limits import Limits
+        from offloadd.service.limits import Limits
 
         return Limits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Limits)})
 

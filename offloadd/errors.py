@@ -26,7 +26,7 @@ class ErrorCode(str, enum.Enum):
     CHECKSUM = "checksum"  # a swapped block did not match its checksum
     NO_SWAP = "no_swap"  # persistence asked of a daemon without --swap-dir
     SHUTTING_DOWN = "shutting_down"  # the daemon is stopping
-    LIMIT = "limit"  # a per-client limit of the daemon config (offloadd.limits) was reached
+    LIMIT = "limit"  # a per-client limit of the daemon config (offloadd.service.limits) was reached
     QUARANTINED = "quarantined"  # the job's swap state could not be recovered; see status
     TORN = "torn"  # the shard's last write lease ended by an error; write it again
     SLOT_BUSY = "slot_busy"  # a staging slot reused before the rank's consumer event
@@ -124,7 +124,7 @@ class JobQuarantinedError(OffloadError):
 
 
 class SlotBusyError(OffloadError):
-    """A device staging slot was reused before its last use finished (offloadd.device_copies):
+    """A device staging slot was reused before its last use finished (offloadd.gpu.device_copies):
     send slot_done after consuming a staged slot, and wait for a stage_out's reply."""
 
     code = ErrorCode.SLOT_BUSY

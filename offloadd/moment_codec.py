@@ -1,7 +1,7 @@
-"""The torch reference of the moment formats (``offloadd.moments`` specifies them).
+"""The torch reference of the moment formats (``offloadd.formats`` specifies them).
 
 ``encode``/``decode`` convert whole moments, ``encode_span_``/``decode_span``
-a range of one (what the torch fallback of ``offloadd.adam`` walks through),
+a range of one (what the torch fallback of ``offloadd.compute.adam`` walks through),
 ``convert`` between formats. A moment is a flat tensor whose dtype is its
 format: float32, bfloat16, or uint8 for blockwise8 (fp32 scales, then codes).
 The native kernels produce exactly these bytes from the same fp32 values.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from offloadd.moments import (
+from offloadd.formats import (
     BLOCK_ELEMENTS,
     DROPPED_BITS,
     MASK32,
@@ -82,7 +82,7 @@ def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """``offloadd.moments.hash32`` of every element (uint32 values in int64)."""
+    """``offloadd.formats.hash32`` of every element (uint32 values in int64)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)

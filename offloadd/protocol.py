@@ -68,7 +68,7 @@ class Hello(Request, tag="hello"):
     local_rank: int = 0
     device: str = "cpu"
     arena_nbytes: int = 0  # 0: let the daemon pick a fair share
-    job_secret: str = ""  # offloadd.auth: must match the secret of the job's first hello
+    job_secret: str = ""  # offloadd.service.auth: must match the secret of the job's first hello
 
 
 class Alloc(Request, tag="alloc"):
@@ -136,7 +136,7 @@ class OptimizerStep(Request, tag="optimizer_step"):
 
 
 class StagingOpen(Request, tag="staging_open"):
-    """Ask for daemon-driven device copies (offloadd.device_copies): the rank's staging
+    """Ask for daemon-driven device copies (offloadd.gpu.device_copies): the rank's staging
     slots on its GPU (CUDA IPC handles) or, on the twin, a memfd of the same layout."""
 
     kind: str  # "cuda" | "twin" | "none" (a report: this rank copies itself by configuration)

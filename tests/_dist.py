@@ -224,7 +224,7 @@ def engine_train(rank: int, world_size: int, config: dict[str, Any], steps: int,
     ``cycle`` > 0 repeats the first ``cycle`` steps' data (so the loss can fall).
     """
     import trainer
-    from trainer.checkpoint import consolidate_fp32_state_dict
+    from trainer.state.checkpoint import consolidate_fp32_state_dict
 
     model = make_model(seed)
     engine, _, _, _ = trainer.initialize(model=model, model_parameters=model.parameters(),
@@ -402,7 +402,7 @@ def shared_daemon(rank: int, swap_dir: str | None = None, *, arena_size: int = 5
     """
     daemon, box = None, [""]
     if rank == 0 and enabled:
-        from offloadd.embedded import PrivateDaemon
+        from offloadd.ops.embedded import PrivateDaemon
 
         daemon = PrivateDaemon.start(tempfile.mkdtemp(prefix="offloadd-test-"),
                                      arena_size=arena_size,

@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 from offloadd.config import DaemonConfig
-from offloadd.jobs import Job, JobRegistry
 from offloadd.metrics import DaemonMetrics
-from offloadd.nvme import SwapSpace
 from offloadd.protocol import Placed
-from offloadd.tier import open_tier
+from offloadd.service.jobs import Job, JobRegistry
+from offloadd.swap.nvme import SwapSpace
+from offloadd.swap.tier import open_tier
 
 
 async def settle(result: Placed | Awaitable[Any] | None) -> Any:

@@ -1,6 +1,6 @@
 """A ZeRO-3 step's shard traffic, replayed against a real daemon without a model.
 
-Each rank (a thread with its own connection) does what ``trainer.daemon_backend`` does
+Each rank (a thread with its own connection) does what ``trainer.offload.daemon_backend`` does
 for a stage-3 model of ``num_units`` units with params and optimizer on NVMe: the
 forward reads every ``u{N}.param``, the backward reads them again in reverse order,
 writes each unit's gradient into a fresh ``u{N}.grad`` and queues the unit's optimizer
@@ -25,13 +25,13 @@ from typing import Any
 
 import torch
 
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq", "grad")
 PERSISTENT_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 IN_FLIGHT_STEPS = 2
-"""Optimizer steps a rank keeps queued (``trainer.daemon_backend.MIN_INFLIGHT_STEPS``)."""
+"""Optimizer steps a rank keeps queued (``trainer.offload.daemon_backend.MIN_INFLIGHT_STEPS``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,13 +28,13 @@ import pytest
 import uvloop
 
 from offloadd import protocol as p
-from offloadd.arena import free_huge_pages
-from offloadd.embedded import PrivateDaemon
+from offloadd.memory.arena import free_huge_pages
+from offloadd.ops.embedded import PrivateDaemon
 from trainer import lease_debug
 from trainer.client import OffloadClient
 
 T = TypeVar("T")
-# Every device copy in the suite goes through the CPU twin copy engine (trainer.copy_engine):
+# Every device copy in the suite goes through the CPU twin copy engine (trainer.device.copy_engine):
 # late, threaded copies with events, so release-before-copy races fail here, not on a GPU.
 os.environ.setdefault("OFFLOADD_COPY_ENGINE", "twin")
 JOB_ARENA_NBYTES = 4 << 20
@@ -57,7 +57,7 @@ def start_daemon(workdir: os.PathLike[str] | str | None, *, arena_size: int | st
 
 @pytest.fixture
 def strict_device_twin(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The twin's device memory is its own tensor kind (trainer.device_twin): host/device
+    """The twin's device memory is its own tensor kind (trainer.device.twin): host/device
     mixes, numpy() of device tensors and host tensors in device collectives fail as on a
     GPU. Rank processes a test starts inherit it. Use: pytest.mark.usefixtures(...)."""
     monkeypatch.setenv("OFFLOADD_COPY_ENGINE", "twin")

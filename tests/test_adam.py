@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from offloadd import adam
+from offloadd.compute import adam
 
 NATIVE_KERNELS = adam.native_kernels()
 ALL_KERNELS = [*NATIVE_KERNELS, "torch"]

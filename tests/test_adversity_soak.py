@@ -27,7 +27,7 @@ from conftest import hello, raw_socket, read_reply
 from test_job_lifecycle import daemon_resources, live_jobs
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from offloadd.arena import (
+from offloadd.errors import OverBudgetError
+from offloadd.memory.arena import (
     HUGE_PAGE_NBYTES,
     PAGE_NBYTES,
     Allocator,
@@ -31,7 +32,6 @@ from offloadd.arena import (
     align_up,
     free_huge_pages,
 )
-from offloadd.errors import OverBudgetError
 
 PAGE = PAGE_NBYTES
 

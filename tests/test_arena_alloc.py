@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from offloadd.arena import PAGE_NBYTES, Allocator, Arena
-from offloadd.shards import Lease, Shard, ShardTable
+from offloadd.memory.arena import PAGE_NBYTES, Allocator, Arena
+from offloadd.memory.shards import Lease, Shard, ShardTable
 
 PAGES = 64
 

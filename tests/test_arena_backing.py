@@ -17,9 +17,9 @@ from collections.abc import Iterator
 import pytest
 from conftest import start_daemon
 
-from offloadd.arena import PAGE_NBYTES, Arena, Backing
 from offloadd.config import DaemonConfig
-from offloadd.embedded import PrivateDaemon
+from offloadd.memory.arena import PAGE_NBYTES, Arena, Backing
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 GIB = 1 << 30

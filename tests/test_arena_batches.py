@@ -9,9 +9,9 @@ import pytest
 from conftest import JOB_ARENA_NBYTES, raw_socket, read_reply, served_during
 
 from offloadd import protocol as p
-from offloadd.batches import SLICE_IDS
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import LeaseConflictError
+from offloadd.ops.embedded import PrivateDaemon
+from offloadd.service.batches import SLICE_IDS
 from trainer.client import OffloadClient
 
 NUM_IDS = int(os.environ.get("OFFLOADD_TEST_BATCH_IDS", "200000"))

@@ -17,7 +17,7 @@ import pytest
 from conftest import JOB_ARENA_NBYTES, call, raw_socket, read_reply, start_daemon
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 LARGE_ARENA_NBYTES = 1 << 30

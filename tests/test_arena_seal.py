@@ -11,8 +11,8 @@ import pytest
 from conftest import hello, raw_socket, read_reply
 
 from offloadd import protocol as p
-from offloadd.arena import ARENA_SEALS, HUGE_PAGE_NBYTES, PAGE_NBYTES, Arena, seals
-from offloadd.embedded import PrivateDaemon
+from offloadd.memory.arena import ARENA_SEALS, HUGE_PAGE_NBYTES, PAGE_NBYTES, Arena, seals
+from offloadd.ops.embedded import PrivateDaemon
 
 
 def expect_eperm(action, *args) -> None:  # type: ignore[no-untyped-def]

@@ -19,7 +19,7 @@ import torch
 from _dist import base_config, make_batch, make_model, max_relative_error, run_ranks, shared_daemon
 
 import trainer
-from trainer.checkpoint import consolidate_fp32_state_dict
+from trainer.state.checkpoint import consolidate_fp32_state_dict
 
 pytestmark = pytest.mark.slow
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from conftest import JOB_ARENA_NBYTES
 
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import (
     DaemonUnavailableError,
     LeaseConflictError,
     NoSwapError,
     UnknownShardError,
 )
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import AsyncOffloadClient, ReleasedLeaseError
 
 

@@ -1,7 +1,7 @@
-"""Compact Adam moments (offloadd.moments): the torch codec, and every kernel against it.
+"""Compact Adam moments (offloadd.formats): the torch codec, and every kernel against it.
 
 A compact step is specified as: decode the stored moments to fp32 (exact), run the fp32
-Adam step of the same kernel, encode the new moments (offloadd.moment_codec). Each native
+Adam step of the same kernel, encode the new moments (offloadd.formats). Each native
 kernel fuses that into one pass; here it must produce the same bytes as the composition
 (master, param_out and both moments, bit for bit) over sizes that hit the SIMD tails and
 the blockwise8 block tail. The torch path ("torch") is that composition by construction,
@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 import torch
 
-from offloadd import adam, moment_codec, moments
+from offloadd import formats, moment_codec
+from offloadd.compute import adam
 
 NATIVE_KERNELS = adam.native_kernels()
 ALL_KERNELS = [*NATIVE_KERNELS, "torch"]
@@ -30,7 +31,7 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
 
-def _moments(fmt: moments.MomentFormat, numel: int, generator: torch.Generator
+def _moments(fmt: formats.MomentFormat, numel: int, generator: torch.Generator
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stored moments with a spread of magnitudes (some blocks far below others)."""
     spread = torch.exp(torch.randn(numel, generator=generator) * 3)
@@ -50,7 +51,7 @@ def _composed_step(kernel: str, master: torch.Tensor, exp_avg: torch.Tensor,
     exp_avg_sq32 = moment_codec.decode(exp_avg_sq, signed=False, numel=numel)
     adam.adam_step(master, exp_avg32, exp_avg_sq32, grad, param_out=param_out,
                    use_kernel=kernel, **kwargs)  # type: ignore[arg-type]
-    key = moments.rounding_key(SEED, kwargs["step"])
+    key = formats.rounding_key(SEED, kwargs["step"])
     exp_avg.copy_(moment_codec.encode(exp_avg32, fmt, signed=True, key=key))
     exp_avg_sq.copy_(moment_codec.encode(exp_avg_sq32, fmt, signed=False, key=key))
 
@@ -62,7 +63,7 @@ def _composed_step(kernel: str, master: torch.Tensor, exp_avg: torch.Tensor,
     (torch.float32, None, True), (torch.bfloat16, torch.bfloat16, True),
     (torch.float32, torch.float32, False), (torch.bfloat16, torch.float16, False)],
     ids=["g32-noout-adamw", "gbf16-outbf16-adamw", "g32-out32-l2", "gbf16-out16-l2"])
-def test_kernel_matches_decode_step_encode(kernel: str, fmt: moments.MomentFormat, numel: int,
+def test_kernel_matches_decode_step_encode(kernel: str, fmt: formats.MomentFormat, numel: int,
                                            grad_dtype: torch.dtype,
                                            out_dtype: torch.dtype | None,
                                            decoupled: bool) -> None:
@@ -91,7 +92,7 @@ def test_kernel_matches_decode_step_encode(kernel: str, fmt: moments.MomentForma
 @pytest.mark.parametrize("kernel", NATIVE_KERNELS)
 @pytest.mark.parametrize("fmt", COMPACT)
 def test_thread_count_does_not_change_compact_results(kernel: str,
-                                                      fmt: moments.MomentFormat) -> None:
+                                                      fmt: formats.MomentFormat) -> None:
     numel = 3 * (1 << 16) + 300
     generator = torch.Generator().manual_seed(3)
     master = torch.randn(numel, generator=generator)
@@ -113,7 +114,7 @@ def test_first_step_equals_fp32_adam() -> None:
     numel = 1000
     grad = torch.randn(numel)
     masters = {}
-    for fmt in moments.MOMENT_FORMATS:
+    for fmt in formats.MOMENT_FORMATS:
         master = torch.ones(numel)
         state = [moment_codec.empty(fmt, numel).zero_() for _ in range(2)]
         adam.adam_step(master, *state, grad, step=1, **HYPER)
@@ -126,21 +127,21 @@ def test_first_step_equals_fp32_adam() -> None:
 
 
 def test_sizes_and_layout() -> None:
-    assert moments.moment_nbytes("float32", 1000) == 4000
-    assert moments.moment_nbytes("bfloat16", 1000) == 2000
-    assert moments.moment_nbytes("blockwise8", 1000) == 4 * 4 + 1000
+    assert formats.moment_nbytes("float32", 1000) == 4000
+    assert formats.moment_nbytes("bfloat16", 1000) == 2000
+    assert formats.moment_nbytes("blockwise8", 1000) == 4 * 4 + 1000
     for numel in (0, 1, 255, 256, 257, 10**6 + 3):
-        nbytes = moments.moment_nbytes("blockwise8", numel)
-        assert moments.blockwise8_numel(nbytes) == numel
+        nbytes = formats.moment_nbytes("blockwise8", numel)
+        assert formats.blockwise8_numel(nbytes) == numel
     with pytest.raises(ValueError, match="unknown moment format 'int4'"):
-        moments.moment_nbytes("int4", 8)  # type: ignore[arg-type]
+        formats.moment_nbytes("int4", 8)  # type: ignore[arg-type]
 
 
 def test_hash_matches_the_scalar_specification() -> None:
-    key = moments.rounding_key(3, 11)
-    bits = moment_codec._random_bits(5000, 100, key)  # elements 100 .. 5099
+    key = formats.rounding_key(3, 11)
+    bits = formats._random_bits(5000, 100, key)  # elements 100 .. 5099
     for i in range(0, 5000, 37):
-        assert int(bits[i]) == moments.hash32((100 + i) ^ key)
+        assert int(bits[i]) == formats.hash32((100 + i) ^ key)
 
 
 def test_blockwise8_round_trip_error_is_bounded() -> None:
@@ -152,7 +153,7 @@ def test_blockwise8_round_trip_error_is_bounded() -> None:
     for signed, source in ((True, values), (False, values.square())):
         decoded = moment_codec.decode(moment_codec.encode(source, "blockwise8", signed=signed),
                                       signed=signed)
-        blocks = source.view(-1, moments.BLOCK_ELEMENTS)
+        blocks = source.view(-1, formats.BLOCK_ELEMENTS)
         absmax = blocks.abs().amax(dim=1, keepdim=True)
         floor = absmax * (2.0 ** -14 if signed else 2.0 ** -30)
         big = blocks.abs() >= floor

@@ -17,12 +17,12 @@ import torch
 from _dist import base_config, make_batch, make_model, run_ranks, shared_daemon
 
 import trainer
+from offloadd.compute.optimizer import check_unit_shards
 from offloadd.errors import InvalidRequestError
-from offloadd.moments import moment_nbytes
-from offloadd.optimizer import check_unit_shards
-from offloadd.shards import Shard
-from trainer.checkpoint import consolidate_fp32_state_dict
+from offloadd.formats import moment_nbytes
+from offloadd.memory.shards import Shard
 from trainer.config import parse_config
+from trainer.state.checkpoint import consolidate_fp32_state_dict
 
 STATE_DTYPES = ("fp32", "bf16", "8bit")
 STORED_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "8bit": torch.uint8}
@@ -242,7 +242,7 @@ def _train_alone(state_dtype: str, device: str, swap_dir: str) -> tuple[list[flo
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("offloadd.nvme") is None,
+@pytest.mark.skipif(importlib.util.find_spec("offloadd.swap.nvme") is None,
                     reason="the daemon has no NVMe tier")
 @pytest.mark.parametrize("state_dtype", ["bf16", "8bit"])
 def test_compact_moments_through_nvme_swap_equal_dram(state_dtype: str, tmp_path: Path) -> None:

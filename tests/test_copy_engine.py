@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer.copy_engine import (
+from trainer.device.copy_engine import (
     CopyAfterReleaseError,
     CopyEngineUnavailableError,
     InlineCopyEngine,
@@ -148,9 +148,9 @@ def test_cuda_engine_without_cuda_names_the_fix() -> None:
 
 def test_backend_d2h_of_a_gradient_survives_reuse_of_the_grad_buffer(
         connect, twin: TwinCopyEngine) -> None:
-    from trainer.collectives import Collectives
-    from trainer.daemon_backend import DaemonBackend
-    from trainer.offload import UnitSpec
+    from trainer.dist.collectives import Collectives
+    from trainer.offload.backend import UnitSpec
+    from trainer.offload.daemon_backend import DaemonBackend
 
     backend = DaemonBackend(connect(), collectives=Collectives(), copies=twin)
     backend.register(UnitSpec(index=0, part_numel=32, param_dtype=torch.float32),
@@ -167,9 +167,9 @@ def test_backend_d2h_of_a_gradient_survives_reuse_of_the_grad_buffer(
 
 def test_a_refused_arena_registration_warns_with_the_fix_and_copies_still_work(
         connect) -> None:
-    from trainer.collectives import Collectives
-    from trainer.daemon_backend import DaemonBackend
-    from trainer.offload import UnitSpec
+    from trainer.dist.collectives import Collectives
+    from trainer.offload.backend import UnitSpec
+    from trainer.offload.daemon_backend import DaemonBackend
 
     twin = TwinCopyEngine(memlock_nbytes=64 << 10)  # far below the 4 MiB arena
     with pytest.warns(RuntimeWarning, match="ulimit -l unlimited"):

@@ -9,7 +9,7 @@ import torch
 from _dist import base_config, engine_train
 
 import trainer
-from trainer.copy_engine import TwinCopyEngine
+from trainer.device.copy_engine import TwinCopyEngine
 
 pytestmark = pytest.mark.usefixtures("strict_device_twin")
 
@@ -63,7 +63,7 @@ def test_gradient_windows_are_summed_on_the_device_and_cross_once(monkeypatch) -
     per-micro-batch path (D2H, H2D, add for each micro-batch), with fewer bytes moved."""
     from _dist import make_batch, make_model
 
-    from trainer.checkpoint import consolidate_fp32_state_dict
+    from trainer.state.checkpoint import consolidate_fp32_state_dict
 
     monkeypatch.setenv("OFFLOADD_COPY_ENGINE", "twin")
     zero = {"stage": 3, "offload_optimizer": {"device": "cpu"},

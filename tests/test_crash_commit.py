@@ -22,13 +22,13 @@ import xxhash
 
 from offloadd.config import DaemonConfig
 from offloadd.errors import SwapIOError, TornShardError
-from offloadd.jobs import Job, JobRegistry
+from offloadd.memory.shards import Lease, Shard
 from offloadd.metrics import DaemonMetrics
-from offloadd.nvme import SwapSpace
 from offloadd.protocol import Placed
-from offloadd.scheduler import Priority
-from offloadd.shards import Lease, Shard
-from offloadd.tier import chunk_seed, open_tier
+from offloadd.service.jobs import Job, JobRegistry
+from offloadd.swap.nvme import SwapSpace
+from offloadd.swap.scheduler import Priority
+from offloadd.swap.tier import chunk_seed, open_tier
 
 KIB = 1 << 10
 ARENA_NBYTES = 1 << 20

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import pytest
 
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import OffloadError, UnknownShardError
-from offloadd.nvme import POWER_LOSS_FAULT
+from offloadd.ops.embedded import PrivateDaemon
+from offloadd.swap.nvme import POWER_LOSS_FAULT
 from trainer.client import OffloadClient
 
 KIB = 1 << 10

@@ -15,9 +15,9 @@ from conftest import call, error_code, hello, raw_socket, read_reply, start_daem
 from test_daemon_sessions import as_uid, open_to_everyone
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import PermissionDeniedError
-from offloadd.status import live_jobs
+from offloadd.ops.embedded import PrivateDaemon
+from offloadd.ops.status import live_jobs
 from trainer.client import OffloadClient
 
 NOBODY = 65534

@@ -16,7 +16,7 @@ from test_daemon_metrics import scrape, value
 from test_daemon_sessions import as_uid, open_to_everyone
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 UNIT_ELEMENTS = 1 << 16

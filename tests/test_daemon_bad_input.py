@@ -24,13 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import (
     LeaseConflictError,
     NotLeasedError,
     OverBudgetError,
     UnknownShardError,
 )
+from offloadd.ops.embedded import PrivateDaemon
 
 
 def session(daemon: PrivateDaemon, job: str, rank: int = 0):  # type: ignore[no-untyped-def]

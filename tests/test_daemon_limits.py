@@ -13,8 +13,8 @@ from test_daemon_sessions import as_uid, open_to_everyone
 
 from offloadd import protocol as p
 from offloadd.config import DaemonConfig
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import LimitExceededError
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 NOBODY = 65534

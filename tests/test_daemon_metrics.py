@@ -10,9 +10,9 @@ from pathlib import Path
 from conftest import JOB_ARENA_NBYTES
 from prometheus_client.parser import text_string_to_metric_families
 
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import UnknownShardError
-from offloadd.server import JOB_LABEL
+from offloadd.ops.embedded import PrivateDaemon
+from offloadd.service.server import JOB_LABEL
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

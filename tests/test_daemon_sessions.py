@@ -26,12 +26,12 @@ from conftest import (
 
 from offloadd import protocol as p
 from offloadd.config import DaemonConfig, parse_size
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import (
     DaemonUnavailableError,
     OverBudgetError,
     PermissionDeniedError,
 )
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 NOBODY = 65534

@@ -19,17 +19,17 @@ from test_daemon_sessions import as_uid, open_to_everyone, serve
 
 from offloadd import protocol as p
 from offloadd.config import default_socket_path
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import UntrustedDaemonError
+from offloadd.ops.embedded import PrivateDaemon
+from offloadd.ops.status import DaemonUnreachableError, query_node_status
 from offloadd.protocol import DAEMON_UID_ENV, expected_daemon_uid
-from offloadd.status import DaemonUnreachableError, query_node_status
 from trainer.client import AsyncOffloadClient, OffloadClient
 
 NOBODY = 65534
 OTHER = 65533
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="peers with other uids need root")
 
-FORGED = "ts=2026-01-01T00:00:00.000Z level=error logger=offloadd.lifecycle event=forged"
+FORGED = "ts=2026-01-01T00:00:00.000Z level=error logger=offloadd.service.lifecycle event=forged"
 
 
 def daemon_with(tmp_path: Path, toml: str, arena_size: str = "256MiB") -> PrivateDaemon:

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from trainer.config import parse_config
-from trainer.copy_engine import CopyEngineUnavailableError
-from trainer.device import resolve_device
-from trainer.device_twin import twin_device
+from trainer.device.compute import resolve_device
+from trainer.device.copy_engine import CopyEngineUnavailableError
+from trainer.device.twin import twin_device
 
 
 def test_device_cpu_forces_cpu_and_gloo(monkeypatch) -> None:

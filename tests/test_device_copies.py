@@ -1,4 +1,5 @@
-"""Daemon-driven device copies on the CPU twin (offloadd.device_copies, trainer.daemon_copies).
+"""Daemon-driven device copies on the CPU twin (offloadd.gpu.device_copies,
+trainer.offload.daemon_copies).
 
 A real daemon process copies between the job's arena and a rank's staging
 slots (a memfd on the twin) on its own worker thread: the protocol (stage_in,
@@ -23,12 +24,16 @@ import torch
 from test_daemon_metrics import scrape, value
 
 from offloadd import protocol as p
-from offloadd.cuda import TWIN_FAILED, TwinEvents, twin_staging_nbytes
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import InvalidRequestError, SlotBusyError, UnknownShardError
+from offloadd.gpu.cuda import TWIN_FAILED, TwinEvents, twin_staging_nbytes
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
-from trainer.copy_engine import TwinCopyEngine
-from trainer.daemon_copies import TWIN_GPU_UUID_ENV, DaemonCopies, open_daemon_copies
+from trainer.device.copy_engine import TwinCopyEngine
+from trainer.offload.daemon_copies import (
+    TWIN_GPU_UUID_ENV,
+    DaemonCopies,
+    open_daemon_copies,
+)
 
 pytestmark = pytest.mark.usefixtures("strict_device_twin")
 
@@ -39,7 +44,7 @@ SESSIONS = "offloadd_device_copies_sessions_total"
 
 class TwinSlots:
     """A raw rank's twin staging: a memfd it lends the daemon by staging_open, ending with
-    the events area (offloadd.cuda.TwinEvents) where the rank records "consumed" and waits
+    the events area (offloadd.gpu.cuda.TwinEvents) where the rank records "consumed" and waits
     for "filled"."""
 
     def __init__(self, num_slots: int = NUM_SLOTS, slot_nbytes: int = SLOT_NBYTES,
@@ -205,7 +210,7 @@ def test_stage_out_waits_for_a_copy_still_reading_the_shard(connect, slots: Twin
 def test_staging_open_pins_off_the_event_loop(monkeypatch) -> None:
     """Opening a copier (cudaHostRegister of the whole arena: seconds for a large one) runs
     off the daemon's loop, which keeps serving other sessions meanwhile."""
-    import offloadd.device_copies as device_copies
+    import offloadd.gpu.device_copies as device_copies
 
     pin_s = 0.3
 
@@ -291,7 +296,7 @@ def test_staging_open_refusals_are_counted(daemon: PrivateDaemon, connect,
 
 
 def test_rank_side_copies_round_trip(connect) -> None:
-    """trainer.daemon_copies over the real daemon: read, prefetch, write, slot bookkeeping."""
+    """trainer.offload.daemon_copies over the real daemon: read, prefetch, write, slots."""
     client = connect()
     engine = TwinCopyEngine()
     copies, reason = open_daemon_copies(client, engine, num_slots=2, slot_nbytes=256,
@@ -320,7 +325,7 @@ def test_rank_side_copies_round_trip(connect) -> None:
 
 
 def test_rank_without_device_copy_engine_falls_back(connect) -> None:
-    from trainer.copy_engine import InlineCopyEngine
+    from trainer.device.copy_engine import InlineCopyEngine
 
     client = connect()
     with warnings.catch_warnings(record=True) as caught:
@@ -330,7 +335,7 @@ def test_rank_without_device_copy_engine_falls_back(connect) -> None:
                                             arena_pinned="not_attempted")
     assert copies is None and reason == "host_compute"
     assert [str(w.message) for w in caught if "device_copies" in str(w.message)] == [
-        'offloadd.device_copies "daemon" is not possible here (host_compute: compute reads '
+        'offloadd.gpu.device_copies "daemon" is not possible here (host_compute: compute reads '
         "the arena directly (no device copy engine): there is nothing for the daemon to "
         "copy); training on with rank copies"]
 
@@ -366,7 +371,7 @@ def _train_cases(rank: int, world: int, device: str, cases: list[dict]) -> list[
     from _dist import make_batch, make_model, shared_daemon
 
     import trainer
-    from trainer.checkpoint import consolidate_fp32_state_dict
+    from trainer.state.checkpoint import consolidate_fp32_state_dict
 
     swap_dir = tempfile.mkdtemp(prefix="offloadd-swap-") if device == "nvme" else None
     results = []
@@ -450,8 +455,8 @@ def test_fallback_logs_one_reason_counts_it_and_trains_on_rank_copies(
 
 
 def test_backend_reports_pinning_and_rank_path(daemon: PrivateDaemon, connect) -> None:
-    from trainer.collectives import Collectives
-    from trainer.daemon_backend import DaemonBackend
+    from trainer.dist.collectives import Collectives
+    from trainer.offload.daemon_backend import DaemonBackend
 
     pinned = "offloadd_arena_pinned_sessions_total"
     before = scrape(daemon)
@@ -472,9 +477,9 @@ def test_backend_reports_pinning_and_rank_path(daemon: PrivateDaemon, connect) -
 def test_backend_daemon_copies_accumulate_and_read(connect) -> None:
     """Gradients summed on the "device" and committed by the daemon's D2H; the buffer the
     reducer reuses at once does not leak into the shard."""
-    from trainer.collectives import Collectives
-    from trainer.daemon_backend import DaemonBackend
-    from trainer.offload import UnitSpec
+    from trainer.dist.collectives import Collectives
+    from trainer.offload.backend import UnitSpec
+    from trainer.offload.daemon_backend import DaemonBackend
 
     twin = TwinCopyEngine()
     backend = DaemonBackend(connect(), collectives=Collectives(), copies=twin,
@@ -533,7 +538,7 @@ def test_client_gone_during_a_copy_releases_its_lease(daemon: PrivateDaemon, con
 
 def test_cuda_ipc_handle_is_unwrapped_from_torchs_layout() -> None:
     """torch's _share_cuda_ handle is [version][type][payload]; the daemon opens the payload."""
-    from trainer.daemon_copies import StagingUnavailable, cuda_ipc_mem_handle
+    from trainer.offload.daemon_copies import StagingUnavailable, cuda_ipc_mem_handle
 
     raw = bytes(range(64))
     assert cuda_ipc_mem_handle(raw) == raw  # torch before versioned handles
@@ -548,7 +553,7 @@ def test_cuda_ipc_handle_is_unwrapped_from_torchs_layout() -> None:
 
 
 def test_expandable_segments_is_a_rank_side_fallback_reason(monkeypatch) -> None:
-    from trainer.daemon_copies import StagingUnavailable, check_allocator_exportable
+    from trainer.offload.daemon_copies import StagingUnavailable, check_allocator_exportable
 
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64, expandable_segments:True")
     with pytest.raises(StagingUnavailable, match="unset it") as refused:
@@ -584,7 +589,7 @@ def test_staging_must_be_a_sealed_memfd_of_the_rank(daemon: PrivateDaemon, conne
 def test_find_device_prefers_the_pci_bus_id_over_a_truncated_uuid() -> None:
     """cupy hands the UUID's 16 bytes through a C string that stops at the first zero byte;
     the PCI bus id (nvidia-smi writes an 8-digit domain, CUDA a 4-digit one) still matches."""
-    from offloadd.cuda import CopiesRefused, find_device, normalize_pci_bus_id
+    from offloadd.gpu.cuda import CopiesRefused, find_device, normalize_pci_bus_id
 
     uuid = bytes.fromhex("58e2a1000b3c4d5e8f9a0b1c2d3e4f50")
     runtime = SimpleNamespace(

@@ -1,4 +1,4 @@
-"""The strict device twin (trainer.device_twin): device tensors refuse what CUDA refuses.
+"""The strict device twin (trainer.device.twin): device tensors refuse what CUDA refuses.
 
 Unit tests of the tensor kind against plain torch (the reference for values), and the
 regressions it exists for: code that passed on the host-tensor twin but fails on a GPU
@@ -13,16 +13,16 @@ from _dist import base_config, engine_train, reference_train
 from torch import nn
 
 from trainer.client import as_bytes
-from trainer.collectives import Collectives
-from trainer.copy_engine import TwinCopyEngine, select_copy_engine
-from trainer.device import resolve_device
-from trainer.device_twin import (
+from trainer.device.compute import resolve_device
+from trainer.device.copy_engine import TwinCopyEngine, select_copy_engine
+from trainer.device.twin import (
     DeviceTensor,
     HostDeviceMixError,
     HostOnlyCallError,
     adopt_module,
     twin_device,
 )
+from trainer.dist.collectives import Collectives
 
 pytestmark = pytest.mark.usefixtures("strict_device_twin")
 
@@ -137,8 +137,8 @@ def _two_rank_body(rank: int, world_size: int, config: dict) -> dict:
     from _dist import make_batch, make_model
 
     import trainer
-    from trainer.checkpoint import consolidate_fp32_state_dict
-    from trainer.zero_init import GatheredParameters
+    from trainer.state.checkpoint import consolidate_fp32_state_dict
+    from trainer.zero.init import GatheredParameters
 
     model = make_model(0)
     engine, _, _, _ = trainer.initialize(model=model, config=config)

@@ -12,8 +12,8 @@ import torch
 from _dist import base_config, make_batch, make_model, run_ranks, shared_daemon
 
 import trainer
-from trainer.checkpoint import consolidate_fp32_state_dict
-from trainer.reshard import ReshardError
+from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.state.reshard import ReshardError
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ from _dist import (
 from torch.utils.checkpoint import checkpoint
 
 import trainer
-from trainer.checkpoint import consolidate_fp32_state_dict
+from trainer.state.checkpoint import consolidate_fp32_state_dict
 
 pytestmark = pytest.mark.slow
 

@@ -22,9 +22,9 @@ from _dist import (
 
 import trainer
 from trainer.config import parse_config
-from trainer.partition import build_units
-from trainer.precision import DynamicLossScaler
-from trainer.scheduler import build_scheduler
+from trainer.zero.partition import build_units
+from trainer.zero.precision import DynamicLossScaler
+from trainer.zero.scheduler import build_scheduler
 
 # ----------------------------------------------------------------------------- config
 
@@ -200,7 +200,7 @@ def test_single_process_matches_torch_adamw(stage: int) -> None:
             engine.backward(engine(*make_batch(step, micro, 0, 4)))
             engine.step()
     assert engine.global_steps == 4 and engine.micro_steps == 8
-    from trainer.checkpoint import consolidate_fp32_state_dict
+    from trainer.state.checkpoint import consolidate_fp32_state_dict
 
     assert max_relative_error(consolidate_fp32_state_dict(engine), reference) < 1e-5
 
@@ -283,7 +283,7 @@ def test_world_size_one_needs_no_process_group() -> None:
 
 
 def test_nvme_without_path_defaults_to_temp_dir_with_warning() -> None:
-    from trainer.daemon_backend import _swap_dirs
+    from trainer.offload.daemon_backend import _swap_dirs
 
     config = parse_config(base_config(zero_optimization={
         "stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}))

@@ -19,7 +19,7 @@ from _dist import max_relative_error, run_ranks
 from torch import nn
 
 import trainer
-from trainer.checkpoint import consolidate_fp32_state_dict
+from trainer.state.checkpoint import consolidate_fp32_state_dict
 
 pytestmark = pytest.mark.slow
 

@@ -25,7 +25,7 @@ def one_process_under_torchrun(rank: int, world: int) -> tuple[Any, ...]:
 
 
 def plain_process(rank: int, world: int) -> tuple[Any, ...]:
-    for name in trainer.distributed.LAUNCH_VARIABLES:
+    for name in trainer.dist.distributed.LAUNCH_VARIABLES:
         os.environ.pop(name, None)
     trainer.init_distributed()
     trainer.init_distributed()  # a second call is a no-op, as in DeepSpeed
@@ -41,7 +41,7 @@ def test_init_distributed_without_a_launcher_is_a_world_of_one() -> None:
 
 
 def test_init_distributed_refuses_a_world_without_rendezvous(monkeypatch: Any) -> None:
-    for name in trainer.distributed.LAUNCH_VARIABLES:
+    for name in trainer.dist.distributed.LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     if dist.is_initialized():
         pytest.skip("a process group already exists in this process")

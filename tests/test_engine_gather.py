@@ -8,7 +8,7 @@ import torch
 from _dist import base_config, make_batch, make_model
 
 import trainer
-from trainer.gather import GatherState
+from trainer.zero.gather import GatherState
 
 
 def _stage3_engine(**zero: Any) -> Any:

@@ -21,13 +21,13 @@ from _dist import make_batch, make_model, max_relative_error, run_ranks, shared_
 from torch import nn
 
 import trainer
-from trainer.checkpoint import consolidate_fp32_state_dict
-from trainer.groups import resolve_param_groups
+from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.zero.groups import resolve_param_groups
 
 pytestmark = pytest.mark.slow
 
 STEPS = 5
-HAS_NVME_TIER = importlib.util.find_spec("offloadd.nvme") is not None
+HAS_NVME_TIER = importlib.util.find_spec("offloadd.swap.nvme") is not None
 OPTIMIZER = {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.9, 0.99], "eps": 1e-8,
                                          "weight_decay": 0.1}}
 

@@ -17,7 +17,7 @@ from _dist import (
 )
 
 import trainer
-from trainer.checkpoint import consolidate_fp32_state_dict
+from trainer.state.checkpoint import consolidate_fp32_state_dict
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = pytest.mark.slow

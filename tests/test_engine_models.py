@@ -14,9 +14,9 @@ from _dist import lm_adamw_reference, max_relative_error, run_ranks
 from torch import nn
 
 import trainer
-from trainer.checkpoint import consolidate_fp32_state_dict
 from trainer.config import UnitsConfig
-from trainer.partition import block_classes, build_units
+from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.zero.partition import block_classes, build_units
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 

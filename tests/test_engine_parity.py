@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device_twin")]
 
 STEPS = 10
 WORLD = 2
-HAS_NVME_TIER = importlib.util.find_spec("offloadd.nvme") is not None
+HAS_NVME_TIER = importlib.util.find_spec("offloadd.swap.nvme") is not None
 
 
 def _zero(stage: int, device: str) -> dict[str, Any]:
@@ -106,7 +106,7 @@ def test_parity_offload_cpu_daemon() -> None:
     _check_bf16(_check_parity("cpu", bf16_cases("cpu")))
 
 
-@pytest.mark.skipif(not HAS_NVME_TIER, reason="the daemon's NVMe tier (offloadd.nvme) "
+@pytest.mark.skipif(not HAS_NVME_TIER, reason="the daemon's NVMe tier (offloadd.swap.nvme) "
                     "is not in this tree yet")
 def test_parity_offload_nvme_daemon() -> None:
     _check_parity("nvme")

@@ -26,8 +26,8 @@ from _dist import lm_adamw_run, lm_tokens, max_relative_error, run_ranks, shared
 from test_engine_parity import HAS_NVME_TIER
 
 import trainer
-from trainer.checkpoint import consolidate_fp32_state_dict
-from trainer.gather import GatherState
+from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.zero.gather import GatherState
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = [pytest.mark.slow,

@@ -159,7 +159,7 @@ class SharedDaemon:
         self.daemon = None
         box = [""]
         if rank == 0:
-            from offloadd.embedded import PrivateDaemon
+            from offloadd.ops.embedded import PrivateDaemon
 
             self.daemon = PrivateDaemon.start(tempfile.mkdtemp(prefix="offloadd-property-"),
                                               arena_size=512 << 20, swap_dirs=[self.swap_dir])
@@ -177,7 +177,7 @@ class SharedDaemon:
 def train_case(rank: int, world: int, shared: SharedDaemon, case_fields: dict[str, Any]
                ) -> dict[str, Any]:
     import trainer
-    from trainer.checkpoint import consolidate_fp32_state_dict
+    from trainer.state.checkpoint import consolidate_fp32_state_dict
 
     case = Case(**case_fields)
     shared.examples += 1

@@ -21,17 +21,17 @@ from typing import Any
 
 import pytest
 
-from offloadd.batches import SLICE_IDS
 from offloadd.config import DaemonConfig
 from offloadd.errors import OffloadError
-from offloadd.eviction import SYNC_SLICE, EvictionIndex
-from offloadd.jobs import Job, JobRegistry
+from offloadd.memory.eviction import SYNC_SLICE, EvictionIndex
+from offloadd.memory.shards import IN_ARENA, Lease, Residency, Shard, ShardTable
 from offloadd.metrics import DaemonMetrics
-from offloadd.nvme import SwapSpace
 from offloadd.protocol import Placed
-from offloadd.scheduler import pick_victims
-from offloadd.shards import IN_ARENA, Lease, Residency, Shard, ShardTable
-from offloadd.tier import JobTier, open_tier
+from offloadd.service.batches import SLICE_IDS
+from offloadd.service.jobs import Job, JobRegistry
+from offloadd.swap.nvme import SwapSpace
+from offloadd.swap.scheduler import pick_victims
+from offloadd.swap.tier import JobTier, open_tier
 
 KIB = 1 << 10
 PAGE = 4096

@@ -21,9 +21,9 @@ from _tier_job import settle, tier_job
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from offloadd.arena import Arena
-from offloadd.eviction import contiguous_victims
-from offloadd.shards import Lease, Shard, ShardTable
+from offloadd.memory.arena import Arena
+from offloadd.memory.eviction import contiguous_victims
+from offloadd.memory.shards import Lease, Shard, ShardTable
 
 PAGE = 4096
 SMALL, LARGE = 2 * PAGE, 4 * PAGE

@@ -20,8 +20,8 @@ import torch
 from _dist import run_ranks
 
 import trainer
-from trainer.checkpoint import consolidate_fp32_state_dict
-from trainer.export import ExportError, export_checkpoint, main
+from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.state.export import ExportError, export_checkpoint, main
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 pytestmark = pytest.mark.slow

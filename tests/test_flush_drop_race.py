@@ -11,7 +11,7 @@ from pathlib import Path
 from conftest import hello, raw_socket, read_reply
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 
 ROUNDS = int(os.environ.get("OFFLOADD_RACE_ROUNDS", "300"))
 

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
 
 
 def test_cuda_engine_copies_arena_leases_and_releases_after_the_event(connect) -> None:
-    from trainer.copy_engine import CudaCopyEngine, ReleaseQueue, host_address
+    from trainer.device.copy_engine import CudaCopyEngine, ReleaseQueue, host_address
 
     engine = CudaCopyEngine("cuda:0")
     client = connect(arena_nbytes=64 << 20)
@@ -45,7 +45,7 @@ def test_cuda_engine_copies_arena_leases_and_releases_after_the_event(connect) -
 
 
 def test_resolve_device_picks_cuda_and_nccl() -> None:
-    from trainer.device import resolve_device
+    from trainer.device.compute import resolve_device
 
     compute = resolve_device("auto", local_rank=0)
     assert compute.device == torch.device("cuda", 0) and compute.dist_backend == "nccl"
@@ -54,7 +54,7 @@ def test_resolve_device_picks_cuda_and_nccl() -> None:
 def _train(device: str, steps: int = 3, **extra: object
            ) -> tuple[dict[str, torch.Tensor], list[float]]:
     import trainer
-    from trainer.checkpoint import consolidate_fp32_state_dict
+    from trainer.state.checkpoint import consolidate_fp32_state_dict
 
     zero = {"stage": 3, "offload_optimizer": {"device": "cpu"},
             "offload_param": {"device": "cpu"}}
@@ -130,7 +130,7 @@ def test_daemon_copies_on_cuda_train_like_cpu() -> None:
 def test_refused_host_registration_leaves_no_cuda_error_behind() -> None:
     """cudaHostRegister refusing (here: memory already registered) must not leave CUDA's
     last error set, which the next kernel launch check would raise as its own."""
-    from trainer.copy_engine import CudaCopyEngine
+    from trainer.device.copy_engine import CudaCopyEngine
 
     engine = CudaCopyEngine("cuda:0")
     host = torch.zeros(1 << 20, dtype=torch.uint8)
@@ -146,7 +146,7 @@ def test_refused_host_registration_leaves_no_cuda_error_behind() -> None:
 
 def test_daemon_finds_the_rank_gpu_by_pci_bus_id() -> None:
     cupy = pytest.importorskip("cupy")
-    from offloadd.cuda import find_device
+    from offloadd.gpu.cuda import find_device
 
     properties = torch.cuda.get_device_properties(0)
     bus_id = (f"{properties.pci_domain_id:04x}:{properties.pci_bus_id:02x}:"
@@ -160,7 +160,7 @@ def test_closed_staging_gives_its_ipc_exported_memory_back() -> None:
     part in torch's IPC reference counting: closing it must free the block all the same."""
     import gc
 
-    from trainer.daemon_copies import CudaStaging
+    from trainer.offload.daemon_copies import CudaStaging
 
     torch.cuda.synchronize()
     gc.collect()

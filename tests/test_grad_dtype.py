@@ -32,7 +32,7 @@ def _config(accumulation: int) -> dict[str, Any]:
 
 def _train(rank: int, accumulation: int) -> dict[str, Any]:
     import trainer
-    from trainer.checkpoint import consolidate_fp32_state_dict
+    from trainer.state.checkpoint import consolidate_fp32_state_dict
 
     model = make_model(0)
     engine, _, _, _ = trainer.initialize(model=model, model_parameters=model.parameters(),
@@ -56,7 +56,7 @@ def _train(rank: int, accumulation: int) -> dict[str, Any]:
 
 def _cases(rank: int, world: int) -> dict[str, dict[str, Any]]:
     """One launch (spawning ranks is the slow part): ours, accumulated, then widened."""
-    from trainer.engine import Engine
+    from trainer.zero.engine import Engine
 
     ours, accumulated = _train(rank, 1), _train(rank, 2)
     Engine._grad_dtype = lambda self: torch.float32  # type: ignore[method-assign]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from trainer import versions
+from trainer.integrations import versions
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -48,7 +48,7 @@ def test_import_trainer_hf_makes_deepspeed_mean_offloadd_in_this_process() -> No
         "import trainer.hf, deepspeed, importlib.metadata as m\n"
         "from transformers.integrations.deepspeed import is_deepspeed_available\n"
         "from accelerate.utils import is_deepspeed_available as accelerate_sees\n"
-        "from trainer.ds_facade import initialize\n"
+        "from trainer.integrations.ds_facade import initialize\n"
         "assert deepspeed.OFFLOADD_FACADE and deepspeed.initialize is initialize\n"
         "assert is_deepspeed_available() and accelerate_sees()\n"
         "print(m.version('deepspeed'))")

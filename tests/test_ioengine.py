@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from offloadd import ioengine
-from offloadd.ioengine import IOEngine, IOEngineError, open_engine
+from offloadd.swap import ioengine
+from offloadd.swap.ioengine import IOEngine, IOEngineError, open_engine
 
 uvloop: Any
 try:

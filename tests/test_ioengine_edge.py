@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from offloadd import ioengine
-from offloadd.ioengine import ThreadPoolEngine, open_engine
-from offloadd.scheduler import Priority
+from offloadd.swap import ioengine
+from offloadd.swap.ioengine import ThreadPoolEngine, open_engine
+from offloadd.swap.scheduler import Priority
 
 PAGE = 4096
 
@@ -118,7 +118,7 @@ def test_the_thread_engine_runs_demand_reads_first_and_raises_a_waited_on_write_
 def test_auto_without_io_uring_takes_the_priority_thread_engine(tmp_path: Path) -> None:
     script = (
         "import asyncio, os\n"
-        "from offloadd.ioengine import open_engine, available_engine_kinds\n"
+        "from offloadd.swap.ioengine import open_engine, available_engine_kinds\n"
         "async def main():\n"
         "    engine = open_engine('auto')\n"
         "    print(engine.name, available_engine_kinds())\n"

@@ -11,8 +11,8 @@ import pytest
 from conftest import call, error_code, hello, raw_socket, start_daemon
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import UnknownShardError
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 CYCLES = int(os.environ.get("OFFLOADD_LIFECYCLE_CYCLES", "1000"))
@@ -185,8 +185,8 @@ def test_many_short_jobs_leave_fds_mappings_and_memory_where_they_started(
 
 
 def test_the_engine_backend_closes_its_job_on_a_shared_daemon(daemon, job) -> None:
-    from trainer.collectives import Collectives
-    from trainer.daemon_backend import DaemonBackend
+    from trainer.dist.collectives import Collectives
+    from trainer.offload.daemon_backend import DaemonBackend
 
     client = OffloadClient.connect(daemon.socket_path, job=job)
     client.put("u0.master", b"\0" * 64)

@@ -15,13 +15,13 @@ import pytest
 from conftest import JOB_ARENA_NBYTES, raw_socket, read_reply, served_during, start_daemon
 
 from offloadd import protocol as p
-from offloadd.arena import Arena
-from offloadd.batches import SLICE_IDS
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import LeaseConflictError, OverBudgetError, ShardExistsError
-from offloadd.jobs import Job
+from offloadd.memory.arena import Arena
+from offloadd.memory.shards import Lease, Shard, ShardTable
+from offloadd.ops.embedded import PrivateDaemon
 from offloadd.protocol import Placed
-from offloadd.shards import Lease, Shard, ShardTable
+from offloadd.service.batches import SLICE_IDS
+from offloadd.service.jobs import Job
 from trainer.client import OffloadClient
 
 NUM_IDS = int(os.environ.get("OFFLOADD_TEST_BATCH_IDS", "200000"))

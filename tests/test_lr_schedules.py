@@ -1,6 +1,6 @@
 """WarmupCosineLR and OneCycle with DeepSpeed's parameters (issue 19, items 6 and 11).
 
-The expected rates are built independently of ``trainer.scheduler``: piecewise
+The expected rates are built independently of ``trainer.zero.scheduler``: piecewise
 curves through the points DeepSpeed's documentation names (numpy
 interpolation for OneCycle's triangle, the cosine written per phase), plus
 hand-computed spot values. Then a single-process engine with two parameter
@@ -20,9 +20,9 @@ import torch
 from _dist import make_batch, make_model, max_relative_error
 
 import trainer
-from trainer.checkpoint import consolidate_fp32_state_dict
 from trainer.config import parse_config
-from trainer.scheduler import ONE_CYCLE_BETA2, build_scheduler
+from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.zero.scheduler import ONE_CYCLE_BETA2, build_scheduler
 
 STEPS = 24
 

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import OverBudgetError, ShardExistsError
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 ARENA_NBYTES = 8 << 20

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import ChecksumError, OverBudgetError, SwapIOError, UnknownShardError
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 MIB = 1 << 20
@@ -118,7 +118,7 @@ def test_unusable_swap_dir_stops_the_daemon_at_start_naming_it(swap_root: Path) 
 def tmpfs(path: Path, size: str) -> Iterator[Path]:
     path.mkdir()
     # mode=0700: a tmpfs root is 1777 by default, and the daemon refuses swap dirs that
-    # others can write (offloadd.swapdirs).
+    # others can write (offloadd.swap.swapdirs).
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
                               str(path)],
                              capture_output=True, text=True)

@@ -14,11 +14,11 @@ import inspect
 from pathlib import Path
 
 from offloadd.config import DaemonConfig
-from offloadd.jobs import JobRegistry
+from offloadd.memory.shards import Lease
 from offloadd.metrics import DaemonMetrics
-from offloadd.nvme import SwapSpace
-from offloadd.shards import Lease
-from offloadd.tier import open_tier
+from offloadd.service.jobs import JobRegistry
+from offloadd.swap.nvme import SwapSpace
+from offloadd.swap.tier import open_tier
 
 SHARD_NBYTES = 1 << 20
 

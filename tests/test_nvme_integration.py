@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 
 MIB = 1 << 20
 ARENA_NBYTES = 64 * MIB

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 MIB = 1 << 20

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import ShardExistsError, UnknownShardError
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 MIB = 1 << 20

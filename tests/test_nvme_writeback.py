@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from offloadd.arena import HUGE_PAGE_NBYTES, free_huge_pages
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import OverBudgetError
+from offloadd.memory.arena import HUGE_PAGE_NBYTES, free_huge_pages
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 MIB = 1 << 20

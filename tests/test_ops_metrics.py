@@ -26,8 +26,8 @@ from _ops import DEPLOY, REPO, free_port, http_get, metrics_port, require_tool
 from prometheus_client.parser import text_string_to_metric_families
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import OffloadError
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 yaml = pytest.importorskip("yaml")
@@ -83,12 +83,12 @@ SWAP_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "offloadd_rank_stall_seconds_total": ("counter", frozenset({"train_job", "rank"})),
     "offloadd_flushes_total": ("counter", frozenset({"status"})),
 }
-"""The NVMe tier's metrics (exported with --swap-dir). Until offloadd/nvme.py exists this list
+"""The NVMe tier's metrics (exported with --swap-dir). Until offloadd/swap/nvme.py exists this list
 is the documented contract the dashboard and alerts are checked against; with it, the daemon
 must export exactly these."""
 
 EXPORTED_METRICS = {**CORE_METRICS, **SWAP_METRICS}
-HAS_NVME = importlib.util.find_spec("offloadd.nvme") is not None
+HAS_NVME = importlib.util.find_spec("offloadd.swap.nvme") is not None
 TARGET_LABELS = frozenset({"instance", "job", "le"})
 """Labels Prometheus adds (instance, job) or histograms carry (le): usable in any expression."""
 NON_OFFLOADD_METRICS = frozenset({"up"})
@@ -124,8 +124,8 @@ def _make_traffic(daemon: PrivateDaemon) -> None:
 def _device_copies_traffic(client: OffloadClient) -> None:
     """Daemon device copies on the CPU twin: a session's path, its pinning, bytes both ways,
     a stage_in of a session with a read-ahead slot (a miss: nothing learned yet)."""
-    from trainer.copy_engine import TwinCopyEngine
-    from trainer.daemon_copies import open_daemon_copies
+    from trainer.device.copy_engine import TwinCopyEngine
+    from trainer.offload.daemon_copies import open_daemon_copies
 
     engine = TwinCopyEngine()
     copies, _ = open_daemon_copies(client, engine, num_slots=3, slot_nbytes=1024,

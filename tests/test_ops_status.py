@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
-from offloadd.status import format_nbytes
+from offloadd.ops.embedded import PrivateDaemon
+from offloadd.ops.status import format_nbytes
 from trainer.client import OffloadClient
 
 

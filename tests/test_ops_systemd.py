@@ -16,7 +16,7 @@ import pytest
 from _ops import DEPLOY
 
 from offloadd.config import DaemonConfig
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 
 UNIT = DEPLOY / "offloadd.service"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offloadd import adam
+from offloadd.compute import adam
 from offloadd.errors import UnknownShardError
 
 NUMEL = 4099  # not a multiple of any SIMD width: the kernel's tails run too

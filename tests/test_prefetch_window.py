@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from offloadd.scheduler import PrefetchWindow
+from offloadd.swap.scheduler import PrefetchWindow
 
 
 def period(window: PrefetchWindow, issued: int, wasted: int) -> float:

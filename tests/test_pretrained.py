@@ -25,12 +25,12 @@ from _dist import lm_tokens, run_ranks, shared_daemon
 from safetensors import safe_open
 
 import trainer
-from trainer.checkpoint import consolidate_fp32_state_dict
-from trainer.ds_facade import GatheredParameters as FacadeGatheredParameters
-from trainer.hf_checkpoint import CheckpointError
-from trainer.pretrained import PretrainedError
+from trainer.integrations.ds_facade import GatheredParameters as FacadeGatheredParameters
+from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.state.hf_checkpoint import CheckpointError
+from trainer.state.pretrained import PretrainedError
 from trainer.zero import GatheredParameters, Init
-from trainer.zero_init import ZeroInitError
+from trainer.zero.init import ZeroInitError
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 

@@ -15,9 +15,9 @@ from hypothesis import strategies as st
 
 from offloadd import protocol as p
 from offloadd.config import DaemonConfig
-from offloadd.limits import LimitGuard
 from offloadd.metrics import DaemonMetrics
-from offloadd.session import Session
+from offloadd.service.limits import LimitGuard
+from offloadd.service.session import Session
 
 ids = st.lists(st.text(min_size=1, max_size=12), max_size=5)
 rids = st.integers(min_value=0, max_value=2**63 - 1)
@@ -217,5 +217,5 @@ def test_the_client_imports_only_the_protocol_and_errors_of_the_daemon() -> None
             "print(sorted(m for m in sys.modules if m.startswith('offloadd')))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             check=True, timeout=120).stdout
-    assert loaded.strip() == ("['offloadd', 'offloadd.errors', 'offloadd.moment_codec', "
-                              "'offloadd.moments', 'offloadd.protocol']"), loaded
+    assert loaded.strip() == ("['offloadd', 'offloadd.errors', 'offloadd.formats', "
+                              "'offloadd.moment_codec', 'offloadd.protocol']"), loaded

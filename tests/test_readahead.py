@@ -1,5 +1,5 @@
 """The daemon stages shards ahead of use from each rank's learned stage_in trace
-(offloadd.device_copies read-ahead, trainer.daemon_copies) on the CPU twin.
+(offloadd.gpu.device_copies read-ahead, trainer.offload.daemon_copies) on the CPU twin.
 
 A real daemon process copies into read-ahead slots the rank lent it at
 staging_open; raw clients check the protocol (hit, miss, stale, slot reuse only
@@ -17,8 +17,8 @@ from test_daemon_metrics import scrape, value
 from test_device_copies import TwinSlots
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import InvalidRequestError, LeaseConflictError, SlotBusyError
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 pytestmark = pytest.mark.usefixtures("strict_device_twin")
@@ -172,7 +172,7 @@ def test_disconnect_with_read_ahead_in_flight_leaks_no_lease_or_pin(
     copy): they finish, their pins go back (the shards can be dropped) and no lease is left."""
     from conftest import start_daemon
 
-    from offloadd.cuda import TWIN_MAX_DELAY_ENV
+    from offloadd.gpu.cuda import TWIN_MAX_DELAY_ENV
 
     monkeypatch.setenv(TWIN_MAX_DELAY_ENV, "200000")
     daemon = start_daemon(tmp_path)
@@ -218,7 +218,7 @@ def _train_readahead(rank: int, world: int, device: str, config: dict) -> object
     from _dist import make_batch, make_model, shared_daemon
 
     import trainer
-    from trainer.checkpoint import consolidate_fp32_state_dict
+    from trainer.state.checkpoint import consolidate_fp32_state_dict
 
     swap_dir = tempfile.mkdtemp(prefix="offloadd-swap-") if device == "nvme" else None
     config = {**config, "offloadd": {"job": f"ra{device}",

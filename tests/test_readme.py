@@ -113,7 +113,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def node_daemon() -> Any:
-    from offloadd.embedded import PrivateDaemon
+    from offloadd.ops.embedded import PrivateDaemon
 
     swap = tempfile.mkdtemp(prefix="offloadd-readme-swap-")
     daemon = PrivateDaemon.start(tempfile.mkdtemp(prefix="offloadd-readme-"),

@@ -7,8 +7,8 @@ import torch
 from _dist import make_model
 
 from trainer.config import UnitsConfig
-from trainer.partition import build_units
-from trainer.reduce_order import ReduceOrder
+from trainer.zero.partition import build_units
+from trainer.zero.reduce_order import ReduceOrder
 
 
 def units() -> list:

@@ -1,4 +1,4 @@
-"""Unit tests of the swap scheduler (offloadd.scheduler): no daemon, no files.
+"""Unit tests of the swap scheduler (offloadd.swap.scheduler): no daemon, no files.
 
 - ``IOQueue``: demand before prefetch before write-back, FIFO within a priority,
   never more than ``depth`` in flight, a cancelled waiter leaks no slot.
@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from offloadd.scheduler import OVERDUE_ENTRIES, AccessTrace, IOQueue, Priority, pick_victims
-from offloadd.shards import Residency, Shard
+from offloadd.memory.shards import Residency, Shard
+from offloadd.swap.scheduler import OVERDUE_ENTRIES, AccessTrace, IOQueue, Priority, pick_victims
 
 MIB = 1 << 20
 RunAsync = Callable[[Awaitable[Any]], Any]

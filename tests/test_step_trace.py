@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from _tier_job import settle, tier_job
 
-from offloadd.shards import Lease, Shard
-from offloadd.tier import JobTier
+from offloadd.memory.shards import Lease, Shard
+from offloadd.swap.tier import JobTier
 
 KIB = 1 << 10
 SHARD_NBYTES = 16 * KIB

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from test_daemon_metrics import scrape, value
 
-from offloadd.embedded import PrivateDaemon
-from offloadd.shards import shard_kind
+from offloadd.memory.shards import shard_kind
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 MIB = 1 << 20

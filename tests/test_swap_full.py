@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import SwapIOError
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 SHARD_NBYTES = 256 << 10

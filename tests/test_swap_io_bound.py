@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from _zero_steps import KINDS, PERSISTENT_KINDS, Model, Rank, run_steps, swap_counters
 
-from offloadd.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon
 
 MODEL = Model(num_units=8, unit_numel=1 << 18)
 FRACTION = 0.5

@@ -7,9 +7,9 @@ import time
 import torch
 from test_daemon_metrics import scrape, value
 
-from offloadd import adam
-from offloadd.embedded import PrivateDaemon
+from offloadd.compute import adam
 from offloadd.errors import LeaseConflictError
+from offloadd.ops.embedded import PrivateDaemon
 
 NUMEL = 8 << 20
 """Large enough that the kernel is still running when the daemon sees the disconnect."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from offloadd.scheduler import IOQueue, IOTicket, Priority
+from offloadd.swap.scheduler import IOQueue, IOTicket, Priority
 
 
 def test_a_raised_ticket_is_admitted_ahead_of_prefetches_and_other_write_backs(run_async) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import JobQuarantinedError
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 ARENA_NBYTES = 4 << 20

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from offloadd.config import DaemonConfig
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import OverBudgetError
-from offloadd.jobs import Job
+from offloadd.memory.shards import Lease, Shard
+from offloadd.ops.embedded import PrivateDaemon
 from offloadd.protocol import Placed
-from offloadd.server import Daemon
-from offloadd.shards import Lease, Shard
+from offloadd.service.jobs import Job
+from offloadd.service.server import Daemon
 from trainer.client import OffloadClient
 
 ARENA_NBYTES = 4 << 20
@@ -174,7 +174,7 @@ def test_private_daemons_of_two_jobs_share_an_nvme_path_and_leave_it_empty(
     from _dist import base_config
 
     from trainer.config import parse_config
-    from trainer.daemon_backend import _start_private_daemon
+    from trainer.offload.daemon_backend import _start_private_daemon
 
     nvme = tmp_path / "nvme"
     nvme.mkdir()

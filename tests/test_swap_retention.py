@@ -13,8 +13,8 @@ import pytest
 from conftest import call, raw_socket, start_daemon
 
 from offloadd import protocol as p
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import LimitExceededError
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 MIB = 1 << 20

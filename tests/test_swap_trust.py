@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from test_daemon_sessions import as_uid
 
-from offloadd.embedded import PrivateDaemon
 from offloadd.errors import ChecksumError, JobQuarantinedError
+from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
 CHUNK_NBYTES = 64 << 10

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import trainer
-import trainer.copy_engine
-from offloadd import demo_train
-from trainer.copy_engine import CopyAfterReleaseError, TwinCopyEngine, TwinEvent
+import trainer.device.copy_engine
+from trainer.demo import train as demo_train
+from trainer.device.copy_engine import CopyAfterReleaseError, TwinCopyEngine, TwinEvent
 
 ISSUE_TIMEOUT_S = 60.0
 """Only a failing test waits this long (issuing hung on a held worker)."""
@@ -87,13 +87,13 @@ def test_a_collective_issued_ahead_waits_for_the_copies_before_it(twin: TwinCopy
 
 def test_stage3_prefetch_returns_with_its_copy_in_flight(connect, twin: TwinCopyEngine) -> None:
     """A prefetched gather issues the partition's H2D and returns; the gather at use waits."""
-    from trainer.collectives import Collectives
     from trainer.config import UnitsConfig
-    from trainer.daemon_backend import DaemonBackend
-    from trainer.gather import FullParams, GatherState
-    from trainer.offload import UnitSpec
-    from trainer.partition import build_units
-    from trainer.zero import OffloadedPartitions
+    from trainer.dist.collectives import Collectives
+    from trainer.offload.backend import UnitSpec
+    from trainer.offload.daemon_backend import DaemonBackend
+    from trainer.zero.gather import FullParams, GatherState
+    from trainer.zero.partition import build_units
+    from trainer.zero.stages import OffloadedPartitions
 
     backend = DaemonBackend(connect(), collectives=Collectives(), copies=twin)
     try:
@@ -166,7 +166,7 @@ def test_stage3_step_issues_each_h2d_before_the_previous_unit_computes(monkeypat
         engines.append(RecordingTwin(log, max_delay_s=0.0, device=torch.device(device)))
         return engines[-1]
 
-    monkeypatch.setattr(trainer.copy_engine, "select_copy_engine", select)
+    monkeypatch.setattr(trainer.device.copy_engine, "select_copy_engine", select)
     _record_blocking_waits(monkeypatch, engines)
     torch.manual_seed(0)
     model = demo_train.TinyGPT(depth=3)

@@ -21,9 +21,9 @@ from _dist import (
 from test_engine_parity import HAS_NVME_TIER
 
 import trainer
-from trainer.checkpoint import consolidate_fp32_state_dict
+from trainer.state.checkpoint import consolidate_fp32_state_dict
 from trainer.zero import GatheredParameters, Init
-from trainer.zero_init import ZeroInitError
+from trainer.zero.init import ZeroInitError
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
@@ -152,7 +152,7 @@ def test_zero_init_offload_nvme_matches_eager() -> None:
 
 def test_plain_modules_use_reset_parameters_and_seeded_units() -> None:
     """A non-HF model gets each module's reset_parameters(); the same seed, the same values."""
-    from trainer.zero_init import materialise
+    from trainer.zero.init import materialise
 
     def build() -> torch.nn.Module:
         with Init(config_dict_or_path={}, seed=5):
@@ -169,7 +169,7 @@ def test_plain_modules_use_reset_parameters_and_seeded_units() -> None:
 
 
 def test_module_without_init_names_param_init_fn() -> None:
-    from trainer.zero_init import materialise
+    from trainer.zero.init import materialise
 
     class Bare(torch.nn.Module):
         def __init__(self) -> None:

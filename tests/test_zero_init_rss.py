@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("offloadd.nvme") is None,
+              pytest.mark.skipif(importlib.util.find_spec("offloadd.swap.nvme") is None,
                                  reason="the daemon's NVMe tier is not in this tree")]
 
 ROOT = Path(__file__).resolve().parents[1]

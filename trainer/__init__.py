@@ -18,19 +18,19 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from trainer import comm
-from trainer.collectives import Collectives
-from trainer.compat import add_config_arguments, config_source
 from trainer.config import EngineConfig, parse_config
-from trainer.device import activate, resolve_device
-from trainer.distributed import init_distributed
-from trainer.engine import Engine
-from trainer.groups import resolve_param_groups
-from trainer.offload import InProcessBackend, StateBackend
-from trainer.optimizer import ZeroOptimizer
-from trainer.pretrained import LoadReport, PretrainedError, load_pretrained
-from trainer.scheduler import LRSchedule
-from trainer.trace import TraceDivergenceError
+from trainer.device.compute import activate, resolve_device
+from trainer.dist import comm
+from trainer.dist.collectives import Collectives
+from trainer.dist.distributed import init_distributed
+from trainer.integrations.compat import add_config_arguments, config_source
+from trainer.offload.backend import InProcessBackend, StateBackend
+from trainer.state.pretrained import LoadReport, PretrainedError, load_pretrained
+from trainer.zero.engine import Engine
+from trainer.zero.groups import resolve_param_groups
+from trainer.zero.optimizer import ZeroOptimizer
+from trainer.zero.scheduler import LRSchedule
+from trainer.zero.trace import TraceDivergenceError
 
 __all__ = ["Engine", "EngineConfig", "LoadReport", "PretrainedError", "TraceDivergenceError",
            "ZeroOptimizer", "add_config_arguments", "comm", "init_distributed", "initialize",
@@ -54,7 +54,7 @@ def initialize(
 
     ``model_parameters`` selects the trained parameters, as tensors or torch-style
     group dicts with per-group ``lr``/``weight_decay``/``betas``/``eps``
-    (``trainer.groups``); the model's other parameters are frozen
+    (``trainer.zero.groups``); the model's other parameters are frozen
     (``requires_grad=False``). ``optimizer`` and
     ``lr_scheduler`` must come from the config (``optimizer``/``scheduler``
     sections). With ``training_data`` a DataLoader of micro-batches (one
@@ -95,7 +95,7 @@ def _build_backend(config: EngineConfig, collectives: Collectives,
                    model: nn.Module) -> StateBackend:
     if not config.zero_optimization.offloaded:
         return InProcessBackend()
-    from trainer.daemon_backend import connect_backend
+    from trainer.offload.daemon_backend import connect_backend
 
     return connect_backend(config, collectives, model)
 

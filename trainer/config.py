@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union
 
-from offloadd.moments import MomentFormat
+from offloadd.formats import MomentFormat
 from trainer.deepspeed_features import (
     check_type,
     check_unsupported,
@@ -66,7 +66,7 @@ IGNORED_KEYS: dict[str, str] = {
     "zero_optimization.sub_group_size": "the optimizer steps per unit",
     "zero_optimization.stage3_param_persistence_threshold": "every unit is partitioned",
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
-        "use trainer.checkpoint.consolidate_fp32_state_dict"
+        "use trainer.state.checkpoint.consolidate_fp32_state_dict"
     ),
     "zero_optimization.memory_efficient_linear": "no linear-layer rewrite here",
     "zero_optimization.ignore_unused_parameters": "unused parameters are always tolerated",
@@ -323,7 +323,7 @@ class OffloadDeviceConfig:
 
 STATE_DTYPE_FORMATS: dict[str, MomentFormat] = {
     "fp32": "float32", "bf16": "bfloat16", "8bit": "blockwise8"}
-"""``offload_optimizer.state_dtype`` -> the daemon's moment format (offloadd.moments)."""
+"""``offload_optimizer.state_dtype`` -> the daemon's moment format (offloadd.formats)."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -339,7 +339,7 @@ class OffloadOptimizerConfig(OffloadDeviceConfig):
 
     @property
     def moment_format(self) -> MomentFormat:
-        """The daemon's name of ``state_dtype`` (offloadd.moments)."""
+        """The daemon's name of ``state_dtype`` (offloadd.formats)."""
         return STATE_DTYPE_FORMATS[self.state_dtype]
 
 
@@ -419,7 +419,8 @@ class OffloaddConfig:
     device_copies: Literal["rank", "daemon"] = "rank"
     """Who copies between the arena and the GPU: "rank" (the rank's own CUDA streams) or
     "daemon" (the daemon's streams into the rank's IPC-exported staging slots; falls back
-    to "rank" with one logged reason when IPC is not possible, see trainer.daemon_copies)."""
+    to "rank" with one logged reason when IPC is not possible, see
+    trainer.offload.daemon_copies)."""
     staging_slots: int = 4
     """Staging slots for device_copies "daemon" (each as large as the largest unit
     partition); >= 2."""

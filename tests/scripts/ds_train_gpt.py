@@ -114,7 +114,7 @@ def engine_module() -> Any:
 def full_state(deepspeed: Any, engine: Any) -> dict[str, torch.Tensor] | None:
     """The whole fp32 model on rank 0 (each engine's own way to consolidate ZeRO-3)."""
     if deepspeed.__name__ == "trainer":
-        from trainer.checkpoint import consolidate_fp32_state_dict
+        from trainer.state.checkpoint import consolidate_fp32_state_dict
 
         return consolidate_fp32_state_dict(engine)
     state = engine._zero3_consolidated_16bit_state_dict()

@@ -1,0 +1,311 @@
+"""The optimizer service: Adam/AdamW over a unit's shards, in place in the arena.
+
+A rank asks for ``optimizer_step(unit)`` once the unit's reduced gradient is
+in ``{unit}.grad``; the daemon leases ``{unit}.master`` (fp32), ``.exp_avg``,
+``.exp_avg_sq`` and ``.grad`` (fp32 or bf16), runs the fused kernel on a
+worker thread (the loop never blocks), writes the updated parameter into
+``{unit}.param`` in that shard's dtype when it exists, and releases the
+updated shards dirty so the swap tier persists them.
+
+The moments' format is their shards' dtype tag (``offloadd.formats``):
+float32, bfloat16 (stochastic rounding, seeded per rank and unit so a resumed
+run rounds as the uninterrupted one) or uint8 (8-bit block-wise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import zlib
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from offloadd.errors import InvalidRequestError, LeaseConflictError, UnknownShardError
+from offloadd.formats import SHARD_DTYPES, moment_nbytes
+from offloadd.memory.shards import Lease, Shard
+from offloadd.metrics import Counters, Histogram, histogram_family
+from offloadd.protocol import DTYPE_ITEMSIZE, Placed, torch_dtypes
+
+if TYPE_CHECKING:
+    import torch
+    from prometheus_client.core import Metric
+
+    from offloadd.protocol import OptimizerStep
+    from offloadd.service.jobs import Job
+
+log = logging.getLogger(__name__)
+
+
+STATE_SUFFIXES = ("master", "exp_avg", "exp_avg_sq", "grad")
+
+
+MOMENT_FORMAT_OF_DTYPE = {dtype: fmt for fmt, dtype in SHARD_DTYPES.items()}
+"""Shard dtype tag of a moment -> its format (uint8: 8-bit block-wise)."""
+
+
+def element_count(shard: Shard) -> int:
+    return shard.nbytes // DTYPE_ITEMSIZE[shard.dtype]
+
+
+def check_unit_shards(unit: str, state: list[Shard], param: Shard | None) -> None:
+    """The step's shards must agree on element count and carry the expected dtypes."""
+    master, exp_avg, exp_avg_sq, grad = state
+    if master.dtype != "float32":
+        raise InvalidRequestError(
+            f"{master.shard_id!r} must be float32 for the optimizer step, not {master.dtype}")
+    numel = element_count(master)
+    _check_moments(unit, exp_avg, exp_avg_sq, numel)
+    if grad.dtype not in ("float32", "bfloat16"):
+        raise InvalidRequestError(f"{grad.shard_id!r} must be float32 or bfloat16")
+    if param is not None and param.dtype not in ("float32", "bfloat16", "float16"):
+        raise InvalidRequestError(f"{param.shard_id!r} must be float32, bfloat16 or float16")
+    for shard in (grad, *((param,) if param else ())):
+        if element_count(shard) != numel:
+            raise InvalidRequestError(
+                f"unit {unit!r}: {shard.shard_id!r} has {element_count(shard)} elements, "
+                f"{master.shard_id!r} has {numel}")
+
+
+def _check_moments(unit: str, exp_avg: Shard, exp_avg_sq: Shard, numel: int) -> None:
+    """Both moments in one format, each of the size that format gives ``numel`` elements."""
+    for shard in (exp_avg, exp_avg_sq):
+        if shard.dtype not in MOMENT_FORMAT_OF_DTYPE:
+            raise InvalidRequestError(
+                f"{shard.shard_id!r} must be float32, bfloat16 or uint8 (8-bit block-wise) for "
+                f"the optimizer step, not {shard.dtype}")
+    if exp_avg.dtype != exp_avg_sq.dtype:
+        raise InvalidRequestError(
+            f"unit {unit!r}: {exp_avg.shard_id!r} is {exp_avg.dtype} but "
+            f"{exp_avg_sq.shard_id!r} is {exp_avg_sq.dtype}: both moments share one format")
+    fmt = MOMENT_FORMAT_OF_DTYPE[exp_avg.dtype]
+    expected = moment_nbytes(fmt, numel)
+    for shard in (exp_avg, exp_avg_sq):
+        if shard.nbytes != expected:
+            raise InvalidRequestError(
+                f"unit {unit!r}: {shard.shard_id!r} has {shard.nbytes} bytes, but a {fmt} "
+                f"moment of {numel} elements (the master's) takes {expected}")
+
+
+def rounding_seed(rank: int, unit: str) -> int:
+    """Seed of a unit's stochastic rounding: distinct per rank and unit, the same across
+    restarts (a resumed run rounds as the uninterrupted one would have)."""
+    return zlib.crc32(f"{rank}:{unit}".encode())
+
+
+class OptimizerService:
+    """Runs optimizer steps for every job on one worker thread (the kernel is multithreaded)."""
+
+    def __init__(self, num_threads: int = 0) -> None:
+        self.num_threads = num_threads or None
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offloadd-adam")
+        self.step_seconds = Histogram()
+        self.steps = Counters("offloadd_optimizer_steps", "Optimizer steps run, by status.",
+                              ["status"])
+        self.elements = 0
+        self.worker_slot = FairSlot()
+        """The worker, handed to waiting jobs in turn: one job's queue of 400 steps
+        must not delay another job's step by 400 steps."""
+
+    def stats(self) -> dict[str, float]:
+        return {"steps": sum(self.steps.values.values()), "step_s": self.step_seconds.total,
+                "elements": self.elements, "queued": self.worker_slot.num_waiting()}
+
+    async def step(self, job: Job, rank: int, req: OptimizerStep) -> None:
+        if req.step < 1:
+            raise InvalidRequestError(f"optimizer step count must be >= 1, got {req.step}")
+        state = job.table.lookup(rank, [f"{req.unit}.{suffix}" for suffix in STATE_SUFFIXES])
+        param = job.table.shards.get((rank, f"{req.unit}.param"))
+        check_unit_shards(req.unit, state, param)
+        shards = [*state, *((param,) if param else ())]
+        ids = [shard.shard_id for shard in shards]
+        # Leases are taken only when the worker is free: a queue of waiting steps
+        # holding write leases would pin their whole state in the arena and starve
+        # the swap tier. Until then the swap tier keeps the state the step will use
+        # resident and reads the rest ahead, evicting only what is needed later.
+        slot = self.worker_slot
+        job.expect_step(rank, shards, state, self._due_s())
+        try:
+            await slot.acquire(job.name)
+            try:
+                outcome = await self._start_leased(job, rank, shards, ids, req)
+            except BaseException:
+                slot.release()
+                raise
+        finally:
+            job.unexpect_step(shards)
+        outcome.add_done_callback(lambda _f: slot.release())
+        await asyncio.shield(outcome)
+        if req.drop_grad:
+            await self._drop_grad(job, rank, state[3])
+
+    def _due_s(self) -> float:
+        """When a step queued now should get the worker: the steps ahead of it (every job's)
+        times the mean kernel time so far."""
+        count = sum(self.steps.values.values())
+        mean_s = self.step_seconds.total / count if count else 0.0
+        return (self.worker_slot.num_waiting() + self.worker_slot.busy) * mean_s
+
+    @staticmethod
+    async def _drop_grad(job: Job, rank: int, grad: Shard) -> None:
+        """Forget the consumed gradient before the step is answered, so the rank's
+        re-creation comes after it. Best effort: a shard the rank leased again meanwhile
+        stays (the rank's next window overwrites it whole either way)."""
+        try:
+            pending = job.drop(rank, [grad.shard_id])
+            if pending is not None:
+                await pending
+        except (LeaseConflictError, UnknownShardError) as exc:
+            log.debug("event=grad_drop_skipped shard=%s error=%r", grad.shard_id, exc)
+
+    async def _start_leased(self, job: Job, rank: int, shards: list[Shard], ids: list[str],
+                            req: OptimizerStep) -> asyncio.Future[None]:
+        """Lease the unit's shards and start the kernel; the future ends once the leases
+        are released, which happens only after the kernel thread has returned.
+
+        Hazard: cancelling the awaiting task (the rank disconnected) does not stop the
+        kernel thread. Were the write leases released at the cancellation, a write-back,
+        an eviction or another writer would use shards the kernel is still writing.
+        """
+        leases: dict[Shard, Lease] = {}
+        # The kernel writes the param whole: a swapped-out one is placed, not read.
+        overwrite = frozenset(shards[4:])
+        job.steps_holding += 1  # its batch pins, then leases, until _finish released them
+        try:
+            placed = job.acquire_for_step(rank, ids, leases, overwrite)
+            if not isinstance(placed, Placed):
+                await placed  # the tier had to read some state back from swap first
+        except BaseException:
+            job.steps_holding -= 1
+            raise
+        job.unexpect_step(shards)
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        kernel = loop.run_in_executor(self.executor, self._run, job, rank, shards, req)
+        outcome: asyncio.Future[None] = loop.create_future()
+
+        def on_kernel_end(done: asyncio.Future[None]) -> None:
+            ok = not done.cancelled() and done.exception() is None
+            try:
+                self._finish(job, rank, shards, leases, ok, started)
+            except BaseException as exc:  # handed to the awaiting step
+                outcome.set_exception(exc)
+                return
+            error = None if done.cancelled() else done.exception()
+            if ok:
+                outcome.set_result(None)
+            else:
+                outcome.set_exception(error or asyncio.CancelledError())
+
+        kernel.add_done_callback(on_kernel_end)
+        outcome.add_done_callback(_consume_orphan_result)
+        return outcome
+
+    def _finish(self, job: Job, rank: int, shards: list[Shard], leases: dict[Shard, Lease],
+                ok: bool, started: float) -> None:
+        for shard in shards[:3]:  # master and moments (scheduler.untraced_next_use)
+            shard.optimizer_state = True  # before the release re-keys them for eviction
+        job.steps_holding -= 1  # before the releases wake make_room (tier.note_room)
+        # The gradient is consumed, not changed; the rest is dirty only if the kernel ran.
+        for shard in shards:
+            if (rank, shard.shard_id) not in job.table.shards:
+                raise UnknownShardError(f"{shard.shard_id!r} vanished during the step")
+            dirty = ok and not shard.shard_id.endswith(".grad")
+            job.release(rank, [shard.shard_id], dirty, leases)
+        self.steps.add(("ok" if ok else "error",))
+        if ok:
+            self.step_seconds.observe(time.perf_counter() - started)
+            self.elements += element_count(shards[0])
+
+    @staticmethod
+    def _tensor(job: Job, shard: Shard) -> torch.Tensor:
+        import torch
+
+        assert shard.offset is not None
+        view = job.arena.slice(shard.offset, shard.nbytes)
+        return torch.frombuffer(view, dtype=torch_dtypes()[shard.dtype])
+
+    def _run(self, job: Job, rank: int, shards: list[Shard], req: OptimizerStep) -> None:
+        """On the worker thread (torch is imported here, off the event loop)."""
+        from offloadd.compute import adam
+
+        views = [self._tensor(job, shard) for shard in shards]
+        master, exp_avg, exp_avg_sq, grad = views[:4]
+        adam.adam_step(
+            master, exp_avg, exp_avg_sq, grad,
+            step=req.step, lr=req.lr, beta1=req.beta1, beta2=req.beta2, eps=req.eps,
+            weight_decay=req.weight_decay, decoupled_weight_decay=req.decoupled_weight_decay,
+            grad_scale=req.grad_scale, param_out=views[4] if len(views) > 4 else None,
+            num_threads=self.num_threads, rounding_seed=rounding_seed(rank, req.unit),
+        )
+
+    def families(self) -> list[Metric]:
+        from prometheus_client.core import CounterMetricFamily
+
+        elements = CounterMetricFamily(
+            "offloadd_optimizer_elements", "Parameters updated by the optimizer service.")
+        elements.add_metric([], self.elements)
+        return [
+            self.steps.family(),
+            elements,
+            histogram_family("offloadd_optimizer_step_duration_seconds",
+                             "Wall time of one unit's optimizer step.", [],
+                             [([], self.step_seconds)]),
+        ]
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)
+
+
+class FairSlot:
+    """One slot handed to waiters round robin across keys (jobs), FIFO within a key."""
+
+    def __init__(self) -> None:
+        self.busy = False
+        self.waiting: OrderedDict[str, deque[asyncio.Future[None]]] = OrderedDict()
+
+    def num_waiting(self) -> int:
+        return sum(len(queue) for queue in self.waiting.values())
+
+    async def acquire(self, key: str) -> None:
+        if not self.busy and not self.waiting:
+            self.busy = True
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.setdefault(key, deque()).append(turn)
+        try:
+            await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.release()  # handed the slot as the waiter was cancelled: pass it on
+            else:
+                self._forget(key, turn)
+            raise
+
+    def _forget(self, key: str, turn: asyncio.Future[None]) -> None:
+        queue = self.waiting.get(key)
+        if queue is not None and turn in queue:
+            queue.remove(turn)
+            if not queue:
+                del self.waiting[key]
+
+    def release(self) -> None:
+        """Hand the slot to the first waiter of the next key; that key goes to the back."""
+        while self.waiting:
+            key, queue = next(iter(self.waiting.items()))
+            turn = queue.popleft()
+            if queue:
+                self.waiting.move_to_end(key)
+            else:
+                del self.waiting[key]
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.busy = False
+
+
+def _consume_orphan_result(future: asyncio.Future[None]) -> None:
+    """A step whose rank went away has nobody awaiting its outcome: retrieve it here."""
+    if not future.cancelled():
+        future.exception()

@@ -1,0 +1,5 @@
+"""The arena and what lives in it: the shared-memory arena and its allocator, the shard table
+(residency, versions, leases), each rank's learned access trace and the eviction order it drives.
+
+Imports the contract (``offloadd.protocol``, ``errors``, ``config``) and nothing above it.
+"""

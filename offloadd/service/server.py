@@ -1,0 +1,284 @@
+"""The daemon: listens on the unix socket, owns jobs, tiers, metrics and the optimizer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import platform
+import shutil
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from offloadd import __version__
+from offloadd.compute.optimizer import OptimizerService
+from offloadd.config import SERVICE_SOCKET_DIR, DaemonConfig, parse_host_port
+from offloadd.gpu.device_copies import DeviceCopiesService
+from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
+from offloadd.protocol import socket_peer
+from offloadd.service.auth import JobAuthority
+from offloadd.service.jobs import Job, JobRegistry
+from offloadd.service.lifecycle import IdleExit, JobLifecycle
+from offloadd.service.limits import LimitGuard
+from offloadd.service.session import Session
+
+log = logging.getLogger(__name__)
+LAG_PERIOD_S = 0.25
+
+
+def adam_kernel() -> str:
+    """The kernel optimizer steps use (adam.active_kernel), read from the native module:
+    importing offloadd.compute.adam would import torch, which waits for the first step."""
+    try:
+        from offloadd import _native
+    except ImportError:
+        return "torch"
+    return next(iter(_native.adam_kernels()), "torch")
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd about readiness/watchdog when run as a Type=notify service."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock, contextlib.suppress(OSError):
+        sock.sendto(message.encode(), address)
+
+
+class Daemon:
+    """One per node. ``await start()`` then ``await wait_closed()``; ``stop()`` from anywhere."""
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.config = config
+        self.metrics = DaemonMetrics()
+        self.jobs = JobRegistry(config.arena_size, config.job_arena_share, lock=config.mlock,
+                                hugepages=config.arena_hugepages,
+                                prefault=config.arena_prefault,
+                                prefault_rate=config.arena_prefault_rate)
+        self.optimizer = OptimizerService(config.optimizer_threads)
+        self.sessions: set[Session] = set()
+        self.auth = JobAuthority(require_job_secret=config.require_job_secret)
+        self.lifecycle = JobLifecycle(self, config.job_linger_s)
+        self.idle_exit = (IdleExit(self, config.exit_when_idle_s)
+                          if config.exit_when_idle_s is not None else None)
+        """A private daemon's end once its ranks are gone; None for a node daemon."""
+        self.limits = LimitGuard(config.limits(), self.metrics, self.jobs,
+                                 fds_per_job=1 + len(config.swap_dirs))
+        self.swap: Any = None
+        self._session_ids = itertools.count(1)
+        self._server: asyncio.AbstractServer | None = None
+        self._metrics_server: Any = None
+        self._stopped = asyncio.Event()
+        self._background: list[asyncio.Task[None]] = []
+        self.started_at = time.time()
+        self.metrics.sources.append(self._families)
+        self.metrics.sources.append(self.optimizer.families)
+        self.device_copies = DeviceCopiesService()
+        """Daemon-driven copies between arenas and ranks' GPU staging slots."""
+        self.metrics.sources.append(self.device_copies.metrics.families)
+
+    # -- lifecycle ----------------------------------------------------------------
+
+    async def start(self) -> None:
+        if self.config.swap_dirs:
+            from offloadd.swap.nvme import SwapSpace
+
+            self.swap = SwapSpace(self.config, self.metrics, reject=self.limits.reject,
+                                  owner_of=lambda name: getattr(self.jobs.jobs.get(name),
+                                                                "owner_uid", None))
+            await self.swap.open()
+            if self.config.recover:
+                await self.swap.recover(self.jobs,
+                                        lambda name: self._open_tier(name, recovering=True))
+                for name, tier in self.swap.tiers.items():  # a restart keeps who owns a job
+                    self.auth.restore(name, tier.recovered_owner)
+        self._server = await self._listen()
+        if self.config.metrics_addr:
+            host, port = parse_host_port(self.config.metrics_addr)
+            self._metrics_server = serve_metrics(
+                build_registry(self.metrics), host, port,
+                idle_timeout_s=self.config.metrics_idle_timeout_s,
+                max_connections=self.config.max_metrics_connections)
+        self._background.append(asyncio.ensure_future(self._watch_loop_lag()))
+        if self.idle_exit is not None:
+            self.idle_exit.start()
+        sd_notify("READY=1")
+
+    async def _listen(self) -> asyncio.AbstractServer:
+        path = self.config.socket
+        if os.path.dirname(path) == SERVICE_SOCKET_DIR:  # the default of a root daemon
+            os.makedirs(SERVICE_SOCKET_DIR, mode=0o755, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            if os.path.exists(path) and not _socket_in_use(path):
+                os.unlink(path)
+        loop = asyncio.get_running_loop()
+        server = await loop.create_unix_server(
+            lambda: Session(self, next(self._session_ids)), path, backlog=512)
+        os.chmod(path, 0o660)
+        return server
+
+    async def wait_closed(self) -> None:
+        await self._stopped.wait()
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def stop(self) -> None:
+        """Close the listener and every session, finish IO, release every arena."""
+        if self._server is not None:
+            self._server.close()
+        for session in list(self.sessions):
+            if session.transport is not None:
+                session.transport.close()
+        await asyncio.sleep(0)
+        for task in self._background:
+            task.cancel()
+        if self.idle_exit is not None:
+            self.idle_exit.close()
+        await self.lifecycle.close()
+        if self.swap is not None:
+            await self.swap.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        self.optimizer.close()
+        self.jobs.close()
+        # Only a daemon that listened owns the path: one that failed to start because
+        # another daemon serves there must not delete that daemon's socket.
+        if self._server is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.config.socket)
+            # A private daemon may outlive the rank that made these dirs: it removes them.
+            for path in self.config.scratch_dirs:
+                shutil.rmtree(path, ignore_errors=True)
+        self._stopped.set()
+
+    def open_job(self, name: str, arena_nbytes: int) -> Job:
+        make_tier = (lambda: self._open_tier(name)) if self.swap is not None else None
+        job, _created = self.jobs.open(name, arena_nbytes, make_tier)
+        return job
+
+    def _open_tier(self, name: str, *, recovering: bool = False) -> Any:
+        from offloadd.swap.tier import open_tier  # with the swap space: only for --swap-dir
+
+        assert self.swap is not None
+        return open_tier(self.swap, name, recovering=recovering,
+                         owner_record=lambda: self.auth.record(name))
+
+    async def open_job_async(self, name: str, arena_nbytes: int) -> Job:
+        """``open_job`` with a new arena made off the loop (see ``JobRegistry.open_async``)."""
+        make_tier = (lambda: self._open_tier(name)) if self.swap is not None else None
+        # The lifecycle owns the job from its creation: a hello that is cancelled (its
+        # client left, or its hello timer fired) while the arena is made leaves no leak.
+        return await self.jobs.open_async(name, arena_nbytes, make_tier,
+                                          on_created=self.lifecycle.created)
+
+    # -- health and stats ---------------------------------------------------------
+
+    async def _watch_loop_lag(self) -> None:
+        """Measure how late timers fire; also feeds systemd's watchdog from the loop itself."""
+        loop = asyncio.get_running_loop()
+        watchdog = self.config.watchdog and bool(os.environ.get("WATCHDOG_USEC"))
+        while True:
+            expected = loop.time() + LAG_PERIOD_S
+            await asyncio.sleep(LAG_PERIOD_S)
+            self.metrics.loop_lag.observe(max(0.0, loop.time() - expected))
+            if watchdog:
+                sd_notify("WATCHDOG=1")
+
+    def node_stats(self) -> dict[str, object]:
+        return {
+            "daemon_pid": os.getpid(),
+            "daemon_version": __version__,
+            "uptime_s": time.time() - self.started_at,
+            "budget_nbytes": self.jobs.budget_nbytes,
+            "reserved_nbytes": self.jobs.reserved_nbytes,
+            "num_jobs": len(self.jobs.jobs),
+            "num_sessions": len(self.sessions),
+            "adam_kernel": adam_kernel(),
+            "swap": self.swap.stats() if self.swap is not None else None,
+            "optimizer": self.optimizer.stats(),
+        }
+
+    def _families(self) -> Iterator[Any]:
+        jobs = list(self.jobs.jobs.values())
+        yield gauge("offloadd_arena_budget_bytes", "The daemon's DRAM budget for all arenas.",
+                    self.jobs.budget_nbytes)
+        per_job = [
+            ("offloadd_arena_capacity_bytes", "Arena size of each job.",
+             lambda j: j.arena.nbytes),
+            ("offloadd_arena_backed_bytes", "Arena bytes the prefault has backed so far "
+             "(pages past it are backed on first touch).", lambda j: j.arena.backed_nbytes),
+            ("offloadd_arena_used_bytes", "Arena bytes allocated to shards.",
+             lambda j: j.arena.allocator.used_nbytes),
+            ("offloadd_arena_largest_free_bytes", "Largest free extent (fragmentation).",
+             lambda j: j.arena.allocator.largest_free()),
+            ("offloadd_arena_leased_bytes", "Arena bytes pinned by leases.",
+             lambda j: j.table.leased_nbytes()),
+            ("offloadd_shards", "Shards known per job.", lambda j: len(j.table.shards)),
+            ("offloadd_job_swap_used_bytes", "Swap bytes holding each job's chunks (all dirs).",
+             lambda j: j.swap_usage()[0]),
+        ]
+        for name, doc, read in per_job:
+            yield gauge(name, doc, 0, [JOB_LABEL], [([j.name], read(j)) for j in jobs])
+        yield gauge("offloadd_sessions", "Connected rank sessions.", len(self.sessions))
+        yield gauge("offloadd_build_info", "Build and active code paths.", 1,
+                    ["version", "adam_kernel", "io_engine", "python"],
+                    [([__version__, adam_kernel(), self._io_engine_name(),
+                       platform.python_version()], 1)])
+
+    def _io_engine_name(self) -> str:
+        engine = getattr(self.swap, "engine", None)
+        return str(getattr(engine, "name", "none"))
+
+
+def _socket_in_use(path: str) -> bool:
+    """A live daemon answers on the path; a stale file from a crash does not."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+        pid, uid = socket_peer(probe)
+    raise RuntimeError(f"another process (pid {pid}, uid {uid}) is listening on {path}; stop "
+                       "it or pick another --socket (in a dir only the daemon's uid can write)")
+
+
+def run(config: DaemonConfig, *, ready_message: bool = True) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the process exit code."""
+    import uvloop
+
+    return uvloop.run(_main(config, ready_message))
+
+
+async def _main(config: DaemonConfig, ready_message: bool) -> int:
+    daemon = Daemon(config)
+    try:
+        await daemon.start()
+    except (OSError, RuntimeError, ValueError) as exc:
+        log.error("event=start_failed error=%r", str(exc))
+        print(f"offloadd: cannot start: {exc}", file=sys.stderr, flush=True)
+        await daemon.stop()
+        return 1
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, daemon.request_stop)
+    if ready_message:
+        metrics = ""
+        if daemon._metrics_server is not None:  # the bound port, also when asked for port 0
+            host, port = daemon._metrics_server.server_address[:2]
+            metrics = f" metrics_addr={host}:{port}"
+        print(f"offloadd ready socket={config.socket} pid={os.getpid()} "
+              f"arena_size={config.arena_size}{metrics}", flush=True)
+    await daemon.wait_closed()
+    log.info("event=stopping sessions=%d", len(daemon.sessions))
+    await daemon.stop()
+    return 0

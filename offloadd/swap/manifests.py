@@ -1,0 +1,140 @@
+"""Reading flush manifests at recovery: two generations, and quarantine of a bad job.
+
+A flush replaces ``manifest.json`` atomically; just before, the manifest it
+replaces is hard-linked as ``manifest.prev.json``, so a newest manifest that
+is torn or corrupt on disk (a bad block, a copy gone wrong) still recovers
+the generation before it. A manifest that parses but does not fit this
+daemon (another swap-dir list, a replaced drive) quarantines its job: the
+daemon starts and the other jobs recover, while a hello for the quarantined
+one gets a typed error saying why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from offloadd.swap.swapdirs import FILE_FLAGS, open_private_subdir
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+PREVIOUS = "manifest.prev.json"
+REQUIRED_KEYS = ("format", "job", "arena_nbytes", "dirs", "shards", "tag")
+
+
+class ManifestError(ValueError):
+    """A manifest that cannot be read or does not fit this daemon."""
+
+
+def keep_previous_generation(dir_fd: int) -> None:
+    """Hard-link the current manifest as the previous generation (before a new one replaces it).
+
+    The link is made under a temp name and renamed, so ``manifest.prev.json`` is
+    always one whole earlier manifest; the directory fsync of the write that follows
+    makes it durable together with the new one. Names are relative to the job's
+    checked dir fd (``offloadd.swap.swapdirs``), and no symlink is followed.
+    """
+    try:
+        os.stat(MANIFEST, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    staging = PREVIOUS + ".tmp"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(staging, dir_fd=dir_fd)
+    os.link(MANIFEST, staging, src_dir_fd=dir_fd, dst_dir_fd=dir_fd, follow_symlinks=False)
+    os.replace(staging, PREVIOUS, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+
+
+def _staged_name(name: str) -> str:
+    return Path(name).with_suffix(".tmp").name
+
+
+def stage_file(dir_fd: int, name: str, data: bytes) -> None:
+    """Write and fsync ``name``'s temp file; ``name`` itself is untouched (then
+    ``publish_staged``: the old or the new file, never half).
+
+    The temp file is made anew (O_EXCL | O_NOFOLLOW) relative to the checked dir fd: a
+    symlink planted at its name is removed, never written through.
+    """
+    tmp = _staged_name(name)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp, dir_fd=dir_fd)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600, dir_fd=dir_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def discard_staged(dir_fd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_staged_name(name), dir_fd=dir_fd)
+
+
+def publish_staged(dir_fd: int, name: str) -> None:
+    """Rename the staged temp file over ``name`` and fsync the directory."""
+    os.replace(_staged_name(name), name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.fsync(dir_fd)
+
+
+def _read_file(dir_fd: int, name: str) -> bytes:
+    fd = os.open(name, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
+    with os.fdopen(fd, "rb") as handle:
+        return handle.read()
+
+
+def parse_manifest(dir_fd: int, path: Path, job: str) -> dict[str, Any]:
+    try:
+        manifest = json.loads(_read_file(dir_fd, path.name))
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ManifestError(f"{path} is unreadable or torn: {exc}") from exc
+    if not isinstance(manifest, dict) or any(key not in manifest for key in REQUIRED_KEYS):
+        raise ManifestError(f"{path} lacks the keys {list(REQUIRED_KEYS)}")
+    if manifest["job"] != job:
+        raise ManifestError(f"{path} names job {manifest['job']!r}, not its folder's {job!r}")
+    return manifest
+
+
+def read_job_manifest(job_dir: Path, root_fd: int) -> dict[str, Any]:
+    """The newest whole manifest of a job: ``manifest.json``, else the generation before.
+    The job's dir must be private to the daemon (``offloadd.swap.swapdirs``): another uid's dir
+    would let that uid choose what is restored."""
+    dir_fd = open_private_subdir(root_fd, job_dir.name, job_dir, create=False)
+    try:
+        return _read_generations(dir_fd, job_dir)
+    finally:
+        os.close(dir_fd)
+
+
+def _read_generations(dir_fd: int, job_dir: Path) -> dict[str, Any]:
+    job = job_dir.name
+    try:
+        return parse_manifest(dir_fd, job_dir / MANIFEST, job)
+    except ManifestError as newest_error:
+        previous = job_dir / PREVIOUS
+        if not previous.exists():
+            raise
+        try:
+            manifest = parse_manifest(dir_fd, previous, job)
+        except ManifestError as exc:
+            raise ManifestError(f"{newest_error}; the previous generation too: {exc}") from exc
+        log.warning("event=manifest_fallback job=%s error=%r using=%s", job, str(newest_error),
+                    PREVIOUS)
+        return manifest
+
+
+def jobs_with_manifests(root: Path) -> list[Path]:
+    """Job folders in a swap dir's layout dir holding a manifest of either generation."""
+    if not root.exists():
+        return []
+    return sorted(p for p in root.iterdir()
+                  if p.is_dir() and not p.is_symlink()
+                  and ((p / MANIFEST).exists() or (p / PREVIOUS).exists()))

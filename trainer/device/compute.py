@@ -1,0 +1,96 @@
+"""Which device a rank computes on and which process-group backend goes with it.
+
+DeepSpeed's behaviour: ``cuda:{LOCAL_RANK}`` with NCCL when CUDA is available,
+CPU with gloo otherwise; config ``"device": "cpu"`` forces CPU even on a GPU
+host, ``"device": "cuda"`` makes a missing GPU an error instead of a silent
+CPU run. NCCL cannot carry Python objects on CPU tensors cheaply and barriers
+on it need a device, so object collectives and barriers use a gloo side group
+(``side_group``) created once on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from trainer.device.copy_engine import CopyEngineUnavailableError, require_cuda
+
+log = logging.getLogger("trainer.device.compute")
+
+DeviceChoice = Literal["auto", "cpu", "cuda"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class ComputeDevice:
+    """Where one rank computes."""
+
+    device: torch.device
+    """The module, flat buffers, gathered params and reduced grads live here."""
+    dist_backend: Literal["nccl", "gloo"]
+    """Backend of the data-parallel process group."""
+    reason: str
+    """Why this device was picked (logged once)."""
+
+
+def resolve_device(choice: DeviceChoice = "auto", *,
+                   local_rank: int | None = None) -> ComputeDevice:
+    """The compute device for ``choice`` (config key ``device``)."""
+    if choice not in ("auto", "cpu", "cuda"):
+        raise ValueError(f'device must be "auto", "cpu" or "cuda", got {choice!r}')
+    if choice == "cpu":
+        return _cpu_compute('config "device": "cpu"')
+    try:
+        require_cuda()
+    except CopyEngineUnavailableError as error:
+        if choice == "cuda":
+            raise CopyEngineUnavailableError(f'config "device": "cuda" but {error}') from error
+        return _cpu_compute(f"no CUDA: {error}")
+    if local_rank is None:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ValueError(f"LOCAL_RANK={local_rank} but this host has {count} visible GPUs; "
+                         "launch at most one rank per GPU (torchrun --nproc-per-node)")
+    return ComputeDevice(device=torch.device("cuda", local_rank), dist_backend="nccl",
+                         reason=f"CUDA available ({count} GPUs)")
+
+
+def _cpu_compute(reason: str) -> ComputeDevice:
+    """CPU compute; on the strict twin (``OFFLOADD_COPY_ENGINE=twin`` with
+    ``OFFLOADD_TWIN_DEVICE=strict``) its tensors live on the twin's device ``twin:0``."""
+    from trainer.device.copy_engine import COPY_ENGINE_ENV
+    from trainer.device.twin import TWIN_DEVICE_ENV, twin_device, twin_device_mode
+
+    if os.environ.get(COPY_ENGINE_ENV) == "twin" and twin_device_mode() == "strict":
+        return ComputeDevice(device=twin_device(), dist_backend="gloo",
+                             reason=f"{reason}; strict device twin ({TWIN_DEVICE_ENV}=strict)")
+    return ComputeDevice(device=torch.device("cpu"), dist_backend="gloo", reason=reason)
+
+
+def activate(compute: ComputeDevice) -> None:
+    """Make ``compute`` the current device (NCCL maps a rank to its GPU through it)."""
+    if compute.device.type == "cuda":
+        torch.cuda.set_device(compute.device)
+    log.info("computing on %s with %s (%s)", compute.device, compute.dist_backend,
+             compute.reason)
+
+
+_side_groups: dict[int, Any] = {}
+
+
+def side_group() -> Any:
+    """A gloo group over the whole world for object collectives and barriers.
+
+    ``None`` (the default group) when the default group already is gloo. Every rank
+    must call this the first time in the same order (``new_group`` is collective)."""
+    if not dist.is_initialized() or dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _side_groups:
+        _side_groups[key] = dist.new_group(backend="gloo")
+    return _side_groups[key]

@@ -1,0 +1,345 @@
+"""The strict device twin: on CPU, device memory is a kind of tensor of its own.
+
+The twin copy engine (``trainer.device.copy_engine.TwinCopyEngine``) plays CUDA's copy
+streams on a worker thread; with ``OFFLOADD_TWIN_DEVICE=strict`` the compute
+device is ``twin:0`` as well, and its tensors refuse what CUDA refuses, so code
+that would fail on a GPU fails here:
+
+- ``twin`` is torch's PrivateUse1 device, renamed and set up as a Python
+  backend; its only kernels are the allocators, which return ``DeviceTensor``:
+  a CPU tensor whose Python type says "device memory". ``torch.empty(...,
+  device=twin)``, ``tensor.to(twin)``, ``model.to(twin)`` (then ``adopt_module``)
+  all give device tensors; ``.device`` reads ``twin:0``.
+- An op that mixes a device tensor with a host tensor raises
+  ``HostDeviceMixError``, except where CUDA allows it: 0-dim host tensors
+  (scalars), ``copy_`` either way, host index tensors into device tensors.
+- ``.numpy()``/``__array__`` raise ``HostOnlyCallError``; ``.cpu()`` and
+  ``.to("cpu")`` give a host copy; a host check such as ``client.put``'s sees
+  ``device.type == "twin"``.
+- ``check_collective`` refuses host tensors on the device group, as NCCL does.
+
+Hazard (what it cannot see): autograd's backward kernels run in C++, not
+through ``__torch_function__``, so a host tensor captured by a custom backward
+is not caught; gradients that reach Python (``param.grad``) are device tensors.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+TWIN_DEVICE_ENV = "OFFLOADD_TWIN_DEVICE"
+TWIN_DEVICE_MODES = ("host", "strict")
+TWIN_TYPE = "twin"
+TWIN = torch.device("cpu")  # replaced by twin:0 once ``install`` ran
+_installed = False
+_install_lock = threading.Lock()
+_library: Any = None  # the torch.library registration must live as long as the process
+
+
+class HostDeviceMixError(RuntimeError):
+    """An op mixed device (twin) tensors with host tensors, which CUDA refuses."""
+
+
+class HostOnlyCallError(RuntimeError):
+    """A host-only call (numpy, a buffer over the bytes) got a device (twin) tensor."""
+
+
+def twin_device_mode() -> str:
+    """``$OFFLOADD_TWIN_DEVICE``: host (twin copies, host tensors) | strict."""
+    mode = os.environ.get(TWIN_DEVICE_ENV) or "host"
+    if mode not in TWIN_DEVICE_MODES:
+        raise ValueError(f"{TWIN_DEVICE_ENV}={mode!r}: expected one of "
+                         f"{', '.join(TWIN_DEVICE_MODES)}")
+    return mode
+
+
+def twin_device() -> torch.device:
+    """The twin's compute device, ``twin:0`` (sets the backend up on first use)."""
+    install()
+    return TWIN
+
+
+def is_twin(device: torch.device | str | None) -> bool:
+    """``device`` is the twin's (False before ``install``: no such device type yet)."""
+    if not _installed or device is None:
+        return False
+    return torch.device(device).type == TWIN_TYPE
+
+
+def is_device_tensor(tensor: Any) -> bool:
+    return isinstance(tensor, DeviceTensor)
+
+
+def install() -> None:
+    """Rename PrivateUse1 to ``twin`` and register its allocators (once per process)."""
+    global TWIN, _installed, _library
+    with _install_lock:
+        if _installed:
+            return
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+        _setup_privateuseone_for_python_backend(rename=TWIN_TYPE)
+        _library = torch.library.Library("aten", "IMPL")
+        _library.impl("empty.memory_format", _empty, "PrivateUse1")
+        _library.impl("empty_strided", _empty_strided, "PrivateUse1")
+        TWIN = torch.device(TWIN_TYPE, 0)
+        _installed = True
+
+
+def _empty(size: Any, dtype: Any = None, layout: Any = None, device: Any = None,
+           pin_memory: Any = None, memory_format: Any = None) -> torch.Tensor:
+    return torch.empty(size, dtype=dtype).as_subclass(DeviceTensor)
+
+
+def _empty_strided(size: Any, stride: Any, dtype: Any = None, layout: Any = None,
+                   device: Any = None, pin_memory: Any = None) -> torch.Tensor:
+    return torch.empty_strided(size, stride, dtype=dtype).as_subclass(DeviceTensor)
+
+
+# ---------------------------------------------------------------------------
+# the device tensor
+
+
+def _tensors(values: Any) -> Iterator[torch.Tensor]:
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, list | tuple):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    yield item
+
+
+def _host_operand(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The first host tensor with data (not a 0-dim scalar) among the operands."""
+    for tensor in _tensors(args):
+        if not isinstance(tensor, DeviceTensor) and tensor.dim() and not tensor.is_meta:
+            return tensor
+    if kwargs:
+        for tensor in _tensors(kwargs.values()):
+            if not isinstance(tensor, DeviceTensor) and tensor.dim() and not tensor.is_meta:
+                return tensor
+    return None
+
+
+def _refuse_mix(func: Any, host: torch.Tensor) -> HostDeviceMixError:
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+    return HostDeviceMixError(
+        f"{name}: a {TWIN} tensor met a host tensor of shape {tuple(host.shape)} "
+        f"({host.dtype}); CUDA refuses mixing devices in one op. Move it with "
+        f".to(device) (a copy engine's h2d for arena bytes), or copy the result to the "
+        f"host with .cpu()")
+
+
+def _plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A host tensor object for ``tensor``'s bytes (no copy)."""
+    return torch.Tensor._make_subclass(torch.Tensor, tensor) if isinstance(
+        tensor, DeviceTensor) else tensor
+
+
+def _wrap(value: Any, args: tuple[Any, ...]) -> Any:
+    if isinstance(value, torch.Tensor):
+        if isinstance(value, DeviceTensor):
+            return value
+        for arg in args:  # an in-place op returns its (host or device) self unchanged
+            if arg is value:
+                return value
+        return value.as_subclass(DeviceTensor)
+    if isinstance(value, tuple | list):
+        return type(value)(_wrap(item, args) for item in value)
+    return value
+
+
+def _to_host(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    with torch._C.DisableTorchFunctionSubclass():
+        copied = tensor.to(dtype=dtype or tensor.dtype, copy=True)
+    return _plain(copied)
+
+
+def _to(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    self = args[0]
+    options = dict(kwargs)
+    copy = bool(options.pop("copy", False))
+    device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **options)
+    if device is not None and device.type == "cpu":
+        return _to_host(self, dtype)
+    if device is not None and device.type != TWIN_TYPE:
+        raise HostDeviceMixError(f"the twin has no device {device}; use {TWIN} or cpu")
+    with torch._C.DisableTorchFunctionSubclass():
+        moved = self.to(dtype=dtype or self.dtype, copy=copy)
+    return _wrap(moved, args)
+
+
+def _set_data(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    self, value = args
+    with torch._C.DisableTorchFunctionSubclass():
+        func(self, value)
+    if not isinstance(value, DeviceTensor):  # the tensor moved to the host
+        self.__class__ = nn.Parameter if isinstance(self, nn.Parameter) else torch.Tensor
+    return None
+
+
+def _set_grad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    self, value = args
+    if value is not None and isinstance(self, DeviceTensor) != isinstance(value, DeviceTensor):
+        raise HostDeviceMixError(
+            f"assigned grad on {'host' if not isinstance(value, DeviceTensor) else TWIN} to a "
+            f"tensor on {'host' if not isinstance(self, DeviceTensor) else TWIN}; CUDA refuses "
+            "a gradient on another device than its tensor")
+    with torch._C.DisableTorchFunctionSubclass():
+        func(self, value)
+    return None
+
+
+def _index(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """CUDA indexes a device tensor with host index tensors, not a host tensor with device
+    indices, and refuses a host value stored into a device tensor (and the reverse)."""
+    self, index = args[0], args[1]
+    operands = args[2:] if isinstance(self, DeviceTensor) else (index, *args[2:])
+    for tensor in _tensors(operands):
+        if isinstance(tensor, DeviceTensor) != isinstance(self, DeviceTensor) and tensor.dim():
+            raise _refuse_mix(func, self if isinstance(tensor, DeviceTensor) else tensor)
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*args, **kwargs)
+    return _wrap(result, args) if isinstance(self, DeviceTensor) else result
+
+
+def _host_only(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    raise HostOnlyCallError(
+        f"can't convert {TWIN} device type tensor to numpy (or any host buffer), as CUDA "
+        "refuses for cuda tensors; use Tensor.cpu() to copy the tensor to host memory first "
+        "(or a copy engine's d2h into an arena lease)")
+
+
+def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)  # host <-> device is what copy_ is for
+
+
+def _get_grad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    with torch._C.DisableTorchFunctionSubclass():
+        value = func(*args, **kwargs)
+    if value is None or isinstance(value, DeviceTensor) or not isinstance(args[0], DeviceTensor):
+        return value
+    return value.as_subclass(DeviceTensor)
+
+
+def _backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``Tensor.backward``/``torch.autograd.backward`` with the subclass live: the hooks the
+    backward runs (gradient reduction, copies to the arena) must see device tensors, not
+    what the default handler's ``DisableTorchFunctionSubclass`` would give them."""
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    names = ("grad_tensors", "retain_graph", "create_graph", "inputs")
+    options = dict(zip(names, args[1:], strict=False)) | kwargs
+    if "gradient" in options:  # Tensor.backward's name for it
+        options["grad_tensors"] = options.pop("gradient")
+    outputs = args[0]
+    tensors = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+    inputs = options.get("inputs")
+    inputs_tuple = () if inputs is None else (
+        (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs))
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(options.get("grad_tensors"),
+                                                             len(tensors)),
+                        is_grads_batched=False)
+    create_graph = bool(options.get("create_graph"))
+    retain_graph = options.get("retain_graph")
+    _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph,
+                         create_graph, inputs_tuple, allow_unreachable=True,
+                         accumulate_grad=True)
+
+
+_RULES: dict[Any, Any] = {
+    torch.Tensor.backward: _backward,
+    torch.autograd.backward: _backward,
+    torch.Tensor.to: _to,
+    torch.Tensor.cpu: lambda func, args, kwargs: _to_host(args[0], None),
+    torch.Tensor.numpy: _host_only,
+    torch.Tensor.__array__: _host_only,
+    torch.Tensor.copy_: _copy,
+    torch.Tensor.data.__set__: _set_data,  # type: ignore[attr-defined]
+    torch.Tensor.grad.__set__: _set_grad,  # type: ignore[union-attr]
+    torch.Tensor.grad.__get__: _get_grad,  # type: ignore[union-attr]
+    torch.Tensor._grad.__get__: _get_grad,  # type: ignore[union-attr]
+    torch.Tensor.__getitem__: _index,
+    torch.Tensor.__setitem__: _index,
+    torch._has_compatible_shallow_copy_type: _copy,  # metadata only (Module.to asks it)
+}
+
+
+class DeviceTensor(torch.Tensor):
+    """Bytes in the twin's device memory: a CPU tensor that refuses host operands."""
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return TWIN
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        rule = _RULES.get(func)
+        if rule is not None:
+            return rule(func, args, kwargs)
+        host = _host_operand(func, args, kwargs)
+        if host is not None:
+            raise _refuse_mix(func, host)
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+        return _wrap(result, args)
+
+
+class DeviceParameter(DeviceTensor, nn.Parameter):
+    """A module parameter in the twin's device memory (``adopt_module`` makes them)."""
+
+
+def adopt_module(module: nn.Module) -> None:
+    """After ``module.to(twin)``: its parameters and buffers become device tensors in place.
+
+    ``Module.to`` sets ``param.data``, which keeps each Parameter object (tied weights and
+    the caller's references stay valid) and so its host Python type; this gives each one
+    the device type without a copy."""
+    for param in module.parameters():
+        if type(param) is nn.Parameter and not param.is_meta:
+            param.__class__ = DeviceParameter
+    for owner in module.modules():
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and type(buffer) is torch.Tensor and not buffer.is_meta:
+                owner._buffers[name] = buffer.as_subclass(DeviceTensor)
+
+
+def check_collective(device: torch.device, *tensors: torch.Tensor) -> None:
+    """On the twin's device group every tensor must be device memory, as NCCL requires."""
+    if device.type != TWIN_TYPE:
+        return
+    for tensor in tensors:
+        if not isinstance(tensor, DeviceTensor):
+            raise HostDeviceMixError(
+                f"a host tensor of shape {tuple(tensor.shape)} ({tensor.dtype}) went to a "
+                f"collective on the device group ({device}); NCCL takes device tensors "
+                "only: create it with device=collectives.device (object collectives and "
+                "barriers use the gloo side group)")
+
+
+def check_copy(engine_device: torch.device, dst: torch.Tensor, src: torch.Tensor, *,
+               direction: str) -> None:
+    """A twin copy engine's h2d/d2h on the strict device: one side device, the other host."""
+    if engine_device.type != TWIN_TYPE:
+        return
+    device_side, host_side = (dst, src) if direction == "h2d" else (src, dst)
+    if not isinstance(device_side, DeviceTensor) or isinstance(host_side, DeviceTensor):
+        way = "host -> device" if direction == "h2d" else "device -> host"
+        raise HostDeviceMixError(
+            f"{direction} copies {way}: got dst on {_where(dst)}, src on {_where(src)}; "
+            "allocate device buffers with the copy engine's empty()")
+
+
+def _where(tensor: torch.Tensor) -> str:
+    return str(TWIN) if isinstance(tensor, DeviceTensor) else "host"

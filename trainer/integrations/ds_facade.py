@@ -1,0 +1,436 @@
+"""The DeepSpeed surface that Hugging Face transformers and accelerate call, served by offloadd.
+
+transformers' ``Trainer`` and accelerate's ``DeepSpeedPlugin`` reach DeepSpeed
+through ``import deepspeed`` at a few places: ``deepspeed.initialize`` (in
+``Accelerator.prepare``), ``deepspeed.comm.init_distributed``, ``deepspeed.zero``
+(``from_pretrained`` under ZeRO-3), ``deepspeed.utils.logger``,
+``deepspeed.checkpoint.utils`` and ``deepspeed.ops.adam.DeepSpeedCPUAdam``.
+This module implements exactly those names on top of ``trainer.initialize``;
+``trainer.hf`` registers them as the ``deepspeed`` module of the process that
+asked for it (never on disk, so an installed DeepSpeed is not shadowed).
+
+What the callers expect that ``trainer.initialize`` does not do itself:
+
+- a torch optimizer (the Trainer's default AdamW when the config has no
+  ``optimizer`` section) is turned into the config's ``optimizer`` section and
+  per-group hyper-parameters (``optimizer_section``);
+- a callable ``lr_scheduler`` (the Trainer's scheduler when the config has no
+  ``scheduler`` section) is built over the engine's optimizer and stepped and
+  checkpointed by the engine, as DeepSpeed does;
+- accelerate's backward protocol: ``set_gradient_accumulation_boundary`` then
+  ``backward`` on every micro-batch and ``step`` only at the boundary, with
+  ``scale_wrt_gas=False`` when the loss is already divided
+  (``DeepSpeedEngine``);
+- schedulers need a ``torch.optim.Optimizer`` (``OptimizerView``);
+- under ZeRO-3, ``from_pretrained`` builds the model inside ``deepspeed.zero.Init``
+  (``trainer.zero.Init``: every parameter on ``meta``) and loads it on rank 0 through
+  ``deepspeed.zero.GatheredParameters``, whose writes into parameters not yet
+  materialised are left to ``initialize`` (``GatheredParameters``).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import warnings
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+import trainer
+from trainer.zero import init as zero_init
+from trainer.zero.engine import Engine
+from trainer.zero.optimizer import ZeroOptimizer
+
+logger = logging.getLogger("offloadd.deepspeed")
+
+VALID_LR_SCHEDULES = ["WarmupLR", "WarmupDecayLR"]
+"""DeepSpeed's scheduler names that accelerate looks for (``runtime.lr_schedules``)."""
+
+_HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+class DeepSpeedCPUAdam:
+    """What accelerate builds from a torch Adam/AdamW when the optimizer is offloaded.
+
+    Only a description: the step runs in offloadd (the daemon's CPU Adam).
+    """
+
+    def __init__(self, model_params: Any, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = False, adamw_mode: bool = True,
+                 **_unused: Any) -> None:
+        if amsgrad:
+            raise ValueError("DeepSpeedCPUAdam(amsgrad=True) is not supported by offloadd: "
+                             "use amsgrad=False")
+        self.defaults = {"lr": lr, "betas": tuple(betas), "eps": eps,
+                         "weight_decay": weight_decay}
+        self.adamw_mode = adamw_mode
+        groups = model_params if isinstance(model_params, list) else list(model_params)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.param_groups: list[dict[str, Any]] = groups
+        """As given: accelerate passes the torch optimizer's own list (see ``link_groups``)."""
+
+
+def optimizer_section(optimizer: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The config ``optimizer`` section and param groups equivalent to a torch optimizer."""
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+        decoupled = optimizer.adamw_mode
+    elif isinstance(optimizer, torch.optim.AdamW):
+        decoupled = True
+    elif type(optimizer) is torch.optim.Adam:
+        decoupled = bool(optimizer.defaults.get("decoupled_weight_decay", False))
+    else:
+        raise ValueError(
+            f"offloadd runs Adam/AdamW only, got the optimizer {type(optimizer).__name__}: use "
+            "torch.optim.AdamW (the Trainer's default, optim='adamw_torch') or put an "
+            "'optimizer' section in the DeepSpeed config")
+    if any(group.get("amsgrad") for group in optimizer.param_groups):
+        raise ValueError("amsgrad=True is not supported by offloadd: use amsgrad=False")
+    defaults = {key: optimizer.defaults[key] for key in _HYPER_KEYS}
+    if isinstance(optimizer, DeepSpeedCPUAdam):
+        optimizer.param_groups[:] = [{**defaults, **group} for group in optimizer.param_groups]
+    section = {"type": "AdamW" if decoupled else "Adam",
+               "params": {**defaults, "betas": list(defaults["betas"]),
+                          "adam_w_mode": decoupled}}
+    groups = [{"params": list(group["params"]),
+               **{key: group[key] for key in _HYPER_KEYS if key in group}}
+              for group in optimizer.param_groups]
+    return section, groups
+
+
+class OptimizerView(torch.optim.Optimizer):
+    """The engine's optimizer as a ``torch.optim.Optimizer``, for torch/HF LR schedulers.
+
+    ``param_groups`` is the engine optimizer's own list, so a scheduler's ``lr``
+    reaches the next step. ``step``/``zero_grad`` do nothing: the engine steps at
+    the accumulation boundary inside ``backward``/``step``.
+    """
+
+    def __init__(self, zero: ZeroOptimizer) -> None:  # no super().__init__: no params here
+        self.zero = zero
+        self.defaults = {key: value for key, value in zero.param_groups[0].items()
+                         if key != "params"}
+        self.state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self.overflow = False
+        """The last boundary's step was skipped (fp16 overflow); accelerate reads it."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.zero.param_groups
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        """The engine applies the step; see the class docstring."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in offloadd and are overwritten each window."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.zero.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.zero.load_state_dict(state_dict)
+
+
+class AccumulationMismatchError(ValueError):
+    """accelerate's accumulation boundary and the engine's disagree; names the fix."""
+
+
+class DeepSpeedEngine(nn.Module):
+    """``trainer.Engine`` with the DeepSpeedEngine methods accelerate and the Trainer call."""
+
+    def __init__(self, engine: Engine, config: dict[str, Any], optimizer: OptimizerView) -> None:
+        super().__init__()
+        self.engine = engine
+        self.config = config
+        """The DeepSpeed config dict (the Trainer reads ``config["zero_optimization"]``)."""
+        self.optimizer = optimizer
+        self.lr_scheduler = engine.lr_scheduler
+        self._boundary: bool | None = None
+
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """accelerate's protocol: the next ``backward`` ends a window iff ``is_boundary``."""
+        if is_boundary != self.engine.is_gradient_accumulation_boundary():
+            raise AccumulationMismatchError(
+                f"accelerate ends an accumulation window after {self.engine.micro_steps + 1} "
+                f"micro-batches but gradient_accumulation_steps="
+                f"{self.engine.gradient_accumulation_steps()}: make the number of batches per "
+                "epoch a multiple of gradient_accumulation_steps (dataloader_drop_last=True "
+                "or a dataset size to match)")
+        self._boundary = is_boundary
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True,
+                 **_kwargs: Any) -> torch.Tensor:
+        """Backward of one micro-batch; ``scale_wrt_gas=False``: the loss is already
+        divided by the accumulation steps (the Trainer's token-count normalisation)."""
+        if not scale_wrt_gas:
+            loss = loss * self.engine.gradient_accumulation_steps()
+        self.engine.backward(loss)
+        if self._boundary is False:
+            self.engine.step()  # accelerate calls step() only at the boundary: count this one
+        return loss
+
+    def step(self) -> None:
+        skipped = self.engine.skipped_steps
+        self.engine.step()
+        self.optimizer.overflow = self.engine.skipped_steps != skipped
+        self._boundary = None
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.engine.is_gradient_accumulation_boundary()
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.engine.get_global_grad_norm()
+
+    def get_lr(self) -> list[float]:
+        return self.engine.get_lr()
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.engine.gradient_accumulation_steps()
+
+    def train_batch_size(self) -> int:
+        return self.engine.train_batch_size()
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.engine.train_micro_batch_size_per_gpu()
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: dict[str, Any] | None = None) -> str:
+        return self.engine.save_checkpoint(save_dir, tag, client_state=client_state)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
+                        **options: bool) -> tuple[str | None, dict[str, Any]]:
+        return self.engine.load_checkpoint(load_dir, tag, **options)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Always: weights are gathered unit by unit, so saving never needs the whole
+        model on a device at once."""
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> dict[str, torch.Tensor]:
+        """The full model in the training dtype on rank 0 (``{}`` elsewhere); collective."""
+        from trainer.state.checkpoint import consolidate_fp32_state_dict
+
+        state = consolidate_fp32_state_dict(self.engine)
+        dtype = self.engine.precision.dtype
+        if exclude_frozen_parameters:
+            frozen = {name for name, param in self.module.named_parameters()
+                      if not param.requires_grad}
+            state = {name: value for name, value in state.items() if name not in frozen}
+        return {name: value.to(dtype) if value.is_floating_point() else value
+                for name, value in state.items()}
+
+    def save_16bit_model(self, save_dir: str | os.PathLike[str],
+                         save_filename: str = "pytorch_model.bin") -> bool:
+        return self.engine.save_16bit_model(save_dir, save_filename)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
+               config: Any = None, config_params: Any = None, **unused: Any
+               ) -> tuple[DeepSpeedEngine, OptimizerView, Any, Any]:
+    """``deepspeed.initialize`` as accelerate calls it; returns DeepSpeed's 4-tuple."""
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    if mpu is not None:
+        raise ValueError("model parallelism (mpu=) is not supported by offloadd: drop it")
+    source = config if config is not None else config_params
+    if isinstance(source, (str, os.PathLike)):
+        source = _read_json(source)
+    settings = copy.deepcopy(source) if source is not None else None
+    if settings is None and args is not None:
+        settings = _read_json(args.deepspeed_config)
+    if settings is None:
+        raise ValueError("initialize() needs config= or config_params= (a DeepSpeed config)")
+    settings.pop("zero_allow_untested_optimizer", None)
+    settings.pop("zero_force_ds_cpu_optimizer", None)
+    if optimizer is not None:
+        if "optimizer" in settings:
+            raise ValueError("got both an optimizer object and an 'optimizer' config "
+                             "section: remove one of them")
+        settings["optimizer"], model_parameters = optimizer_section(optimizer)
+    engine, zero, loader, scheduler = trainer.initialize(
+        model=model, model_parameters=model_parameters, config=settings,
+        training_data=training_data, collate_fn=collate_fn,
+        dist_init_required=dist_init_required)
+    if optimizer is not None:
+        link_groups(optimizer.param_groups, zero)
+    view = OptimizerView(zero)
+    if lr_scheduler is not None:
+        engine.lr_scheduler = _client_scheduler(lr_scheduler, view, scheduler)
+    wrapped = DeepSpeedEngine(engine, settings, view)
+    return wrapped, view, loader, wrapped.lr_scheduler
+
+
+def link_groups(client_groups: list[dict[str, Any]], zero: ZeroOptimizer) -> None:
+    """Point the client optimizer's ``param_groups`` at the engine's group dicts.
+
+    A torch LR scheduler built on the client's optimizer before ``prepare`` (an
+    Accelerate loop's) keeps writing ``lr`` into that optimizer's groups; DeepSpeed
+    steps that very optimizer, offloadd steps its own, so both must share the dicts.
+    """
+    for index, group in enumerate(client_groups):
+        if "initial_lr" in group:
+            zero.param_groups[index]["initial_lr"] = group["initial_lr"]
+        client_groups[index] = zero.param_groups[index]
+
+
+def _client_scheduler(lr_scheduler: Any, view: OptimizerView, built: Any) -> Any:
+    if built is not None:
+        raise ValueError("got both an lr_scheduler and a 'scheduler' config section: "
+                         "remove one of them")
+    if not callable(lr_scheduler) or hasattr(lr_scheduler, "step"):
+        raise ValueError("pass lr_scheduler as a callable taking the optimizer (the engine "
+                         "builds the scheduler over its own optimizer), or use a 'scheduler' "
+                         "config section")
+    return lr_scheduler(view)
+
+
+def _read_json(path: Any) -> dict[str, Any]:
+    import json
+
+    with open(path, encoding="utf-8") as handle:
+        loaded: dict[str, Any] = json.load(handle)
+    return loaded
+
+
+def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool = True,
+                     distributed_port: int | None = None, verbose: bool = True,
+                     timeout: Any = None, init_method: str | None = None,
+                     dist_init_required: bool | None = None, config: Any = None,
+                     rank: int = -1, world_size: int = -1) -> None:
+    """``deepspeed.comm.init_distributed``: torchrun's group (``trainer.init_distributed``)."""
+    trainer.init_distributed(dist_backend, init_method=init_method, timeout=timeout,
+                             rank=rank, world_size=world_size)
+
+
+class GatheredParameters(zero_init.GatheredParameters):
+    """``deepspeed.zero.GatheredParameters`` as transformers calls it while it builds a model
+    under ZeRO-3 (``from_pretrained``, ``from_config``, inside ``deepspeed.zero.Init``,
+    which is ``trainer.zero.Init`` here).
+
+    Parameters that ``zero.Init`` has not materialised yet have no storage to gather or
+    write, and need none: what transformers writes into them on rank 0 is done again, for
+    real, by ``initialize``, which streams the checkpoint the model was loaded from into
+    the parameters transformers flagged as loaded (``trainer.state.pretrained.pending_source``)
+    and runs the model's init on the rest. So they are passed over (and torch's warning
+    that a copy into ``meta`` does nothing is silenced). Every other parameter is gathered
+    as ``trainer.zero.GatheredParameters`` does. Code that needs their values (an edit
+    such as ``resize_token_embeddings``) gets ``ZeroInitError`` naming the way round.
+    """
+
+    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor],
+                 modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
+                 enabled: bool = True) -> None:
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._pending = enabled and any(zero_init.unmaterialised(param) for param in params)
+        if enabled and modifier_rank is not None and any(
+                param.is_meta and not zero_init.unmaterialised(param) for param in params):
+            # A new meta tensor (resize_token_embeddings' embedding): no checkpoint or init
+            # would give it the values written here.
+            raise zero_init.ZeroInitError(f"GatheredParameters(modifier_rank={modifier_rank}) "
+                                          f"on a 'meta' parameter that zero.Init did not "
+                                          f"build: {_EDIT_BEFORE_INITIALIZE}")
+        super().__init__([param for param in params if not zero_init.unmaterialised(param)],
+                         modifier_rank, fwd_module, enabled)
+        self._quiet = warnings.catch_warnings() if self._pending else None
+
+    def __enter__(self) -> GatheredParameters:
+        if self._quiet is not None:
+            self._quiet.__enter__()
+            warnings.filterwarnings("ignore", message=_META_COPY_WARNING)
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            if self._quiet is not None:
+                self._quiet.__exit__(None, None, None)
+        error = exc[1] if len(exc) > 1 else None
+        if self._pending and isinstance(error, (RuntimeError, NotImplementedError)) and (
+                "meta" in str(error)):
+            raise zero_init.ZeroInitError(
+                f"{type(error).__name__}: {error} -- the values of parameters built under "
+                f"ZeRO-3 were read: {_EDIT_BEFORE_INITIALIZE}") from error
+
+
+_EDIT_BEFORE_INITIALIZE = (
+    "from_pretrained/from_config under ZeRO-3 leave every parameter on 'meta' until the "
+    "Trainer (or accelerate's prepare) initializes offloadd, so the model cannot be read or "
+    "edited before that (resize_token_embeddings, for one). Build and edit the model before "
+    "TrainingArguments(deepspeed=...) / the DeepSpeedPlugin exists (it is then built whole "
+    "on every rank), or edit it once, save_pretrained it and train from that")
+
+_META_COPY_WARNING = ".*copying from a non-meta parameter in the checkpoint to a meta parameter"
+"""torch's ``_load_from_state_dict`` warning for each unmaterialised parameter transformers
+loads into on rank 0 (see ``GatheredParameters``)."""
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., Any], *_args: Any,
+                                           **_kwargs: Any) -> Callable[..., Any]:
+    """``partition_parameters``' constructor wrapper (transformers patches it around
+    ``zero.Init``); ``trainer.zero.Init`` wraps no tensor constructor (it moves each new
+    parameter to ``meta``), so it is the identity."""
+    return fn
+
+
+def clone_tensors_for_torch_save(item: Any, device: torch.device | None = None) -> Any:
+    """``deepspeed.checkpoint.utils.clone_tensors_for_torch_save``: detached copies."""
+    if torch.is_tensor(item):
+        return item.detach().clone() if device is None else item.detach().to(device)
+    if isinstance(item, dict):
+        return type(item)({key: clone_tensors_for_torch_save(value, device)
+                           for key, value in item.items()})
+    if isinstance(item, (list, tuple)):
+        return type(item)(clone_tensors_for_torch_save(value, device) for value in item)
+    return item
+
+
+class Accelerator:
+    """``deepspeed.accelerator.get_accelerator()``: the rank's compute device."""
+
+    def current_device_name(self) -> str:
+        from trainer.device.compute import resolve_device
+
+        return str(resolve_device("auto").device)
+
+    def device_name(self, device_index: int | None = None) -> str:
+        return self.current_device_name().split(":")[0]
+
+    def communication_backend_name(self) -> str:
+        from trainer.dist.distributed import default_backend
+
+        return default_backend()
+
+
+def get_accelerator() -> Accelerator:
+    return Accelerator()

@@ -1,0 +1,838 @@
+"""``DaemonBackend``: the offload component over the offloadd client.
+
+A thin adapter: every ``StateBackend`` call is one or two client calls on
+the shards ``u{N}.master``, ``u{N}.exp_avg``, ``u{N}.exp_avg_sq``,
+``u{N}.grad`` and ``u{N}.param`` of this rank (the session scopes ids by job
+and rank). Gradients are accumulated straight into the leased arena memory
+and the optimizer step runs in the daemon (``optimizer_step_async``), which
+also rewrites ``u{N}.param`` in the training dtype.
+
+``connect_backend`` finds the daemon: ``offloadd.socket`` when configured,
+otherwise local rank 0 of each node starts a private daemon
+(``offloadd.ops.embedded.PrivateDaemon``) and shares its socket path with the
+node's other ranks through a collective. No rank stops that daemon: it ends by
+itself once the node's last rank is done (``_start_private_daemon``). Each rank
+closes its job when its engine closes, or at interpreter exit (``_close_at_exit``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import socket
+import tempfile
+import time
+import uuid
+import warnings
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from offloadd import moment_codec
+from offloadd.formats import SHARD_DTYPES, MomentFormat, moment_nbytes
+from trainer.config import EngineConfig
+from trainer.device.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue
+from trainer.dist.collectives import Collectives, node_key
+from trainer.lease_debug import check_view
+from trainer.offload.backend import (
+    MOMENT_KINDS,
+    STATE_KINDS,
+    AdamHyper,
+    StateBackend,
+    StepHandle,
+    UnitSpec,
+    squared_norm,
+)
+from trainer.offload.daemon_copies import (
+    DaemonCopies,
+    open_daemon_copies,
+    report_rank_copies,
+)
+
+MIB = 1 << 20
+MIN_INFLIGHT_STEPS = 2
+"""Optimizer steps one rank may always keep queued in the daemon: two keep the daemon's
+worker busy back to back."""
+INFLIGHT_STEPS_ARENA_FRACTION = 4
+"""Beyond ``MIN_INFLIGHT_STEPS``, a rank's queued steps pin at most 1/4 of its share of the
+arena. Each pins its unit's five shards (~18 B/param) until it runs, so an unbounded queue
+can fill an arena with leases nothing can evict; what fits is bounded by arena room, not by
+whether the state may swap."""
+SHARD_KINDS = (*STATE_KINDS, "grad", "param")
+DEVICE_COPIES_ENV = "OFFLOADD_DEVICE_COPIES"
+
+
+class DaemonBackend(StateBackend):
+    """Optimizer state as daemon shards; Adam runs in the daemon."""
+
+    def __init__(self, client: Any, *, collectives: Collectives,
+                 private_daemon: Any | None = None, swaps: bool = False,
+                 copies: CopyEngine | None = None, device_copies: str = "rank",
+                 staging_slots: int = 4, local_rank: int = 0,
+                 staging_readahead_slots: int = 0,
+                 moment_format: MomentFormat = "float32") -> None:
+        self.client = client
+        self.moment_format: MomentFormat = moment_format
+        """How exp_avg / exp_avg_sq shards are stored (``offload_optimizer.state_dtype``)."""
+        self.copies = copies or InlineCopyEngine()
+        """Moves lease bytes to/from the compute device (see trainer.device.copy_engine)."""
+        self.device_copies_path = "rank"
+        """Who copies shards to/from the device: rank | daemon (trainer.offload.daemon_copies)."""
+        self.device_copies_reason = ""
+        """Why the rank copies although "daemon" was asked for."""
+        self._daemon_copies: DaemonCopies | None = None
+        self._daemon_copies_pending = device_copies == "daemon"
+        """Opened at the first copy, once every unit is registered (slots fit the largest)."""
+        self._staging_slots, self._local_rank = staging_slots, local_rank
+        self._readahead_slots = staging_readahead_slots
+        self.releases = ReleaseQueue(self.copies)
+        """Leases whose copies are in flight: released/committed only after their event."""
+        self._leased_for_copy: set[str] = set()
+        """Shard ids with a release waiting in ``releases``."""
+        self.arena_pinned = "not_attempted"
+        """cudaHostRegister of this rank's arena mapping: pinned | failed | not_attempted."""
+        self._pinned_address = 0
+        self._pin_arena()
+        if device_copies == "rank" and not self.copies.zero_copy:
+            report_rank_copies(self.client, self.arena_pinned)
+        self.swaps = swaps
+        """The state may live on NVMe: prefetch hints are worth their round trip."""
+        self.collectives = collectives
+        self.private_daemon = private_daemon
+        """The private daemon this rank started (local rank 0), else None. Not stopped by
+        this rank: it ends by itself after the node's last rank (see _start_private_daemon)."""
+        self._specs: dict[int, UnitSpec] = {}
+        self._names: dict[int, tuple[str, str, str]] = {}
+        """Per unit: the step's unit name, the grad shard id, the param shard id."""
+        self._steps: dict[int, StepHandle] = {}
+        """Optimizer steps in flight, by unit; waited for at the unit's next use."""
+        arena_nbytes = getattr(getattr(client, "arena", None), "nbytes", 0)
+        local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", collectives.world_size)))
+        self.inflight_steps_room_nbytes = (arena_nbytes // (INFLIGHT_STEPS_ARENA_FRACTION
+                                                            * local_ranks)
+                                           if swaps and arena_nbytes else 1 << 62)
+        """Arena bytes this rank's queued optimizer steps may pin (beyond the first two);
+        without NVMe the whole working set is resident and nothing needs bounding."""
+        self._inflight_step_nbytes: dict[int, int] = {}
+        self._dropped_grads: set[int] = set()
+        """Units whose ``u{N}.grad`` shard the daemon forgot after its step, or never made
+        (NVMe only): the next gradient window re-creates it."""
+        self._device_sums: dict[int, torch.Tensor] = {}
+        """Running gradient sums of open accumulation windows, on the compute device."""
+        self.device_sum_room_nbytes = _device_sum_room(self.copies)
+        """Device memory the running sums may take (a quarter of what is free at start)."""
+        self.moved_nbytes = 0
+        """Bytes this rank copied into or out of arena leases."""
+        self.wait_s = 0.0
+        """Seconds this rank spent blocked on the daemon (leases, step completion)."""
+        self.deferred_steps = 0
+        """Optimizer steps held back until their gradient's D2H completed."""
+        _OPEN_BACKENDS.add(self)
+
+    @staticmethod
+    def _ids(unit: int, *kinds: str) -> list[str]:
+        return [f"u{unit}.{kind}" for kind in kinds]
+
+    def register(self, spec: UnitSpec, master: torch.Tensor) -> None:
+        master = master.cpu()
+        self._specs[spec.index] = spec
+        self._names[spec.index] = (f"u{spec.index}", f"u{spec.index}.grad",
+                                   f"u{spec.index}.param")
+        param_nbytes = spec.part_numel * spec.param_dtype.itemsize
+        if not spec.trainable:  # frozen: the parameter partition only, no optimizer state
+            self.client.alloc([self._names[spec.index][2]], [param_nbytes],
+                              [_dtype_tag(spec.param_dtype)])
+            self.client.put(self._names[spec.index][2], master.to(spec.param_dtype))
+            return
+        zeros = torch.zeros(spec.part_numel, dtype=torch.float32)
+        # All-zero bytes are zero moments in every format (blockwise8: zero scales and codes).
+        moment = moment_codec.empty(self.moment_format, spec.part_numel).zero_()
+        shards = dict(zip(self._ids(spec.index, *SHARD_KINDS), (
+            master, moment, moment, zeros.to(spec.grad_dtype), master.to(spec.param_dtype)),
+            strict=True))
+        if self.swaps:  # made by the first gradient window: zeros would only be written out
+            del shards[self._names[spec.index][1]]
+            self._dropped_grads.add(spec.index)
+        self.client.alloc(list(shards), [t.nbytes for t in shards.values()],
+                          [_dtype_tag(t.dtype) for t in shards.values()])
+        if not self.swaps:
+            self.client.put_many(shards)
+            return
+        # Hazard: put_many leases the unit's whole state at once. With an arena capped
+        # below the working set, two ranks registering a large unit together (GPT-2's
+        # root unit: 270 MB each against a 512 MiB arena) are refused OverBudgetError;
+        # one shard at a time, each rank leases at most one shard.
+        for shard_id, tensor in shards.items():
+            self.client.put(shard_id, tensor)
+
+    def part_numel(self, unit: int) -> int:
+        return self._specs[unit].part_numel
+
+    def param_dtype(self, unit: int) -> torch.dtype:
+        return self._specs[unit].param_dtype
+
+    def _settle(self, unit: int) -> None:
+        """Wait for the unit's optimizer step, if one is in flight: its shards are leased."""
+        handle = self._steps.pop(unit, None)
+        if handle is not None:
+            try:
+                handle.wait()  # a deferred step is sent first
+            finally:
+                self._inflight_step_nbytes.pop(unit, None)
+            if self.swaps:  # the step asked the daemon to drop it (``step_async``)
+                self._dropped_grads.add(unit)
+
+    def wait_steps(self) -> None:
+        self._drain_copies()
+        failure: BaseException | None = None
+        for unit in list(self._steps):
+            try:
+                self._settle(unit)
+            except BaseException as error:  # wait for the rest before re-raising
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+    def _acquire(self, shard_id: str, mode: str) -> Any:
+        started = time.perf_counter()
+        self._settle_copies_of(shard_id)
+        lease = self.client.acquire(shard_id, mode)
+        self.wait_s += time.perf_counter() - started
+        return lease
+
+    # -------------------------------------------------- copies through the engine
+
+    def _pin_arena(self) -> None:
+        """Register the arena mapping for DMA so copies from lease views are truly async."""
+        from trainer.device.copy_engine import host_address
+
+        arena = getattr(self.client, "arena", None)
+        if self.copies.zero_copy or arena is None or not arena.nbytes:
+            return
+        address = host_address(arena.view)
+        if self.copies.register_host(address, arena.nbytes):
+            self.arena_pinned, self._pinned_address = "pinned", address
+            return
+        self.arena_pinned = "failed"
+        warnings.warn(f"could not pin the {arena.nbytes} B offloadd arena for DMA "
+                      "(cudaHostRegister failed; raise the memlock limit: ulimit -l unlimited or "
+                      "LimitMEMLOCK=infinity); copies fall back to staged, slower transfers",
+                      RuntimeWarning, stacklevel=3)
+
+    def _unpin_arena(self) -> None:
+        """Before the client unmaps the arena (unregistering unmapped memory is an error)."""
+        if self._pinned_address:
+            address, self._pinned_address = self._pinned_address, 0
+            self.copies.unregister_host(address)
+
+    def _drain_copies(self) -> None:
+        """Wait for every copy in flight and run the releases they held back."""
+        try:
+            if self._daemon_copies is not None:
+                self._daemon_copies.drain()
+            self.releases.drain()
+        finally:
+            self._leased_for_copy.clear()
+
+    def _settle_copies_of(self, shard_id: str) -> None:
+        """Our own lease on ``shard_id`` may still be held by a copy: wait for the copies up
+        to that one (in issue order), not for every copy in flight."""
+        while shard_id in self._leased_for_copy and len(self.releases):
+            self.releases.finish_oldest()
+        if shard_id in self._leased_for_copy:  # held by a daemon copy
+            self._drain_copies()
+
+    def _release_after(self, event: Any, lease: Any) -> None:
+        shard_id = lease.shard_id
+        self._leased_for_copy.add(shard_id)
+
+        def release() -> None:
+            # Once the copy's release ran, acquiring the shard again needs no drain.
+            self._leased_for_copy.discard(shard_id)
+            lease.release()
+
+        self.releases.release_after(event, release)
+
+    def _device_copier(self) -> DaemonCopies | None:
+        """The daemon copies of this rank, opened at the first call (None: rank copies)."""
+        if self._daemon_copies_pending:
+            self._daemon_copies_pending = False
+            slot_nbytes = max((spec.part_numel * max(spec.param_dtype.itemsize,
+                                                     spec.grad_dtype.itemsize * spec.trainable)
+                               for spec in self._specs.values()), default=1)
+            self._daemon_copies, self.device_copies_reason = open_daemon_copies(
+                self.client, self.copies, num_slots=self._staging_slots,
+                slot_nbytes=slot_nbytes, local_rank=self._local_rank,
+                arena_pinned=self.arena_pinned, readahead_slots=self._readahead_slots)
+            if self._daemon_copies is not None:
+                self.device_copies_path = "daemon"
+        return self._daemon_copies
+
+    def _stage_in(self, lease: Any, out: torch.Tensor) -> None:
+        """Copy the lease into device ``out``; the lease goes back after the copy's event."""
+        try:
+            event = self.copies.h2d(out, lease.tensor(out.dtype), guard=lease)
+        except BaseException:
+            lease.release()
+            raise
+        self.copies.wait_on_compute(event)
+        self._release_after(event, lease)
+        self.moved_nbytes += out.nbytes
+
+    def _accumulate_staged(self, unit: int, grad: torch.Tensor, *, first: bool,
+                           want_sq_norm: bool) -> torch.Tensor | None:
+        """``accumulate_grad`` for a device gradient: the sum is formed on the device and
+        copied into the write lease, which commits only after that copy's event."""
+        daemon_copies = self._device_copier()
+        if daemon_copies is not None:
+            return self._accumulate_by_daemon(daemon_copies, unit, grad, first=first,
+                                              want_sq_norm=want_sq_norm)
+        grad_dtype = self._specs[unit].grad_dtype
+        lease = self._acquire(self._names[unit][1], "w")
+        try:
+            target = lease.tensor(grad_dtype)
+            if first:
+                # A copy, not ``grad`` itself: the D2H reads it after this call returns,
+                # while the reducer may already reuse grad's buffer.
+                total = grad.to(grad_dtype, copy=True)
+            else:
+                total = self.copies.empty(target.numel(), grad_dtype)
+                self.copies.wait_on_compute(self.copies.h2d(total, target, guard=lease))
+                total.add_(grad)
+            event = self.copies.d2h(target, total, guard=lease)
+        except BaseException:
+            lease.release()
+            raise
+        self._release_after(event, lease)
+        self.moved_nbytes += target.nbytes
+        self._poll_copies()
+        return squared_norm(total) if want_sq_norm else None
+
+    def _accumulate_by_daemon(self, daemon_copies: DaemonCopies, unit: int, grad: torch.Tensor,
+                              *, first: bool, want_sq_norm: bool) -> torch.Tensor | None:
+        """The sum is formed on the device; the daemon copies it into the gradient shard."""
+        grad_id, grad_dtype = self._names[unit][1], self._specs[unit].grad_dtype
+        if first:
+            total = grad.to(grad_dtype, copy=True)
+        else:
+            total = self.copies.empty(self._specs[unit].part_numel, grad_dtype)
+            daemon_copies.read_into(grad_id, total)
+            total.add_(grad)
+        daemon_copies.write_from(grad_id, total)
+        self.moved_nbytes += total.nbytes
+        return squared_norm(total) if want_sq_norm else None
+
+    # ------------------------------------------------------------------ grads
+
+    def _sum_on_device(self, unit: int, grad: torch.Tensor, *, first: bool,
+                       last: bool) -> tuple[torch.Tensor, bool] | None:
+        """Gradient accumulation on the compute device: the window's running fp32 sum stays
+        there and crosses to the arena once, at the window's last micro-batch, instead of
+        a D2H + H2D + add per micro-batch. Returns what to write then (and whether it is
+        the whole window: ``first``); None while the window goes on. Sums beyond
+        ``device_sum_room_nbytes`` take the per-micro-batch path."""
+        held = self._device_sums.pop(unit, None)
+        if held is not None and not first:
+            held.add_(grad)
+            if last:
+                return held, True
+            self._device_sums[unit] = held
+            return None
+        # A held sum met by first=True is a window that ended without its last micro-batch:
+        # it was popped above and is dropped.
+        held_nbytes = sum(total.nbytes for total in self._device_sums.values())
+        if last or held_nbytes + grad.numel() * 4 > self.device_sum_room_nbytes:
+            return grad, first
+        self._device_sums[unit] = grad.to(torch.float32, copy=True)
+        return None
+
+    def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
+                        want_sq_norm: bool, last: bool = True) -> torch.Tensor | None:
+        if not self.copies.zero_copy:
+            summed = self._sum_on_device(unit, grad, first=first, last=last)
+            if summed is None:
+                return None
+            grad, first = summed
+        self._settle(unit)
+        if not self.copies.zero_copy:
+            if unit in self._dropped_grads:  # re-create the dropped shard; the copy fills it
+                assert first, "a gradient window starts with first=True after each step"
+                spec = self._specs[unit]
+                self.client.alloc([self._names[unit][1]],
+                                  [spec.part_numel * spec.grad_dtype.itemsize],
+                                  [_dtype_tag(spec.grad_dtype)])
+                self._dropped_grads.discard(unit)
+            return self._accumulate_staged(unit, grad, first=first, want_sq_norm=want_sq_norm)
+        if unit in self._dropped_grads:
+            assert first, "a gradient window starts with first=True after each step"
+            started = time.perf_counter()
+            grad = grad.to(self._specs[unit].grad_dtype)
+            self.client.put(self._names[unit][1], grad)  # re-creates the shard
+            self.wait_s += time.perf_counter() - started
+            self._dropped_grads.discard(unit)
+            self.moved_nbytes += grad.nbytes
+            return squared_norm(grad) if want_sq_norm else None
+        with self._acquire(self._names[unit][1], "w") as lease:
+            target = lease.tensor(self._specs[unit].grad_dtype)
+            if first:
+                target.copy_(grad)
+            else:
+                target.add_(grad)
+            check_view(target)
+            self.moved_nbytes += target.nbytes
+            return squared_norm(target) if want_sq_norm else None
+
+    def step_async(self, unit: int, *, step: int, hyper: AdamHyper,
+                   grad_scale: float) -> StepHandle:
+        """Start the step; it is waited for at the unit's next use (or ``wait_steps``).
+
+        The step reads the committed gradient: while the gradient's D2H is in flight the
+        step is deferred, and sent at the first poll that finds the copy done (or when it
+        is waited for), so the host goes on issuing compute instead of blocking on it."""
+        self._settle(unit)
+        handle: StepHandle
+        if self._names[unit][1] in self._leased_for_copy:
+            handle = _DeferredStep(lambda: self._send_step(unit, step, hyper, grad_scale))
+            self.deferred_steps += 1
+        else:
+            handle = self._send_step(unit, step, hyper, grad_scale)
+        self._steps[unit] = handle
+        return handle
+
+    def _send_steps_copied(self) -> None:
+        """Send the deferred steps whose gradient D2H completed (after a ``poll``)."""
+        for unit, handle in list(self._steps.items()):
+            if (isinstance(handle, _DeferredStep) and not handle.sent
+                    and self._names[unit][1] not in self._leased_for_copy):
+                handle.send()
+
+    def _poll_copies(self) -> None:
+        """Run the releases of completed copies, then send the steps they held back."""
+        self.releases.poll()
+        self._send_steps_copied()
+
+    def _send_step(self, unit: int, step: int, hyper: AdamHyper,
+                   grad_scale: float) -> StepHandle:
+        self._settle_copies_of(self._names[unit][1])  # the step reads the committed grad
+        self._settle_copies_of(self._names[unit][2])  # and rewrites the param a copy may read
+        if self._daemon_copies is not None:  # the step reads the grad and rewrites the param
+            self._daemon_copies.settle(self._names[unit][1])
+            self._daemon_copies.discard(self._names[unit][2])
+        pinned_nbytes = self._step_nbytes(self._specs[unit])
+        while len(self._inflight_step_nbytes) >= MIN_INFLIGHT_STEPS and (
+                sum(self._inflight_step_nbytes.values()) + pinned_nbytes
+                > self.inflight_steps_room_nbytes):
+            # The oldest sent step (steps finish in order); deferred ones pin nothing yet.
+            self._settle(next(iter(self._inflight_step_nbytes)))
+        self._inflight_step_nbytes[unit] = pinned_nbytes
+        return _TimedHandle(self.client.optimizer_step_async(
+            self._names[unit][0], step=step, lr=hyper.lr, beta1=hyper.beta1,
+            beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
+            decoupled_weight_decay=hyper.decoupled_weight_decay, grad_scale=grad_scale,
+            # The step consumes the gradient and the next window overwrites it: dropped
+            # at once, it frees arena room and is never written back or read in dead.
+            drop_grad=self.swaps), self)
+
+    def _step_nbytes(self, spec: UnitSpec) -> int:
+        """Arena bytes one step of the unit leases: master, moments, grad and param."""
+        numel = spec.part_numel
+        return (numel * (4 + spec.grad_dtype.itemsize + spec.param_dtype.itemsize)
+                + 2 * moment_nbytes(self.moment_format, numel))
+
+    def read_params(self, unit: int, out: torch.Tensor) -> None:
+        self._settle(unit)
+        daemon_copies = None if self.copies.zero_copy else self._device_copier()
+        if daemon_copies is not None:
+            daemon_copies.read_into(self._names[unit][2], out)
+            self.moved_nbytes += out.nbytes
+            return
+        if not self.copies.zero_copy:
+            self._stage_in(self._acquire(self._names[unit][2], "r"), out)
+            self._poll_copies()
+            return
+        with self._acquire(self._names[unit][2], "r") as lease:
+            part = lease.tensor(self._specs[unit].param_dtype)
+            out.copy_(part)
+            check_view(part)
+            self.moved_nbytes += out.nbytes
+
+    def lease_params(self, unit: int) -> tuple[torch.Tensor, Callable[[], None]]:
+        """A read lease on ``u{N}.param``: collectives read the arena directly (no copy);
+        with a device copy engine, a device copy of it (the lease returns after the copy)."""
+        self._settle(unit)
+        if not self.copies.zero_copy:
+            part = self.copies.empty(self._specs[unit].part_numel, self._specs[unit].param_dtype)
+            self.read_params(unit, part)
+            return part, _nothing
+        lease = self._acquire(self._names[unit][2], "r")
+        self.moved_nbytes += lease.nbytes
+        return lease.tensor(self._specs[unit].param_dtype), lease.release
+
+    def prefetch_params(self, units: list[int]) -> None:
+        daemon_copies = None if self.copies.zero_copy else self._device_copier()
+        if daemon_copies is not None:  # the daemon stages them ahead into free slots
+            daemon_copies.prefetch([self._names[unit][2] for unit in units
+                                    if unit not in self._steps])
+        if self.swaps and units:
+            self.client.prefetch([self._names[unit][2] for unit in units])
+
+    def begin_step(self) -> None:
+        self._poll_copies()
+        if self.swaps or self._daemon_copies is not None:
+            # The access order steers the NVMe tier's prefetch and the daemon's read-ahead.
+            self.client.step_begin()
+
+    def get_state(self, unit: int) -> dict[str, torch.Tensor]:
+        if not self._specs[unit].trainable:
+            return {}
+        self._settle(unit)
+        self._drain_copies()
+        with self.client.acquire_many(self._ids(unit, *STATE_KINDS), "r") as leases:
+            return {kind: lease.tensor().clone()  # the shard's own dtype: moments as stored
+                    for kind, lease in zip(STATE_KINDS, leases, strict=True)}
+
+    def set_state(self, unit: int, state: dict[str, torch.Tensor]) -> None:
+        self._settle(unit)
+        if not self._specs[unit].trainable:
+            self.client.put(self._names[unit][2], state["param"])
+            return
+        param = state.get("param")
+        if param is None:
+            param = state["master"].to(self._specs[unit].param_dtype)
+        numel = self._specs[unit].part_numel
+        moments = [moment_codec.convert(state[kind].cpu(), self.moment_format,
+                                        signed=kind == "exp_avg", numel=numel)
+                   for kind in MOMENT_KINDS]
+        values = [state["master"].cpu(), *moments, param.cpu()]
+        self._drain_copies()
+        self.client.put_many(dict(zip(self._ids(unit, *STATE_KINDS, "param"), values,
+                                      strict=True)))
+
+    def flush(self, tag: str | None) -> None:
+        self.wait_steps()
+        self.client.flush(tag)
+
+    def stats(self) -> dict[str, Any]:
+        from trainer.client import OffloadError
+
+        rank_side = {"rank_moved_nbytes": self.moved_nbytes, "rank_wait_s": self.wait_s,
+                     "rank_copy_engine": self.copies.kind,
+                     "rank_releases_deferred": self.releases.deferred,
+                     "rank_deferred_steps": self.deferred_steps,
+                     "rank_arena_pinned": self.arena_pinned,
+                     "rank_device_copies": self.device_copies_path,
+                     "rank_device_copies_reason": self.device_copies_reason}
+        if self._daemon_copies is not None:
+            rank_side["rank_staged_ahead"] = self._daemon_copies.staged_ahead
+            rank_side["rank_staged_hits"] = self._daemon_copies.prefetch_hits
+            for outcome, count in self._daemon_copies.readahead.items():
+                rank_side[f"rank_readahead_{outcome}"] = count
+        try:
+            return {**self.client.stats(), **rank_side}
+        except OffloadError as error:  # diagnostics only: never fail training over them
+            return {"stats_error": str(error), **rank_side}
+
+    def close(self) -> None:
+        _OPEN_BACKENDS.discard(self)
+        if self.client.closed:
+            return
+        failure: BaseException | None = None
+        try:
+            self.wait_steps()
+        except BaseException as error:  # still release the connection and the daemon
+            failure = error
+        from trainer.client import OffloadError
+
+        if self._daemon_copies is not None:
+            try:
+                self._daemon_copies.close()
+            except BaseException as error:
+                failure = failure or error
+        self.copies.synchronize()
+        self._unpin_arena()
+        try:
+            self.client.close_job()  # nothing to reattach to: free the job without lingering
+        except OffloadError:
+            self.client.close()
+        self.copies.close()
+        if failure is not None:
+            raise failure
+
+
+_OPEN_BACKENDS: weakref.WeakSet[DaemonBackend] = weakref.WeakSet()
+"""Backends not closed yet: what ``_close_at_exit`` closes."""
+
+
+def _close_at_exit() -> None:
+    """Close the job of every engine the script never closed (DeepSpeed-style scripts end
+    without ``engine.close()``): the daemon gives its arena and swap back now instead of
+    keeping them ``job_linger_s`` for a rank that will not come back.
+
+    Registered at import, after torch: atexit runs it before torch's own exit handlers,
+    while the connection and the copy engine still work. No collectives here: peers may
+    already be gone."""
+    for backend in list(_OPEN_BACKENDS):
+        try:
+            backend.close()
+        except Exception as error:  # exiting anyway: say why the job may linger
+            warnings.warn(f"could not close offloadd job {backend.client.job!r} at exit "
+                          f"(the daemon frees it after job_linger_s): {error}",
+                          RuntimeWarning, stacklevel=1)
+
+
+atexit.register(_close_at_exit)
+
+
+class _DeferredStep:
+    """An optimizer step not sent yet: its gradient's D2H was in flight at ``step_async``.
+    Sent by the backend's poll once the copy completed, or by ``wait``."""
+
+    def __init__(self, send: Callable[[], StepHandle]) -> None:
+        self._send = send
+        self._sent: StepHandle | None = None
+
+    @property
+    def sent(self) -> bool:
+        return self._sent is not None
+
+    def send(self) -> None:
+        if self._sent is None:
+            self._sent = self._send()
+
+    def wait(self) -> None:
+        self.send()
+        assert self._sent is not None
+        self._sent.wait()
+
+
+class _TimedHandle:
+    """A daemon step handle that books its blocking time on the backend."""
+
+    def __init__(self, handle: StepHandle, backend: DaemonBackend) -> None:
+        self._handle = handle
+        self._backend = backend
+
+    def wait(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._handle.wait()
+        finally:
+            self._backend.wait_s += time.perf_counter() - started
+
+
+def _nothing() -> None:
+    return None
+
+
+DEVICE_SUM_ROOM_FRACTION = 4
+"""Running gradient sums may take 1/4 of the device memory free when the backend starts."""
+TWIN_DEVICE_NBYTES = 1 << 30
+"""What the twin's "device" counts as free memory."""
+
+
+def _device_sum_room(copies: CopyEngine) -> int:
+    if copies.zero_copy:
+        return 0
+    if copies.device.type == "cuda":
+        free_nbytes, _ = torch.cuda.mem_get_info(copies.device)
+        return free_nbytes // DEVICE_SUM_ROOM_FRACTION
+    return TWIN_DEVICE_NBYTES // DEVICE_SUM_ROOM_FRACTION
+
+
+def _dtype_tag(dtype: torch.dtype) -> str:
+    return {torch.float32: "float32", torch.bfloat16: "bfloat16",
+            torch.float16: "float16", torch.uint8: SHARD_DTYPES["blockwise8"]}[dtype]
+
+
+# ---------------------------------------------------------------------------
+# connecting
+
+
+def _node_world_size(collectives: Collectives) -> int:
+    nodes = collectives.all_gather_object(node_key())
+    return nodes.count(node_key())
+
+
+def estimate_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) -> int:
+    """Bytes of daemon shards one rank needs (fp32 master and grad, the moments in their
+    ``state_dtype``, the param copy, and the param copy of frozen parameters under
+    stage 3)."""
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    parts = world_size if config.zero_optimization.stage >= 1 else 1
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype_name]
+    frozen = 0  # stage 3 keeps frozen parameters' partitions in the daemon too (no state)
+    if config.zero_optimization.stage == 3:
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    part = -(-numel // parts)
+    moments_nbytes = 2 * moment_nbytes(config.zero_optimization.offload_optimizer.moment_format,
+                                       part)
+    return part * (8 + itemsize) + moments_nbytes + -(-frozen // parts) * itemsize
+
+
+def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Collectives) -> int:
+    """The whole working set (+25%) when DRAM allows; for ``nvme`` at most half of the
+    node's available memory (>= 64 MiB), and what does not fit lives on the swap tier.
+
+    The arena is the node's DRAM cache: shrinking it below what the machine can
+    spare only adds swap traffic (measured in bench/train_step.py). Its size does not
+    delay start-up (the daemon backs it after the hello, offloadd.memory.arena), so a 512 GB
+    node may get a 256 GB cache. Every rank of a node asks for local rank 0's figure:
+    MemAvailable moves between two ranks' reads, and a rank whose hello came first with
+    a larger figure than the private daemon's budget would be refused.
+    """
+    node_nbytes = estimate_rank_nbytes(model, config, collectives.world_size)
+    node_nbytes *= _node_world_size(collectives)
+    wanted = node_nbytes + node_nbytes // 4 + 32 * MIB
+    if config.zero_optimization.offload_optimizer.device == "nvme":
+        wanted = max(64 * MIB, min(wanted, available_memory_nbytes() // 2))
+    return int(collectives.node_leader_value(-(-wanted // (2 * MIB)) * 2 * MIB))
+
+
+def available_memory_nbytes() -> int:
+    """MemAvailable from /proc/meminfo (the kernel's estimate of what can be allocated)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _node_subdir(collectives: Collectives) -> str:
+    """'' when this host runs one node; else this node's own subdirectory name.
+
+    Hazard: two nodes on one host (two torchrun agents) share the job name and the
+    configured ``nvme_path``/``workdir``; their private daemons would open the same swap
+    files (``<dir>/offloadd/<job>/swap.0``) and socket. Each gets ``node<GROUP_RANK>``.
+    """
+    host = socket.gethostname()
+    nodes = set(collectives.all_gather_object(node_key()))
+    on_host = [node for node in nodes if node == host or node.startswith(host + "/")]
+    return node_key().rpartition("/")[2] if len(on_host) > 1 else ""
+
+
+def _swap_dirs(config: EngineConfig, job: str, subdir: str = "") -> list[str]:
+    zero = config.zero_optimization
+    paths = [section.nvme_path for section in (zero.offload_optimizer, zero.offload_param)
+             if section.device == "nvme" and section.nvme_path]
+    wants_nvme = any(section.device == "nvme"
+                     for section in (zero.offload_optimizer, zero.offload_param))
+    if wants_nvme and not paths:
+        default = str(Path(tempfile.gettempdir()) / f"offloadd-swap-{job}")
+        warnings.warn(f"offload device nvme without nvme_path: swapping to {default}",
+                      UserWarning, stacklevel=3)
+        paths = [default]
+    unique = [str(Path(path) / subdir) if subdir else path for path in dict.fromkeys(paths)]
+    for path in unique:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    return unique
+
+
+def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
+                          subdir: str = "") -> Any:
+    """Start the node's private daemon; it ends by itself when its ranks are gone.
+
+    Hazard, lifetime: the daemon must outlive local rank 0 while other ranks still train
+    (rank 0 of a DeepSpeed-style script often prints and exits first), so no rank stops
+    it: it stops once every rank closed the job and left, or ``private_exit_grace_s``
+    after the last rank vanished without closing (kill -9, the OOM killer), and then
+    deletes its scratch dirs, which only it can still know are unused.
+    """
+    from offloadd.ops.embedded import PrivateDaemon
+
+    base = Path(config.offloadd.workdir) / subdir if config.offloadd.workdir else None
+    if base is not None:
+        base.mkdir(parents=True, exist_ok=True)
+    # Dirs of its own: a second job on the node (or the same workdir) gets another
+    # socket, and a swap dir belongs to one daemon (it is locked).
+    scratch = [tempfile.mkdtemp(prefix="offloadd-", dir=base)]
+    scratch += [tempfile.mkdtemp(prefix=f"offloadd-private-{job}-", dir=path)
+                for path in _swap_dirs(config, job, subdir)]
+    try:
+        return PrivateDaemon.start(scratch[0], arena_size=arena_nbytes, swap_dirs=scratch[1:],
+                                   release_swap_at_exit=True, scratch_dirs=scratch,
+                                   exit_when_idle_s=config.offloadd.private_exit_grace_s)
+    except BaseException:
+        for path in scratch:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def _connect(config: EngineConfig, collectives: Collectives, socket_path: str, job: str,
+             arena_nbytes: int) -> Any:
+    from trainer.client import OffloadClient, OffloadError
+
+    try:
+        return OffloadClient.connect(
+            socket_path, job=job, rank=collectives.rank, world_size=collectives.world_size,
+            local_rank=collectives.local_rank, arena_nbytes=arena_nbytes,
+            timeout_s=config.offloadd.connect_timeout_s, daemon_uid=config.offloadd.daemon_uid)
+    except (OffloadError, OSError) as error:
+        raise RuntimeError(f"cannot connect to offloadd at {socket_path} "
+                           f"(config key offloadd.socket): {error}") from error
+
+
+def _connect_private(config: EngineConfig, collectives: Collectives, job: str,
+                     arena_nbytes: int) -> tuple[Any, Any]:
+    """Local rank 0 starts the daemon and attaches at once, so the daemon never sees an
+    empty node while slower ranks reach ``initialize``; then every rank of the node gets
+    its socket path. Returns this rank's client and the daemon it started (or None)."""
+    daemon, client, outcome = None, None, ""
+    subdir = _node_subdir(collectives)
+    if collectives.local_rank == 0:
+        try:
+            daemon = _start_private_daemon(config, job, arena_nbytes, subdir)
+            client = _connect(config, collectives, daemon.socket_path, job, arena_nbytes)
+            outcome = "socket:" + daemon.socket_path
+        except Exception as error:  # reported on every rank below, not only here
+            if daemon is not None:
+                daemon.stop()
+            outcome = f"error:{type(error).__name__}: {error}"
+    shared = collectives.node_leader_value(outcome)
+    if shared.startswith("error:"):
+        raise RuntimeError("local rank 0 could not start a private offloadd "
+                           f"(set offloadd.socket to use a running daemon): {shared[6:]}")
+    if client is None:
+        client = _connect(config, collectives, shared.removeprefix("socket:"), job, arena_nbytes)
+    return client, daemon
+
+
+def device_copies_choice(config: EngineConfig) -> str:
+    """``offloadd.gpu.device_copies``, or ``$OFFLOADD_DEVICE_COPIES`` (rank | daemon) when set:
+    runs a whole suite, say tests/test_engine_parity.py, through the daemon path."""
+    choice = os.environ.get(DEVICE_COPIES_ENV) or config.offloadd.device_copies
+    if choice not in ("rank", "daemon"):
+        raise ValueError(f"{DEVICE_COPIES_ENV}={choice!r}: expected rank or daemon")
+    return choice
+
+
+def connect_backend(config: EngineConfig, collectives: Collectives,
+                    model: nn.Module) -> DaemonBackend:
+    """Connect this rank to its node's daemon (starting a private one when needed)."""
+    job = config.offloadd.job or collectives.all_gather_object(
+        f"train-{uuid.uuid4().hex[:12]}")[0]
+    arena_nbytes = config.offloadd.arena_size or default_arena_nbytes(model, config, collectives)
+    daemon = None
+    if config.offloadd.socket is None:
+        client, daemon = _connect_private(config, collectives, job, arena_nbytes)
+    else:
+        client = _connect(config, collectives, config.offloadd.socket, job, arena_nbytes)
+    zero = config.zero_optimization
+    swaps = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
+    from trainer.device.compute import resolve_device
+    from trainer.device.copy_engine import select_copy_engine
+
+    return DaemonBackend(client, collectives=collectives, private_daemon=daemon, swaps=swaps,
+                         copies=select_copy_engine(resolve_device(config.device).device),
+                         device_copies=device_copies_choice(config),
+                         staging_slots=config.offloadd.staging_slots,
+                         local_rank=collectives.local_rank,
+                         staging_readahead_slots=config.offloadd.readahead_slots,
+                         moment_format=zero.offload_optimizer.moment_format)

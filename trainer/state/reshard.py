@@ -1,0 +1,97 @@
+"""Resume a checkpoint at another world size (DeepSpeed's universal checkpoints, on load).
+
+A unit's state is one flat buffer per kind (``param``, ``master``, ``exp_avg``,
+``exp_avg_sq``) of ``numel`` real elements, padded to a multiple of the number
+of partitions and cut into equal contiguous partitions, one per rank
+(``trainer.zero.partition``). Moments stored compactly (bf16, 8-bit block-wise:
+offloadd.formats) are decoded to fp32 per saved partition first, since 8-bit
+blocks do not survive a new cut; the backend encodes them again (bf16 exactly,
+8-bit re-quantized in the new blocks). Padding is zero and never trained, so the flat state
+does not depend on the world size: concatenating the saved partitions and
+dropping the old padding gives it back, and re-padding and slicing gives this
+rank's partition at the new world size. The rank files are memory-mapped, so a
+rank holds one unit's flat state at a time.
+
+What is not partitioned (Adam step count, skipped steps, param-group
+hyper-parameters, LR scheduler, loss scaler, global steps and samples, buffers
+and replicated frozen parameters) is the same in every rank file; rank 0's is
+used. The micro-step counter is re-derived from the global step, as the
+accumulation window may differ at the new world size (a checkpoint is taken at
+an accumulation boundary; partial gradients are never saved).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from offloadd import moment_codec
+from trainer.offload.backend import MOMENT_KINDS
+
+if TYPE_CHECKING:
+    from trainer.zero.engine import Engine
+    from trainer.zero.partition import Unit
+
+
+class ReshardError(ValueError):
+    """A checkpoint cannot be resharded into this engine; the message says why."""
+
+
+def check_reshardable(engine: Engine, saved: dict[str, Any], tag_dir: Path) -> None:
+    """Same model (units by name and size), stage and dtype; only the world size differs."""
+    current = [(u.index, u.name, u.numel) for u in engine.units]
+    stored = [(u["index"], u["name"], u["numel"]) for u in saved["units"]]
+    if stored != current:
+        raise ReshardError(
+            f"checkpoint {tag_dir} (world size {saved['world_size']}) was saved from other "
+            f"units than this engine's: first difference "
+            f"{next(((a, b) for a, b in zip(stored, current) if a != b), None)}; resume it with "
+            f"the same model and the same 'units' config")
+
+
+def load_resharded(engine: Engine, tag_dir: Path, saved: dict[str, Any],
+                   rank_file: Any) -> dict[str, Any]:
+    """Restore every unit's partition from a checkpoint of another world size; returns rank
+    0's payload for the rest of the state (``engine``, ``untracked``, ``client_state``)."""
+    files = [rank_file(tag_dir, rank) for rank in range(saved["world_size"])]
+    missing = [file.name for file in files if not file.exists()]
+    if missing:
+        raise ReshardError(f"checkpoint {tag_dir} was saved by {saved['world_size']} ranks but "
+                           f"{missing} are missing; resharding reads every rank's file: copy "
+                           f"the whole tag directory")
+    ranks = [torch.load(file, mmap=True, weights_only=True, map_location="cpu")
+             for file in files]
+    for unit, saved_unit in zip(engine.units, saved["units"], strict=True):
+        parts = [payload["units"][unit.index] for payload in ranks]
+        state = {kind: _repartition(unit, [_flat(part[kind], kind, saved_unit)
+                                           for part in parts], saved_unit)
+                 for kind in parts[0]}
+        engine.backend.set_state(unit.index, state)
+        engine.placement.after_step(unit)
+    rest = ranks[0]
+    rest["engine"] = {**rest["engine"],
+                      "micro_steps": int(rest["engine"]["global_steps"])
+                      * engine.gradient_accumulation_steps()}
+    return rest
+
+
+def _flat(part: torch.Tensor, kind: str, saved_unit: dict[str, Any]) -> torch.Tensor:
+    """A saved partition as elements: compact moments decoded to fp32."""
+    if kind in MOMENT_KINDS and part.dtype != torch.float32:
+        return moment_codec.decode(part, signed=kind == "exp_avg",
+                                   numel=saved_unit["part_numel"])
+    return part
+
+
+def _repartition(unit: Unit, saved_parts: list[torch.Tensor],
+                 saved_unit: dict[str, Any]) -> torch.Tensor:
+    """This rank's partition of the flat state whose saved partitions are ``saved_parts``."""
+    if saved_unit["part_numel"] == saved_unit["padded_numel"]:
+        flat = saved_parts[0]  # not partitioned (stage 0 or one rank): every file has it all
+    else:
+        flat = torch.cat(saved_parts)
+    padded = torch.zeros(unit.padded_numel, dtype=flat.dtype)
+    padded[:unit.numel].copy_(flat[:unit.numel])
+    return unit.part_slice(padded).clone()

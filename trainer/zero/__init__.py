@@ -1,0 +1,10 @@
+"""The ZeRO engine: units and partitions, gathers and hooks, stages 1-3, ``zero.Init``,
+parameter groups, precision, LR schedules, the optimizer front and the gather trace.
+
+Imports ``device``, ``dist``, ``offload`` and the rank side's config; what it needs of
+checkpoints and pretrained weights is handed in (``StateIO``, ``WeightSource``).
+"""
+
+from trainer.zero.init import GatheredParameters, Init
+
+__all__ = ["GatheredParameters", "Init"]

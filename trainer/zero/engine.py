@@ -1,0 +1,376 @@
+"""The training engine: DeepSpeed-style ``forward`` / ``backward`` / ``step`` over ZeRO units.
+
+The engine only sequences work. What it delegates:
+
+- ``trainer.zero.partition``: the model split into units with flat parameters;
+- ``trainer.zero``: the stage (parameter placement + gradient reducer), with
+  ``trainer.zero.gather`` for stage 3's async, prefetched all-gathers;
+- ``trainer.zero.hooks``: per-unit forward/backward callbacks;
+- ``trainer.zero.optimizer``: Adam/AdamW over unit partitions, clipping, skipping;
+- ``trainer.offload.backend``: where the optimizer state lives (rank or daemon);
+- ``trainer.zero.groups``: parameter groups and their hyper-parameters;
+- ``trainer.zero.reduce_order``: one gradient-reduction order on every rank;
+- ``trainer.zero.trace``: stage 3's check that ranks gather the same units in order;
+- ``trainer.dist.agreement``: setup steps that fail on every rank or on none;
+- ``trainer.zero.precision``, ``trainer.zero.scheduler``, ``trainer.state.checkpoint``.
+
+A micro-step is ``loss = engine(batch)``, ``engine.backward(loss)``,
+``engine.step()``; the optimizer only steps at accumulation boundaries.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainer.config import BatchSizes, EngineConfig
+from trainer.dist.agreement import agree
+from trainer.dist.collectives import Collectives
+from trainer.offload.backend import StateBackend, UnitSpec
+from trainer.state.pretrained import forget_pending, pending_source
+from trainer.zero.groups import ParamGroups, resolve_param_groups
+from trainer.zero.hooks import UnitHooks
+from trainer.zero.init import materialise_unit, materialise_untracked
+from trainer.zero.optimizer import ZeroOptimizer
+from trainer.zero.partition import Unit, build_units
+from trainer.zero.precision import Precision
+from trainer.zero.reduce_order import ReduceOrder
+from trainer.zero.scheduler import LRSchedule, build_scheduler
+from trainer.zero.stages import PrefetchPlanner, ReducedGrad, Sharded, build_stage
+from trainer.zero.trace import GatherTrace
+
+
+def _move_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """The training dtype everywhere, and the compute device for every real tensor.
+
+    Parameters built under ``zero.Init`` are still on ``meta`` (no data to copy); each
+    gets its storage on ``device`` when its unit is materialised.
+    """
+    model.to(dtype=dtype)
+    if any(param.is_meta for param in model.parameters()):
+        for module in model.modules():
+            for param in module.parameters(recurse=False):
+                if not param.is_meta:
+                    param.data = param.data.to(device)
+            for name, buffer in module.named_buffers(recurse=False):
+                if not buffer.is_meta:
+                    module._buffers[name] = buffer.to(device)
+    else:
+        model.to(device=device)
+    if device.type == "twin":  # the strict twin: parameters and buffers become device tensors
+        from trainer.device.twin import adopt_module
+
+        adopt_module(model)
+
+
+class Engine(nn.Module):
+    """Wraps a model for ZeRO data-parallel training (see module docstring)."""
+
+    def __init__(self, model: nn.Module, config: EngineConfig, *, collectives: Collectives,
+                 backend: StateBackend, param_groups: ParamGroups | None = None) -> None:
+        super().__init__()
+        self.module = model
+        self.config = config
+        self.collectives = collectives
+        self.backend = backend
+        self.batch: BatchSizes = config.batch_sizes(collectives.world_size)
+        self.precision = Precision(config)
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.global_samples = 0
+        self._inflight: list[tuple[Unit, ReducedGrad]] = []
+        self._backward_done: set[int] = set()
+        """Units whose gradients are final in the backward running now (see
+        ``_prefetch_after``)."""
+        stage = config.zero_optimization.stage
+        num_parts = collectives.world_size if stage >= 1 else 1
+        _move_model(model, collectives.device, self.precision.dtype)
+        groups = param_groups or resolve_param_groups(model, None, config.optimizer)
+        self.units = build_units(model, config.units, num_parts=num_parts,
+                                 part_index=collectives.rank if num_parts > 1 else 0,
+                                 group_of=groups.group_of, include_frozen=stage == 3)
+        trainable = [unit for unit in self.units if unit.trainable]
+        zero = config.zero_optimization
+        self.placement, self.reducer = build_stage(
+            stage, collectives, self.precision.dtype, backend,
+            offload_params=zero.offload_param.device != "none",
+            max_live_numel=zero.stage3_max_live_parameters,
+            reduce_collectives=collectives.separate_group() if stage == 3 else None)
+        self._adopt_parameters()
+        self.optimizer = ZeroOptimizer(backend, config.optimizer, collectives=collectives,
+                                       scaler=self.precision.scaler,
+                                       clip_norm=config.gradient_clipping,
+                                       partitioned=num_parts > 1, groups=groups.hyper,
+                                       unit_groups={unit.index: unit.group or 0
+                                                    for unit in trainable},
+                                       before_step=self._before_unit_step)
+        self.lr_scheduler: LRSchedule | None = build_scheduler(self.optimizer, config.scheduler)
+        self.prefetch = PrefetchPlanner(config.zero_optimization.stage3_prefetch_bucket_size,
+                                        config.zero_optimization.stage3_max_live_parameters)
+        self._forward_depth = 0
+        self._in_backward = False
+        """Forward hooks firing now are activation-checkpoint recomputes."""
+        self.reduce_order = ReduceOrder(trainable)
+        self.hooks = UnitHooks(self.units, on_grads_ready=self._on_grads_ready,
+                               on_frozen_backward_done=self.placement.release)
+        self.trace: GatherTrace | None = None
+        if isinstance(self.placement, Sharded):
+            self.trace = GatherTrace(collectives, self.units)
+            self.placement.full.before_gather = self.trace.before_gather
+            self.hooks.install_forward(pre_forward=self._pre_forward,
+                                       post_forward=self._post_forward,
+                                       pre_backward=self._pre_backward)
+
+    # ----------------------------------------------------------------- setup
+
+    def _adopt_parameters(self) -> None:
+        """Rank 0's initial values everywhere, then hand units to backend and placement."""
+        # zero.Init: meta parameters get storage unit by unit, from a pretrained checkpoint
+        # (load_pretrained / from_pretrained under zero.Init) or else the model's own init.
+        with agree(self.collectives, "matching the pretrained checkpoint to the model"):
+            pretrained = pending_source(self.module)
+        materialise_untracked(self, pretrained)
+        self._broadcast_untracked_state()
+        for unit in self.units:
+            materialise_unit(self, unit, pretrained)
+            flat = unit.flatten_params(self.precision.dtype)
+            self.collectives.broadcast(flat)
+            spec = UnitSpec(index=unit.index, part_numel=unit.part_numel,
+                            param_dtype=self.precision.dtype, trainable=unit.trainable,
+                            grad_dtype=self._grad_dtype())
+            with agree(self.collectives, f"registering unit {unit.index} ({unit.name})"):
+                self.backend.register(spec, unit.part_slice(flat).float())
+                self.placement.setup(unit, flat)
+        forget_pending(self.module)
+
+    def _grad_dtype(self) -> torch.dtype:
+        """bf16 where the gradient partition is a bf16 reduce-scatter taken once per step
+        (stages 2-3 without accumulation): fp32 would hold no more information. Stages
+        0-1 reduce in fp32, accumulation sums micro-batches (kept exact in fp32), and the
+        optimizer kernel takes no fp16 gradient."""
+        single = self.batch.gradient_accumulation_steps == 1
+        if (self.precision.dtype == torch.bfloat16 and single
+                and self.config.zero_optimization.stage >= 2):
+            return torch.bfloat16
+        return torch.float32
+
+    def _broadcast_untracked_state(self) -> None:
+        """Buffers and frozen parameters outside units are replicated as-is from rank 0."""
+        for buffer in self.module.buffers():
+            self.collectives.broadcast(buffer.data)
+        in_units = {id(slot.param) for unit in self.units for slot in unit.slots}
+        for param in self.module.parameters():
+            if not param.requires_grad and id(param) not in in_units:
+                self.collectives.broadcast(param.data)
+
+    # --------------------------------------------------------------- forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model on (floating inputs cast to the training dtype)."""
+        self.backend.begin_step()
+        self._forward_depth = 0  # a forward that raised half-way must not skew the next one
+        if self.trace is not None:
+            self.trace.begin("forward", training=self.module.training)
+        output = self.module(*self.precision.cast_inputs(args),
+                             **self.precision.cast_inputs(kwargs))
+        if self.trace is not None:
+            self.trace.end()
+        return output
+
+    def _pre_forward(self, unit: Unit) -> None:
+        if self.trace is not None:
+            self.trace.visit(unit)
+        if self._in_backward:
+            # An activation-checkpoint recompute: not a pass to learn the order from; the
+            # units needed next are the backward's.
+            self.placement.gather(unit)
+            self._prefetch_after(unit, backward=True)
+            return
+        self.prefetch.record(unit, first_of_pass=self._forward_depth == 0)
+        self._forward_depth += 1
+        self.placement.gather(unit)
+        self._prefetch_after(unit, backward=False)
+
+    def _post_forward(self, unit: Unit) -> None:
+        if self._in_backward:
+            return  # the recomputed ops' backward reads these parameters next; grads free them
+        self._forward_depth -= 1
+        self.prefetch.record_end(unit)
+        # Within the reuse distance the unit stays gathered for its backward (DeepSpeed's
+        # stage3_max_reuse_distance); an unknown distance (first pass) frees it.
+        distance = self.prefetch.reuse_distance(unit)
+        keep = (torch.is_grad_enabled() and self.module.training and distance is not None
+                and distance <= self.config.zero_optimization.stage3_max_reuse_distance)
+        if not keep:
+            self.placement.release(unit)
+
+    def _pre_backward(self, unit: Unit) -> None:
+        if self.trace is not None:
+            self.trace.visit(unit)
+        self.placement.gather(unit)
+        self._prefetch_after(unit, backward=True)
+
+    def _prefetch_after(self, unit: Unit, *, backward: bool) -> None:
+        """Start the next units' all-gathers (and daemon reads) in execution order.
+
+        In backward, units whose gradients are already final are passed over: a unit
+        that shares its module with others (a root split by parameter groups, say the
+        final norm's no-decay unit) sits early in the forward order yet finishes its
+        backward first; gathering it again would read a partition its optimizer step is
+        about to rewrite, only to be thrown away after the step.
+        """
+        upcoming = self.prefetch.following(unit, backward=backward)
+        if upcoming:
+            skip = self._backward_done if backward else ()
+            self.placement.prefetch(upcoming, self.prefetch.budget_numel, skip)
+            source = getattr(self.placement, "source", None)
+            if source is not None:
+                source.prefetch(self.prefetch.upcoming(unit, backward=backward, skip=skip))
+
+    # -------------------------------------------------------------- backward
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """True when the current micro-step ends an accumulation window."""
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backpropagate ``loss`` (scaled for accumulation and fp16) and reduce gradients."""
+        if not self.module.training:
+            raise RuntimeError("engine.backward() called in eval mode; call engine.train()")
+        scale = self.precision.scaler.scale / self.batch.gradient_accumulation_steps
+        self.hooks.start_backward()
+        self._backward_done.clear()
+        self.reduce_order.start()
+        if self.trace is not None:
+            self.trace.begin("backward", training=True)
+        self._in_backward = True
+        try:
+            (loss.float() * scale).backward()
+        finally:
+            self._in_backward = False
+        if self.trace is not None:
+            self.trace.end()
+        self.hooks.finish_backward()
+        for unit in self.units:
+            if not unit.trainable:  # inputs that needed no grad: no post-backward signal
+                self.placement.release(unit)
+        assert self.reduce_order.complete
+        self._drain_reductions(block=True)
+        return loss
+
+    def _on_grads_ready(self, unit: Unit) -> None:
+        flat_grad = unit.flatten_grads(self.precision.dtype)
+        self._backward_done.add(unit.index)
+        self.placement.release(unit)
+        for due_unit, due_grad in self.reduce_order.ready(unit, flat_grad):
+            self._reduce(due_unit, due_grad)
+
+    def _reduce(self, unit: Unit, flat_grad: torch.Tensor) -> None:
+        overlap = self.config.zero_optimization.overlap_comm
+        reduced = self.reducer.reduce(unit, flat_grad,
+                                      boundary=self.is_gradient_accumulation_boundary(),
+                                      async_op=overlap)
+        if reduced is not None:
+            self._inflight.append((unit, reduced))
+        self._drain_reductions(block=not overlap)
+
+    def _drain_reductions(self, *, block: bool) -> None:
+        """Hand finished reductions to the optimizer, in launch order."""
+        boundary = self.is_gradient_accumulation_boundary()
+        first = (not self.reducer.accumulates_partitions
+                 or self.micro_steps % self.batch.gradient_accumulation_steps == 0)
+        while self._inflight and (block or self._inflight[0][1].done()):
+            unit, reduced = self._inflight.pop(0)
+            self.optimizer.take_grad(unit.index, reduced.wait(), first=first, boundary=boundary)
+
+    # ------------------------------------------------------------------ step
+
+    def _before_unit_step(self, unit_index: int) -> None:
+        """Called before the optimizer step of a unit starts.
+
+        Hazard: the step rewrites the unit's parameter partition in place (the daemon
+        takes a write lease on ``u{N}.param``) while an all-gather started earlier may
+        still read it under a read lease; the gather is finished and its full parameters
+        dropped first (they would be stale after the step anyway)."""
+        self.placement.release(self.units[unit_index])
+
+    def step(self) -> None:
+        """End a micro-step; at an accumulation boundary, apply the optimizer step."""
+        if self.is_gradient_accumulation_boundary():
+            applied = self.optimizer.step()
+            for unit in self.units:
+                self.placement.after_step(unit)
+            if applied and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+            self.global_steps += 1
+            self.global_samples += self.batch.train_batch_size
+        self.micro_steps += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are consumed by each backward; kept for DeepSpeed API parity."""
+
+    # ------------------------------------------------------------- accessors
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.last_grad_norm
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.micro_batch_size
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return self.precision.scaler.scale
+
+    def offload_stats(self) -> dict[str, Any]:
+        """The backend's counters (daemon client stats when offloading)."""
+        return self.backend.stats()
+
+    # ------------------------------------------------------------ checkpoint
+
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: dict[str, Any] | None = None) -> str:
+        from trainer.state.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state=client_state)
+
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
+                        **deepspeed_options: bool) -> tuple[str | None, dict[str, Any]]:
+        """Restore everything; DeepSpeed's ``load_*`` options are checked by
+        ``trainer.integrations.compat.check_full_restore`` (partial restores are refused)."""
+        from trainer.integrations.compat import check_full_restore
+        from trainer.state.checkpoint import load_checkpoint
+
+        check_full_restore(deepspeed_options)
+        return load_checkpoint(self, load_dir, tag)
+
+    def save_16bit_model(self, save_dir: str | os.PathLike[str],
+                         save_filename: str = "model.safetensors",
+                         exclude_frozen_parameters: bool = False, *,
+                         max_shard_size: int | str = "5GB") -> bool:
+        """An HF model directory ``from_pretrained`` loads (``trainer.export``); a
+        ``save_filename`` ending in ``.bin`` writes torch.save files instead."""
+        from trainer.state.export import save_16bit_model
+
+        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters,
+                                max_shard_size=max_shard_size)
+
+    def close(self) -> None:
+        """Remove hooks and release the backend (daemon connection, private daemon)."""
+        self.hooks.remove()
+        self.backend.close()

@@ -1,0 +1,158 @@
+"""Module and autograd hooks that tell the engine where each unit is in forward/backward.
+
+- forward pre/post hooks on each unit's module (stage 3 gathers and frees);
+- a pre-backward hook: the unit's forward outputs pass through an identity
+  autograd Function whose backward fires before the unit's own backward ops
+  (stage 3 re-gathers there; the saved tensors are the parameters themselves,
+  so restoring ``param.data`` restores what autograd will read);
+- a post-backward hook: ``register_post_accumulate_grad_hook`` counts the
+  unit's parameters whose gradient is final; the last one triggers the
+  unit's gradient reduction. Units with unused parameters never reach the
+  count and are finished by ``finish_backward`` in unit order (the engine's
+  ``ReduceOrder`` then launches reductions in one order on every rank);
+- a frozen unit (stage 3) has no gradients to count: its forward inputs pass
+  through an identity Function whose backward fires once the unit's backward
+  has produced the inputs' gradients, which is when its gathered parameters
+  can go (the engine frees the rest at the end of backward).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from trainer.zero.partition import Unit
+
+UnitCallback = Callable[[Unit], None]
+
+
+class _BackwardCallback(torch.autograd.Function):
+    """Identity on some tensors whose backward runs a callback first.
+
+    On a unit's outputs it fires as the unit's backward starts; on its inputs,
+    once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *tensors: torch.Tensor) -> Any:
+        ctx.callback = callback
+        return tuple(tensor.detach() for tensor in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        ctx.callback()
+        return (None, *grads)
+
+
+def _tensors_needing_grad(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        if value.requires_grad:
+            yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_needing_grad(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_needing_grad(item)
+
+
+def _replace(value: Any, swap: dict[int, torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        return swap.get(id(value), value)
+    if isinstance(value, tuple):
+        items = [_replace(item, swap) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return [_replace(item, swap) for item in value]
+    if isinstance(value, dict):
+        for key in list(value):  # in place: keeps dict subclasses (HF ModelOutput) intact
+            value[key] = _replace(value[key], swap)
+    return value
+
+
+def attach_pre_backward(output: Any, callback: Callable[[], None]) -> Any:
+    """``output`` with its grad-requiring tensors routed through ``_BackwardCallback``."""
+    tensors = list(_tensors_needing_grad(output))
+    if not tensors or not torch.is_grad_enabled():
+        return output
+    routed = _BackwardCallback.apply(callback, *tensors)
+    return _replace(output, {id(old): new for old, new in zip(tensors, routed, strict=True)})
+
+
+def attach_post_backward(args: Any, kwargs: Any,
+                         callback: Callable[[], None]) -> tuple[Any, Any] | None:
+    """``(args, kwargs)`` with grad-requiring tensors routed through ``_BackwardCallback``."""
+    tensors = list(_tensors_needing_grad((args, kwargs)))
+    if not tensors or not torch.is_grad_enabled():
+        return None
+    routed = _BackwardCallback.apply(callback, *tensors)
+    swap = {id(old): new for old, new in zip(tensors, routed, strict=True)}
+    return _replace(tuple(args), swap), _replace(dict(kwargs), swap)
+
+
+class UnitHooks:
+    """Installs the hooks and turns them into per-unit callbacks."""
+
+    def __init__(self, units: list[Unit], *, on_grads_ready: UnitCallback,
+                 on_frozen_backward_done: UnitCallback | None = None) -> None:
+        self.units = units
+        self.trainable = [unit for unit in units if unit.trainable]
+        self.on_grads_ready = on_grads_ready
+        self.on_frozen_backward_done = on_frozen_backward_done
+        self._waiting: dict[int, int] = {}
+        self._handles: list[RemovableHandle] = []
+        for unit in self.trainable:
+            for slot in unit.slots:
+                self._handles.append(slot.param.register_post_accumulate_grad_hook(
+                    self._grad_hook(unit)))
+
+    def install_forward(self, *, pre_forward: UnitCallback, post_forward: UnitCallback,
+                        pre_backward: UnitCallback) -> None:
+        """Forward/pre-backward hooks (only stage 3 needs them)."""
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(
+                lambda _module, _args, unit=unit: pre_forward(unit)))
+            self._handles.append(unit.module.register_forward_hook(
+                self._post_forward_hook(unit, post_forward, pre_backward)))
+            if not unit.trainable and self.on_frozen_backward_done is not None:
+                done = self.on_frozen_backward_done
+                self._handles.append(unit.module.register_forward_pre_hook(
+                    lambda _module, args, kwargs, unit=unit, done=done: attach_post_backward(
+                        args, kwargs, lambda: done(unit)), with_kwargs=True))
+
+    def start_backward(self) -> None:
+        """Arm the post-backward counters for one backward pass."""
+        self._waiting = {unit.index: len(unit.slots) for unit in self.trainable}
+
+    def finish_backward(self) -> None:
+        """Fire the post-backward callback of every unit that has not fired yet."""
+        for unit in self.trainable:
+            if self._waiting.pop(unit.index, None) is not None:
+                self.on_grads_ready(unit)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _grad_hook(self, unit: Unit) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            left = self._waiting.get(unit.index)
+            if left is None:
+                return
+            if left > 1:
+                self._waiting[unit.index] = left - 1
+                return
+            del self._waiting[unit.index]
+            self.on_grads_ready(unit)
+        return hook
+
+    @staticmethod
+    def _post_forward_hook(unit: Unit, post_forward: UnitCallback,
+                           pre_backward: UnitCallback) -> Callable[..., Any]:
+        def hook(_module: Any, _args: Any, output: Any) -> Any:
+            post_forward(unit)
+            return attach_pre_backward(output, lambda: pre_backward(unit))
+        return hook

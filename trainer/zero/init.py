@@ -1,0 +1,309 @@
+"""``zero.Init``: build a model without materialising it, then fill it unit by unit.
+
+Inside ``with trainer.zero.Init(config_dict_or_path=cfg):`` every
+``nn.Parameter`` created is moved to the ``meta`` device the moment it is
+made: the tensor the module allocated (``torch.empty``) is dropped before
+anything touches its pages, and the module's own init at construction
+(``reset_parameters``, HF ``post_init``) runs on meta tensors, i.e. does
+nothing. Buffers stay real (they are small and some, like causal masks,
+cannot be recomputed later).
+
+``initialize`` then materialises the model one unit at a time, inside
+``Engine._adopt_parameters`` (``materialise_unit``): the unit's meta
+parameters get real CPU storage, the model's own init runs on the unit's
+submodules (``param_init_fn(module)`` when given, else HF
+``model._init_weights(module)``, else ``module.reset_parameters()``) with
+an RNG seeded from the unit's name (so it does not depend on rank or on
+which units were materialised before), the engine broadcasts rank 0's
+values and hands the partition to the backend, and stage 3 frees the full
+tensors again. Peak rank memory during init is about one unit. When a
+pretrained checkpoint is pending (``trainer.load_pretrained`` before
+``initialize``, or ``from_pretrained`` under ``Init``: ``trainer.state.pretrained``),
+rank 0 overwrites each freshly materialised unit from it, one tensor at a time.
+
+``GatheredParameters(params, modifier_rank=None)`` gathers engine-managed
+parameters outside forward on every rank (collective) and, with
+``modifier_rank``, scatters that rank's changes back into the partitions
+and the fp32 master (in the rank or in the daemon). On parameters that are
+still meta (before ``initialize``) it raises ``ZeroInitError``: there is
+nothing to gather yet and an edit would be lost. (The ``deepspeed.zero``
+facade that transformers' ZeRO-3 loading calls passes over them instead:
+``initialize`` redoes that load, ``trainer.integrations.ds_facade.GatheredParameters``.)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import json
+import os
+import weakref
+import zlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from trainer.dist.agreement import agree
+from trainer.state.pretrained import PretrainedSource, fill_materialised
+
+if TYPE_CHECKING:
+    from trainer.zero.engine import Engine
+    from trainer.zero.partition import Unit
+
+ParamInitFn = Callable[[nn.Module], None]
+
+_ACTIVE: list[Init] = []
+_original_param_new = nn.Parameter.__new__
+
+
+class ZeroInitError(RuntimeError):
+    """A meta-built parameter could not be materialised; the message names the fix."""
+
+
+def _meta_param_new(cls: type, data: torch.Tensor | None = None,
+                    requires_grad: bool = True) -> nn.Parameter:
+    if _ACTIVE and data is not None and data.device.type != "meta":
+        data = data.to("meta")
+    param: Any = _original_param_new(cls, data, requires_grad)
+    if _ACTIVE and param.device.type == "meta":
+        param._zero_init = _ACTIVE[-1]
+    return param
+
+
+class Init:
+    """DeepSpeed's ``deepspeed.zero.Init``: parameters built inside are meta until ``initialize``.
+
+    ``config_dict_or_path`` is the engine config (dict or JSON path); it is
+    checked to be a ZeRO config. ``param_init_fn(module)`` initialises one
+    module's own parameters when the model has neither HF ``_init_weights``
+    nor ``reset_parameters``. ``seed`` is the base of the per-unit seeds.
+    ``enabled=False`` makes the context do nothing (as in DeepSpeed).
+    """
+
+    def __init__(self, module: nn.Module | None = None, *,
+                 config_dict_or_path: dict[str, Any] | str | os.PathLike[str] | None = None,
+                 config: dict[str, Any] | str | os.PathLike[str] | None = None,
+                 param_init_fn: ParamInitFn | None = None, seed: int = 0,
+                 enabled: bool = True, **_deepspeed_kwargs: Any) -> None:
+        if module is not None:
+            raise ZeroInitError("zero.Init(module=...) converts an already built model, which "
+                                "this engine does not need: build the model inside "
+                                "`with trainer.zero.Init(...)` or pass it to initialize() as is")
+        source = config_dict_or_path if config_dict_or_path is not None else config
+        if isinstance(source, (str, os.PathLike)):
+            source = json.loads(Path(source).read_text(encoding="utf-8"))
+        self.config = source
+        self.param_init_fn = param_init_fn
+        self.seed = seed
+        self.enabled = enabled
+
+    def __enter__(self) -> Init:
+        if self.enabled:
+            if not _ACTIVE:
+                nn.Parameter.__new__ = staticmethod(_meta_param_new)  # type: ignore[assignment]
+            _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.enabled:
+            _ACTIVE.remove(self)
+            if not _ACTIVE:
+                nn.Parameter.__new__ = staticmethod(_original_param_new)  # type: ignore[method-assign]
+
+
+# ---------------------------------------------------------------------------
+# materialisation (called by the engine)
+
+
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    """Children before parents, as ``nn.Module.apply`` (HF ``post_init``) visits them."""
+    order: list[nn.Module] = []
+    for child in module.children():
+        order += _post_order(child)
+    order.append(module)
+    return order
+
+
+def _unit_seed(owner: Init | None, name: str) -> int:
+    return ((owner.seed if owner is not None else 0) + zlib.crc32(name.encode())) % (2**63)
+
+
+def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter],
+                seed_name: str, device: torch.device | None = None) -> None:
+    """Give the meta ``params`` real storage on ``device`` (default CPU) and run the
+    model's init over ``root``'s subtree.
+
+    The init visits the modules of ``root`` that hold one of ``params`` (directly or below),
+    children first; parameters of other units there are still meta, so it leaves them be.
+    """
+    wanted = {id(p): p for p in params if p.device.type == "meta"}
+    if not wanted:
+        return
+    owner: Init | None = getattr(next(iter(wanted.values())), "_zero_init", None)
+    custom = owner.param_init_fn if owner is not None else None
+    hf_init = getattr(model, "_init_weights", None)
+    init_fn: ParamInitFn | None = custom or (hf_init if callable(hf_init) else None)
+    modules = [m for m in _post_order(root) if any(id(p) in wanted for p in m.parameters())]
+    if init_fn is None:
+        modules = [m for m in modules if any(id(p) in wanted for p in m.parameters(recurse=False))]
+        for module in modules:
+            if not callable(getattr(module, "reset_parameters", None)):
+                raise ZeroInitError(
+                    f"{type(module).__name__} was built under zero.Init but has no "
+                    f"reset_parameters() and the model has no _init_weights(); pass "
+                    f"zero.Init(param_init_fn=...) to initialise it")
+    for param in wanted.values():
+        # A meta tensor cannot take CPU ``.data``; swapping keeps the Parameter object
+        # (tied weights, the units' slots and the user's references all stay valid).
+        real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
+                            requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, real)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(_unit_seed(owner, seed_name))
+        for module in modules:
+            if init_fn is not None:
+                init_fn(module)
+            else:
+                module.reset_parameters()  # type: ignore[operator]
+
+
+def _return_free_heap() -> None:
+    """Give glibc's freed heap pages back to the OS (``malloc_trim``).
+
+    A unit's transient buffers (its parameters, flat copy, partition) are a few MiB each;
+    once glibc's dynamic mmap threshold has grown past that size they come from the heap,
+    and the freed holes pile up to about the model's size over a unit-by-unit init
+    unless they are trimmed. Without glibc this does nothing.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    name = ctypes.util.find_library("c")  # runs ldconfig: once per process
+    return getattr(ctypes.CDLL(name), "malloc_trim", None) if name is not None else None
+
+
+def materialise_untracked(engine: Engine, pretrained: PretrainedSource | None = None) -> None:
+    """Meta parameters outside every unit (frozen ones in stages 0-2): materialise them whole;
+    rank 0 fills them (and the model's buffers) from ``pretrained`` before they are
+    broadcast."""
+    tracked = {id(slot.param) for unit in engine.units for slot in unit.slots}
+    rest = [p for p in engine.module.parameters() if id(p) not in tracked]
+    meta = {id(p) for p in rest if p.is_meta}
+    materialise(engine.module, engine.module, rest, "<untracked>", engine.collectives.device)
+    if pretrained is not None:
+        named: list[tuple[str, torch.Tensor]] = [
+            (name, p) for name, p in engine.module.named_parameters() if id(p) in meta]
+        named += list(engine.module.named_buffers())
+        with agree(engine.collectives, "loading pretrained weights outside the units"):
+            if engine.collectives.rank == 0:
+                fill_materialised(pretrained, named)
+
+
+def materialise_unit(engine: Engine, unit: Unit,
+                     pretrained: PretrainedSource | None = None) -> None:
+    """Engine hook, once per unit before its flat parameters are built. With ``pretrained``
+    rank 0 overwrites the unit's freshly materialised parameters from the checkpoint (the
+    engine broadcasts rank 0's values)."""
+    meta = [(slot.name, slot.param) for slot in unit.slots if slot.param.is_meta]
+    if meta:
+        _return_free_heap()  # the previous unit's buffers, before this unit's are allocated
+    materialise(engine.module, unit.module, [slot.param for slot in unit.slots], unit.name,
+                engine.collectives.device)
+    if pretrained is not None and meta:
+        with agree(engine.collectives, f"loading pretrained weights into unit {unit.name}"):
+            if engine.collectives.rank == 0:
+                fill_materialised(pretrained, meta)
+    for slot in unit.slots:
+        slot.param._zero_engine = weakref.ref(engine)  # type: ignore[attr-defined]
+        slot.param._zero_unit = unit  # type: ignore[attr-defined]
+
+
+# ---------------------------------------------------------------------------
+# GatheredParameters
+
+
+def unmaterialised(param: torch.Tensor) -> bool:
+    """Built under ``zero.Init`` and still on ``meta``: ``initialize`` gives it its values."""
+    return param.is_meta and getattr(param, "_zero_init", None) is not None
+
+
+class GatheredParameters:
+    """Full parameters outside forward on every rank; ``modifier_rank``'s edits are kept.
+
+    Collective: every rank must enter it with the same parameters. Parameters
+    not managed by an engine are left alone.
+    """
+
+    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor],
+                 modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
+                 enabled: bool = True) -> None:
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        self.modifier_rank = modifier_rank
+        self.enabled = enabled
+        self._targets: list[tuple[Engine, Unit]] = []
+        seen: set[tuple[int, int]] = set()
+        for param in params:
+            if enabled and unmaterialised(param):
+                raise ZeroInitError(
+                    "GatheredParameters on parameters built under zero.Init before "
+                    "trainer.initialize: they have no values yet and edits would be lost; load "
+                    "weights with trainer.load_pretrained(model, checkpoint_dir) before "
+                    "initialize, or gather and edit them after initialize")
+            ref = getattr(param, "_zero_engine", None)
+            engine = ref() if ref is not None else None
+            if engine is None:
+                continue
+            unit: Unit = param._zero_unit  # type: ignore[union-attr]
+            if (id(engine), unit.index) not in seen:
+                seen.add((id(engine), unit.index))
+                self._targets.append((engine, unit))
+        self._targets.sort(key=lambda target: target[1].index)  # one order on every rank
+        self._before: list[torch.Tensor] = []
+
+    def __enter__(self) -> GatheredParameters:
+        if not self.enabled:
+            return self
+        for engine, unit in self._targets:
+            engine.placement.gather(unit)
+            if self.modifier_rank is not None:
+                self._before.append(unit.flatten_params(engine.precision.dtype))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.enabled:
+            return
+        if self.modifier_rank is None:
+            for engine, unit in self._targets:
+                engine.placement.release(unit)
+            return
+        for (engine, unit), before in zip(self._targets, self._before, strict=True):
+            _write_back(engine, unit, before, self.modifier_rank)
+        self._before = []
+
+
+def _write_back(engine: Engine, unit: Unit, before: torch.Tensor, modifier_rank: int) -> None:
+    """Broadcast the modifier's values; changed elements replace the fp32 master exactly."""
+    after = unit.flatten_params(engine.precision.dtype)
+    engine.collectives.broadcast(after, modifier_rank)
+    # The optimizer state is host memory (get_state): compare on the host, where the mask
+    # indexes it (a device mask cannot index a host tensor).
+    after_part = unit.part_slice(after).cpu()
+    changed = after_part != unit.part_slice(before).cpu()
+    if bool(changed.any()) and not unit.trainable:  # frozen: the partition is all there is
+        engine.backend.set_state(unit.index, {"param": after_part.clone()})
+    elif bool(changed.any()):
+        state = engine.backend.get_state(unit.index)
+        master = state["master"]
+        master[changed] = after_part[changed].float().to(master.device)
+        state["param"] = master.to(engine.precision.dtype)
+        engine.backend.set_state(unit.index, state)
+    engine.placement.after_step(unit)

@@ -1,0 +1,146 @@
+"""The optimizer facade: Adam/AdamW over unit partitions held by a ``StateBackend``.
+
+It receives each unit's reduced gradient partition as soon as the unit's
+backward is reduced. At the accumulation boundary it either starts that
+unit's step right away (*eager*: no clipping and no overflow check, so no
+global information is needed) or records the partition's squared norm and
+steps every unit in ``step()`` once the global norm is known (all-reduced
+across ranks), with ``grad_scale`` folding in the clip factor, the loss
+scale and the 1/world average in one multiply.
+
+``param_groups`` is torch-compatible so LR schedulers can drive it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainer.config import OptimizerConfig
+from trainer.dist.collectives import Collectives
+from trainer.offload.backend import AdamHyper, StateBackend, StepHandle
+from trainer.zero.precision import LossScaler
+
+
+class ZeroOptimizer:
+    """Adam/AdamW whose state lives in a backend, partitioned by unit."""
+
+    def __init__(self, backend: StateBackend, config: OptimizerConfig, *,
+                 collectives: Collectives, scaler: LossScaler, clip_norm: float,
+                 partitioned: bool, groups: list[dict[str, Any]] | None = None,
+                 unit_groups: dict[int, int] | None = None,
+                 before_step: Callable[[int], None] | None = None) -> None:
+        self.backend = backend
+        self.before_step = before_step
+        """Called with a unit's index right before its step starts (the engine lets go of
+        anything that still reads the unit's parameter partition)."""
+        self.collectives = collectives
+        self.scaler = scaler
+        self.clip_norm = clip_norm
+        self.partitioned = partitioned
+        """Partitions differ across ranks, so norms must be summed over ranks."""
+        self.param_groups: list[dict[str, Any]] = [dict(group) for group in groups or [{
+            "lr": config.lr, "betas": config.betas, "eps": config.eps,
+            "weight_decay": config.weight_decay,
+        }]]
+        self.unit_groups = unit_groups or {}
+        """Unit index -> its param group (``trainer.zero.groups``); absent: group 0."""
+        self.decoupled = config.type == "AdamW" or config.adam_w_mode
+        self.step_count = 0
+        """Adam's t: applied steps so far (skipped overflow steps do not count)."""
+        self.skipped_steps = 0
+        self.last_grad_norm: float | None = None
+        self._sq_norms: list[torch.Tensor] = []
+        self._ready: list[int] = []
+
+    @property
+    def eager(self) -> bool:
+        """Steps can start per unit during backward: nothing global is needed first."""
+        return self.clip_norm == 0 and not self.scaler.checks_overflow
+
+    def hyper(self, group_index: int = 0) -> AdamHyper:
+        """The step's hyper-parameters for one param group (the scheduler writes ``lr``)."""
+        group = self.param_groups[group_index]
+        beta1, beta2 = group["betas"]
+        return AdamHyper(lr=float(group["lr"]), beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"],
+                         decoupled_weight_decay=self.decoupled)
+
+    def take_grad(self, unit: int, grad: torch.Tensor, *, first: bool, boundary: bool) -> None:
+        """Hand over one reduced gradient partition of ``unit``."""
+        want_norm = boundary and not self.eager
+        sq_norm = self.backend.accumulate_grad(unit, grad, first=first, want_sq_norm=want_norm,
+                                               last=boundary)
+        if not boundary:
+            return
+        if sq_norm is not None:
+            self._sq_norms.append(sq_norm)
+        self._ready.append(unit)
+        if self.eager:
+            self._start(unit, self._base_grad_scale())
+
+    def step(self) -> bool:
+        """Start the step of every unit handed over; False when skipped on overflow.
+
+        Steps run on in the backend: each is waited for at its unit's next use
+        (``StateBackend`` orders every access to a unit after its step).
+        """
+        applied = True
+        if not self.eager:
+            applied = self._step_all_with_norm()
+        self._ready.clear()
+        self.scaler.update(not applied)
+        if applied:
+            self.step_count += 1
+        else:
+            self.skipped_steps += 1
+        return applied
+
+    def _step_all_with_norm(self) -> bool:
+        norm = self._global_grad_norm()
+        self.last_grad_norm = norm
+        if not math.isfinite(norm):
+            return False
+        grad_scale = self._base_grad_scale()
+        if self.clip_norm > 0:
+            grad_scale *= min(1.0, self.clip_norm / (norm + 1e-6))
+        # Forward order: the next forward needs the lowest units first.
+        for unit in sorted(self._ready):
+            self._start(unit, grad_scale)
+        return True
+
+    def _global_grad_norm(self) -> float:
+        total = torch.stack(self._sq_norms).sum() if self._sq_norms else torch.zeros(
+            (), dtype=torch.float64, device=self.collectives.device)
+        self._sq_norms.clear()
+        if self.partitioned:
+            self.collectives.all_reduce(total)
+        return math.sqrt(float(total)) * self._base_grad_scale()
+
+    def _base_grad_scale(self) -> float:
+        """Undo the loss scale and turn the sum over ranks into a mean."""
+        return 1.0 / (self.scaler.scale * self.collectives.world_size)
+
+    def _start(self, unit: int, grad_scale: float) -> StepHandle:
+        hyper = self.hyper(self.unit_groups.get(unit, 0))
+        if self.before_step is not None:
+            self.before_step(unit)
+        return self.backend.step_async(unit, step=self.step_count + 1, hyper=hyper,
+                                       grad_scale=grad_scale)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in the backend and are overwritten each window; nothing to do."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Scalar state; per-unit tensors are saved by the checkpoint module."""
+        return {"step_count": self.step_count, "skipped_steps": self.skipped_steps,
+                "param_groups": [dict(group) for group in self.param_groups]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step_count = int(state["step_count"])
+        self.skipped_steps = int(state["skipped_steps"])
+        for group, saved in zip(self.param_groups, state["param_groups"], strict=True):
+            group.update(saved)

@@ -1,0 +1,267 @@
+"""Units and flat parameters.
+
+The model is split into *units*: unit 0 is the root module, units 1..N are
+submodules chosen by class name (``units.module_classes``, e.g. transformer
+blocks), by FSDP-style size-based auto-wrap (``units.min_num_params``), or by
+default the model's repeated blocks: HF ``_no_split_modules`` (``GPT2Block``,
+``LlamaDecoderLayer``), else the classes repeated inside a ``ModuleList`` /
+``Sequential``, else size-based with ``DEFAULT_MIN_NUM_PARAMS``. A container
+without a forward of its own (``ModuleList``, ``ModuleDict``) never becomes a
+unit: its hooks would never fire and its parameters would never be gathered.
+A unit owns the trainable parameters of its subtree that no nested unit owns;
+a parameter shared between units (tied embeddings) belongs to the root unit,
+which stays gathered for the whole forward. A module's parameters are split
+into one unit per parameter group (``trainer.zero.groups``), so a unit steps with
+one set of hyper-parameters; under stage 3 frozen parameters form units of
+their own too (``group`` None): partitioned and gathered like the rest, with no
+gradient and no optimizer state.
+
+Each unit's parameters are concatenated into one flat buffer padded to a
+multiple of the number of partitions, so every rank owns an equal contiguous
+slice: ``[index * part_numel, (index + 1) * part_numel)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from trainer.config import UnitsConfig
+
+
+@dataclass(kw_only=True)
+class ParamSlot:
+    """Where one parameter lives inside its unit's flat buffer."""
+
+    name: str
+    param: nn.Parameter
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+@dataclass(kw_only=True)
+class Unit:
+    """One flat-parameter unit and this rank's partition geometry."""
+
+    index: int
+    name: str
+    module: nn.Module
+    slots: list[ParamSlot]
+    numel: int
+    """Elements of real parameters (before padding)."""
+    padded_numel: int
+    """Elements of the flat buffer, a multiple of num_parts."""
+    part_numel: int
+    """Elements of one rank's partition."""
+    part_index: int
+    """This rank's partition (0 when the optimizer is not partitioned)."""
+    group: int | None = 0
+    """The parameter group (``trainer.zero.groups``); None: frozen parameters, no optimizer."""
+    flat: torch.Tensor | None = field(default=None, repr=False)
+    """Full flat parameters in the training dtype, when materialised."""
+
+    @property
+    def trainable(self) -> bool:
+        return self.group is not None
+
+    @property
+    def shard_prefix(self) -> str:
+        return f"u{self.index}"
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device the unit's parameters live on."""
+        return self.slots[0].param.device
+
+    def part_slice(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's partition of a flat tensor of ``padded_numel`` elements."""
+        start = self.part_index * self.part_numel
+        return flat.narrow(0, start, self.part_numel)
+
+    def flatten_params(self, dtype: torch.dtype) -> torch.Tensor:
+        """A new padded flat copy of the current parameter values."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
+        for slot in self.slots:
+            flat.narrow(0, slot.offset, slot.numel).copy_(slot.param.detach().reshape(-1))
+        return flat
+
+    def flatten_grads(self, dtype: torch.dtype) -> torch.Tensor:
+        """A padded flat copy of the parameters' ``.grad`` (zeros where absent); clears them."""
+        flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
+        for slot in self.slots:
+            grad = slot.param.grad
+            if grad is not None:
+                flat.narrow(0, slot.offset, slot.numel).copy_(grad.reshape(-1))
+                slot.param.grad = None
+        return flat
+
+    def point_params_at(self, flat: torch.Tensor) -> None:
+        """Make every parameter a view into ``flat`` (the full buffer)."""
+        for slot in self.slots:
+            slot.param.data = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
+
+    def release_params(self) -> None:
+        """Drop the parameters' storage; they become empty until the next gather."""
+        empty = torch.empty(0, dtype=self.slots[0].param.dtype, device=self.device)
+        for slot in self.slots:
+            slot.param.data = empty
+
+
+DEFAULT_MIN_NUM_PARAMS = 1_000_000
+"""Size-based auto-wrap threshold when the model has no recognisable repeated block."""
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+"""Modules that are never called: a unit rooted there would never be gathered."""
+
+
+def find_unit_modules(model: nn.Module, config: UnitsConfig) -> list[tuple[str, nn.Module]]:
+    """Root first, then unit submodules in module-traversal order."""
+    if config.module_classes:
+        chosen = _modules_by_class(model, config.module_classes)
+    elif config.min_num_params is not None:
+        chosen = set()
+        _auto_wrap(model, config.min_num_params, chosen, is_root=True)
+    else:
+        chosen = _default_blocks(model)
+    units = [("", model)]
+    units += [(name, module) for name, module in model.named_modules()
+              if module is not model and id(module) in chosen]
+    return units
+
+
+def _modules_by_class(model: nn.Module, class_names: tuple[str, ...]) -> set[int]:
+    present = {type(module).__name__ for module in model.modules()}
+    missing = [name for name in class_names if name not in present]
+    if len(missing) == len(class_names):
+        raise ValueError(
+            f"units.module_classes={list(class_names)} matches no module of the model; "
+            f"module classes present: {sorted(present)}"
+        )
+    return {id(module) for module in model.modules()
+            if module is not model and type(module).__name__ in class_names}
+
+
+def block_classes(model: nn.Module) -> tuple[str, ...]:
+    """The model's repeated block classes: HF ``_no_split_modules``, else the classes that
+    occur at least twice among the children of one ModuleList/Sequential (with params)."""
+    present = {type(module).__name__ for module in model.modules()}
+    declared = tuple(name for name in getattr(model, "_no_split_modules", None) or ()
+                     if name in present)
+    if declared:
+        return declared
+    repeated: dict[str, None] = {}
+    for module in model.modules():
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)):
+            continue
+        counts: dict[str, int] = {}
+        for child in module.children():
+            if any(True for _ in child.parameters()):
+                name = type(child).__name__
+                counts[name] = counts.get(name, 0) + 1
+        repeated.update((name, None) for name, count in counts.items() if count >= 2)
+    return tuple(repeated)
+
+
+def _default_blocks(model: nn.Module) -> set[int]:
+    classes = block_classes(model)
+    if classes:
+        return {id(module) for module in model.modules()
+                if module is not model and type(module).__name__ in classes}
+    chosen: set[int] = set()
+    _auto_wrap(model, DEFAULT_MIN_NUM_PARAMS, chosen, is_root=True)
+    return chosen
+
+
+def _auto_wrap(module: nn.Module, min_num_params: int, chosen: set[int], *,
+               is_root: bool) -> int:
+    """FSDP-style post-order wrap; returns the subtree's param count not yet wrapped."""
+    unwrapped = sum(p.numel() for p in module.parameters(recurse=False) if p.requires_grad)
+    for child in module.children():
+        unwrapped += _auto_wrap(child, min_num_params, chosen, is_root=False)
+    if not is_root and not isinstance(module, _CONTAINERS) and unwrapped >= min_num_params:
+        chosen.add(id(module))
+        return 0
+    return unwrapped
+
+
+NamedParams = list[tuple[str, nn.Parameter]]
+
+
+def assign_params(model: nn.Module, unit_modules: list[tuple[str, nn.Module]], *,
+                  include_frozen: bool = False) -> list[NamedParams]:
+    """Trainable (and with ``include_frozen`` frozen) parameters of each unit, in
+    registration order; shared ones go to the root."""
+    unit_of_module = {id(module): index for index, (_, module) in enumerate(unit_modules)}
+    owner: dict[int, int] = {}
+    named: dict[int, tuple[str, nn.Parameter]] = {}
+    _walk(model, "", 0, unit_of_module, owner, named, include_frozen)
+    owned: list[NamedParams] = [[] for _ in unit_modules]
+    for param_id, unit_index in owner.items():
+        owned[unit_index].append(named[param_id])
+    return owned
+
+
+def _walk(module: nn.Module, prefix: str, unit_index: int, unit_of_module: dict[int, int],
+          owner: dict[int, int], named: dict[int, tuple[str, nn.Parameter]],
+          include_frozen: bool) -> None:
+    unit_index = unit_of_module.get(id(module), unit_index)
+    for name, param in module._parameters.items():
+        if param is None or not (param.requires_grad or include_frozen):
+            continue
+        if id(param) in owner and owner[id(param)] != unit_index:
+            owner[id(param)] = 0  # shared across units: the root keeps it gathered
+        else:
+            owner.setdefault(id(param), unit_index)
+            named.setdefault(id(param), (prefix + name, param))
+    for child_name, child in module._modules.items():
+        if child is not None:
+            _walk(child, f"{prefix}{child_name}.", unit_index, unit_of_module, owner, named,
+                  include_frozen)
+
+
+def build_units(model: nn.Module, config: UnitsConfig, *, num_parts: int, part_index: int,
+                group_of: dict[int, int] | None = None,
+                include_frozen: bool = False) -> list[Unit]:
+    """Split ``model`` into units with partition geometry; empty units are dropped.
+
+    ``group_of`` maps parameter ids to parameter groups (absent: group 0); a module's
+    parameters become one unit per group, frozen ones (``include_frozen``) last.
+    """
+    unit_modules = find_unit_modules(model, config)
+    owned = assign_params(model, unit_modules, include_frozen=include_frozen)
+    units: list[Unit] = []
+    for (name, module), params in zip(unit_modules, owned, strict=True):
+        for group, group_params in _split_by_group(params, group_of or {}):
+            units.append(_make_unit(len(units), name, module, group_params, num_parts,
+                                    part_index, group))
+    if not any(unit.trainable for unit in units):
+        raise ValueError("the model has no trainable parameters (requires_grad=True); "
+                         "nothing to optimise")
+    return units
+
+
+def _split_by_group(params: NamedParams,
+                    group_of: dict[int, int]) -> list[tuple[int | None, NamedParams]]:
+    """The unit's parameters per group, in first-appearance order; frozen ones last."""
+    split: dict[int | None, NamedParams] = {}
+    for name, param in params:
+        group = group_of.get(id(param), 0) if param.requires_grad else None
+        split.setdefault(group, []).append((name, param))
+    frozen = split.pop(None, None)
+    return [*split.items(), *([(None, frozen)] if frozen else [])]
+
+
+def _make_unit(index: int, name: str, module: nn.Module, params: list[tuple[str, nn.Parameter]],
+               num_parts: int, part_index: int, group: int | None = 0) -> Unit:
+    slots, offset = [], 0
+    for param_name, param in params:
+        slots.append(ParamSlot(name=param_name, param=param, offset=offset,
+                               numel=param.numel(), shape=param.shape))
+        offset += param.numel()
+    padded = -(-offset // num_parts) * num_parts
+    return Unit(index=index, name=name or "<root>", module=module, slots=slots, numel=offset,
+                padded_numel=padded, part_numel=padded // num_parts, part_index=part_index,
+                group=group)
