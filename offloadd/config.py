@@ -7,16 +7,18 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import tomllib
 
-if TYPE_CHECKING:
-    from offloadd.memory.arena import HugePages, Prefault
-    from offloadd.service.limits import Limits
+from offloadd.protocol import MAX_FRAME_NBYTES
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 IOEngineKind = Literal["auto", "native", "io_uring", "threads", "python"]
+HugePages = Literal["auto", "on", "off"]
+"""Back the arena with 2 MiB pages: always, never, or when the kernel has them free."""
+Prefault = Literal["now", "background", "lazy"]
+"""When an arena's pages are touched in: at creation, behind it, or on first use."""
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
@@ -54,6 +56,51 @@ def default_socket_path() -> str:
         runtime = SERVICE_SOCKET_DIR
     runtime = runtime or os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
     return str(Path(runtime) / "offloadd.sock")
+
+
+@dataclass(kw_only=True, frozen=True)
+class Limits:
+    """The per-client limit values, copied from DaemonConfig (see its docstrings); enforced by
+    ``offloadd.service.limits``."""
+
+    max_sessions: int
+    max_sessions_per_uid: int
+    hello_timeout_s: float
+    max_ids_per_request: int
+    max_shards_per_job: int
+    max_prefetches_per_job: int
+    max_partial_frame_nbytes: int
+    frame_timeout_s: float
+    max_jobs_per_uid: int
+    max_fds_per_uid: int
+    max_shards_per_uid: int
+    max_metadata_nbytes_per_uid: int
+    max_queued_steps_per_uid: int
+    max_pending_nbytes_per_uid: int
+    max_requests_in_flight: int
+    max_ranks_per_job: int
+    node_status_interval_s: float
+    max_swap_nbytes_per_uid: int | None
+
+
+def check_limits(limits: Limits, max_frame_nbytes: int = MAX_FRAME_NBYTES) -> None:
+    """Raise ValueError naming the knob for a limit outside its range."""
+    for knob in ("max_sessions", "max_sessions_per_uid", "max_ids_per_request",
+                 "max_shards_per_job", "max_prefetches_per_job", "max_jobs_per_uid",
+                 "max_fds_per_uid", "max_shards_per_uid", "max_metadata_nbytes_per_uid",
+                 "max_queued_steps_per_uid", "max_pending_nbytes_per_uid",
+                 "max_requests_in_flight", "max_ranks_per_job"):
+        if getattr(limits, knob) < 1:
+            raise ValueError(f"{knob} must be >= 1, got {getattr(limits, knob)}")
+    for knob in ("hello_timeout_s", "frame_timeout_s"):
+        if getattr(limits, knob) <= 0:
+            raise ValueError(f"{knob} must be > 0 seconds, got {getattr(limits, knob)}")
+    if limits.node_status_interval_s < 0:
+        raise ValueError(f"node_status_interval_s must be >= 0 seconds, "
+                         f"got {limits.node_status_interval_s}")
+    if not 4096 <= limits.max_partial_frame_nbytes <= max_frame_nbytes:
+        raise ValueError(f"max_partial_frame_nbytes must be in [4096, {max_frame_nbytes}] bytes, "
+                         f"got {limits.max_partial_frame_nbytes}")
 
 
 @dataclass(kw_only=True)
@@ -198,8 +245,6 @@ class DaemonConfig:
             )
         if self.metrics_addr is not None:
             parse_host_port(self.metrics_addr)
-        from offloadd.service.limits import check_limits
-
         check_limits(self.limits())
         if self.metrics_idle_timeout_s <= 0:
             raise ValueError(f"metrics_idle_timeout_s must be > 0 seconds, "
@@ -220,8 +265,6 @@ class DaemonConfig:
                              f"got {self.exit_when_idle_s}")
 
     def limits(self) -> Limits:
-        from offloadd.service.limits import Limits
-
         return Limits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Limits)})
 
     def resolved_hash_threads(self) -> int:

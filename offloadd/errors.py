@@ -124,8 +124,9 @@ class JobQuarantinedError(OffloadError):
 
 
 class SlotBusyError(OffloadError):
-    """A device staging slot was reused before its last use finished (offloadd.gpu.device_copies):
-    send slot_done after consuming a staged slot, and wait for a stage_out's reply."""
+    """A device staging slot was reused before its last use finished
+    (offloadd.service.device_copies): send slot_done after consuming a staged slot, and wait
+    for a stage_out's reply."""
 
     code = ErrorCode.SLOT_BUSY
 

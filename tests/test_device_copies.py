@@ -1,4 +1,4 @@
-"""Daemon-driven device copies on the CPU twin (offloadd.gpu.device_copies,
+"""Daemon-driven device copies on the CPU twin (offloadd.service.device_copies,
 trainer.offload.daemon_copies).
 
 A real daemon process copies between the job's arena and a rank's staging
@@ -25,8 +25,8 @@ from test_daemon_metrics import scrape, value
 
 from offloadd import protocol as p
 from offloadd.errors import InvalidRequestError, SlotBusyError, UnknownShardError
-from offloadd.gpu.cuda import TWIN_FAILED, TwinEvents, twin_staging_nbytes
 from offloadd.ops.embedded import PrivateDaemon
+from offloadd.protocol import TWIN_FAILED, TwinEvents, twin_staging_nbytes
 from trainer.client import OffloadClient
 from trainer.device.copy_engine import TwinCopyEngine
 from trainer.offload.daemon_copies import (
@@ -210,7 +210,7 @@ def test_stage_out_waits_for_a_copy_still_reading_the_shard(connect, slots: Twin
 def test_staging_open_pins_off_the_event_loop(monkeypatch) -> None:
     """Opening a copier (cudaHostRegister of the whole arena: seconds for a large one) runs
     off the daemon's loop, which keeps serving other sessions meanwhile."""
-    import offloadd.gpu.device_copies as device_copies
+    import offloadd.service.device_copies as device_copies
 
     pin_s = 0.3
 
@@ -335,7 +335,7 @@ def test_rank_without_device_copy_engine_falls_back(connect) -> None:
                                             arena_pinned="not_attempted")
     assert copies is None and reason == "host_compute"
     assert [str(w.message) for w in caught if "device_copies" in str(w.message)] == [
-        'offloadd.gpu.device_copies "daemon" is not possible here (host_compute: compute reads '
+        'offloadd.device_copies "daemon" is not possible here (host_compute: compute reads '
         "the arena directly (no device copy engine): there is nothing for the daemon to "
         "copy); training on with rank copies"]
 

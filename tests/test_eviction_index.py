@@ -25,12 +25,12 @@ from offloadd.config import DaemonConfig
 from offloadd.errors import OffloadError
 from offloadd.memory.eviction import SYNC_SLICE, EvictionIndex
 from offloadd.memory.shards import IN_ARENA, Lease, Residency, Shard, ShardTable
+from offloadd.memory.trace import pick_victims
 from offloadd.metrics import DaemonMetrics
 from offloadd.protocol import Placed
 from offloadd.service.batches import SLICE_IDS
 from offloadd.service.jobs import Job, JobRegistry
 from offloadd.swap.nvme import SwapSpace
-from offloadd.swap.scheduler import pick_victims
 from offloadd.swap.tier import JobTier, open_tier
 
 KIB = 1 << 10

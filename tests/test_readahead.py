@@ -1,5 +1,5 @@
 """The daemon stages shards ahead of use from each rank's learned stage_in trace
-(offloadd.gpu.device_copies read-ahead, trainer.offload.daemon_copies) on the CPU twin.
+(offloadd.service.device_copies read-ahead, trainer.offload.daemon_copies) on the CPU twin.
 
 A real daemon process copies into read-ahead slots the rank lent it at
 staging_open; raw clients check the protocol (hit, miss, stale, slot reuse only

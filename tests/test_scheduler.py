@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from offloadd.memory.shards import Residency, Shard
-from offloadd.swap.scheduler import OVERDUE_ENTRIES, AccessTrace, IOQueue, Priority, pick_victims
+from offloadd.memory.trace import OVERDUE_ENTRIES, AccessTrace, pick_victims
+from offloadd.swap.scheduler import IOQueue, Priority
 
 MIB = 1 << 20
 RunAsync = Callable[[Awaitable[Any]], Any]

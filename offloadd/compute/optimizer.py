@@ -19,12 +19,14 @@ import logging
 import time
 import zlib
 from collections import OrderedDict, deque
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from offloadd.errors import InvalidRequestError, LeaseConflictError, UnknownShardError
 from offloadd.formats import SHARD_DTYPES, moment_nbytes
-from offloadd.memory.shards import Lease, Shard
+from offloadd.memory.arena import Arena
+from offloadd.memory.shards import Lease, Shard, ShardTable
 from offloadd.metrics import Counters, Histogram, histogram_family
 from offloadd.protocol import DTYPE_ITEMSIZE, Placed, torch_dtypes
 
@@ -33,9 +35,33 @@ if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
     from offloadd.protocol import OptimizerStep
-    from offloadd.service.jobs import Job
 
 log = logging.getLogger(__name__)
+
+
+class Job(Protocol):
+    """What the optimizer service uses of a job (``offloadd.service.jobs.Job``): its arena and
+    table, and the leases of a queued step's shards."""
+
+    name: str
+    arena: Arena
+    table: ShardTable
+    steps_holding: int
+    """Queued steps holding pins or leases: the tier waits for room while any does."""
+
+    def expect_step(self, rank: int, shards: list[Shard], reads: list[Shard],
+                    due_s: float) -> None: ...
+
+    def unexpect_step(self, shards: list[Shard]) -> None: ...
+
+    def acquire_for_step(self, rank: int, ids: list[str], leases: dict[Shard, Lease],
+                         overwrite: frozenset[Shard] = frozenset()
+                         ) -> Placed | Awaitable[Placed]: ...
+
+    def release(self, rank: int, ids: list[str], dirty: bool, leases: dict[Shard, Lease],
+                *, torn: bool = False) -> Awaitable[None] | None: ...
+
+    def drop(self, rank: int, ids: list[str]) -> Awaitable[None] | None: ...
 
 
 STATE_SUFFIXES = ("master", "exp_avg", "exp_avg_sq", "grad")

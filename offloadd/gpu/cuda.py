@@ -45,10 +45,10 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 from offloadd.memory.arena import buffer_address
+from offloadd.protocol import TwinEvents, twin_staging_nbytes
 
 log = logging.getLogger(__name__)
 FALLBACK_REASONS = ("no_cupy", "gpu_not_visible", "expandable_segments", "ipc_refused",
@@ -62,70 +62,6 @@ TWIN_UUID_PREFIX = "twin-"
 MAX_STAGING_SLOTS = 64
 MAX_STAGING_NBYTES = 64 << 30
 """Upper bounds of one rank's staging layout (a bad request, not a real GPU)."""
-TWIN_EVENT_TIMEOUT_S = 60.0
-"""How long a twin stream waits for the other side's event before failing the copy (the
-other process died, or never records it)."""
-TWIN_FAILED = 1 << 63
-"""Set in a slot's "filled" word when the copy of that sequence number failed."""
-
-
-def twin_events_offset(num_slots: int, slot_nbytes: int) -> int:
-    """Where the twin staging memfd's events area starts (after the slots, 64-aligned)."""
-    return -(-num_slots * slot_nbytes // 64) * 64
-
-
-def twin_staging_nbytes(num_slots: int, slot_nbytes: int) -> int:
-    """Size of a twin staging memfd: the slots, then per slot two 64-bit event words."""
-    return twin_events_offset(num_slots, slot_nbytes) + 16 * num_slots
-
-
-class TwinEventTimeout(RuntimeError):
-    """A twin stream waited ``TWIN_EVENT_TIMEOUT_S`` for the other process's event."""
-
-
-class TwinEvents:
-    """The twin's interprocess events of one staging memfd: per slot the rank's "consumed"
-    count (words ``2 * slot``) and the daemon's "filled" sequence number (``2 * slot + 1``).
-
-    Hazard (torn words): each word is written by one side only, as one aligned 8-byte
-    store (a memoryview item), which x86-64 makes atomic; the slot bytes are written
-    before the word that publishes them (stores are not reordered there either)."""
-
-    def __init__(self, buffer: memoryview, num_slots: int, slot_nbytes: int) -> None:
-        start = twin_events_offset(num_slots, slot_nbytes)
-        self.words = buffer[start : start + 16 * num_slots].cast("Q")
-
-    def consumed(self, slot: int) -> int:
-        return int(self.words[2 * slot])
-
-    def record_consumed(self, slot: int) -> None:
-        self.words[2 * slot] += 1
-
-    def filled(self, slot: int) -> int:
-        return int(self.words[2 * slot + 1])
-
-    def record_filled(self, slot: int, seq: int, failed: bool = False) -> None:
-        self.words[2 * slot + 1] = seq | (TWIN_FAILED if failed else 0)
-
-    def wait(self, index: int, target: int, what: str,
-             abandoned: Callable[[], bool] = lambda: False) -> int:
-        """Block until word ``index`` reaches ``target`` (the failed bit aside); returns the
-        word. Polls with a growing pause: a twin, not a hot path."""
-        deadline = time.monotonic() + TWIN_EVENT_TIMEOUT_S
-        pause_s = 1e-6
-        while (word := int(self.words[index])) & ~TWIN_FAILED < target:
-            if abandoned():
-                raise TwinEventTimeout(f"{what}: the other side went away")
-            if time.monotonic() > deadline:
-                raise TwinEventTimeout(f"{what}: no event after {TWIN_EVENT_TIMEOUT_S} s")
-            time.sleep(pause_s)
-            pause_s = min(2 * pause_s, 1e-3)
-        return word
-
-    def release(self) -> None:
-        self.words.release()
-
-
 class CopiesRefused(Exception):
     """Daemon copies are impossible for this rank; ``reason`` is one of FALLBACK_REASONS."""
 

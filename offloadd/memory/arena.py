@@ -40,19 +40,17 @@ import resource
 import threading
 import time
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 from sortedcontainers import SortedList
 
+from offloadd.config import HugePages, Prefault
 from offloadd.errors import OverBudgetError
 
 log = logging.getLogger(__name__)
 
 PAGE_NBYTES = 4096
 HUGE_PAGE_NBYTES = 2 << 20
-HugePages = Literal["auto", "on", "off"]
-Prefault = Literal["now", "background", "lazy"]
 BACKING_CHUNK_NBYTES = 64 << 20
 """Bytes backed per step of the backing thread: the unit between stop checks."""
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -37,7 +37,7 @@ from collections.abc import Container, Iterable
 from operator import itemgetter
 
 from offloadd.memory.shards import IN_ARENA, Residency, Shard, ShardTable
-from offloadd.swap.scheduler import OVERDUE_ENTRIES, AccessTrace, untraced_next_use
+from offloadd.memory.trace import OVERDUE_ENTRIES, AccessTrace, untraced_next_use
 
 Entry = tuple[float, int, int, int, Shard, bool]
 """(-next_use_at, last_use, serial, push sequence, shard, dirty): a heap entry."""

@@ -21,17 +21,39 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from offloadd.memory.arena import align_up
-from offloadd.memory.shards import Lease, Shard, check_shard_ids
+from offloadd.memory.shards import Lease, Shard, ShardTable, check_shard_ids
 from offloadd.protocol import Placed
-
-if TYPE_CHECKING:
-    from offloadd.service.jobs import Job
 
 SLICE_IDS = 2048
 """Ids handled per slice of a large batch (about 5-10 ms of loop time)."""
+
+
+class Job(Protocol):
+    """What slicing needs of a job: its one-slice operations (``offloadd.service.jobs.Job``,
+    which calls into this module for batches longer than ``SLICE_IDS``)."""
+
+    table: ShardTable
+
+    def validate_batch(self, rank: int, ids: list[str], nbytes: list[int], dtypes: list[str],
+                       fresh: dict[str, tuple[int, str]] | None = None
+                       ) -> dict[str, tuple[int, str]]: ...
+
+    def check_batch_fits(self, need_nbytes: int, new_nbytes: int, mode: str | None) -> None: ...
+
+    def place_what_fits(self, shards: list[Shard], created: list[Shard]) -> Placed: ...
+
+    def serve_batch(self, shards: list[Shard], leases: dict[Shard, Lease], mode: str
+                    ) -> Placed | Awaitable[Placed]: ...
+
+    def forget_unwritten(self, created: list[Shard]) -> None: ...
+
+    def release_batch(self, rank: int, ids: list[str], dirty: bool,
+                      leases: dict[Shard, Lease], torn: bool = False) -> None: ...
+
+    def drop_batch(self, rank: int, ids: list[str]) -> Awaitable[None] | None: ...
 
 
 def _slices(ids: list[str]) -> list[list[str]]:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
+from offloadd.config import HugePages, Prefault
 from offloadd.errors import (
     InvalidRequestError,
     LeaseConflictError,
@@ -22,7 +23,7 @@ from offloadd.errors import (
     OverBudgetError,
     UnknownShardError,
 )
-from offloadd.memory.arena import Arena, HugePages, Prefault, align_up
+from offloadd.memory.arena import Arena, align_up
 from offloadd.memory.shards import (
     IN_ARENA,
     Lease,

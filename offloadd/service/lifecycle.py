@@ -23,16 +23,50 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Collection
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from offloadd.service.jobs import Job
-    from offloadd.service.server import Daemon
-    from offloadd.service.session import Session
+from offloadd.service.auth import JobAuthority
+from offloadd.service.jobs import Job, JobRegistry
 
 log = logging.getLogger(__name__)
 BUSY_RETRY_S = 0.5
 """How soon to try again to free an ended job whose shards are still leased."""
+
+
+class Session(Protocol):
+    """What ``IdleExit`` watches of a rank's session (``offloadd.service.session.Session``)."""
+
+    @property
+    def session_id(self) -> int: ...
+    @property
+    def peer_pid(self) -> int: ...
+    @property
+    def job(self) -> Job | None: ...
+    @property
+    def hello_pending(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def transport(self) -> asyncio.BaseTransport | None: ...
+
+
+class Daemon(Protocol):
+    """What the lifecycle uses of the daemon (``offloadd.service.server.Daemon``): its jobs,
+    their owners and swap, its sessions, and a way to stop."""
+
+    @property
+    def jobs(self) -> JobRegistry: ...
+    @property
+    def auth(self) -> JobAuthority: ...
+    @property
+    def swap(self) -> Any: ...
+    @property
+    def sessions(self) -> Collection[Session]: ...
+    @property
+    def idle_exit(self) -> IdleExit | None: ...
+
+    def request_stop(self) -> None: ...
 
 
 class JobLifecycle:

@@ -12,65 +12,20 @@ from __future__ import annotations
 import dataclasses
 import resource
 from collections import Counter
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from offloadd.config import Limits
 from offloadd.errors import LimitExceededError
 from offloadd.metrics import Counters
-from offloadd.protocol import MAX_FRAME_NBYTES
 
 if TYPE_CHECKING:
     from offloadd.metrics import DaemonMetrics
     from offloadd.service.jobs import Job, JobRegistry
 
 
-@dataclass(kw_only=True, frozen=True)
-class Limits:
-    """The limit values, copied from DaemonConfig (see its docstrings)."""
-
-    max_sessions: int
-    max_sessions_per_uid: int
-    hello_timeout_s: float
-    max_ids_per_request: int
-    max_shards_per_job: int
-    max_prefetches_per_job: int
-    max_partial_frame_nbytes: int
-    frame_timeout_s: float
-    max_jobs_per_uid: int
-    max_fds_per_uid: int
-    max_shards_per_uid: int
-    max_metadata_nbytes_per_uid: int
-    max_queued_steps_per_uid: int
-    max_pending_nbytes_per_uid: int
-    max_requests_in_flight: int
-    max_ranks_per_job: int
-    node_status_interval_s: float
-    max_swap_nbytes_per_uid: int | None
-
-
 SHARD_METADATA_NBYTES = 400
 """Daemon memory per shard besides its id (measured with tracemalloc: ~350 bytes for the
 Shard, its key tuple and its table entry)."""
-
-
-def check_limits(limits: Limits, max_frame_nbytes: int = MAX_FRAME_NBYTES) -> None:
-    """Raise ValueError naming the knob for a limit outside its range."""
-    for knob in ("max_sessions", "max_sessions_per_uid", "max_ids_per_request",
-                 "max_shards_per_job", "max_prefetches_per_job", "max_jobs_per_uid",
-                 "max_fds_per_uid", "max_shards_per_uid", "max_metadata_nbytes_per_uid",
-                 "max_queued_steps_per_uid", "max_pending_nbytes_per_uid",
-                 "max_requests_in_flight", "max_ranks_per_job"):
-        if getattr(limits, knob) < 1:
-            raise ValueError(f"{knob} must be >= 1, got {getattr(limits, knob)}")
-    for knob in ("hello_timeout_s", "frame_timeout_s"):
-        if getattr(limits, knob) <= 0:
-            raise ValueError(f"{knob} must be > 0 seconds, got {getattr(limits, knob)}")
-    if limits.node_status_interval_s < 0:
-        raise ValueError(f"node_status_interval_s must be >= 0 seconds, "
-                         f"got {limits.node_status_interval_s}")
-    if not 4096 <= limits.max_partial_frame_nbytes <= max_frame_nbytes:
-        raise ValueError(f"max_partial_frame_nbytes must be in [4096, {max_frame_nbytes}] bytes, "
-                         f"got {limits.max_partial_frame_nbytes}")
 
 
 class LimitGuard:

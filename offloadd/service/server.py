@@ -19,10 +19,10 @@ from typing import Any
 from offloadd import __version__
 from offloadd.compute.optimizer import OptimizerService
 from offloadd.config import SERVICE_SOCKET_DIR, DaemonConfig, parse_host_port
-from offloadd.gpu.device_copies import DeviceCopiesService
 from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
 from offloadd.protocol import socket_peer
 from offloadd.service.auth import JobAuthority
+from offloadd.service.device_copies import DeviceCopiesService
 from offloadd.service.jobs import Job, JobRegistry
 from offloadd.service.lifecycle import IdleExit, JobLifecycle
 from offloadd.service.limits import LimitGuard

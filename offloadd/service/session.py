@@ -15,11 +15,13 @@ import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
 from offloadd import protocol as p
+from offloadd.compute.optimizer import OptimizerService
+from offloadd.config import DaemonConfig
 from offloadd.errors import (
     BadFrameError,
     InternalError,
@@ -30,14 +32,14 @@ from offloadd.errors import (
     PermissionDeniedError,
     VersionMismatchError,
 )
-from offloadd.gpu import device_copies
 from offloadd.memory.shards import Lease, Shard
-from offloadd.metrics import Histogram
+from offloadd.metrics import DaemonMetrics, Histogram
+from offloadd.service import device_copies
+from offloadd.service.auth import JobAuthority
 from offloadd.service.batches import SLICE_IDS
-
-if TYPE_CHECKING:
-    from offloadd.service.jobs import Job
-    from offloadd.service.server import Daemon
+from offloadd.service.jobs import Job, JobRegistry
+from offloadd.service.lifecycle import JobLifecycle
+from offloadd.service.limits import LimitGuard
 
 log = logging.getLogger(__name__)
 _PEERCRED = struct.Struct("3i")
@@ -65,6 +67,27 @@ def send_with_fd(transport: asyncio.BaseTransport, frame: bytes, fd: int) -> Non
     finally:
         sock.setblocking(False)  # the duplicate shares the file status flags with the transport
         sock.close()
+
+
+class Daemon(Protocol):
+    """What a session uses of its daemon (``offloadd.service.server.Daemon``, which makes the
+    sessions): config and limits, metrics, owners, jobs and their lifecycle, the services."""
+
+    config: DaemonConfig
+    metrics: DaemonMetrics
+    limits: LimitGuard
+    auth: JobAuthority
+    jobs: JobRegistry
+    lifecycle: JobLifecycle
+    optimizer: OptimizerService
+    device_copies: device_copies.DeviceCopiesService
+    sessions: set[Session]
+    swap: Any
+    """The swap space (``offloadd.swap.nvme.SwapSpace``), or None without --swap-dir."""
+
+    async def open_job_async(self, name: str, arena_nbytes: int) -> Job: ...
+
+    def node_stats(self) -> dict[str, object]: ...
 
 
 class Session(asyncio.Protocol):
@@ -114,6 +137,7 @@ class Session(asyncio.Protocol):
             p.Stats: self.on_stats,
             p.OptimizerStep: self.on_optimizer_step,
             p.CloseJob: self.on_close_job,
+            p.StagingOpen: self.on_staging_open,
             **device_copies.handlers(self),
         }
         self.routes: dict[type, Route] = {
@@ -607,6 +631,9 @@ class Session(asyncio.Protocol):
                  self.rank)
         self.daemon.lifecycle.close_requested(job)
         self.arm_hello_timer()  # a connection without a job: a new hello, or it is closed
+
+    def on_staging_open(self, req: p.StagingOpen) -> Awaitable[p.StagingOk]:
+        return self.daemon.device_copies.open(self, req)
 
     def on_optimizer_step(self, req: p.OptimizerStep) -> Awaitable[None]:
         assert self.job is not None

@@ -12,9 +12,12 @@ one gets a typed error saying why.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +28,55 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 PREVIOUS = "manifest.prev.json"
 REQUIRED_KEYS = ("format", "job", "arena_nbytes", "dirs", "shards", "tag")
+
+
+# -- the owner record (a job's uid and secret digest, restored at --recover) ---------
+
+SALT_NBYTES = 16
+DIGEST_NBYTES = 32
+
+
+def _secret_digest(salt: bytes, secret: str) -> bytes:
+    return hmac.new(salt, secret.encode(), hashlib.sha256).digest()
+
+
+@dataclass(frozen=True)
+class JobOwner:
+    """Who created a job: their uid, and the secret every rank must present ('' = none),
+    kept only as a salted digest (it is written to manifests)."""
+
+    uid: int
+    salt: bytes
+    secret_digest: bytes
+
+    @classmethod
+    def create(cls, uid: int, secret: str) -> JobOwner:
+        salt = os.urandom(SALT_NBYTES)
+        return cls(uid, salt, _secret_digest(salt, secret))
+
+    def secret_matches(self, secret: str) -> bool:
+        return hmac.compare_digest(_secret_digest(self.salt, secret), self.secret_digest)
+
+    def record(self) -> dict[str, Any]:
+        """The owner as a manifest stores it."""
+        return {"uid": self.uid, "salt": self.salt.hex(),
+                "secret_hmac_sha256": self.secret_digest.hex()}
+
+    @classmethod
+    def from_record(cls, record: Any) -> JobOwner:
+        """Parse ``record()``'s output; ValueError naming what is wrong."""
+        if not isinstance(record, dict) or set(record) != {"uid", "salt", "secret_hmac_sha256"}:
+            raise ValueError(f"the owner record {str(record)[:200]!r} is malformed")
+        uid, salt, digest = record["uid"], record["salt"], record["secret_hmac_sha256"]
+        if not isinstance(uid, int) or isinstance(uid, bool) or not 0 <= uid < 2**32:
+            raise ValueError(f"the owner record names no uid: {uid!r}")
+        try:
+            owner = cls(uid, bytes.fromhex(salt), bytes.fromhex(digest))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"the owner record's salt or digest is not hex: {exc}") from exc
+        if len(owner.salt) != SALT_NBYTES or len(owner.secret_digest) != DIGEST_NBYTES:
+            raise ValueError("the owner record's salt or digest has the wrong length")
+        return owner
 
 
 class ManifestError(ValueError):

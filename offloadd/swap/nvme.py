@@ -45,8 +45,8 @@ from offloadd.swap.retention import SwapRetention
 from offloadd.swap.scheduler import IOQueue, IOTicket, Priority
 from offloadd.swap.swapdirs import (
     FILE_FLAGS,
+    SwapDir,
     lock_swap_dir,
-    open_private_dir,
     open_private_subdir,
     remove_job_dir,
     unlock_swap_dir,
@@ -68,7 +68,6 @@ class JobOpener(Protocol):
 
     def close_job(self, name: str) -> None: ...
 
-LAYOUT_DIR = "offloadd"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2
 """2: chunk checksums bound to their place, and the job's owner recorded; 1 is still read."""
@@ -79,54 +78,6 @@ SEGMENT_NBYTES = 256 << 20
 """A job's swap file grows by at least this much at a time (one fallocate)."""
 PREFETCH_HORIZON_S = 5.0
 """How far ahead in predicted time the learned prefetch reads."""
-
-
-@dataclass(eq=False)
-class SwapDir:
-    index: int
-    path: Path
-    budget_nbytes: int
-    direct: bool = True
-    reserved_nbytes: int = 0
-    read_nbytes: int = 0
-    written_nbytes: int = 0
-    root_fd: int = -1
-    """The layout dir, opened and checked (``offloadd.swap.swapdirs``) by ``prepare``."""
-
-    @property
-    def root(self) -> Path:
-        return self.path / LAYOUT_DIR
-
-    def prepare(self) -> None:
-        """Open and check the swap and layout dirs, probe O_DIRECT; errors name the dir."""
-        try:
-            swap_fd = open_private_dir(self.path)
-            try:
-                self.root_fd = open_private_subdir(swap_fd, LAYOUT_DIR, self.root)
-            finally:
-                os.close(swap_fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(".probe", dir_fd=self.root_fd)
-            fd = os.open(".probe", os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600,
-                         dir_fd=self.root_fd)
-        except OSError as exc:
-            raise OSError(exc.errno, f"swap dir {self.path} is not usable: {exc.strerror}") from exc
-        try:
-            os.write(fd, b"\0" * 4096)
-        finally:
-            os.close(fd)
-        try:
-            os.close(os.open(".probe", os.O_RDWR | FILE_FLAGS | getattr(os, "O_DIRECT", 0),
-                             dir_fd=self.root_fd))
-        except OSError:
-            self.direct = False
-            log.warning("event=odirect_unsupported dir=%s fallback=buffered", self.path)
-        os.unlink(".probe", dir_fd=self.root_fd)
-
-    def close(self) -> None:
-        if self.root_fd >= 0:
-            os.close(self.root_fd)
-            self.root_fd = -1
 
 
 class JobFile:
@@ -281,7 +232,7 @@ class SwapSpace:
         self.tickets: dict[asyncio.Future[None], IOTicket] = {}
         """IO tickets of the residency transitions in flight, by the shard's io future."""
         """Jobs whose manifest could not be recovered -> why (shown by status)."""
-        self.retention = SwapRetention(self, config.flushed_job_retention_s)
+        self.retention = SwapRetention(self.dirs, config.flushed_job_retention_s)
         metrics.sources.append(self.families)
 
     async def open(self) -> None:
@@ -304,9 +255,6 @@ class SwapSpace:
         log.info("event=swap_ready dirs=%s engine=%s direct=%s", [str(d.path) for d in self.dirs],
                  getattr(self.engine, "kind", self.engine.name), [d.direct for d in self.dirs])
 
-    def job_dir(self, swap_dir: SwapDir, job: str) -> Path:
-        return swap_dir.root / job
-
     def job_files(self, job: str, *, recovering: bool = False) -> list[JobFile]:
         """Open (or, ``recovering``, reopen) a job's file in every swap dir.
 
@@ -316,8 +264,8 @@ class SwapSpace:
         if job in self.quarantined:
             raise JobQuarantinedError(self.quarantined[job])
         if not recovering:
-            stale = [self.job_dir(d, job) for d in self.dirs
-                     if self.job_dir(d, job).exists() and any(self.job_dir(d, job).iterdir())]
+            stale = [d.job_dir(job) for d in self.dirs
+                     if d.job_dir(job).exists() and any(d.job_dir(job).iterdir())]
             if stale:
                 raise ShardExistsError(
                     f"swap files of an earlier job {job!r} exist in {stale[0]}; restart the daemon "
@@ -372,7 +320,7 @@ class SwapSpace:
         stalls = self.counters.stall_seconds.values  # an ended job's series end with it
         for labels in [labels for labels in stalls if labels[0] == job]:
             del stalls[labels]
-        if keep_flushed and (self.job_dir(self.dirs[0], job) / MANIFEST).exists():
+        if keep_flushed and (self.dirs[0].job_dir(job) / MANIFEST).exists():
             self.retention.keep(job, owner_uid, kept)
             return 0
         self.created.discard(job)
@@ -380,7 +328,7 @@ class SwapSpace:
         freed = 0
         for swap_dir in self.dirs:
             freed += await loop.run_in_executor(None, remove_job_dir, swap_dir.root_fd,
-                                                self.job_dir(swap_dir, job))
+                                                swap_dir.job_dir(job))
         log.info("event=swap_released job=%s freed_nbytes=%d", job, freed)
         return freed
 

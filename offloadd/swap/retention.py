@@ -15,12 +15,9 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from offloadd.swap.swapdirs import remove_job_dir
-
-if TYPE_CHECKING:
-    from offloadd.swap.nvme import SwapSpace
+from offloadd.swap.swapdirs import SwapDir, remove_job_dir
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +47,8 @@ class RetainedJob:
 class SwapRetention:
     """The retained jobs of one swap space, oldest first."""
 
-    def __init__(self, space: SwapSpace, retention_s: float) -> None:
-        self.space = space
+    def __init__(self, dirs: list[SwapDir], retention_s: float) -> None:
+        self.dirs = dirs
         self.retention_s = retention_s
         self.jobs: dict[str, RetainedJob] = {}
         self.deleting: dict[str, RetainedJob] = {}
@@ -65,7 +62,7 @@ class SwapRetention:
         """``job`` ended with a manifest: its files (already closed) stay reserved."""
         now = time.time()
         for index, nbytes in nbytes_by_dir.items():
-            self.space.dirs[index].reserved_nbytes += nbytes
+            self.dirs[index].reserved_nbytes += nbytes
         entry = RetainedJob(job, uid, dict(nbytes_by_dir), now, now + self.retention_s)
         entry.timer = asyncio.get_running_loop().call_later(self.retention_s, self._expire, job)
         self.jobs[job] = entry
@@ -85,14 +82,14 @@ class SwapRetention:
         if entry.timer is not None:
             entry.timer.cancel()
         for index, nbytes in entry.nbytes_by_dir.items():
-            self.space.dirs[index].reserved_nbytes -= nbytes
+            self.dirs[index].reserved_nbytes -= nbytes
         loop = asyncio.get_running_loop()
         freed = 0
         self.deleting[job] = entry
         try:
-            for swap_dir in self.space.dirs:
+            for swap_dir in self.dirs:
                 freed += await loop.run_in_executor(None, remove_job_dir, swap_dir.root_fd,
-                                                    self.space.job_dir(swap_dir, job))
+                                                    swap_dir.job_dir(job))
         finally:
             if self.deleting.get(job) is entry:
                 del self.deleting[job]

@@ -26,6 +26,7 @@ import logging
 import os
 import shutil
 import stat
+from dataclasses import dataclass
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -163,3 +164,61 @@ def remove_job_dir(root_fd: int, job_dir: Path) -> int:
                  for entry in os.scandir(job_dir) if entry.is_file(follow_symlinks=False))
     shutil.rmtree(job_dir.name, dir_fd=root_fd, ignore_errors=True)
     return nbytes
+
+
+LAYOUT_DIR = "offloadd"
+"""The dir offloadd owns under each configured swap dir; job dirs live in it."""
+
+
+@dataclass(eq=False)
+class SwapDir:
+    """One configured swap dir: its budget, counters and the checked fd of its layout dir."""
+
+
+    index: int
+    path: Path
+    budget_nbytes: int
+    direct: bool = True
+    reserved_nbytes: int = 0
+    read_nbytes: int = 0
+    written_nbytes: int = 0
+    root_fd: int = -1
+    """The layout dir, opened and checked (``offloadd.swap.swapdirs``) by ``prepare``."""
+
+    @property
+    def root(self) -> Path:
+        return self.path / LAYOUT_DIR
+
+    def job_dir(self, job: str) -> Path:
+        return self.root / job
+
+    def prepare(self) -> None:
+        """Open and check the swap and layout dirs, probe O_DIRECT; errors name the dir."""
+        try:
+            swap_fd = open_private_dir(self.path)
+            try:
+                self.root_fd = open_private_subdir(swap_fd, LAYOUT_DIR, self.root)
+            finally:
+                os.close(swap_fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(".probe", dir_fd=self.root_fd)
+            fd = os.open(".probe", os.O_RDWR | os.O_CREAT | os.O_EXCL | FILE_FLAGS, 0o600,
+                         dir_fd=self.root_fd)
+        except OSError as exc:
+            raise OSError(exc.errno, f"swap dir {self.path} is not usable: {exc.strerror}") from exc
+        try:
+            os.write(fd, b"\0" * 4096)
+        finally:
+            os.close(fd)
+        try:
+            os.close(os.open(".probe", os.O_RDWR | FILE_FLAGS | getattr(os, "O_DIRECT", 0),
+                             dir_fd=self.root_fd))
+        except OSError:
+            self.direct = False
+            log.warning("event=odirect_unsupported dir=%s fallback=buffered", self.path)
+        os.unlink(".probe", dir_fd=self.root_fd)
+
+    def close(self) -> None:
+        if self.root_fd >= 0:
+            os.close(self.root_fd)
+            self.root_fd = -1

@@ -31,8 +31,9 @@ from offloadd.memory.eviction import (
     predicted_next_use,
 )
 from offloadd.memory.shards import Chunk, Residency, Shard, ShardTable, SwapPlacement, shard_kind
-from offloadd.service.auth import JobOwner
+from offloadd.memory.trace import AccessTrace
 from offloadd.swap.manifests import (
+    JobOwner,
     discard_staged,
     keep_previous_generation,
     publish_staged,
@@ -45,7 +46,7 @@ from offloadd.swap.nvme import (
     READABLE_FORMATS,
     JobFile,
 )
-from offloadd.swap.scheduler import AccessTrace, PrefetchWindow, Priority, RateMeter
+from offloadd.swap.scheduler import PrefetchWindow, Priority, RateMeter
 
 if TYPE_CHECKING:
     from offloadd.swap.nvme import SwapSpace

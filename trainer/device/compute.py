@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from trainer.device.copy_engine import CopyEngineUnavailableError, require_cuda
 
-log = logging.getLogger("trainer.device.compute")
+log = logging.getLogger("trainer.device")
 
 DeviceChoice = Literal["auto", "cpu", "cuda"]
 

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from offloadd import protocol as p
-from offloadd.gpu.cuda import TWIN_FAILED, TwinEvents, twin_staging_nbytes
+from offloadd.protocol import TWIN_FAILED, TwinEvents, twin_staging_nbytes
 from trainer.device.copy_engine import CopyEngine
 
 log = logging.getLogger(__name__)
@@ -102,7 +102,7 @@ class Staging(abc.ABC):
 
 class TwinStaging(Staging):
     """The twin's "device" slots: a memfd the daemon maps, ending with the events area
-    both sides map (see offloadd.gpu.cuda.TwinEvents). The host plays the compute stream: it
+    both sides map (see offloadd.protocol.TwinEvents). The host plays the compute stream: it
     waits for a slot's "filled" event at use."""
 
     kind = "twin"
@@ -449,7 +449,7 @@ def open_daemon_copies(client: Any, copies: CopyEngine, *, num_slots: int, slot_
         reason, detail = "ipc_refused", f"staging_open failed: {error}"
     if staging is not None:
         staging.close()
-    warnings.warn(f'offloadd.gpu.device_copies "daemon" is not possible here ({reason}: {detail});'
+    warnings.warn(f'offloadd.device_copies "daemon" is not possible here ({reason}: {detail});'
                   " training on with rank copies", RuntimeWarning, stacklevel=3)
     return None, reason
 

@@ -23,7 +23,7 @@ Afterwards the rank names shards by id and slots by index:
 
 Read-ahead (``staging_open(readahead_slots=n)``): the rank lends its last ``n``
 slots to the daemon. The session learns the rank's stage_in order per step
-(``offloadd.swap.scheduler.AccessTrace``, steps cut by ``step_begin``); after each
+(``offloadd.memory.trace.AccessTrace``, steps cut by ``step_begin``); after each
 stage_in and slot_done it copies the next shards of that trace that fit a
 slot and are resident (or being read in from NVMe) into free read-ahead slots.
 A stage_in of a shard staged ahead is answered with that slot (``Staged``
@@ -61,7 +61,7 @@ import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from offloadd import protocol as p
 from offloadd.errors import InvalidRequestError, SlotBusyError
@@ -74,16 +74,32 @@ from offloadd.gpu.cuda import (
     open_copier,
 )
 from offloadd.memory.shards import Lease, Shard, check_grantable
+from offloadd.memory.trace import AccessTrace
 from offloadd.metrics import Counters
-from offloadd.swap.scheduler import AccessTrace, Priority
-
-if TYPE_CHECKING:
-    from offloadd.service.jobs import Job
-    from offloadd.service.session import Session
+from offloadd.service.jobs import Job
+from offloadd.swap.scheduler import Priority
 
 log = logging.getLogger(__name__)
 PINNED_OUTCOMES = ("pinned", "failed", "not_attempted")
 """What a rank reports of its cudaHostRegister of the arena (a metric label)."""
+
+
+class Session(Protocol):
+    """What device copies use of a rank's session (``offloadd.service.session.Session``,
+    which routes the staging requests here)."""
+
+    job: Job | None
+    rank: int
+    peer_pid: int
+    peer_uid: int
+    closed: bool
+    staging: SessionStaging | None
+    staging_opening: bool
+    """A staging_open is being served (its copier opens off the loop)."""
+
+    def on_step_begin(self, req: p.StepBegin) -> None: ...
+
+    def on_optimizer_step(self, req: p.OptimizerStep) -> Awaitable[None]: ...
 
 
 class SlotState(enum.Enum):
@@ -605,11 +621,8 @@ def _staging(session: Session) -> SessionStaging:
 
 
 def handlers(session: Session) -> dict[type, Callable[[Any], Any]]:
-    """The session's handlers for the device-copy requests."""
-
-    def staging_open(req: p.StagingOpen) -> Awaitable[p.StagingOk]:
-        service: DeviceCopiesService = session.daemon.device_copies
-        return service.open(session, req)
+    """The session's handlers for the device-copy requests of an open staging (staging_open
+    itself goes to the daemon's ``DeviceCopiesService.open``)."""
 
     def stage_in(req: p.StageIn) -> Awaitable[p.Reply | None]:
         assert session.job is not None
@@ -638,7 +651,6 @@ def handlers(session: Session) -> dict[type, Callable[[Any], Any]]:
             session.staging.step_begin(session.job, session.rank)
 
     return {
-        p.StagingOpen: staging_open,
         p.StageIn: stage_in,
         p.StageOut: stage_out,
         p.SlotDone: slot_done,
