@@ -28,7 +28,8 @@ from offloadd.protocol import Placed
 from offloadd.service.jobs import Job, JobRegistry
 from offloadd.swap.nvme import SwapSpace
 from offloadd.swap.scheduler import Priority
-from offloadd.swap.tier import chunk_seed, open_tier
+from offloadd.swap.tier import open_tier
+from offloadd.swap.tier_io import chunk_seed
 
 KIB = 1 << 10
 ARENA_NBYTES = 1 << 20

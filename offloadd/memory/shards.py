@@ -41,7 +41,7 @@ def shard_kind(shard_id: str) -> str:
 @dataclass
 class Chunk:
     """One extent of a shard's swap copy: which swap dir, where, how long, its xxh3-64
-    (seeded with the chunk's place, ``offloadd.swap.tier.chunk_seed``)."""
+    (seeded with the chunk's place, ``offloadd.swap.tier_io.chunk_seed``)."""
 
     dir_index: int
     offset: int
@@ -62,7 +62,7 @@ class SwapPlacement:
     released: bool = False
     """Its shard no longer uses it (a newer copy, or dropped): free when ``gens`` empties."""
     bound: bool = True
-    """Chunk checksums are bound to their place (``offloadd.swap.tier.chunk_seed``); False only
+    """Chunk checksums are bound to their place (``offloadd.swap.tier_io.chunk_seed``); False only
     for copies recovered from a format-1 manifest, whose checksums cover the bytes alone."""
     reads: int = 0
     """Times these extents were read back into the arena: a second read of one version

@@ -147,7 +147,7 @@ UNTRACED_S = 1e12
 """Next use of a shard no trace knows: beyond any traced one (a step is seconds)."""
 UNTRACED_STATE_S = 4 * UNTRACED_S
 """Next use of optimizer state no trace knows, before its last use is added: far
-enough beyond ``UNTRACED_S`` that half of it (``tier._clean_floor``) still lies beyond
+enough beyond ``UNTRACED_S`` that half of it (``tier_eviction._clean_floor``) still lies beyond
 every other untraced shard, so a clean one of those is not evicted for it."""
 
 
@@ -162,7 +162,7 @@ def untraced_next_use(shard: Shard) -> float:
     recently used evicted the parameters (clean, so first) and kept the stepped state,
     and the next forward read the parameters back: the second step read 1.9x the bytes
     that do not fit, the third 1.1x (tests/_zero_steps.py, 36 units, arena 3/8 of the
-    working set; 1.4-1.5x in the second step with this rule and ``tier._clean_floor``
+    working set; 1.4-1.5x in the second step with this rule and ``tier_eviction._clean_floor``
     applied to prefetches). Optimizer state therefore comes first, most recently used first:
     ``UNTRACED_STATE_S`` + its last use, against ``UNTRACED_S`` for the rest. Exact in a
     float while the clock stays below 2**52.
