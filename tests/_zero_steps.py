@@ -31,7 +31,7 @@ from trainer.client import OffloadClient
 KINDS = ("param", "master", "exp_avg", "exp_avg_sq", "grad")
 PERSISTENT_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 IN_FLIGHT_STEPS = 2
-"""Optimizer steps a rank keeps queued (``trainer.offload.daemon_backend.MIN_INFLIGHT_STEPS``)."""
+"""Optimizer steps a rank keeps queued (``trainer.offload.daemon_steps.MIN_INFLIGHT_STEPS``)."""
 
 
 @dataclass(frozen=True, kw_only=True)

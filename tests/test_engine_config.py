@@ -283,7 +283,7 @@ def test_world_size_one_needs_no_process_group() -> None:
 
 
 def test_nvme_without_path_defaults_to_temp_dir_with_warning() -> None:
-    from trainer.offload.daemon_backend import _swap_dirs
+    from trainer.offload.daemon_connect import _swap_dirs
 
     config = parse_config(base_config(zero_optimization={
         "stage": 3, "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}))

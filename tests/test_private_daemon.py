@@ -176,7 +176,7 @@ def test_a_second_job_on_the_node_gets_a_daemon_of_its_own(tmp_path: Path,
     """Two torchrun jobs on one node, same config (workdir and nvme_path): each local
     rank 0 starts a daemon, and neither takes the other's socket or swap dir."""
     from trainer.config import parse_config
-    from trainer.offload.daemon_backend import _start_private_daemon
+    from trainer.offload.daemon_connect import _start_private_daemon
 
     offload = {"device": "nvme", "nvme_path": str(tmp_path / "nvme")}
     config = parse_config({

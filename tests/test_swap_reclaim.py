@@ -174,7 +174,7 @@ def test_private_daemons_of_two_jobs_share_an_nvme_path_and_leave_it_empty(
     from _dist import base_config
 
     from trainer.config import parse_config
-    from trainer.offload.daemon_backend import _start_private_daemon
+    from trainer.offload.daemon_connect import _start_private_daemon
 
     nvme = tmp_path / "nvme"
     nvme.mkdir()

@@ -95,7 +95,7 @@ def _build_backend(config: EngineConfig, collectives: Collectives,
                    model: nn.Module) -> StateBackend:
     if not config.zero_optimization.offloaded:
         return InProcessBackend()
-    from trainer.offload.daemon_backend import connect_backend
+    from trainer.offload.daemon_connect import connect_backend
 
     return connect_backend(config, collectives, model)
 

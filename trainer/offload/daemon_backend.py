@@ -5,39 +5,28 @@ the shards ``u{N}.master``, ``u{N}.exp_avg``, ``u{N}.exp_avg_sq``,
 ``u{N}.grad`` and ``u{N}.param`` of this rank (the session scopes ids by job
 and rank). Gradients are accumulated straight into the leased arena memory
 and the optimizer step runs in the daemon (``optimizer_step_async``), which
-also rewrites ``u{N}.param`` in the training dtype.
-
-``connect_backend`` finds the daemon: ``offloadd.socket`` when configured,
-otherwise local rank 0 of each node starts a private daemon
-(``offloadd.ops.embedded.PrivateDaemon``) and shares its socket path with the
-node's other ranks through a collective. No rank stops that daemon: it ends by
-itself once the node's last rank is done (``_start_private_daemon``). Each rank
-closes its job when its engine closes, or at interpreter exit (``_close_at_exit``).
+also rewrites ``u{N}.param`` in the training dtype. Queued steps live in
+``trainer.offload.daemon_steps``; ``trainer.offload.daemon_connect`` finds the
+daemon and builds this backend. Each rank closes its job when its engine
+closes, or at interpreter exit (``_close_at_exit``).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import shutil
-import socket
-import tempfile
 import time
-import uuid
 import warnings
 import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from offloadd import moment_codec
-from offloadd.formats import SHARD_DTYPES, MomentFormat, moment_nbytes
-from trainer.config import EngineConfig
+from offloadd.formats import SHARD_DTYPES, MomentFormat
 from trainer.device.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue
-from trainer.dist.collectives import Collectives, node_key
+from trainer.dist.collectives import Collectives
 from trainer.lease_debug import check_view
 from trainer.offload.backend import (
     MOMENT_KINDS,
@@ -53,18 +42,9 @@ from trainer.offload.daemon_copies import (
     open_daemon_copies,
     report_rank_copies,
 )
+from trainer.offload.daemon_steps import DaemonStepQueue, step_nbytes
 
-MIB = 1 << 20
-MIN_INFLIGHT_STEPS = 2
-"""Optimizer steps one rank may always keep queued in the daemon: two keep the daemon's
-worker busy back to back."""
-INFLIGHT_STEPS_ARENA_FRACTION = 4
-"""Beyond ``MIN_INFLIGHT_STEPS``, a rank's queued steps pin at most 1/4 of its share of the
-arena. Each pins its unit's five shards (~18 B/param) until it runs, so an unbounded queue
-can fill an arena with leases nothing can evict; what fits is bounded by arena room, not by
-whether the state may swap."""
 SHARD_KINDS = (*STATE_KINDS, "grad", "param")
-DEVICE_COPIES_ENV = "OFFLOADD_DEVICE_COPIES"
 
 
 class DaemonBackend(StateBackend):
@@ -105,23 +85,16 @@ class DaemonBackend(StateBackend):
         self.collectives = collectives
         self.private_daemon = private_daemon
         """The private daemon this rank started (local rank 0), else None. Not stopped by
-        this rank: it ends by itself after the node's last rank (see _start_private_daemon)."""
+        this rank: it ends by itself after the node's last rank (see
+        trainer.offload.daemon_connect)."""
         self._specs: dict[int, UnitSpec] = {}
         self._names: dict[int, tuple[str, str, str]] = {}
         """Per unit: the step's unit name, the grad shard id, the param shard id."""
-        self._steps: dict[int, StepHandle] = {}
-        """Optimizer steps in flight, by unit; waited for at the unit's next use."""
         arena_nbytes = getattr(getattr(client, "arena", None), "nbytes", 0)
         local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", collectives.world_size)))
-        self.inflight_steps_room_nbytes = (arena_nbytes // (INFLIGHT_STEPS_ARENA_FRACTION
-                                                            * local_ranks)
-                                           if swaps and arena_nbytes else 1 << 62)
-        """Arena bytes this rank's queued optimizer steps may pin (beyond the first two);
-        without NVMe the whole working set is resident and nothing needs bounding."""
-        self._inflight_step_nbytes: dict[int, int] = {}
-        self._dropped_grads: set[int] = set()
-        """Units whose ``u{N}.grad`` shard the daemon forgot after its step, or never made
-        (NVMe only): the next gradient window re-creates it."""
+        self.steps = DaemonStepQueue(swaps=swaps, arena_nbytes=arena_nbytes,
+                                     local_ranks=local_ranks)
+        """Optimizer steps in flight in the daemon, by unit (trainer.offload.daemon_steps)."""
         self._device_sums: dict[int, torch.Tensor] = {}
         """Running gradient sums of open accumulation windows, on the compute device."""
         self.device_sum_room_nbytes = _device_sum_room(self.copies)
@@ -130,8 +103,6 @@ class DaemonBackend(StateBackend):
         """Bytes this rank copied into or out of arena leases."""
         self.wait_s = 0.0
         """Seconds this rank spent blocked on the daemon (leases, step completion)."""
-        self.deferred_steps = 0
-        """Optimizer steps held back until their gradient's D2H completed."""
         _OPEN_BACKENDS.add(self)
 
     @staticmethod
@@ -157,7 +128,7 @@ class DaemonBackend(StateBackend):
             strict=True))
         if self.swaps:  # made by the first gradient window: zeros would only be written out
             del shards[self._names[spec.index][1]]
-            self._dropped_grads.add(spec.index)
+            self.steps.dropped_grads.add(spec.index)
         self.client.alloc(list(shards), [t.nbytes for t in shards.values()],
                           [_dtype_tag(t.dtype) for t in shards.values()])
         if not self.swaps:
@@ -176,27 +147,9 @@ class DaemonBackend(StateBackend):
     def param_dtype(self, unit: int) -> torch.dtype:
         return self._specs[unit].param_dtype
 
-    def _settle(self, unit: int) -> None:
-        """Wait for the unit's optimizer step, if one is in flight: its shards are leased."""
-        handle = self._steps.pop(unit, None)
-        if handle is not None:
-            try:
-                handle.wait()  # a deferred step is sent first
-            finally:
-                self._inflight_step_nbytes.pop(unit, None)
-            if self.swaps:  # the step asked the daemon to drop it (``step_async``)
-                self._dropped_grads.add(unit)
-
     def wait_steps(self) -> None:
         self._drain_copies()
-        failure: BaseException | None = None
-        for unit in list(self._steps):
-            try:
-                self._settle(unit)
-            except BaseException as error:  # wait for the rest before re-raising
-                failure = failure or error
-        if failure is not None:
-            raise failure
+        self.steps.settle_all()
 
     def _acquire(self, shard_id: str, mode: str) -> Any:
         started = time.perf_counter()
@@ -358,23 +311,23 @@ class DaemonBackend(StateBackend):
             if summed is None:
                 return None
             grad, first = summed
-        self._settle(unit)
+        self.steps.settle(unit)
         if not self.copies.zero_copy:
-            if unit in self._dropped_grads:  # re-create the dropped shard; the copy fills it
+            if unit in self.steps.dropped_grads:  # re-create the dropped shard; the copy fills it
                 assert first, "a gradient window starts with first=True after each step"
                 spec = self._specs[unit]
                 self.client.alloc([self._names[unit][1]],
                                   [spec.part_numel * spec.grad_dtype.itemsize],
                                   [_dtype_tag(spec.grad_dtype)])
-                self._dropped_grads.discard(unit)
+                self.steps.dropped_grads.discard(unit)
             return self._accumulate_staged(unit, grad, first=first, want_sq_norm=want_sq_norm)
-        if unit in self._dropped_grads:
+        if unit in self.steps.dropped_grads:
             assert first, "a gradient window starts with first=True after each step"
             started = time.perf_counter()
             grad = grad.to(self._specs[unit].grad_dtype)
             self.client.put(self._names[unit][1], grad)  # re-creates the shard
             self.wait_s += time.perf_counter() - started
-            self._dropped_grads.discard(unit)
+            self.steps.dropped_grads.discard(unit)
             self.moved_nbytes += grad.nbytes
             return squared_norm(grad) if want_sq_norm else None
         with self._acquire(self._names[unit][1], "w") as lease:
@@ -394,27 +347,18 @@ class DaemonBackend(StateBackend):
         The step reads the committed gradient: while the gradient's D2H is in flight the
         step is deferred, and sent at the first poll that finds the copy done (or when it
         is waited for), so the host goes on issuing compute instead of blocking on it."""
-        self._settle(unit)
-        handle: StepHandle
-        if self._names[unit][1] in self._leased_for_copy:
-            handle = _DeferredStep(lambda: self._send_step(unit, step, hyper, grad_scale))
-            self.deferred_steps += 1
-        else:
-            handle = self._send_step(unit, step, hyper, grad_scale)
-        self._steps[unit] = handle
-        return handle
+        self.steps.settle(unit)
+        return self.steps.submit(unit, lambda: self._send_step(unit, step, hyper, grad_scale),
+                                 defer=not self._grad_copied(unit))
 
-    def _send_steps_copied(self) -> None:
-        """Send the deferred steps whose gradient D2H completed (after a ``poll``)."""
-        for unit, handle in list(self._steps.items()):
-            if (isinstance(handle, _DeferredStep) and not handle.sent
-                    and self._names[unit][1] not in self._leased_for_copy):
-                handle.send()
+    def _grad_copied(self, unit: int) -> bool:
+        """No copy in flight holds the unit's gradient lease: a step reads the committed grad."""
+        return self._names[unit][1] not in self._leased_for_copy
 
     def _poll_copies(self) -> None:
         """Run the releases of completed copies, then send the steps they held back."""
         self.releases.poll()
-        self._send_steps_copied()
+        self.steps.send_deferred(self._grad_copied)
 
     def _send_step(self, unit: int, step: int, hyper: AdamHyper,
                    grad_scale: float) -> StepHandle:
@@ -423,29 +367,21 @@ class DaemonBackend(StateBackend):
         if self._daemon_copies is not None:  # the step reads the grad and rewrites the param
             self._daemon_copies.settle(self._names[unit][1])
             self._daemon_copies.discard(self._names[unit][2])
-        pinned_nbytes = self._step_nbytes(self._specs[unit])
-        while len(self._inflight_step_nbytes) >= MIN_INFLIGHT_STEPS and (
-                sum(self._inflight_step_nbytes.values()) + pinned_nbytes
-                > self.inflight_steps_room_nbytes):
-            # The oldest sent step (steps finish in order); deferred ones pin nothing yet.
-            self._settle(next(iter(self._inflight_step_nbytes)))
-        self._inflight_step_nbytes[unit] = pinned_nbytes
-        return _TimedHandle(self.client.optimizer_step_async(
-            self._names[unit][0], step=step, lr=hyper.lr, beta1=hyper.beta1,
-            beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
-            decoupled_weight_decay=hyper.decoupled_weight_decay, grad_scale=grad_scale,
-            # The step consumes the gradient and the next window overwrites it: dropped
-            # at once, it frees arena room and is never written back or read in dead.
-            drop_grad=self.swaps), self)
 
-    def _step_nbytes(self, spec: UnitSpec) -> int:
-        """Arena bytes one step of the unit leases: master, moments, grad and param."""
-        numel = spec.part_numel
-        return (numel * (4 + spec.grad_dtype.itemsize + spec.param_dtype.itemsize)
-                + 2 * moment_nbytes(self.moment_format, numel))
+        def send() -> StepHandle:
+            return self.client.optimizer_step_async(
+                self._names[unit][0], step=step, lr=hyper.lr, beta1=hyper.beta1,
+                beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
+                decoupled_weight_decay=hyper.decoupled_weight_decay, grad_scale=grad_scale,
+                # The step consumes the gradient and the next window overwrites it: dropped
+                # at once, it frees arena room and is never written back or read in dead.
+                drop_grad=self.swaps)
+
+        return self.steps.admit(unit, step_nbytes(self._specs[unit], self.moment_format), send,
+                                clock=self)
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:
-        self._settle(unit)
+        self.steps.settle(unit)
         daemon_copies = None if self.copies.zero_copy else self._device_copier()
         if daemon_copies is not None:
             daemon_copies.read_into(self._names[unit][2], out)
@@ -464,7 +400,7 @@ class DaemonBackend(StateBackend):
     def lease_params(self, unit: int) -> tuple[torch.Tensor, Callable[[], None]]:
         """A read lease on ``u{N}.param``: collectives read the arena directly (no copy);
         with a device copy engine, a device copy of it (the lease returns after the copy)."""
-        self._settle(unit)
+        self.steps.settle(unit)
         if not self.copies.zero_copy:
             part = self.copies.empty(self._specs[unit].part_numel, self._specs[unit].param_dtype)
             self.read_params(unit, part)
@@ -477,7 +413,7 @@ class DaemonBackend(StateBackend):
         daemon_copies = None if self.copies.zero_copy else self._device_copier()
         if daemon_copies is not None:  # the daemon stages them ahead into free slots
             daemon_copies.prefetch([self._names[unit][2] for unit in units
-                                    if unit not in self._steps])
+                                    if unit not in self.steps])
         if self.swaps and units:
             self.client.prefetch([self._names[unit][2] for unit in units])
 
@@ -490,14 +426,14 @@ class DaemonBackend(StateBackend):
     def get_state(self, unit: int) -> dict[str, torch.Tensor]:
         if not self._specs[unit].trainable:
             return {}
-        self._settle(unit)
+        self.steps.settle(unit)
         self._drain_copies()
         with self.client.acquire_many(self._ids(unit, *STATE_KINDS), "r") as leases:
             return {kind: lease.tensor().clone()  # the shard's own dtype: moments as stored
                     for kind, lease in zip(STATE_KINDS, leases, strict=True)}
 
     def set_state(self, unit: int, state: dict[str, torch.Tensor]) -> None:
-        self._settle(unit)
+        self.steps.settle(unit)
         if not self._specs[unit].trainable:
             self.client.put(self._names[unit][2], state["param"])
             return
@@ -523,7 +459,7 @@ class DaemonBackend(StateBackend):
         rank_side = {"rank_moved_nbytes": self.moved_nbytes, "rank_wait_s": self.wait_s,
                      "rank_copy_engine": self.copies.kind,
                      "rank_releases_deferred": self.releases.deferred,
-                     "rank_deferred_steps": self.deferred_steps,
+                     "rank_deferred_steps": self.steps.deferred_steps,
                      "rank_arena_pinned": self.arena_pinned,
                      "rank_device_copies": self.device_copies_path,
                      "rank_device_copies_reason": self.device_copies_reason}
@@ -588,43 +524,6 @@ def _close_at_exit() -> None:
 atexit.register(_close_at_exit)
 
 
-class _DeferredStep:
-    """An optimizer step not sent yet: its gradient's D2H was in flight at ``step_async``.
-    Sent by the backend's poll once the copy completed, or by ``wait``."""
-
-    def __init__(self, send: Callable[[], StepHandle]) -> None:
-        self._send = send
-        self._sent: StepHandle | None = None
-
-    @property
-    def sent(self) -> bool:
-        return self._sent is not None
-
-    def send(self) -> None:
-        if self._sent is None:
-            self._sent = self._send()
-
-    def wait(self) -> None:
-        self.send()
-        assert self._sent is not None
-        self._sent.wait()
-
-
-class _TimedHandle:
-    """A daemon step handle that books its blocking time on the backend."""
-
-    def __init__(self, handle: StepHandle, backend: DaemonBackend) -> None:
-        self._handle = handle
-        self._backend = backend
-
-    def wait(self) -> None:
-        started = time.perf_counter()
-        try:
-            self._handle.wait()
-        finally:
-            self._backend.wait_s += time.perf_counter() - started
-
-
 def _nothing() -> None:
     return None
 
@@ -647,192 +546,3 @@ def _device_sum_room(copies: CopyEngine) -> int:
 def _dtype_tag(dtype: torch.dtype) -> str:
     return {torch.float32: "float32", torch.bfloat16: "bfloat16",
             torch.float16: "float16", torch.uint8: SHARD_DTYPES["blockwise8"]}[dtype]
-
-
-# ---------------------------------------------------------------------------
-# connecting
-
-
-def _node_world_size(collectives: Collectives) -> int:
-    nodes = collectives.all_gather_object(node_key())
-    return nodes.count(node_key())
-
-
-def estimate_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) -> int:
-    """Bytes of daemon shards one rank needs (fp32 master and grad, the moments in their
-    ``state_dtype``, the param copy, and the param copy of frozen parameters under
-    stage 3)."""
-    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    parts = world_size if config.zero_optimization.stage >= 1 else 1
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype_name]
-    frozen = 0  # stage 3 keeps frozen parameters' partitions in the daemon too (no state)
-    if config.zero_optimization.stage == 3:
-        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    part = -(-numel // parts)
-    moments_nbytes = 2 * moment_nbytes(config.zero_optimization.offload_optimizer.moment_format,
-                                       part)
-    return part * (8 + itemsize) + moments_nbytes + -(-frozen // parts) * itemsize
-
-
-def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Collectives) -> int:
-    """The whole working set (+25%) when DRAM allows; for ``nvme`` at most half of the
-    node's available memory (>= 64 MiB), and what does not fit lives on the swap tier.
-
-    The arena is the node's DRAM cache: shrinking it below what the machine can
-    spare only adds swap traffic (measured in bench/train_step.py). Its size does not
-    delay start-up (the daemon backs it after the hello, offloadd.memory.arena), so a 512 GB
-    node may get a 256 GB cache. Every rank of a node asks for local rank 0's figure:
-    MemAvailable moves between two ranks' reads, and a rank whose hello came first with
-    a larger figure than the private daemon's budget would be refused.
-    """
-    node_nbytes = estimate_rank_nbytes(model, config, collectives.world_size)
-    node_nbytes *= _node_world_size(collectives)
-    wanted = node_nbytes + node_nbytes // 4 + 32 * MIB
-    if config.zero_optimization.offload_optimizer.device == "nvme":
-        wanted = max(64 * MIB, min(wanted, available_memory_nbytes() // 2))
-    return int(collectives.node_leader_value(-(-wanted // (2 * MIB)) * 2 * MIB))
-
-
-def available_memory_nbytes() -> int:
-    """MemAvailable from /proc/meminfo (the kernel's estimate of what can be allocated)."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
-def _node_subdir(collectives: Collectives) -> str:
-    """'' when this host runs one node; else this node's own subdirectory name.
-
-    Hazard: two nodes on one host (two torchrun agents) share the job name and the
-    configured ``nvme_path``/``workdir``; their private daemons would open the same swap
-    files (``<dir>/offloadd/<job>/swap.0``) and socket. Each gets ``node<GROUP_RANK>``.
-    """
-    host = socket.gethostname()
-    nodes = set(collectives.all_gather_object(node_key()))
-    on_host = [node for node in nodes if node == host or node.startswith(host + "/")]
-    return node_key().rpartition("/")[2] if len(on_host) > 1 else ""
-
-
-def _swap_dirs(config: EngineConfig, job: str, subdir: str = "") -> list[str]:
-    zero = config.zero_optimization
-    paths = [section.nvme_path for section in (zero.offload_optimizer, zero.offload_param)
-             if section.device == "nvme" and section.nvme_path]
-    wants_nvme = any(section.device == "nvme"
-                     for section in (zero.offload_optimizer, zero.offload_param))
-    if wants_nvme and not paths:
-        default = str(Path(tempfile.gettempdir()) / f"offloadd-swap-{job}")
-        warnings.warn(f"offload device nvme without nvme_path: swapping to {default}",
-                      UserWarning, stacklevel=3)
-        paths = [default]
-    unique = [str(Path(path) / subdir) if subdir else path for path in dict.fromkeys(paths)]
-    for path in unique:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    return unique
-
-
-def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
-                          subdir: str = "") -> Any:
-    """Start the node's private daemon; it ends by itself when its ranks are gone.
-
-    Hazard, lifetime: the daemon must outlive local rank 0 while other ranks still train
-    (rank 0 of a DeepSpeed-style script often prints and exits first), so no rank stops
-    it: it stops once every rank closed the job and left, or ``private_exit_grace_s``
-    after the last rank vanished without closing (kill -9, the OOM killer), and then
-    deletes its scratch dirs, which only it can still know are unused.
-    """
-    from offloadd.ops.embedded import PrivateDaemon
-
-    base = Path(config.offloadd.workdir) / subdir if config.offloadd.workdir else None
-    if base is not None:
-        base.mkdir(parents=True, exist_ok=True)
-    # Dirs of its own: a second job on the node (or the same workdir) gets another
-    # socket, and a swap dir belongs to one daemon (it is locked).
-    scratch = [tempfile.mkdtemp(prefix="offloadd-", dir=base)]
-    scratch += [tempfile.mkdtemp(prefix=f"offloadd-private-{job}-", dir=path)
-                for path in _swap_dirs(config, job, subdir)]
-    try:
-        return PrivateDaemon.start(scratch[0], arena_size=arena_nbytes, swap_dirs=scratch[1:],
-                                   release_swap_at_exit=True, scratch_dirs=scratch,
-                                   exit_when_idle_s=config.offloadd.private_exit_grace_s)
-    except BaseException:
-        for path in scratch:
-            shutil.rmtree(path, ignore_errors=True)
-        raise
-
-
-def _connect(config: EngineConfig, collectives: Collectives, socket_path: str, job: str,
-             arena_nbytes: int) -> Any:
-    from trainer.client import OffloadClient, OffloadError
-
-    try:
-        return OffloadClient.connect(
-            socket_path, job=job, rank=collectives.rank, world_size=collectives.world_size,
-            local_rank=collectives.local_rank, arena_nbytes=arena_nbytes,
-            timeout_s=config.offloadd.connect_timeout_s, daemon_uid=config.offloadd.daemon_uid)
-    except (OffloadError, OSError) as error:
-        raise RuntimeError(f"cannot connect to offloadd at {socket_path} "
-                           f"(config key offloadd.socket): {error}") from error
-
-
-def _connect_private(config: EngineConfig, collectives: Collectives, job: str,
-                     arena_nbytes: int) -> tuple[Any, Any]:
-    """Local rank 0 starts the daemon and attaches at once, so the daemon never sees an
-    empty node while slower ranks reach ``initialize``; then every rank of the node gets
-    its socket path. Returns this rank's client and the daemon it started (or None)."""
-    daemon, client, outcome = None, None, ""
-    subdir = _node_subdir(collectives)
-    if collectives.local_rank == 0:
-        try:
-            daemon = _start_private_daemon(config, job, arena_nbytes, subdir)
-            client = _connect(config, collectives, daemon.socket_path, job, arena_nbytes)
-            outcome = "socket:" + daemon.socket_path
-        except Exception as error:  # reported on every rank below, not only here
-            if daemon is not None:
-                daemon.stop()
-            outcome = f"error:{type(error).__name__}: {error}"
-    shared = collectives.node_leader_value(outcome)
-    if shared.startswith("error:"):
-        raise RuntimeError("local rank 0 could not start a private offloadd "
-                           f"(set offloadd.socket to use a running daemon): {shared[6:]}")
-    if client is None:
-        client = _connect(config, collectives, shared.removeprefix("socket:"), job, arena_nbytes)
-    return client, daemon
-
-
-def device_copies_choice(config: EngineConfig) -> str:
-    """``offloadd.gpu.device_copies``, or ``$OFFLOADD_DEVICE_COPIES`` (rank | daemon) when set:
-    runs a whole suite, say tests/test_engine_parity.py, through the daemon path."""
-    choice = os.environ.get(DEVICE_COPIES_ENV) or config.offloadd.device_copies
-    if choice not in ("rank", "daemon"):
-        raise ValueError(f"{DEVICE_COPIES_ENV}={choice!r}: expected rank or daemon")
-    return choice
-
-
-def connect_backend(config: EngineConfig, collectives: Collectives,
-                    model: nn.Module) -> DaemonBackend:
-    """Connect this rank to its node's daemon (starting a private one when needed)."""
-    job = config.offloadd.job or collectives.all_gather_object(
-        f"train-{uuid.uuid4().hex[:12]}")[0]
-    arena_nbytes = config.offloadd.arena_size or default_arena_nbytes(model, config, collectives)
-    daemon = None
-    if config.offloadd.socket is None:
-        client, daemon = _connect_private(config, collectives, job, arena_nbytes)
-    else:
-        client = _connect(config, collectives, config.offloadd.socket, job, arena_nbytes)
-    zero = config.zero_optimization
-    swaps = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
-    from trainer.device.compute import resolve_device
-    from trainer.device.copy_engine import select_copy_engine
-
-    return DaemonBackend(client, collectives=collectives, private_daemon=daemon, swaps=swaps,
-                         copies=select_copy_engine(resolve_device(config.device).device),
-                         device_copies=device_copies_choice(config),
-                         staging_slots=config.offloadd.staging_slots,
-                         local_rank=collectives.local_rank,
-                         staging_readahead_slots=config.offloadd.readahead_slots,
-                         moment_format=zero.offload_optimizer.moment_format)

@@ -1,0 +1,214 @@
+"""Connecting a rank to its node's offloadd: ``connect_backend`` builds its ``DaemonBackend``.
+
+It finds the daemon: ``offloadd.socket`` when configured, otherwise local rank 0 of each
+node starts a private daemon (``offloadd.ops.embedded.PrivateDaemon``) and shares its
+socket path with the node's other ranks through a collective. No rank stops that daemon:
+it ends by itself once the node's last rank is done (``_start_private_daemon``). Also
+sizes the arena a job asks for (``default_arena_nbytes``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from offloadd.formats import moment_nbytes
+from trainer.config import EngineConfig
+from trainer.dist.collectives import Collectives, node_key
+from trainer.offload.daemon_backend import DaemonBackend
+
+MIB = 1 << 20
+DEVICE_COPIES_ENV = "OFFLOADD_DEVICE_COPIES"
+
+
+def _node_world_size(collectives: Collectives) -> int:
+    nodes = collectives.all_gather_object(node_key())
+    return nodes.count(node_key())
+
+
+def estimate_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) -> int:
+    """Bytes of daemon shards one rank needs (fp32 master and grad, the moments in their
+    ``state_dtype``, the param copy, and the param copy of frozen parameters under
+    stage 3)."""
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    parts = world_size if config.zero_optimization.stage >= 1 else 1
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype_name]
+    frozen = 0  # stage 3 keeps frozen parameters' partitions in the daemon too (no state)
+    if config.zero_optimization.stage == 3:
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    part = -(-numel // parts)
+    moments_nbytes = 2 * moment_nbytes(config.zero_optimization.offload_optimizer.moment_format,
+                                       part)
+    return part * (8 + itemsize) + moments_nbytes + -(-frozen // parts) * itemsize
+
+
+def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Collectives) -> int:
+    """The whole working set (+25%) when DRAM allows; for ``nvme`` at most half of the
+    node's available memory (>= 64 MiB), and what does not fit lives on the swap tier.
+
+    The arena is the node's DRAM cache: shrinking it below what the machine can
+    spare only adds swap traffic (measured in bench/train_step.py). Its size does not
+    delay start-up (the daemon backs it after the hello, offloadd.memory.arena), so a 512 GB
+    node may get a 256 GB cache. Every rank of a node asks for local rank 0's figure:
+    MemAvailable moves between two ranks' reads, and a rank whose hello came first with
+    a larger figure than the private daemon's budget would be refused.
+    """
+    node_nbytes = estimate_rank_nbytes(model, config, collectives.world_size)
+    node_nbytes *= _node_world_size(collectives)
+    wanted = node_nbytes + node_nbytes // 4 + 32 * MIB
+    if config.zero_optimization.offload_optimizer.device == "nvme":
+        wanted = max(64 * MIB, min(wanted, available_memory_nbytes() // 2))
+    return int(collectives.node_leader_value(-(-wanted // (2 * MIB)) * 2 * MIB))
+
+
+def available_memory_nbytes() -> int:
+    """MemAvailable from /proc/meminfo (the kernel's estimate of what can be allocated)."""
+    try:
+        with open("/proc/meminfo") as handle:
+            for line in handle:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def _node_subdir(collectives: Collectives) -> str:
+    """'' when this host runs one node; else this node's own subdirectory name.
+
+    Hazard: two nodes on one host (two torchrun agents) share the job name and the
+    configured ``nvme_path``/``workdir``; their private daemons would open the same swap
+    files (``<dir>/offloadd/<job>/swap.0``) and socket. Each gets ``node<GROUP_RANK>``.
+    """
+    host = socket.gethostname()
+    nodes = set(collectives.all_gather_object(node_key()))
+    on_host = [node for node in nodes if node == host or node.startswith(host + "/")]
+    return node_key().rpartition("/")[2] if len(on_host) > 1 else ""
+
+
+def _swap_dirs(config: EngineConfig, job: str, subdir: str = "") -> list[str]:
+    zero = config.zero_optimization
+    paths = [section.nvme_path for section in (zero.offload_optimizer, zero.offload_param)
+             if section.device == "nvme" and section.nvme_path]
+    wants_nvme = any(section.device == "nvme"
+                     for section in (zero.offload_optimizer, zero.offload_param))
+    if wants_nvme and not paths:
+        default = str(Path(tempfile.gettempdir()) / f"offloadd-swap-{job}")
+        warnings.warn(f"offload device nvme without nvme_path: swapping to {default}",
+                      UserWarning, stacklevel=3)
+        paths = [default]
+    unique = [str(Path(path) / subdir) if subdir else path for path in dict.fromkeys(paths)]
+    for path in unique:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    return unique
+
+
+def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
+                          subdir: str = "") -> Any:
+    """Start the node's private daemon; it ends by itself when its ranks are gone.
+
+    Hazard, lifetime: the daemon must outlive local rank 0 while other ranks still train
+    (rank 0 of a DeepSpeed-style script often prints and exits first), so no rank stops
+    it: it stops once every rank closed the job and left, or ``private_exit_grace_s``
+    after the last rank vanished without closing (kill -9, the OOM killer), and then
+    deletes its scratch dirs, which only it can still know are unused.
+    """
+    from offloadd.ops.embedded import PrivateDaemon
+
+    base = Path(config.offloadd.workdir) / subdir if config.offloadd.workdir else None
+    if base is not None:
+        base.mkdir(parents=True, exist_ok=True)
+    # Dirs of its own: a second job on the node (or the same workdir) gets another
+    # socket, and a swap dir belongs to one daemon (it is locked).
+    scratch = [tempfile.mkdtemp(prefix="offloadd-", dir=base)]
+    scratch += [tempfile.mkdtemp(prefix=f"offloadd-private-{job}-", dir=path)
+                for path in _swap_dirs(config, job, subdir)]
+    try:
+        return PrivateDaemon.start(scratch[0], arena_size=arena_nbytes, swap_dirs=scratch[1:],
+                                   release_swap_at_exit=True, scratch_dirs=scratch,
+                                   exit_when_idle_s=config.offloadd.private_exit_grace_s)
+    except BaseException:
+        for path in scratch:
+            shutil.rmtree(path, ignore_errors=True)
+        raise
+
+
+def _connect(config: EngineConfig, collectives: Collectives, socket_path: str, job: str,
+             arena_nbytes: int) -> Any:
+    from trainer.client import OffloadClient, OffloadError
+
+    try:
+        return OffloadClient.connect(
+            socket_path, job=job, rank=collectives.rank, world_size=collectives.world_size,
+            local_rank=collectives.local_rank, arena_nbytes=arena_nbytes,
+            timeout_s=config.offloadd.connect_timeout_s, daemon_uid=config.offloadd.daemon_uid)
+    except (OffloadError, OSError) as error:
+        raise RuntimeError(f"cannot connect to offloadd at {socket_path} "
+                           f"(config key offloadd.socket): {error}") from error
+
+
+def _connect_private(config: EngineConfig, collectives: Collectives, job: str,
+                     arena_nbytes: int) -> tuple[Any, Any]:
+    """Local rank 0 starts the daemon and attaches at once, so the daemon never sees an
+    empty node while slower ranks reach ``initialize``; then every rank of the node gets
+    its socket path. Returns this rank's client and the daemon it started (or None)."""
+    daemon, client, outcome = None, None, ""
+    subdir = _node_subdir(collectives)
+    if collectives.local_rank == 0:
+        try:
+            daemon = _start_private_daemon(config, job, arena_nbytes, subdir)
+            client = _connect(config, collectives, daemon.socket_path, job, arena_nbytes)
+            outcome = "socket:" + daemon.socket_path
+        except Exception as error:  # reported on every rank below, not only here
+            if daemon is not None:
+                daemon.stop()
+            outcome = f"error:{type(error).__name__}: {error}"
+    shared = collectives.node_leader_value(outcome)
+    if shared.startswith("error:"):
+        raise RuntimeError("local rank 0 could not start a private offloadd "
+                           f"(set offloadd.socket to use a running daemon): {shared[6:]}")
+    if client is None:
+        client = _connect(config, collectives, shared.removeprefix("socket:"), job, arena_nbytes)
+    return client, daemon
+
+
+def device_copies_choice(config: EngineConfig) -> str:
+    """``offloadd.device_copies``, or ``$OFFLOADD_DEVICE_COPIES`` (rank | daemon) when set:
+    runs a whole suite, say tests/test_engine_parity.py, through the daemon path."""
+    choice = os.environ.get(DEVICE_COPIES_ENV) or config.offloadd.device_copies
+    if choice not in ("rank", "daemon"):
+        raise ValueError(f"{DEVICE_COPIES_ENV}={choice!r}: expected rank or daemon")
+    return choice
+
+
+def connect_backend(config: EngineConfig, collectives: Collectives,
+                    model: nn.Module) -> DaemonBackend:
+    """Connect this rank to its node's daemon (starting a private one when needed)."""
+    job = config.offloadd.job or collectives.all_gather_object(
+        f"train-{uuid.uuid4().hex[:12]}")[0]
+    arena_nbytes = config.offloadd.arena_size or default_arena_nbytes(model, config, collectives)
+    daemon = None
+    if config.offloadd.socket is None:
+        client, daemon = _connect_private(config, collectives, job, arena_nbytes)
+    else:
+        client = _connect(config, collectives, config.offloadd.socket, job, arena_nbytes)
+    zero = config.zero_optimization
+    swaps = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
+    from trainer.device.compute import resolve_device
+    from trainer.device.copy_engine import select_copy_engine
+
+    return DaemonBackend(client, collectives=collectives, private_daemon=daemon, swaps=swaps,
+                         copies=select_copy_engine(resolve_device(config.device).device),
+                         device_copies=device_copies_choice(config),
+                         staging_slots=config.offloadd.staging_slots,
+                         local_rank=collectives.local_rank,
+                         staging_readahead_slots=config.offloadd.readahead_slots,
+                         moment_format=zero.offload_optimizer.moment_format)

@@ -1,0 +1,152 @@
+"""The daemon backend's optimizer-step queue: the steps a rank has queued in the daemon.
+
+One handle per unit, waited for at the unit's next use. A step whose gradient copy is
+still in flight is deferred and sent once the copy completed; sent steps are bounded by
+the arena bytes they pin. What a step sends and which copies it waits for belong to the
+backend (``trainer.offload.daemon_backend``), which hands them in as callables.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+from offloadd.formats import MomentFormat, moment_nbytes
+from trainer.offload.backend import StepHandle, UnitSpec
+
+MIN_INFLIGHT_STEPS = 2
+"""Optimizer steps one rank may always keep queued in the daemon: two keep the daemon's
+worker busy back to back."""
+INFLIGHT_STEPS_ARENA_FRACTION = 4
+"""Beyond ``MIN_INFLIGHT_STEPS``, a rank's queued steps pin at most 1/4 of its share of the
+arena. Each pins its unit's five shards (~18 B/param) until it runs, so an unbounded queue
+can fill an arena with leases nothing can evict; what fits is bounded by arena room, not by
+whether the state may swap."""
+
+
+class WaitClock(Protocol):
+    """Where the time a rank spends blocked on the daemon is booked."""
+
+    wait_s: float
+
+
+class DaemonStepQueue:
+    """Optimizer steps in flight in the daemon, by unit."""
+
+    def __init__(self, *, swaps: bool, arena_nbytes: int, local_ranks: int) -> None:
+        self._steps: dict[int, StepHandle] = {}
+        """Optimizer steps in flight, by unit; waited for at the unit's next use."""
+        self.room_nbytes = (arena_nbytes // (INFLIGHT_STEPS_ARENA_FRACTION * local_ranks)
+                            if swaps and arena_nbytes else 1 << 62)
+        """Arena bytes this rank's queued optimizer steps may pin (beyond the first two);
+        without NVMe the whole working set is resident and nothing needs bounding."""
+        self._inflight_step_nbytes: dict[int, int] = {}
+        self.drops_grads = swaps
+        """Each step asks the daemon to drop its gradient shard (NVMe only)."""
+        self.dropped_grads: set[int] = set()
+        """Units whose ``u{N}.grad`` shard the daemon forgot after its step, or never made
+        (NVMe only): the next gradient window re-creates it."""
+        self.deferred_steps = 0
+        """Optimizer steps held back until their gradient's D2H completed."""
+
+    def __contains__(self, unit: int) -> bool:
+        return unit in self._steps
+
+    def settle(self, unit: int) -> None:
+        """Wait for the unit's optimizer step, if one is in flight: its shards are leased."""
+        handle = self._steps.pop(unit, None)
+        if handle is not None:
+            try:
+                handle.wait()  # a deferred step is sent first
+            finally:
+                self._inflight_step_nbytes.pop(unit, None)
+            if self.drops_grads:  # the step asked the daemon to drop it (``drop_grad``)
+                self.dropped_grads.add(unit)
+
+    def settle_all(self) -> None:
+        """Wait for every step in flight; the first failure is raised once all finished."""
+        failure: BaseException | None = None
+        for unit in list(self._steps):
+            try:
+                self.settle(unit)
+            except BaseException as error:  # wait for the rest before re-raising
+                failure = failure or error
+        if failure is not None:
+            raise failure
+
+    def submit(self, unit: int, send: Callable[[], StepHandle], *, defer: bool) -> StepHandle:
+        """Queue the unit's step: sent now, or, with ``defer`` (its gradient's D2H is in
+        flight), by the first ``send_deferred`` that finds the copy done (or when waited for)."""
+        handle: StepHandle
+        if defer:
+            handle = _DeferredStep(send)
+            self.deferred_steps += 1
+        else:
+            handle = send()
+        self._steps[unit] = handle
+        return handle
+
+    def send_deferred(self, copied: Callable[[int], bool]) -> None:
+        """Send the deferred steps whose gradient D2H completed (after a ``poll``)."""
+        for unit, handle in list(self._steps.items()):
+            if isinstance(handle, _DeferredStep) and not handle.sent and copied(unit):
+                handle.send()
+
+    def admit(self, unit: int, pinned_nbytes: int, send: Callable[[], StepHandle], *,
+              clock: WaitClock) -> StepHandle:
+        """Send the step once the queue has room for the arena bytes it pins; its handle
+        books the time waited for it on ``clock``.
+
+        The clock (the backend) is handed in per step, not kept: only handles in flight
+        refer to the backend, so the queue it owns makes no reference cycle with it."""
+        while len(self._inflight_step_nbytes) >= MIN_INFLIGHT_STEPS and (
+                sum(self._inflight_step_nbytes.values()) + pinned_nbytes > self.room_nbytes):
+            # The oldest sent step (steps finish in order); deferred ones pin nothing yet.
+            self.settle(next(iter(self._inflight_step_nbytes)))
+        self._inflight_step_nbytes[unit] = pinned_nbytes
+        return _TimedHandle(send(), clock)
+
+
+def step_nbytes(spec: UnitSpec, moment_format: MomentFormat) -> int:
+    """Arena bytes one step of the unit leases: master, moments, grad and param."""
+    numel = spec.part_numel
+    return (numel * (4 + spec.grad_dtype.itemsize + spec.param_dtype.itemsize)
+            + 2 * moment_nbytes(moment_format, numel))
+
+
+class _DeferredStep:
+    """An optimizer step not sent yet: its gradient's D2H was in flight at ``step_async``.
+    Sent by the backend's poll once the copy completed, or by ``wait``."""
+
+    def __init__(self, send: Callable[[], StepHandle]) -> None:
+        self._send = send
+        self._sent: StepHandle | None = None
+
+    @property
+    def sent(self) -> bool:
+        return self._sent is not None
+
+    def send(self) -> None:
+        if self._sent is None:
+            self._sent = self._send()
+
+    def wait(self) -> None:
+        self.send()
+        assert self._sent is not None
+        self._sent.wait()
+
+
+class _TimedHandle:
+    """A daemon step handle that books its blocking time on the backend."""
+
+    def __init__(self, handle: StepHandle, clock: WaitClock) -> None:
+        self._handle = handle
+        self._clock = clock
+
+    def wait(self) -> None:
+        started = time.perf_counter()
+        try:
+            self._handle.wait()
+        finally:
+            self._clock.wait_s += time.perf_counter() - started
