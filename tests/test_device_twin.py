@@ -138,7 +138,7 @@ def _two_rank_body(rank: int, world_size: int, config: dict) -> dict:
 
     import trainer
     from trainer.state.checkpoint import consolidate_fp32_state_dict
-    from trainer.zero.init import GatheredParameters
+    from trainer.zero.gathered import GatheredParameters
 
     model = make_model(0)
     engine, _, _, _ = trainer.initialize(model=model, config=config)

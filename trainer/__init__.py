@@ -9,101 +9,15 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
-
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
-
+from trainer.api import add_config_arguments, initialize
 from trainer.config import EngineConfig, parse_config
-from trainer.device.compute import activate, resolve_device
 from trainer.dist import comm
-from trainer.dist.collectives import Collectives
 from trainer.dist.distributed import init_distributed
-from trainer.integrations.compat import add_config_arguments, config_source
-from trainer.offload.backend import InProcessBackend, StateBackend
 from trainer.state.pretrained import LoadReport, PretrainedError, load_pretrained
 from trainer.zero.engine import Engine
-from trainer.zero.groups import resolve_param_groups
 from trainer.zero.optimizer import ZeroOptimizer
-from trainer.zero.scheduler import LRSchedule
 from trainer.zero.trace import TraceDivergenceError
 
 __all__ = ["Engine", "EngineConfig", "LoadReport", "PretrainedError", "TraceDivergenceError",
            "ZeroOptimizer", "add_config_arguments", "comm", "init_distributed", "initialize",
            "load_pretrained", "parse_config"]
-
-
-def initialize(
-    args: Any = None,
-    *,
-    model: nn.Module,
-    model_parameters: Iterable[torch.Tensor] | Iterable[dict[str, Any]] | None = None,
-    config: dict[str, Any] | str | os.PathLike[str] | EngineConfig | None = None,
-    config_params: dict[str, Any] | None = None,
-    optimizer: Any = None,
-    lr_scheduler: Any = None,
-    training_data: Dataset[Any] | None = None,
-    collate_fn: Any = None,
-    dist_init_required: bool | None = None,
-) -> tuple[Engine, ZeroOptimizer, DataLoader[Any] | None, LRSchedule | None]:
-    """Build the engine; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
-
-    ``model_parameters`` selects the trained parameters, as tensors or torch-style
-    group dicts with per-group ``lr``/``weight_decay``/``betas``/``eps``
-    (``trainer.zero.groups``); the model's other parameters are frozen
-    (``requires_grad=False``). ``optimizer`` and
-    ``lr_scheduler`` must come from the config (``optimizer``/``scheduler``
-    sections). With ``training_data`` a DataLoader of micro-batches (one
-    distributed shard per rank) is returned. As in DeepSpeed, the config may instead
-    come from ``args.deepspeed_config`` (``add_config_arguments``), and
-    ``dist_init_required=False`` means the caller has set up torch.distributed.
-    """
-    if optimizer is not None or lr_scheduler is not None:
-        raise ValueError("pass the optimizer and lr scheduler through the config "
-                         "('optimizer' and 'scheduler' sections), not as objects")
-    source = config_source(args, config, config_params)
-    parsed = parse_config(source if not isinstance(source, os.PathLike) else Path(source))
-    _check_model(model)
-    groups = resolve_param_groups(model, model_parameters, parsed.optimizer)
-    compute = resolve_device(parsed.device)
-    activate(compute)
-    if dist_init_required is not False:
-        init_distributed(compute.dist_backend)
-    collectives = Collectives(compute)
-    parsed.batch_sizes(collectives.world_size)  # fail before any daemon or collective work
-    backend = _build_backend(parsed, collectives, model)
-    try:
-        engine = Engine(model, parsed, collectives=collectives, backend=backend,
-                        param_groups=groups)
-    except BaseException:
-        backend.close()
-        raise
-    loader = _build_loader(training_data, engine, collate_fn) if training_data else None
-    return engine, engine.optimizer, loader, engine.lr_scheduler
-
-
-def _check_model(model: nn.Module) -> None:
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-
-
-def _build_backend(config: EngineConfig, collectives: Collectives,
-                   model: nn.Module) -> StateBackend:
-    if not config.zero_optimization.offloaded:
-        return InProcessBackend()
-    from trainer.offload.daemon_connect import connect_backend
-
-    return connect_backend(config, collectives, model)
-
-
-def _build_loader(data: Dataset[Any], engine: Engine, collate_fn: Any) -> DataLoader[Any]:
-    world = engine.collectives.world_size
-    sampler: DistributedSampler[Any] | None = None
-    if world > 1:
-        sampler = DistributedSampler(data, num_replicas=world, rank=engine.collectives.rank)
-    return DataLoader(data, batch_size=engine.train_micro_batch_size_per_gpu(),
-                      sampler=sampler, shuffle=sampler is None, collate_fn=collate_fn)

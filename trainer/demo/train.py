@@ -149,7 +149,7 @@ def _demo_rank(rank: int, world_size: int, port: int, steps: int, workdir: str,
                results: Any) -> None:
     import torch.distributed as dist
 
-    import trainer
+    from trainer.api import initialize
 
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
@@ -168,7 +168,7 @@ def _demo_rank(rank: int, world_size: int, port: int, steps: int, workdir: str,
         # is meant to show the NVMe tier at work.
         config["offloadd"] = {"workdir": os.path.join(workdir, "daemon"),
                               "arena_size": half_working_set_nbytes(num_params)}
-        engine, _, _, _ = trainer.initialize(model=model, config=config)
+        engine, _, _, _ = initialize(model=model, config=config)
         try:
             outcome = _train(engine, rank, steps)
         finally:

@@ -18,7 +18,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from trainer.device.copy_engine import CopyEngineUnavailableError, require_cuda
+from trainer.device.copy_engine import COPY_ENGINE_ENV, CopyEngineUnavailableError, require_cuda
+from trainer.device.twin import TWIN_DEVICE_ENV, twin_device, twin_device_mode
 
 log = logging.getLogger("trainer.device")
 
@@ -63,9 +64,6 @@ def resolve_device(choice: DeviceChoice = "auto", *,
 def _cpu_compute(reason: str) -> ComputeDevice:
     """CPU compute; on the strict twin (``OFFLOADD_COPY_ENGINE=twin`` with
     ``OFFLOADD_TWIN_DEVICE=strict``) its tensors live on the twin's device ``twin:0``."""
-    from trainer.device.copy_engine import COPY_ENGINE_ENV
-    from trainer.device.twin import TWIN_DEVICE_ENV, twin_device, twin_device_mode
-
     if os.environ.get(COPY_ENGINE_ENV) == "twin" and twin_device_mode() == "strict":
         return ComputeDevice(device=twin_device(), dist_backend="gloo",
                              reason=f"{reason}; strict device twin ({TWIN_DEVICE_ENV}=strict)")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.device.twin import check_collective
+from trainer.device.compute import side_group
 
 
 class Pending(Protocol):
@@ -58,8 +59,6 @@ class Collectives:
         # NCCL's fused ops exist; an error there is real and must not turn into a
         # different (fallback) collective on this rank only.
         self._may_fall_back = not self.active or dist.get_backend() == "gloo"
-        from trainer.device.compute import side_group
-
         if object_group is None and self.active:
             object_group = side_group()
         self.object_group = object_group

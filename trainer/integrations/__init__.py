@@ -1,5 +1,6 @@
 """The faces other tools expect: the DeepSpeed facade (``deepspeed.*`` modules for HF and
-Accelerate), Lightning's strategy, argparse/config compatibility and version checks.
+Accelerate), Lightning's strategy, and the version checks of both.
 
-Imports every layer below; only ``demo`` and the user entry modules sit above it.
+Imports ``trainer.api`` (``initialize``) and every layer below it; only ``demo`` and the user
+entry modules sit above it.
 """

@@ -41,7 +41,12 @@ from typing import Any
 import torch
 from torch import nn
 
-import trainer
+from trainer import api
+from trainer.device.compute import resolve_device
+from trainer.dist import distributed
+from trainer.dist.distributed import default_backend
+from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.zero import gathered
 from trainer.zero import init as zero_init
 from trainer.zero.engine import Engine
 from trainer.zero.optimizer import ZeroOptimizer
@@ -232,8 +237,6 @@ class DeepSpeedEngine(nn.Module):
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
                                              ) -> dict[str, torch.Tensor]:
         """The full model in the training dtype on rank 0 (``{}`` elsewhere); collective."""
-        from trainer.state.checkpoint import consolidate_fp32_state_dict
-
         state = consolidate_fp32_state_dict(self.engine)
         dtype = self.engine.precision.dtype
         if exclude_frozen_parameters:
@@ -276,7 +279,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             raise ValueError("got both an optimizer object and an 'optimizer' config "
                              "section: remove one of them")
         settings["optimizer"], model_parameters = optimizer_section(optimizer)
-    engine, zero, loader, scheduler = trainer.initialize(
+    engine, zero, loader, scheduler = api.initialize(
         model=model, model_parameters=model_parameters, config=settings,
         training_data=training_data, collate_fn=collate_fn,
         dist_init_required=dist_init_required)
@@ -327,11 +330,11 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
                      dist_init_required: bool | None = None, config: Any = None,
                      rank: int = -1, world_size: int = -1) -> None:
     """``deepspeed.comm.init_distributed``: torchrun's group (``trainer.init_distributed``)."""
-    trainer.init_distributed(dist_backend, init_method=init_method, timeout=timeout,
-                             rank=rank, world_size=world_size)
+    distributed.init_distributed(dist_backend, init_method=init_method, timeout=timeout,
+                                 rank=rank, world_size=world_size)
 
 
-class GatheredParameters(zero_init.GatheredParameters):
+class GatheredParameters(gathered.GatheredParameters):
     """``deepspeed.zero.GatheredParameters`` as transformers calls it while it builds a model
     under ZeRO-3 (``from_pretrained``, ``from_config``, inside ``deepspeed.zero.Init``,
     which is ``trainer.zero.Init`` here).
@@ -419,16 +422,12 @@ class Accelerator:
     """``deepspeed.accelerator.get_accelerator()``: the rank's compute device."""
 
     def current_device_name(self) -> str:
-        from trainer.device.compute import resolve_device
-
         return str(resolve_device("auto").device)
 
     def device_name(self, device_index: int | None = None) -> str:
         return self.current_device_name().split(":")[0]
 
     def communication_backend_name(self) -> str:
-        from trainer.dist.distributed import default_backend
-
         return default_backend()
 
 

@@ -38,9 +38,11 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
-import trainer
+from trainer.api import initialize
 from trainer.integrations import ds_facade
 from trainer.integrations.versions import UnsupportedVersionError, check_versions
+from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.zero.engine import Engine
 
 CHECKPOINT_TAG = "checkpoint"
 
@@ -66,7 +68,7 @@ class OffloaddStrategy(DDPStrategy):
             raise ValueError("OffloaddStrategy(config=...) takes a DeepSpeed-style config dict "
                              f"or a JSON path, got {type(config).__name__}")
         self.config: dict[str, Any] = copy.deepcopy(config)
-        self.engine: trainer.Engine | None = None
+        self.engine: Engine | None = None
 
     # ----------------------------------------------------------- precision
 
@@ -125,7 +127,7 @@ class OffloaddStrategy(DDPStrategy):
             settings["optimizer"], model_parameters = ds_facade.optimizer_section(
                 client_optimizer)
             self.lr_scheduler_configs = schedulers
-        engine, zero, _, _ = trainer.initialize(model=module, model_parameters=model_parameters,
+        engine, zero, _, _ = initialize(model=module, model_parameters=model_parameters,
                                                 config=settings, dist_init_required=False)
         if client_optimizer is not None:
             ds_facade.link_groups(client_optimizer.param_groups, zero)
@@ -164,8 +166,6 @@ class OffloaddStrategy(DDPStrategy):
         Collective; call it before fit() returns (e.g. in ``on_train_end``): the
         engine and its daemon are closed at teardown.
         """
-        from trainer.state.checkpoint import consolidate_fp32_state_dict
-
         if self.engine is None:
             raise ValueError("consolidated_state_dict() needs the engine: call it during "
                              "fit(), e.g. from on_train_end")

@@ -124,7 +124,7 @@ class StateBackend(abc.ABC):
     @abc.abstractmethod
     def get_state(self, unit: int) -> dict[str, torch.Tensor]:
         """Copies of the unit's master (fp32), exp_avg and exp_avg_sq (as stored: fp32,
-        bf16 or blockwise8 bytes, see offloadd.formats), in the rank; empty for a
+        bf16 or blockwise8 bytes, see offloadd.moment_codec), in the rank; empty for a
         frozen unit."""
 
     @abc.abstractmethod

@@ -25,7 +25,8 @@ import torch
 
 from offloadd import moment_codec
 from offloadd.formats import SHARD_DTYPES, MomentFormat
-from trainer.device.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue
+from trainer.client import OffloadError
+from trainer.device.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue, host_address
 from trainer.dist.collectives import Collectives
 from trainer.lease_debug import check_view
 from trainer.offload.backend import (
@@ -162,8 +163,6 @@ class DaemonBackend(StateBackend):
 
     def _pin_arena(self) -> None:
         """Register the arena mapping for DMA so copies from lease views are truly async."""
-        from trainer.device.copy_engine import host_address
-
         arena = getattr(self.client, "arena", None)
         if self.copies.zero_copy or arena is None or not arena.nbytes:
             return
@@ -454,8 +453,6 @@ class DaemonBackend(StateBackend):
         self.client.flush(tag)
 
     def stats(self) -> dict[str, Any]:
-        from trainer.client import OffloadError
-
         rank_side = {"rank_moved_nbytes": self.moved_nbytes, "rank_wait_s": self.wait_s,
                      "rank_copy_engine": self.copies.kind,
                      "rank_releases_deferred": self.releases.deferred,
@@ -482,8 +479,6 @@ class DaemonBackend(StateBackend):
             self.wait_steps()
         except BaseException as error:  # still release the connection and the daemon
             failure = error
-        from trainer.client import OffloadError
-
         if self._daemon_copies is not None:
             try:
                 self._daemon_copies.close()

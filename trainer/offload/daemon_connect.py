@@ -21,7 +21,11 @@ from typing import Any
 from torch import nn
 
 from offloadd.formats import moment_nbytes
+from offloadd.ops.embedded import PrivateDaemon
+from trainer.client import OffloadClient, OffloadError
 from trainer.config import EngineConfig
+from trainer.device.compute import resolve_device
+from trainer.device.copy_engine import select_copy_engine
 from trainer.dist.collectives import Collectives, node_key
 from trainer.offload.daemon_backend import DaemonBackend
 
@@ -121,8 +125,6 @@ def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
     after the last rank vanished without closing (kill -9, the OOM killer), and then
     deletes its scratch dirs, which only it can still know are unused.
     """
-    from offloadd.ops.embedded import PrivateDaemon
-
     base = Path(config.offloadd.workdir) / subdir if config.offloadd.workdir else None
     if base is not None:
         base.mkdir(parents=True, exist_ok=True)
@@ -143,8 +145,6 @@ def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
 
 def _connect(config: EngineConfig, collectives: Collectives, socket_path: str, job: str,
              arena_nbytes: int) -> Any:
-    from trainer.client import OffloadClient, OffloadError
-
     try:
         return OffloadClient.connect(
             socket_path, job=job, rank=collectives.rank, world_size=collectives.world_size,
@@ -202,9 +202,6 @@ def connect_backend(config: EngineConfig, collectives: Collectives,
         client = _connect(config, collectives, config.offloadd.socket, job, arena_nbytes)
     zero = config.zero_optimization
     swaps = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
-    from trainer.device.compute import resolve_device
-    from trainer.device.copy_engine import select_copy_engine
-
     return DaemonBackend(client, collectives=collectives, private_daemon=daemon, swaps=swaps,
                          copies=select_copy_engine(resolve_device(config.device).device),
                          device_copies=device_copies_choice(config),

@@ -48,6 +48,7 @@ import torch
 
 from offloadd import protocol as p
 from offloadd.protocol import TWIN_FAILED, TwinEvents, twin_staging_nbytes
+from trainer.client import OffloadError
 from trainer.device.copy_engine import CopyEngine
 
 log = logging.getLogger(__name__)
@@ -421,8 +422,6 @@ def open_daemon_copies(client: Any, copies: CopyEngine, *, num_slots: int, slot_
 
     ``readahead_slots`` of the ``num_slots`` are lent to the daemon to stage shards ahead
     of use from the rank's learned trace (a daemon without read-ahead takes none)."""
-    from trainer.client import OffloadError
-
     slot_nbytes = -(-slot_nbytes // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
     staging: Staging | None = None
     detail = ""
@@ -457,8 +456,6 @@ def open_daemon_copies(client: Any, copies: CopyEngine, *, num_slots: int, slot_
 def report_rank_copies(client: Any, arena_pinned: str) -> None:
     """Tell the daemon this rank copies to its device itself, and how pinning its arena
     went (metrics only: a daemon that does not know the request is no reason to fail)."""
-    from trainer.client import OffloadError
-
     try:
         client.request(p.StagingOpen(0, "none", "", 0, 0, arena_pinned=arena_pinned))
     except OffloadError as error:

@@ -50,14 +50,33 @@ import json
 import os
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from trainer.state.export import HF_CONFIG_DIR, param_layout, write_hf_configs
 from trainer.state.reshard import check_reshardable, load_resharded
+from trainer.zero.engine import Engine
 
-if TYPE_CHECKING:
-    from trainer.zero.engine import Engine
+FULL_RESTORE = {"load_module_strict": True, "load_optimizer_states": True,
+                "load_lr_scheduler_states": True, "load_module_only": False}
+"""DeepSpeed's ``load_checkpoint`` options and the values that mean "restore everything"."""
+
+
+def check_full_restore(options: dict[str, bool]) -> None:
+    """Accept DeepSpeed's ``load_checkpoint`` options at their full-restore values only."""
+    unknown = sorted(set(options) - set(FULL_RESTORE))
+    if unknown:
+        raise TypeError(f"load_checkpoint() got unexpected keyword arguments {unknown} "
+                        f"(DeepSpeed's options here: {sorted(FULL_RESTORE)})")
+    partial = {key: value for key, value in options.items() if value != FULL_RESTORE[key]}
+    if partial:
+        raise ValueError(
+            f"load_checkpoint({', '.join(f'{k}={v}' for k, v in partial.items())}) is not "
+            "supported: checkpoints restore the model, optimizer and scheduler together. For "
+            "weights only, load trainer.state.checkpoint.consolidate_fp32_state_dict(engine)'s "
+            "output into a fresh model before initialize()")
+
 
 FORMAT_VERSION = 1
 LATEST_FILE = "latest"
@@ -68,8 +87,6 @@ def _rank_file(tag_dir: Path, rank: int) -> Path:
 
 
 def _meta(engine: Engine) -> dict[str, Any]:
-    from trainer.state.export import param_layout
-
     return {
         "layout": param_layout(engine),  # for the offline exporter (trainer.export)
         "format_version": FORMAT_VERSION,
@@ -123,8 +140,6 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
                "untracked": _untracked_state(engine), "client_state": client_state or {}}
     _atomic_save(payload, _rank_file(tag_dir, engine.collectives.rank))
     if engine.collectives.rank == 0:
-        from trainer.state.export import HF_CONFIG_DIR, write_hf_configs
-
         write_hf_configs(engine.module, tag_dir / HF_CONFIG_DIR, engine.precision.dtype)
         _atomic_write_text(tag_dir / "meta.json", json.dumps(_meta(engine), indent=2))
     engine.collectives.barrier()

@@ -41,7 +41,7 @@ import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,9 +54,7 @@ from trainer.state.hf_checkpoint import (
     remove_stale_weights,
     weights_format,
 )
-
-if TYPE_CHECKING:
-    from trainer.zero.engine import Engine
+from trainer.zero.engine import Engine
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "5GB"

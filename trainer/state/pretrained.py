@@ -37,11 +37,11 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from trainer.dist.agreement import agree
 from trainer.state.hf_checkpoint import (
     BIN_INDEX,
     BIN_WEIGHTS,
@@ -49,10 +49,8 @@ from trainer.state.hf_checkpoint import (
     SAFE_WEIGHTS,
     CheckpointReader,
 )
-
-if TYPE_CHECKING:
-    from trainer.zero.engine import Engine
-    from trainer.zero.partition import Unit
+from trainer.zero.engine import Engine
+from trainer.zero.partition import Unit
 
 
 class PretrainedError(ValueError):
@@ -167,8 +165,6 @@ def load_pretrained(model_or_engine: nn.Module, path: str | os.PathLike[str], *,
     ``strict`` raises when the checkpoint lacks a model tensor; shapes must always
     match. Collective after ``initialize``: every rank calls it.
     """
-    from trainer.zero.engine import Engine
-
     engine = model_or_engine if isinstance(model_or_engine, Engine) else _engine_of(
         model_or_engine)
     if engine is not None:
@@ -271,8 +267,6 @@ def fill_materialised(source: PretrainedSource,
 
 def load_into_engine(engine: Engine, source: PretrainedSource) -> None:
     """Write the checkpoint into every unit's partitions and the replicated tensors."""
-    from trainer.dist.agreement import agree
-
     tracked: set[int] = set()
     for unit in engine.units:
         tracked.update(id(slot.param) for slot in unit.slots)

@@ -23,16 +23,14 @@ an accumulation boundary; partial gradients are never saved).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from offloadd import moment_codec
 from trainer.offload.backend import MOMENT_KINDS
-
-if TYPE_CHECKING:
-    from trainer.zero.engine import Engine
-    from trainer.zero.partition import Unit
+from trainer.zero.engine import Engine
+from trainer.zero.partition import Unit
 
 
 class ReshardError(ValueError):

@@ -5,6 +5,7 @@ Imports ``device``, ``dist``, ``offload`` and the rank side's config; what it ne
 checkpoints and pretrained weights is handed in (``StateIO``, ``WeightSource``).
 """
 
-from trainer.zero.init import GatheredParameters, Init
+from trainer.zero.gathered import GatheredParameters
+from trainer.zero.init import Init
 
 __all__ = ["GatheredParameters", "Init"]

@@ -12,7 +12,9 @@ The engine only sequences work. What it delegates:
 - ``trainer.zero.reduce_order``: one gradient-reduction order on every rank;
 - ``trainer.zero.trace``: stage 3's check that ranks gather the same units in order;
 - ``trainer.dist.agreement``: setup steps that fail on every rank or on none;
-- ``trainer.zero.precision``, ``trainer.zero.scheduler``, ``trainer.state.checkpoint``.
+- ``trainer.zero.precision``, ``trainer.zero.scheduler``;
+- ``StateIO`` (``trainer.state``, handed in): checkpoints, the 16-bit export and the
+  pretrained weights a meta-built model is filled from.
 
 A micro-step is ``loss = engine(batch)``, ``engine.backward(loss)``,
 ``engine.step()``; the optimizer only steps at accumulation boundaries.
@@ -21,19 +23,20 @@ A micro-step is ``loss = engine(batch)``, ``engine.backward(loss)``,
 from __future__ import annotations
 
 import os
-from typing import Any
+import weakref
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from trainer.config import BatchSizes, EngineConfig
+from trainer.device.twin import adopt_module
 from trainer.dist.agreement import agree
 from trainer.dist.collectives import Collectives
 from trainer.offload.backend import StateBackend, UnitSpec
-from trainer.state.pretrained import forget_pending, pending_source
 from trainer.zero.groups import ParamGroups, resolve_param_groups
 from trainer.zero.hooks import UnitHooks
-from trainer.zero.init import materialise_unit, materialise_untracked
+from trainer.zero.init import WeightSource, materialise_unit, materialise_untracked
 from trainer.zero.optimizer import ZeroOptimizer
 from trainer.zero.partition import Unit, build_units
 from trainer.zero.precision import Precision
@@ -61,18 +64,42 @@ def _move_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
     else:
         model.to(device=device)
     if device.type == "twin":  # the strict twin: parameters and buffers become device tensors
-        from trainer.device.twin import adopt_module
-
         adopt_module(model)
+
+
+class StateIO(Protocol):
+    """What the engine asks of the state layer, which sits above it and reads its units
+    (``trainer.state.EngineStateIO``, handed in by ``trainer.initialize``)."""
+
+    def pending_weights(self, model: nn.Module) -> WeightSource | None:
+        """The checkpoint a meta-built model is filled from at ``initialize``, if any."""
+        ...
+
+    def forget_pending(self, model: nn.Module) -> None:
+        """Every unit is filled: drop the pending checkpoint."""
+        ...
+
+    def save_checkpoint(self, engine: Engine, save_dir: str | os.PathLike[str],
+                        tag: str | None, client_state: dict[str, Any] | None) -> str: ...
+
+    def load_checkpoint(self, engine: Engine, load_dir: str | os.PathLike[str],
+                        tag: str | None, deepspeed_options: dict[str, bool]
+                        ) -> tuple[str | None, dict[str, Any]]: ...
+
+    def save_16bit_model(self, engine: Engine, save_dir: str | os.PathLike[str],
+                         save_filename: str, exclude_frozen_parameters: bool, *,
+                         max_shard_size: int | str) -> bool: ...
 
 
 class Engine(nn.Module):
     """Wraps a model for ZeRO data-parallel training (see module docstring)."""
 
     def __init__(self, model: nn.Module, config: EngineConfig, *, collectives: Collectives,
-                 backend: StateBackend, param_groups: ParamGroups | None = None) -> None:
+                 backend: StateBackend, state_io: StateIO,
+                 param_groups: ParamGroups | None = None) -> None:
         super().__init__()
         self.module = model
+        self.state_io = state_io
         self.config = config
         self.collectives = collectives
         self.backend = backend
@@ -131,11 +158,14 @@ class Engine(nn.Module):
         # zero.Init: meta parameters get storage unit by unit, from a pretrained checkpoint
         # (load_pretrained / from_pretrained under zero.Init) or else the model's own init.
         with agree(self.collectives, "matching the pretrained checkpoint to the model"):
-            pretrained = pending_source(self.module)
-        materialise_untracked(self, pretrained)
+            pretrained = self.state_io.pending_weights(self.module)
+        materialise_untracked(self.module, self.units, self.collectives, pretrained)
         self._broadcast_untracked_state()
         for unit in self.units:
-            materialise_unit(self, unit, pretrained)
+            materialise_unit(self.module, unit, self.collectives, pretrained)
+            for slot in unit.slots:  # how zero.GatheredParameters and load_pretrained find us
+                slot.param._zero_engine = weakref.ref(self)  # type: ignore[attr-defined]
+                slot.param._zero_unit = unit  # type: ignore[attr-defined]
             flat = unit.flatten_params(self.precision.dtype)
             self.collectives.broadcast(flat)
             spec = UnitSpec(index=unit.index, part_numel=unit.part_numel,
@@ -144,7 +174,7 @@ class Engine(nn.Module):
             with agree(self.collectives, f"registering unit {unit.index} ({unit.name})"):
                 self.backend.register(spec, unit.part_slice(flat).float())
                 self.placement.setup(unit, flat)
-        forget_pending(self.module)
+        self.state_io.forget_pending(self.module)
 
     def _grad_dtype(self) -> torch.dtype:
         """bf16 where the gradient partition is a bf16 reduce-scatter taken once per step
@@ -345,30 +375,23 @@ class Engine(nn.Module):
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> str:
-        from trainer.state.checkpoint import save_checkpoint
-
-        return save_checkpoint(self, save_dir, tag, client_state=client_state)
+        return self.state_io.save_checkpoint(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
                         **deepspeed_options: bool) -> tuple[str | None, dict[str, Any]]:
         """Restore everything; DeepSpeed's ``load_*`` options are checked by
-        ``trainer.integrations.compat.check_full_restore`` (partial restores are refused)."""
-        from trainer.integrations.compat import check_full_restore
-        from trainer.state.checkpoint import load_checkpoint
-
-        check_full_restore(deepspeed_options)
-        return load_checkpoint(self, load_dir, tag)
+        ``trainer.state.checkpoint.check_full_restore`` (partial restores are refused)."""
+        return self.state_io.load_checkpoint(self, load_dir, tag, deepspeed_options)
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str],
                          save_filename: str = "model.safetensors",
                          exclude_frozen_parameters: bool = False, *,
                          max_shard_size: int | str = "5GB") -> bool:
-        """An HF model directory ``from_pretrained`` loads (``trainer.export``); a
+        """An HF model directory ``from_pretrained`` loads (``trainer.state.export``); a
         ``save_filename`` ending in ``.bin`` writes torch.save files instead."""
-        from trainer.state.export import save_16bit_model
-
-        return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters,
-                                max_shard_size=max_shard_size)
+        return self.state_io.save_16bit_model(self, save_dir, save_filename,
+                                              exclude_frozen_parameters,
+                                              max_shard_size=max_shard_size)
 
     def close(self) -> None:
         """Remove hooks and release the backend (daemon connection, private daemon)."""

@@ -38,21 +38,17 @@ import ctypes.util
 import functools
 import json
 import os
-import weakref
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from trainer.dist.agreement import agree
-from trainer.state.pretrained import PretrainedSource, fill_materialised
-
-if TYPE_CHECKING:
-    from trainer.zero.engine import Engine
-    from trainer.zero.partition import Unit
+from trainer.dist.collectives import Collectives
+from trainer.zero.partition import Unit
 
 ParamInitFn = Callable[[nn.Module], None]
 
@@ -117,6 +113,20 @@ class Init:
 
 # ---------------------------------------------------------------------------
 # materialisation (called by the engine)
+
+
+class WeightSource(Protocol):
+    """Checkpoint values for freshly materialised tensors: the pretrained checkpoint a
+    meta-built model is filled from (``trainer.state.pretrained.PretrainedSource``)."""
+
+    def read_into(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy the checkpoint's ``name`` into ``tensor``; False when it has none."""
+        ...
+
+
+def _fill(source: WeightSource, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    for name, tensor in named:
+        source.read_into(name, tensor)
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:
@@ -190,120 +200,44 @@ def _malloc_trim() -> Any:
     return getattr(ctypes.CDLL(name), "malloc_trim", None) if name is not None else None
 
 
-def materialise_untracked(engine: Engine, pretrained: PretrainedSource | None = None) -> None:
+def materialise_untracked(model: nn.Module, units: Sequence[Unit], collectives: Collectives,
+                          pretrained: WeightSource | None = None) -> None:
     """Meta parameters outside every unit (frozen ones in stages 0-2): materialise them whole;
     rank 0 fills them (and the model's buffers) from ``pretrained`` before they are
     broadcast."""
-    tracked = {id(slot.param) for unit in engine.units for slot in unit.slots}
-    rest = [p for p in engine.module.parameters() if id(p) not in tracked]
+    tracked = {id(slot.param) for unit in units for slot in unit.slots}
+    rest = [p for p in model.parameters() if id(p) not in tracked]
     meta = {id(p) for p in rest if p.is_meta}
-    materialise(engine.module, engine.module, rest, "<untracked>", engine.collectives.device)
+    materialise(model, model, rest, "<untracked>", collectives.device)
     if pretrained is not None:
         named: list[tuple[str, torch.Tensor]] = [
-            (name, p) for name, p in engine.module.named_parameters() if id(p) in meta]
-        named += list(engine.module.named_buffers())
-        with agree(engine.collectives, "loading pretrained weights outside the units"):
-            if engine.collectives.rank == 0:
-                fill_materialised(pretrained, named)
+            (name, p) for name, p in model.named_parameters() if id(p) in meta]
+        named += list(model.named_buffers())
+        with agree(collectives, "loading pretrained weights outside the units"):
+            if collectives.rank == 0:
+                _fill(pretrained, named)
 
 
-def materialise_unit(engine: Engine, unit: Unit,
-                     pretrained: PretrainedSource | None = None) -> None:
+def materialise_unit(model: nn.Module, unit: Unit, collectives: Collectives,
+                     pretrained: WeightSource | None = None) -> None:
     """Engine hook, once per unit before its flat parameters are built. With ``pretrained``
     rank 0 overwrites the unit's freshly materialised parameters from the checkpoint (the
     engine broadcasts rank 0's values)."""
     meta = [(slot.name, slot.param) for slot in unit.slots if slot.param.is_meta]
     if meta:
         _return_free_heap()  # the previous unit's buffers, before this unit's are allocated
-    materialise(engine.module, unit.module, [slot.param for slot in unit.slots], unit.name,
-                engine.collectives.device)
+    materialise(model, unit.module, [slot.param for slot in unit.slots], unit.name,
+                collectives.device)
     if pretrained is not None and meta:
-        with agree(engine.collectives, f"loading pretrained weights into unit {unit.name}"):
-            if engine.collectives.rank == 0:
-                fill_materialised(pretrained, meta)
-    for slot in unit.slots:
-        slot.param._zero_engine = weakref.ref(engine)  # type: ignore[attr-defined]
-        slot.param._zero_unit = unit  # type: ignore[attr-defined]
+        with agree(collectives, f"loading pretrained weights into unit {unit.name}"):
+            if collectives.rank == 0:
+                _fill(pretrained, meta)
 
 
 # ---------------------------------------------------------------------------
-# GatheredParameters
+# before initialize
 
 
 def unmaterialised(param: torch.Tensor) -> bool:
     """Built under ``zero.Init`` and still on ``meta``: ``initialize`` gives it its values."""
     return param.is_meta and getattr(param, "_zero_init", None) is not None
-
-
-class GatheredParameters:
-    """Full parameters outside forward on every rank; ``modifier_rank``'s edits are kept.
-
-    Collective: every rank must enter it with the same parameters. Parameters
-    not managed by an engine are left alone.
-    """
-
-    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor],
-                 modifier_rank: int | None = None, fwd_module: nn.Module | None = None,
-                 enabled: bool = True) -> None:
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        self.modifier_rank = modifier_rank
-        self.enabled = enabled
-        self._targets: list[tuple[Engine, Unit]] = []
-        seen: set[tuple[int, int]] = set()
-        for param in params:
-            if enabled and unmaterialised(param):
-                raise ZeroInitError(
-                    "GatheredParameters on parameters built under zero.Init before "
-                    "trainer.initialize: they have no values yet and edits would be lost; load "
-                    "weights with trainer.load_pretrained(model, checkpoint_dir) before "
-                    "initialize, or gather and edit them after initialize")
-            ref = getattr(param, "_zero_engine", None)
-            engine = ref() if ref is not None else None
-            if engine is None:
-                continue
-            unit: Unit = param._zero_unit  # type: ignore[union-attr]
-            if (id(engine), unit.index) not in seen:
-                seen.add((id(engine), unit.index))
-                self._targets.append((engine, unit))
-        self._targets.sort(key=lambda target: target[1].index)  # one order on every rank
-        self._before: list[torch.Tensor] = []
-
-    def __enter__(self) -> GatheredParameters:
-        if not self.enabled:
-            return self
-        for engine, unit in self._targets:
-            engine.placement.gather(unit)
-            if self.modifier_rank is not None:
-                self._before.append(unit.flatten_params(engine.precision.dtype))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if not self.enabled:
-            return
-        if self.modifier_rank is None:
-            for engine, unit in self._targets:
-                engine.placement.release(unit)
-            return
-        for (engine, unit), before in zip(self._targets, self._before, strict=True):
-            _write_back(engine, unit, before, self.modifier_rank)
-        self._before = []
-
-
-def _write_back(engine: Engine, unit: Unit, before: torch.Tensor, modifier_rank: int) -> None:
-    """Broadcast the modifier's values; changed elements replace the fp32 master exactly."""
-    after = unit.flatten_params(engine.precision.dtype)
-    engine.collectives.broadcast(after, modifier_rank)
-    # The optimizer state is host memory (get_state): compare on the host, where the mask
-    # indexes it (a device mask cannot index a host tensor).
-    after_part = unit.part_slice(after).cpu()
-    changed = after_part != unit.part_slice(before).cpu()
-    if bool(changed.any()) and not unit.trainable:  # frozen: the partition is all there is
-        engine.backend.set_state(unit.index, {"param": after_part.clone()})
-    elif bool(changed.any()):
-        state = engine.backend.get_state(unit.index)
-        master = state["master"]
-        master[changed] = after_part[changed].float().to(master.device)
-        state["param"] = master.to(engine.precision.dtype)
-        engine.backend.set_state(unit.index, state)
-    engine.placement.after_step(unit)
