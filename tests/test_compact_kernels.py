@@ -1,7 +1,7 @@
 """Compact Adam moments (offloadd.formats): the torch codec, and every kernel against it.
 
 A compact step is specified as: decode the stored moments to fp32 (exact), run the fp32
-Adam step of the same kernel, encode the new moments (offloadd.formats). Each native
+Adam step of the same kernel, encode the new moments (offloadd.moment_codec). Each native
 kernel fuses that into one pass; here it must produce the same bytes as the composition
 (master, param_out and both moments, bit for bit) over sizes that hit the SIMD tails and
 the blockwise8 block tail. The torch path ("torch") is that composition by construction,
@@ -139,7 +139,7 @@ def test_sizes_and_layout() -> None:
 
 def test_hash_matches_the_scalar_specification() -> None:
     key = formats.rounding_key(3, 11)
-    bits = formats._random_bits(5000, 100, key)  # elements 100 .. 5099
+    bits = moment_codec._random_bits(5000, 100, key)  # elements 100 .. 5099
     for i in range(0, 5000, 37):
         assert int(bits[i]) == formats.hash32((100 + i) ^ key)
 

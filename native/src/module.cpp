@@ -1,7 +1,7 @@
 // Python bindings: offloadd._native.
 //
-// Buffers cross as raw addresses: the Python wrappers (offloadd/adam.py,
-// offloadd/ioengine.py) validate dtype, size, contiguity and writability
+// Buffers cross as raw addresses: the Python wrappers (offloadd/compute/adam.py,
+// offloadd/swap/ioengine.py) validate dtype, size, contiguity and writability
 // and keep the owning objects alive, so this layer stays a thin,
 // allocation-free call.
 #include <nanobind/nanobind.h>
@@ -47,7 +47,7 @@ void adam_step(uintptr_t master, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintpt
   adam::run_step(fn, scalars, buffers, numel, num_threads);
 }
 
-// exp_avg / exp_avg_sq in a compact format (offloadd/moments.py): moment_format 1 is
+// exp_avg / exp_avg_sq in a compact format (offloadd/formats.py): moment_format 1 is
 // bf16 (rounded with rounding_key), 2 is blockwise8 (the *_scales addresses used).
 void adam_step_compact(uintptr_t master, uintptr_t grad, int grad_dtype, uintptr_t param_out,
                        int out_dtype, size_t numel, int moment_format, uintptr_t exp_avg,

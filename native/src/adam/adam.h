@@ -44,7 +44,7 @@ struct Buffers {
   OutDtype out_dtype;
 };
 
-// How exp_avg / exp_avg_sq are stored when they are not fp32 (offloadd/moments.py).
+// How exp_avg / exp_avg_sq are stored when they are not fp32 (offloadd/formats.py).
 enum class MomentFormat : int { kBFloat16 = 1, kBlockwise8 = 2 };
 
 struct CompactMoments {

@@ -1,5 +1,5 @@
 // Adam over compact moments: bf16 with stochastic rounding, or 8-bit block-wise
-// (the formats are specified in offloadd/moments.py; offloadd/moment_codec.py is
+// (the formats are specified in offloadd/formats.py; offloadd/moment_codec.py is
 // the torch encoder/decoder these kernels reproduce byte for byte).
 //
 // One algorithm for every ISA: each kernel TU defines a traits type V (its
