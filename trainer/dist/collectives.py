@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -88,6 +89,23 @@ class Collectives:
         part = torch.empty(part_numel, dtype=flat.dtype, device=flat.device)
         return self.reduce_scatter(part, flat, async_op=async_op), part
 
+    def _fused(self, op: Callable[..., Any], output: torch.Tensor, source: torch.Tensor,
+               async_op: bool) -> Pending | None:
+        """Run a flat-tensor collective (``reduce_scatter_tensor``, ``all_gather_into_tensor``);
+        None once this backend has refused one, and the caller takes the list-based path."""
+        if not self._fused_ops:
+            return None
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                work = op(output, source, group=self.group, async_op=async_op)
+            return work if work is not None else Done()
+        except RuntimeError:
+            if not self._may_fall_back:
+                raise
+            self._fused_ops = False
+            return None
+
     def reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, *,
                        async_op: bool = False) -> Pending:
         """Sum ``flat`` (numel = world * output.numel) over ranks; keep this rank's slice."""
@@ -95,17 +113,9 @@ class Collectives:
         if self.world_size == 1:
             output.copy_(flat)
             return Done()
-        if self._fused_ops:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)
-                    work = dist.reduce_scatter_tensor(output, flat, group=self.group,
-                                                     async_op=async_op)
-                return work if work is not None else Done()
-            except RuntimeError:
-                if not self._may_fall_back:
-                    raise
-                self._fused_ops = False
+        fused = self._fused(dist.reduce_scatter_tensor, output, flat, async_op)
+        if fused is not None:
+            return fused
         dist.all_reduce(flat, group=self.group)
         output.copy_(flat.view(self.world_size, -1)[self.rank])
         return Done()
@@ -117,17 +127,9 @@ class Collectives:
         if self.world_size == 1:
             flat.copy_(part)
             return Done()
-        if self._fused_ops:
-            try:
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore", FutureWarning)
-                    work = dist.all_gather_into_tensor(flat, part, group=self.group,
-                                                       async_op=async_op)
-                return work if work is not None else Done()
-            except RuntimeError:
-                if not self._may_fall_back:
-                    raise
-                self._fused_ops = False
+        fused = self._fused(dist.all_gather_into_tensor, flat, part, async_op)
+        if fused is not None:
+            return fused
         dist.all_gather(list(flat.view(self.world_size, -1).unbind(0)), part,
                         group=self.group)
         return Done()
