@@ -10,18 +10,15 @@ from __future__ import annotations
 import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from offloadd.errors import OffloadError, SwapIOError
 from offloadd.memory.eviction import EvictionIndex
 from offloadd.memory.shards import Residency, Shard, ShardTable, SwapPlacement
 from offloadd.memory.trace import AccessTrace
 from offloadd.swap.manifests import JobOwner
-from offloadd.swap.nvme import JobFile
+from offloadd.swap.nvme import JobFile, SwapSpace
 from offloadd.swap.scheduler import PrefetchWindow, Priority, RateMeter
-
-if TYPE_CHECKING:
-    from offloadd.swap.nvme import SwapSpace
 
 PREFETCH_WINDOW = 0.25
 """Largest lookahead of learned prefetch, as a fraction of the arena (PrefetchWindow
