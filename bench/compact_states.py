@@ -247,8 +247,9 @@ def main() -> None:
         for case in CASES[1:]:
             summary[f"ratio_vs_fp32_states_{case}_step"] = round(
                 summary["step_s_fp32"] / summary[f"step_s_{case}"], 3)
-            summary[f"ratio_vs_fp32_states_{case}_disk_bytes"] = round(
-                summary["disk_mb_per_step_fp32"] / summary[f"disk_mb_per_step_{case}"], 3)
+            disk_mb = summary[f"disk_mb_per_step_{case}"]  # 0 when the state fits the arena
+            summary[f"ratio_vs_fp32_states_{case}_disk_bytes"] = (
+                round(summary["disk_mb_per_step_fp32"] / disk_mb, 3) if disk_mb else None)
     print(json.dumps(summary))
 
 

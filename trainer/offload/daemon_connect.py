@@ -24,8 +24,8 @@ from offloadd.formats import moment_nbytes
 from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient, OffloadError
 from trainer.config import EngineConfig
+from trainer.device import copy_engine
 from trainer.device.compute import resolve_device
-from trainer.device.copy_engine import select_copy_engine
 from trainer.dist.collectives import Collectives, node_key
 from trainer.offload.daemon_backend import DaemonBackend
 
@@ -202,8 +202,10 @@ def connect_backend(config: EngineConfig, collectives: Collectives,
         client = _connect(config, collectives, config.offloadd.socket, job, arena_nbytes)
     zero = config.zero_optimization
     swaps = "nvme" in (zero.offload_optimizer.device, zero.offload_param.device)
+    # Looked up on the module at each call: tests swap in a recording engine there.
+    copies = copy_engine.select_copy_engine(resolve_device(config.device).device)
     return DaemonBackend(client, collectives=collectives, private_daemon=daemon, swaps=swaps,
-                         copies=select_copy_engine(resolve_device(config.device).device),
+                         copies=copies,
                          device_copies=device_copies_choice(config),
                          staging_slots=config.offloadd.staging_slots,
                          local_rank=collectives.local_rank,
