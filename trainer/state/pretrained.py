@@ -34,7 +34,6 @@ looked up in the local HF cache only).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -252,13 +251,6 @@ def _resolve_hf_checkpoint(model: nn.Module) -> Path:
         f"are read again at initialize, but its checkpoint {name_or_path!r} is neither a "
         f"local directory nor in the local HF cache; download it (huggingface-cli download) "
         f"and load from that directory, or call trainer.load_pretrained(model, path)")
-
-
-def fill_materialised(source: PretrainedSource,
-                      named: Sequence[tuple[str, torch.Tensor]]) -> None:
-    """Overwrite freshly materialised tensors with their checkpoint values."""
-    for name, tensor in named:
-        source.read_into(name, tensor)
 
 
 # ---------------------------------------------------------------------------

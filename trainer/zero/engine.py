@@ -69,7 +69,7 @@ def _move_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
 
 class StateIO(Protocol):
     """What the engine asks of the state layer, which sits above it and reads its units
-    (``trainer.state.EngineStateIO``, handed in by ``trainer.initialize``)."""
+    (``trainer.state.engine_io.EngineStateIO``, handed in by ``trainer.initialize``)."""
 
     def pending_weights(self, model: nn.Module) -> WeightSource | None:
         """The checkpoint a meta-built model is filled from at ``initialize``, if any."""
