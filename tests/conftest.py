@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+import torch
 import uvloop
 
 from offloadd import protocol as p
@@ -37,6 +38,11 @@ T = TypeVar("T")
 # Every device copy in the suite goes through the CPU twin copy engine (trainer.device.copy_engine):
 # late, threaded copies with events, so release-before-copy races fail here, not on a GPU.
 os.environ.setdefault("OFFLOADD_COPY_ENGINE", "twin")
+# Plain-torch references compute with the one intra-op thread every rank and script in the
+# suite uses (tests/_dist.py, tests/scripts): matmul splits its sums by thread, so a
+# reference on two threads differs from the same math on one in the last bits, and Adam
+# turns those bits into lr-sized steps wherever a gradient is near zero.
+torch.set_num_threads(1)
 JOB_ARENA_NBYTES = 4 << 20
 """Arena each test job asks for; small, so one module's jobs fit the daemon's budget."""
 ASYNC_TIMEOUT_S = 30.0

@@ -72,16 +72,28 @@ def launch(tmp_path: Path, script_args: list[str], *, nnodes: int = 1, nproc: in
     assert not failures, "\n".join(failures)
 
 
-def reference(script: ModuleType) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(script: ModuleType, world: int = 4) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-process torch AdamW on each step's global batch, the gradient taken as data
+    parallelism defines it: the mean of each rank's slice's gradient. (One backward over
+    all 8 samples is the same math summed in another order; Adam turns that order's last
+    bits into 1e-5 of a weight wherever a gradient is near zero.)"""
     model = script.make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     losses = []
     for step in range(STEPS):
-        optimizer.zero_grad()
-        loss = model(script.global_batch(step, 8))
-        loss.backward()
+        slices = script.global_batch(step, 8).chunk(world)
+        grads: list[list[torch.Tensor]] = []
+        step_losses = []
+        for ids in slices:
+            model.zero_grad()
+            loss = model(ids)
+            loss.backward()
+            step_losses.append(loss.item())
+            grads.append([param.grad.clone() for param in model.parameters()])
+        for index, param in enumerate(model.parameters()):
+            param.grad = sum(rank_grads[index] for rank_grads in grads) / world
         optimizer.step()
-        losses.append(loss.item())
+        losses.append(sum(step_losses) / world)
     return losses, {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 
