@@ -13,6 +13,12 @@ Effective GB/s counts the bytes the update must touch, the same for every
 contender: master, exp_avg, exp_avg_sq read + written, grad read, param_out
 written (28 B/param on both paths).
 
+The memory's own speed is measured in the same run: a STREAM triad
+(``a = b + s * c`` over three fp32 arrays of ``numel`` elements, 12 B/element
+counted as STREAM counts it) on the same number of threads, and
+``ratio_vs_stream_triad_<path>`` is our Adam's GB/s over the triad's (1.0: Adam
+at the memory's speed; issue 31's goal is >= 0.8).
+
 Each contender runs in blocks of `repeats` timed steps after a warm-up step;
 the block order rotates every round and the figure is the median of all
 timed steps.  A short sleep separates blocks: torch's OpenMP workers
@@ -37,7 +43,7 @@ import torch
 from offloadd.compute import adam
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
-BYTES_PER_PARAM = {"fp32": 4 * 6 + 4, "mixed": 4 * 6 + 2 + 2}
+BYTES_PER_PARAM = {"fp32": 4 * 6 + 4, "mixed": 4 * 6 + 2 + 2, "triad": 3 * 4}
 BLOCK_PAUSE_S = 0.2
 
 
@@ -110,6 +116,20 @@ def torch_optimizer(problem: Problem, mixed: bool, **flavour: bool) -> Callable[
     return run
 
 
+def stream_triad(numel: int, threads: int | None) -> Callable[[], None]:
+    """STREAM's triad on torch's intra-op pool sized like ours: the DRAM ceiling."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(1)
+    b, c = torch.randn(numel, generator=gen), torch.randn(numel, generator=gen)
+    a = torch.empty_like(b)
+
+    def run() -> None:
+        torch.add(b, c, alpha=3.0, out=a)
+
+    return run
+
+
 def deepspeed_cpuadam(problem: Problem) -> Callable[[], None]:
     import os
 
@@ -133,6 +153,7 @@ def build_contenders(
         "ours_fp32": ("fp32", ours(problem, False, threads)),
         "ours_mixed": ("mixed", ours(problem, True, threads)),
         "torch_foreach_fp32": ("fp32", torch_optimizer(problem, False, foreach=True)),
+        "stream_triad": ("triad", stream_triad(problem.master.numel(), threads)),
     }
     try:
         fused = torch_optimizer(problem, False, fused=True)
@@ -204,6 +225,10 @@ def report(
     for peer, mine in peers:
         if peer in seconds:
             result[f"ratio_vs_{peer}"] = round(seconds[peer] / seconds[mine], 3)
+    result["stream_triad_gb_per_s"] = round(gbps["stream_triad"], 2)
+    for path in ("fp32", "mixed"):
+        result[f"ratio_vs_stream_triad_{path}"] = round(
+            gbps[f"ours_{path}"] / gbps["stream_triad"], 3)
     if notes:
         result["notes"] = notes
     return result

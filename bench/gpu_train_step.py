@@ -38,6 +38,7 @@ import argparse
 import importlib.util
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -57,6 +60,39 @@ from trainer.demo.train import TinyGPT
 
 def _offload(device: str, swap_dir: str) -> dict:
     return {"device": device, "nvme_path": swap_dir} if device == "nvme" else {"device": device}
+
+
+HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 12, "8bit": 10.03}
+"""Host bytes a parameter needs with params and optimizer offloaded: the bf16 param in the
+arena (2), its reduced grad (2), the fp32 master (4) and both moments (8 / 4 / 2.03)."""
+DEVICE_BYTES_PER_PARAM = 16
+"""What no-offload mixed-precision training keeps on the GPU per parameter: fp32 param,
+fp32 grad and two fp32 moments (activations and the bf16 copies come on top)."""
+
+
+def size_big(device_bytes: int, host_bytes: int, target_params: float, vocab: int,
+             width: int) -> tuple[str, str, int]:
+    """The big case's ``--gpt`` and ``state_dtype``: at least ``target_params`` and twice
+    what fits the device without offload, in the smallest moment format the host holds
+    (3/4 of its memory); if none holds the target, the largest model the host holds in
+    8-bit moments. Returns ``(gpt, state_dtype, num_params_estimate)``."""
+    wanted = max(target_params, 2 * device_bytes / DEVICE_BYTES_PER_PARAM)
+    budget = 0.75 * host_bytes
+    fitting = [name for name, nbytes in HOST_BYTES_PER_PARAM.items()
+               if wanted * nbytes <= budget]
+    state_dtype = fitting[0] if fitting else "8bit"
+    if not fitting:
+        wanted = budget / HOST_BYTES_PER_PARAM["8bit"]
+    heads = max(1, width // 128)
+    depth = max(1, round((wanted - vocab * width) / (12 * width * width)))
+    return f"{width},{depth},{heads}", state_dtype, vocab * width + 12 * width * width * depth
+
+
+def model_flops_per_token(num_params: int, depth: int, width: int, seq_len: int) -> int:
+    """Training FLOPs per token: 6 x params (forward 2, backward 4) plus attention's scores
+    and values (2 x 2 x seq x width per layer forward, x3 with backward), causal masking
+    not discounted, activation recomputation not counted (model FLOPs, as MFU counts)."""
+    return 6 * num_params + 12 * depth * width * seq_len
 
 
 def _config(swap_dir: str, args: argparse.Namespace) -> dict:
@@ -70,7 +106,8 @@ def _config(swap_dir: str, args: argparse.Namespace) -> dict:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {
             "stage": 3,
-            "offload_optimizer": _offload(args.offload_optimizer, swap_dir),
+            "offload_optimizer": {**_offload(args.offload_optimizer, swap_dir),
+                                  "state_dtype": args.state_dtype},
             "offload_param": _offload(args.offload_param, swap_dir),
         },
         "units": {"module_classes": ["GPTBlock"]},
@@ -153,11 +190,34 @@ def _timed(one_step: Callable[[int], None], device: torch.device, warmup: int,
     return step_s
 
 
+class Recomputed(nn.Module):
+    """A block whose activations are recomputed in backward (torch.utils.checkpoint)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.block, hidden, use_reentrant=False)
+
+
 def _model(args: argparse.Namespace) -> TinyGPT:
     width, depth, heads = (int(part) for part in args.gpt.split(","))
     torch.manual_seed(0)
-    return TinyGPT(vocab=args.vocab, width=width, depth=depth, heads=heads,
-                   max_len=args.seq_len)
+    model = TinyGPT(vocab=args.vocab, width=width, depth=depth, heads=heads,
+                    max_len=args.seq_len)
+    if args.activation_checkpointing:
+        model.blocks = nn.ModuleList(Recomputed(block) for block in model.blocks)
+    return model
+
+
+def _peaks(device: torch.device) -> dict[str, int | None]:
+    """Peak device memory allocated and this process's plus its children's (the private
+    daemon, once it has exited) peak resident bytes."""
+    rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+           + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
+    gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return {"peak_device_bytes": gpu, "peak_host_rss_bytes": rss}
 
 
 def run_ours(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
@@ -176,7 +236,7 @@ def run_ours(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
                 for key in ("steps", "step_s")}
     finally:
         engine.close()
-    return {"device": str(device), "num_params": num_params, "step_s": step_s,
+    return {"device": str(device), "num_params": num_params, "step_s": step_s, **_peaks(device),
             "world_size": engine.collectives.world_size, **profiled,
             "adam_s": adam["step_s"], "adam_unit_steps": adam["steps"],
             "copy_engine": stats.get("rank_copy_engine"),
@@ -215,9 +275,44 @@ def run_deepspeed(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
             "world_size": engine.world_size, **profiled}
 
 
-def _child(args: argparse.Namespace, contender: str) -> tuple[dict[str, Any] | None, str]:
-    """Run one contender in a child process; its last stdout line is its JSON."""
-    argv = [sys.executable, __file__, "--contender", contender, *sys.argv[1:]]
+def run_plain(args: argparse.Namespace, _swap_dir: str) -> dict[str, Any]:
+    """The ceiling: the same model, batches and loop in plain torch with everything on the
+    device (fp32 params, bf16 autocast, fused AdamW where the device has it, the same
+    clipping). An out-of-memory is a result: ``{"oom": ...}``."""
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    model = _model(args)
+    num_params = sum(param.numel() for param in model.parameters())
+    try:
+        model = model.to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
+                                      fused=device.type == "cuda")
+
+        def one_step(step: int) -> None:
+            for micro in range(args.grad_accum):
+                batch = _batch(step * args.grad_accum + micro, args.vocab, args.micro_batch,
+                               args.seq_len, device)
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = model(batch)
+                (loss / args.grad_accum).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        step_s = _timed(one_step, device, args.warmup, args.steps)
+        profiled = _profile(lambda: one_step(args.warmup + args.steps))
+    except torch.OutOfMemoryError as error:
+        return {"device": str(device), "num_params": num_params,
+                "oom": str(error).splitlines()[0][:300]}
+    return {"device": str(device), "num_params": num_params, "step_s": step_s,
+            "world_size": 1, **profiled, **_peaks(device)}
+
+
+def _child(contender: str, overrides: list[str] | None = None
+           ) -> tuple[dict[str, Any] | None, str]:
+    """Run one contender in a child process (``overrides``: arguments that replace the
+    command line's); its last stdout line is its JSON."""
+    argv = [sys.executable, __file__, *sys.argv[1:], *(overrides or []),
+            "--contender", contender]
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     lines = result.stdout.strip().splitlines()
     if result.returncode != 0 or not lines:
@@ -225,10 +320,15 @@ def _child(args: argparse.Namespace, contender: str) -> tuple[dict[str, Any] | N
     return json.loads(lines[-1]), ""
 
 
-def main() -> None:
+def _parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
-    parser.add_argument("--gpt", default="2048,20,16", help="WIDTH,DEPTH,HEADS")
+    parser.add_argument("--gpt", default="2048,20,16",
+                        help="WIDTH,DEPTH,HEADS, or 'auto': the big case sized from the device "
+                             "and host memory (size_big)")
+    parser.add_argument("--target-params", type=float, default=10e9,
+                        help="the big case's least parameter count (--gpt auto)")
+    parser.add_argument("--big-width", type=int, default=5120, help="the big case's width")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--micro-batch", type=int, default=4)
@@ -237,61 +337,154 @@ def main() -> None:
     parser.add_argument("--offload-param", choices=["nvme", "cpu", "none"], default="nvme")
     parser.add_argument("--offload-optimizer", choices=["nvme", "cpu"], default="nvme",
                         help="the tier of both contenders (DeepSpeed runs the same config)")
+    parser.add_argument("--state-dtype", choices=["fp32", "bf16", "8bit"], default=None,
+                        help="offload_optimizer.state_dtype (ours; default fp32, or what "
+                             "--gpt auto picks)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute each block's activations in backward")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--swap-dir", default=None)
     parser.add_argument("--device-copies", choices=["rank", "daemon"], default="rank",
                         help="who copies arena <-> GPU: the rank's streams or the daemon's")
+    parser.add_argument("--contenders", default="ours,deepspeed,none",
+                        help="which of ours, deepspeed, none (plain torch on the device, no "
+                             "offload: the ceiling) run beside each other")
     parser.add_argument("--no-deepspeed", action="store_true",
-                        help="skip DeepSpeed ZeRO-3 even where it is installed")
+                        help="drop deepspeed from --contenders")
+    parser.add_argument("--sweep", default=None,
+                        help="TOKENS,TOKENS,...: tokens per step to sweep (grad-accum scales); "
+                             "ours and none at each, the crossover reported")
     parser.add_argument("--port", type=int, default=29533, help="DeepSpeed's rendezvous port")
-    parser.add_argument("--contender", choices=["ours", "deepspeed"], default=None,
+    parser.add_argument("--contender", choices=["ours", "deepspeed", "none"], default=None,
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.gpt == "auto":
+        device_bytes = (torch.cuda.get_device_properties(0).total_memory
+                        if args.device == "cuda" and torch.cuda.is_available() else 0)
+        host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        args.gpt, picked, _ = size_big(device_bytes, host_bytes, args.target_params,
+                                       args.vocab, args.big_width)
+        args.state_dtype = args.state_dtype or picked
+    args.state_dtype = args.state_dtype or "fp32"
+    return args
+
+
+def _tokens(args: argparse.Namespace, world_size: int) -> int:
+    return args.micro_batch * args.seq_len * args.grad_accum * world_size
+
+
+def _tflops(args: argparse.Namespace, result: dict[str, Any], tokens: int) -> float | None:
+    if "step_s" not in result:
+        return None
+    width, depth, _ = (int(part) for part in args.gpt.split(","))
+    flops = model_flops_per_token(result["num_params"], depth, width, args.seq_len) * tokens
+    return flops / statistics.median(result["step_s"]) / 1e12
+
+
+def _run_contenders(args: argparse.Namespace, overrides: list[str], notes: list[str]
+                    ) -> dict[str, dict[str, Any]]:
+    """Each contender asked for, in a child process of its own; failures become notes
+    (ours failing ends the run)."""
+    wanted = [name.strip() for name in args.contenders.split(",") if name.strip()]
+    results: dict[str, dict[str, Any]] = {}
+    for name in wanted:
+        if name == "deepspeed" and args.no_deepspeed:
+            notes.append("DeepSpeed skipped (--no-deepspeed)")
+            continue
+        if name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
+            notes.append("deepspeed not importable here (pip install deepspeed): no ratio")
+            continue
+        result, failure = _child(name, overrides)
+        if result is None and name == "ours":
+            raise SystemExit(failure)
+        if result is None:
+            notes.append(f"{name}: {failure}")
+        else:
+            results[name] = result
+    return results
+
+
+def _summary(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    ours, peer, plain = results["ours"], results.get("deepspeed"), results.get("none")
+    tokens = _tokens(args, ours["world_size"])
+    median_s = statistics.median(ours["step_s"])
+    peer_s = statistics.median(peer["step_s"]) if peer else None
+    plain_s = statistics.median(plain["step_s"]) if plain and "step_s" in plain else None
+    kernel_s = (ours["sm_busy_fraction"] * ours["profiled_step_s"]
+                if ours.get("sm_busy_fraction") and ours.get("profiled_step_s") else None)
+    return {
+        "tokens_per_step": tokens, "grad_accum": args.grad_accum,
+        "step_s_median": median_s, "tokens_per_s": tokens / median_s,
+        "model_tflops": _tflops(args, ours, tokens),
+        "step_s": ours["step_s"], "adam_s_per_step": ours["adam_s"],
+        "gpu_kernel_s": kernel_s,
+        "step_over_max_gpu_adam": (median_s / max(kernel_s, ours["adam_s"])
+                                   if kernel_s else None),
+        "sm_busy_fraction": ours.get("sm_busy_fraction"),
+        "h2d_busy_s": ours.get("h2d_busy_s"), "d2h_busy_s": ours.get("d2h_busy_s"),
+        "profiled_step_s": ours.get("profiled_step_s"),
+        "peak_device_bytes": ours.get("peak_device_bytes"),
+        "peak_host_rss_bytes": ours.get("peak_host_rss_bytes"),
+        "deepspeed_step_s": peer["step_s"] if peer else None,
+        "deepspeed_step_s_median": peer_s,
+        "deepspeed_tokens_per_s": tokens / peer_s if peer_s else None,
+        "deepspeed_sm_busy_fraction": peer.get("sm_busy_fraction") if peer else None,
+        "ratio_vs_deepspeed": round(peer_s / median_s, 3) if peer_s else None,
+        "no_offload_step_s_median": plain_s,
+        "no_offload_oom": plain.get("oom") if plain else None,
+        "no_offload_model_tflops": _tflops(args, plain, tokens) if plain else None,
+        "no_offload_peak_device_bytes": plain.get("peak_device_bytes") if plain else None,
+        "ratio_vs_no_offload": round(plain_s / median_s, 3) if plain_s else None,
+    }
+
+
+def main() -> None:
+    args = _parse()
     if args.contender is not None:  # a child: one contender, its JSON on the last line
         swap_dir = os.path.join(args.swap_dir or tempfile.mkdtemp(prefix="offloadd-gpu-swap-"),
                                 args.contender)
         os.makedirs(swap_dir, exist_ok=True)
-        run = run_ours if args.contender == "ours" else run_deepspeed
+        run = {"ours": run_ours, "deepspeed": run_deepspeed, "none": run_plain}[args.contender]
         print(json.dumps(run(args, swap_dir)))
         return
     notes: list[str] = []
-    ours, failure = _child(args, "ours")
-    if ours is None:
-        raise SystemExit(failure)
-    peer = None
-    if args.no_deepspeed:
-        notes.append("DeepSpeed skipped (--no-deepspeed)")
-    elif importlib.util.find_spec("deepspeed") is None:
-        notes.append("deepspeed not importable here (pip install deepspeed): no ratio")
-    else:
-        peer, failure = _child(args, "deepspeed")
-        if peer is None:
-            notes.append(f"deepspeed: {failure}")
-    tokens = args.micro_batch * args.seq_len * args.grad_accum * ours["world_size"]
-    median_s = statistics.median(ours["step_s"])
-    peer_s = statistics.median(peer["step_s"]) if peer else None
-    print(json.dumps({
-        "bench": "gpu_train_step", "device": ours["device"],
-        "gpu": torch.cuda.get_device_name(0) if ours["device"].startswith("cuda") else None,
-        "num_params": ours["num_params"], "gpt": args.gpt, "world_size": ours["world_size"],
-        "tier": {"param": args.offload_param, "optimizer": args.offload_optimizer},
-        "tokens_per_step": tokens, "micro_batch": args.micro_batch,
-        "grad_accum": args.grad_accum, "seq_len": args.seq_len,
-        "step_s_median": median_s, "tokens_per_s": tokens / median_s,
-        "step_s": ours["step_s"], "deepspeed_step_s": peer["step_s"] if peer else None,
-        "sm_busy_fraction": ours.get("sm_busy_fraction"),
-        "h2d_busy_s": ours.get("h2d_busy_s"), "d2h_busy_s": ours.get("d2h_busy_s"),
-        "adam_s_per_step": ours["adam_s"], "profiled_step_s": ours.get("profiled_step_s"),
-        "deepspeed_sm_busy_fraction": peer.get("sm_busy_fraction") if peer else None,
-        "copy_engine": ours["copy_engine"],
-        "arena_pinned": ours["arena_pinned"], "device_copies": ours["device_copies"],
-        "device_copies_fallback": ours["device_copies_fallback"],
-        "deepspeed_step_s_median": peer_s,
-        "deepspeed_tokens_per_s": tokens / peer_s if peer_s else None,
-        "ratio_vs_deepspeed": round(peer_s / median_s, 3) if peer_s else None,
-        "notes": notes,
-    }))
+    head = {"bench": "gpu_train_step", "device": args.device,
+            "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
+            "gpt": args.gpt, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
+            "tier": {"param": args.offload_param, "optimizer": args.offload_optimizer,
+                     "state_dtype": args.state_dtype},
+            "activation_checkpointing": args.activation_checkpointing,
+            "flops": "6 x params x tokens + 12 x depth x width x seq x tokens (model FLOPs)"}
+    fixed = ["--gpt", args.gpt, "--state-dtype", args.state_dtype]
+    if args.sweep is None:
+        results = _run_contenders(args, fixed, notes)
+        ours = results["ours"]
+        print(json.dumps({**head, "num_params": ours["num_params"],
+                          "world_size": ours["world_size"], **_summary(args, results),
+                          "copy_engine": ours["copy_engine"],
+                          "arena_pinned": ours["arena_pinned"],
+                          "device_copies": ours["device_copies"],
+                          "device_copies_fallback": ours["device_copies_fallback"],
+                          "notes": notes}))
+        return
+    points = []
+    for tokens in (int(value) for value in args.sweep.split(",")):
+        args.grad_accum = max(1, tokens // (args.micro_batch * args.seq_len))
+        results = _run_contenders(args, [*fixed, "--grad-accum", str(args.grad_accum)], notes)
+        points.append(_summary(args, results))
+    crossover = next((point["tokens_per_step"] for point in points
+                      if point["gpu_kernel_s"] and point["gpu_kernel_s"]
+                      >= point["adam_s_per_step"]), None)
+    worst = [point["step_over_max_gpu_adam"] for point in points
+             if point["step_over_max_gpu_adam"] is not None]
+    ratios = [point["ratio_vs_no_offload"] for point in points
+              if point["ratio_vs_no_offload"] is not None]
+    print(json.dumps({**head, "sweep": points,
+                      "crossover_tokens_per_step": crossover,
+                      "worst_step_over_max_gpu_adam": max(worst) if worst else None,
+                      "ratio_vs_no_offload_min": min(ratios) if ratios else None,
+                      "notes": notes}))
 
 
 if __name__ == "__main__":

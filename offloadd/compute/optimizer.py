@@ -20,7 +20,7 @@ import time
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Awaitable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
 from offloadd.errors import InvalidRequestError, LeaseConflictError, UnknownShardError
@@ -65,6 +65,7 @@ class Job(Protocol):
 
 
 STATE_SUFFIXES = ("master", "exp_avg", "exp_avg_sq", "grad")
+WARMING_SUFFIXES = (".master", ".exp_avg")
 
 
 MOMENT_FORMAT_OF_DTYPE = {dtype: fmt for fmt, dtype in SHARD_DTYPES.items()}
@@ -133,6 +134,17 @@ class OptimizerService:
         self.worker_slot = FairSlot()
         """The worker, handed to waiting jobs in turn: one job's queue of 400 steps
         must not delay another job's step by 400 steps."""
+        self.warming: Future[None] | None = None
+        """The kernel's import (torch and the native module, ~1 s of CPU) on the worker,
+        started when the first job creates optimizer state."""
+
+    def warm_for(self, ids: list[str]) -> None:
+        """Start loading the kernel on the worker once shards of optimizer state are
+        created: a rank creates them at initialisation, a step's length before its first
+        step, which would otherwise wait for the import (the second step's stall). Daemons
+        whose jobs never step never import torch."""
+        if self.warming is None and any(shard_id.endswith(WARMING_SUFFIXES) for shard_id in ids):
+            self.warming = self.executor.submit(_load_kernel)
 
     def stats(self) -> dict[str, float]:
         return {"steps": sum(self.steps.values.values()), "step_s": self.step_seconds.total,
@@ -329,6 +341,13 @@ class FairSlot:
                 turn.set_result(None)
                 return
         self.busy = False
+
+
+def _load_kernel() -> None:
+    """Import what ``OptimizerService._run`` needs (torch comes with it) on the worker."""
+    from offloadd.compute import adam
+
+    adam.active_kernel()
 
 
 def _consume_orphan_result(future: asyncio.Future[None]) -> None:
