@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# Every GPU check of issues 11 and 23 in one command (one `device` call in a session with a GPU):
-#   1. pytest -m gpu                       (CUDA copy engine, pinned arena, ZeRO-3 on cuda)
-#   2. bench/gpu_path.py                   (H2D/D2H GB/s vs pinned cudaMemcpyAsync, rank and
-#                                           daemon copy paths)
-#   3. bench/gpu_train_step.py --device cuda with a >= 1B-parameter GPT (ZeRO-3, nvme offload),
-#      DeepSpeed ZeRO-Infinity on the same model and tier in the same run
-#   4. the large-batch case: optimizer offloaded to DRAM, 64k tokens per step, DeepSpeed beside
-#   5. --device-copies daemon on a smaller GPT (GPU_CHECK_DAEMON_GPT)
-# Each step has its own time limit (GPU_CHECK_LIMIT_<STEP>_S, else GPU_CHECK_LIMIT_S, 150 s) so one hang cannot eat the
-# device call. Logs go to ${OUT:-/tmp}/gpu_check/*.log, every step's JSON to summary.jsonl.
-# GPT size: GPU_CHECK_GPT=WIDTH,DEPTH,HEADS; GPU_CHECK_ONLY="pytest path train daemon" picks steps.
+# Every GPU check in one command (one `device` call in a session with a GPU), in priority
+# order, each under its own limit and all under a global budget (GPU_CHECK_BUDGET_S, 480 s:
+# a 15-minute device window with its start and one rerun). Steps:
+#   pytest   pytest -m gpu                   (CUDA copy engine, pinned arena, ZeRO-3 on cuda)
+#   path     bench/gpu_path.py               (H2D/D2H GB/s vs pinned cudaMemcpyAsync)
+#   large    1B GPT, optimizer in DRAM, params resident, 64k tokens per step: ours, the
+#            no-offload ceiling (plain torch, fused AdamW) and DeepSpeed ZeRO-3 + CPUAdam
+#   sweep    the same model from 2k to 64k tokens per step, ours and the ceiling: step time
+#            against max(GPU kernel time, CPU Adam time), the crossover batch
+#   stream   bench/cpu_adam.py: our Adam's GB/s against a STREAM triad on the same cores
+#   big      the largest model the box allows (--gpt auto: >= 10B on an 80 GB GPU), params
+#            and optimizer offloaded, compact moments where the host needs them, activation
+#            recomputation, 32k tokens per step; the ceiling beside it (an OOM is a result)
+#   daemon   --device-copies daemon on a smaller GPT (GPU_CHECK_DAEMON_GPT)
+#   dsnvme   DeepSpeed ZeRO-Infinity (params + optimizer on NVMe) beside ours, with a limit
+# Each step's limit: GPU_CHECK_LIMIT_<STEP>_S, else its default below, never past what the
+# budget has left; a step that would start with under 20 s left is skipped (and says so).
+# Logs go to ${OUT:-/tmp}/gpu_check/*.log; every step's JSON is appended to summary.jsonl as
+# it finishes, so a kill at the device call's limit keeps what ran.
+# GPT size: GPU_CHECK_GPT=WIDTH,DEPTH,HEADS; GPU_CHECK_ONLY="pytest path ..." picks steps.
 #
 # The device image has CUDA torch, cupy, uvloop, xxhash, nanobind, cmake, ninja and pytest but
 # no package registry. Carry the rest, fetched here where PyPI is reachable (both folders are
@@ -26,8 +35,8 @@ cd "$(dirname "$0")/.."
 out=${OUT:-/tmp}/gpu_check
 mkdir -p "$out"
 install_log="$out/install.log"
-limit=${GPU_CHECK_LIMIT_S:-150}
-only=${GPU_CHECK_ONLY:-pytest path train large daemon}
+budget=${GPU_CHECK_BUDGET_S:-480}
+only=${GPU_CHECK_ONLY:-pytest path large sweep stream big daemon dsnvme}
 export PYTHONUNBUFFERED=1
 {
   nvidia-smi -L || echo "nvidia-smi failed"
@@ -67,13 +76,21 @@ fi
 # its JIT builds (async_io for ZeRO-Infinity), so its ops are built for plain sm_90.
 export TORCH_CUDA_ARCH_LIST="$(echo "${TORCH_CUDA_ARCH_LIST:-9.0}" | sed 's/\([0-9]\)a/\1/g')"
 status=0
-step() {  # step NAME COMMAND...: run under the time limit, log, keep its last line as JSON
-  local name=$1; shift
+step() {  # step NAME DEFAULT_LIMIT_S COMMAND...: run under its limit, log, keep its JSON
+  local name=$1 default_limit=$2; shift 2
   case " $only " in *" $name "*) ;; *) return 0 ;; esac
-  local started=$SECONDS own_limit="GPU_CHECK_LIMIT_${name^^}_S"
-  timeout -k 10 "${!own_limit:-$limit}" "$@" > "$out/$name.log" 2>&1
+  local own_limit="GPU_CHECK_LIMIT_${name^^}_S" left=$((budget - SECONDS))
+  local limit=${!own_limit:-$default_limit}
+  [ "$limit" -le "$left" ] || limit=$left
+  if [ "$limit" -lt 20 ]; then
+    echo "gpu_check: $name skipped: ${left} s of the ${budget} s budget left" | tee -a "$install_log"
+    echo "{\"step\": \"$name\", \"skipped\": \"budget spent\"}" >> "$out/summary.jsonl"
+    return 0
+  fi
+  local started=$SECONDS
+  timeout -k 5 "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  echo "gpu_check: $name rc=$rc in $((SECONDS - started)) s" | tee -a "$install_log"
+  echo "gpu_check: $name rc=$rc in $((SECONDS - started)) s (limit $limit)" | tee -a "$install_log"
   [ "$rc" = 0 ] || status=1
   if [ "$name" != pytest ]; then
     tail -1 "$out/$name.log" | python -c 'import json,sys
@@ -83,14 +100,22 @@ except ValueError: print(json.dumps({"step": sys.argv[1], "failed": line[-300:]}
       >> "$out/summary.jsonl"
   fi
 }
-step pytest python -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py
-step path python bench/gpu_path.py
-step train python bench/gpu_train_step.py --device cuda --gpt "${GPU_CHECK_GPT:-2048,20,16}" \
-  --steps "${GPU_CHECK_STEPS:-4}" ${GPU_CHECK_TRAIN_ARGS:-}
+gpt=${GPU_CHECK_GPT:-2048,20,16}
+step pytest 120 python -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py
+step path 40 python bench/gpu_path.py
 # The large-batch case: optimizer offloaded to DRAM, params resident, 64k tokens per step.
-step large python bench/gpu_train_step.py --device cuda --gpt "${GPU_CHECK_GPT:-2048,20,16}" \
+step large 110 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
   --offload-param none --offload-optimizer cpu --micro-batch 16 --grad-accum 8 \
   --steps "${GPU_CHECK_LARGE_STEPS:-2}" --warmup 1 ${GPU_CHECK_LARGE_ARGS:-}
-step daemon python bench/gpu_train_step.py --device cuda --device-copies daemon \
-  --gpt "${GPU_CHECK_DAEMON_GPT:-1024,8,16}" --steps "${GPU_CHECK_STEPS:-4}" --no-deepspeed
+step sweep 70 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
+  --offload-param none --offload-optimizer cpu --micro-batch 4 --contenders ours,none \
+  --sweep "${GPU_CHECK_SWEEP:-2048,8192,32768,65536}" --steps 2 --warmup 1
+step stream 25 python bench/cpu_adam.py --numel 200000000 --rounds 2 --repeats 3
+step big 120 python bench/gpu_train_step.py --device cuda --gpt auto \
+  --offload-param cpu --offload-optimizer cpu --activation-checkpointing --micro-batch 8 \
+  --grad-accum 8 --steps 1 --warmup 1 --contenders ours,none ${GPU_CHECK_BIG_ARGS:-}
+step daemon 40 python bench/gpu_train_step.py --device cuda --device-copies daemon \
+  --gpt "${GPU_CHECK_DAEMON_GPT:-1024,8,16}" --steps "${GPU_CHECK_STEPS:-3}" --contenders ours
+step dsnvme 60 python bench/gpu_train_step.py --device cuda --gpt "${GPU_CHECK_DSNVME_GPT:-1024,8,16}" \
+  --steps 2 --warmup 1 --contenders ours,deepspeed
 exit $status

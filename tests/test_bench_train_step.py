@@ -1,0 +1,69 @@
+"""``bench/gpu_train_step.py`` at a CPU size on the twin copy engine: the big case's sizing
+(``--gpt auto``), activation recomputation and compact moments train under our engine
+beside the no-offload ceiling, and the figures it prints agree with each other."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_train_step.py"
+sys.path.insert(0, str(ROOT / "bench"))
+
+import gpu_train_step  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_size_big_takes_the_smallest_moment_format_the_host_holds() -> None:
+    gib = 1 << 30
+    # An H100 box: 10B wanted (twice 80 GB / 16 B is 10B) in 3/4 of a 128 GiB host (103
+    # GB): fp32 moments (16 B/param) do not fit, bf16 (12) does not, 8-bit (10.03) does.
+    gpt, state_dtype, params = gpt_train = gpu_train_step.size_big(
+        80 * 10**9, 128 * gib, 10e9, 32000, 5120)
+    assert state_dtype == "8bit", gpt_train
+    assert abs(params - 10e9) / 10e9 < 0.05
+    # A host too small for the target: the largest model it holds in 8-bit moments.
+    _, state_dtype, params = gpu_train_step.size_big(80 * 10**9, 64 * gib, 10e9, 32000, 5120)
+    assert state_dtype == "8bit"
+    assert 0.9 < params * gpu_train_step.HOST_BYTES_PER_PARAM["8bit"] / (0.75 * 64 * gib) < 1.05
+    # A big host holds 10B with fp32 moments; a bigger GPU asks for twice its capacity.
+    _, state_dtype, params = gpu_train_step.size_big(80 * 10**9, 512 * gib, 10e9, 32000, 5120)
+    assert state_dtype == "fp32" and abs(params - 10e9) / 10e9 < 0.05
+    _, _, params = gpu_train_step.size_big(141 * 10**9, 1024 * gib, 10e9, 32000, 5120)
+    assert params >= 0.95 * 2 * 141e9 / gpu_train_step.DEVICE_BYTES_PER_PARAM
+    width, depth, heads = (int(part) for part in gpt.split(","))
+    assert width == 5120 and heads == 40 and depth >= 1
+
+
+def test_cpu_big_case_with_recomputation_and_the_ceiling(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OFFLOADD_COPY_ENGINE": "twin",
+           "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--gpt", "auto",
+               "--target-params", "300000", "--big-width", "64", "--vocab", "512",
+               "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--steps", "2",
+               "--warmup", "1", "--activation-checkpointing", "--state-dtype", "bf16",
+               "--offload-param", "cpu", "--offload-optimizer", "cpu",
+               "--contenders", "ours,none", "--swap-dir", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    width, depth, heads = (int(part) for part in result["gpt"].split(","))
+    assert (width, heads) == (64, 1) and depth == round((300000 - 512 * 64) / (12 * 64 * 64))
+    assert result["tier"]["state_dtype"] == "bf16" and result["activation_checkpointing"]
+    assert result["tokens_per_step"] == 2 * 32 * 2
+    assert result["step_s_median"] == statistics.median(result["step_s"])
+    per_token = gpu_train_step.model_flops_per_token(result["num_params"], depth, width, 32)
+    assert result["model_tflops"] == pytest.approx(
+        per_token * result["tokens_per_step"] / result["step_s_median"] / 1e12)
+    assert result["ratio_vs_no_offload"] == pytest.approx(
+        result["no_offload_step_s_median"] / result["step_s_median"], abs=1e-3)
+    assert result["adam_s_per_step"] > 0 and result["peak_host_rss_bytes"] > 0
