@@ -40,6 +40,39 @@ def test_init_distributed_without_a_launcher_is_a_world_of_one() -> None:
     assert run_ranks(plain_process, 1) == [(0, 1)]
 
 
+EXIT_PROBE = """
+import atexit, os, sys
+import torch.distributed as dist
+import trainer
+for name in trainer.dist.distributed.LAUNCH_VARIABLES:
+    os.environ.pop(name, None)
+# Registered first, so it runs last: after every exit handler the engine's package added.
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized(), flush=True))
+if sys.argv[1] == "ours":
+    trainer.init_distributed()
+else:
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+model = torch.nn.Linear(4, 4)
+engine, _, _, _ = trainer.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+engine.close()
+"""
+
+
+@pytest.mark.parametrize(("creator", "destroyed"), [("ours", True), ("script", False)])
+def test_a_group_init_distributed_created_is_destroyed_at_exit(creator: str,
+                                                               destroyed: bool) -> None:
+    """NCCL warns at every exit whose group was never destroyed: the group
+    ``init_distributed`` created is destroyed at exit; a group the script made is its own."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", "import torch\n" + EXIT_PROBE, creator],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"initialized at exit: {not destroyed}" in done.stdout, done.stdout
+
+
 def test_init_distributed_refuses_a_world_without_rendezvous(monkeypatch: Any) -> None:
     for name in trainer.dist.distributed.LAUNCH_VARIABLES:
         monkeypatch.delenv(name, raising=False)
