@@ -20,15 +20,18 @@ import difflib
 import json
 import types
 import typing
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union
 
 from offloadd.formats import MomentFormat
 from trainer.deepspeed_features import (
+    IGNORED_KEYS,
+    SILENT_KEYS,
     check_type,
     check_unsupported,
+    report_ignored,
+    turns_on,
     unsupported_keys_under,
 )
 
@@ -36,53 +39,6 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 StateDtype = Literal["fp32", "bf16", "8bit"]
 OptimizerType = Literal["Adam", "AdamW"]
 WarmupType = Literal["log", "linear"]
-
-# Keys (dotted, relative to the config root) that DeepSpeed understands but
-# that have no effect in this engine; accepted with a warning.
-IGNORED_KEYS: dict[str, str] = {
-    "steps_per_print": "logging cadence is the caller's business",
-    "wall_clock_breakdown": "use the daemon's Prometheus metrics instead",
-    "dump_state": "no DeepSpeed state dump here",
-    "memory_breakdown": "no DeepSpeed memory report here",
-    "prescale_gradients": "gradients are always summed then scaled once in the step",
-    "gradient_predivide_factor": "gradients are always summed then scaled once in the step",
-    "communication_data_type": "gradients are reduced in the training dtype",
-    "zero_allow_untested_optimizer": "only Adam/AdamW are supported",
-    "zero_force_ds_cpu_optimizer": "the daemon always runs the CPU optimizer",
-    "tensorboard": "monitoring backends are not built in",
-    "wandb": "monitoring backends are not built in",
-    "csv_monitor": "monitoring backends are not built in",
-    "comms_logger": "monitoring backends are not built in",
-    "flops_profiler": "no flops profiler here",
-    "activation_checkpointing": "use torch.utils.checkpoint in the model",
-    "aio": "the daemon owns NVMe IO settings (block size, queue depth)",
-    "fp16.auto_cast": "inputs are cast to the training dtype unconditionally",
-    "zero_optimization.contiguous_gradients": "gradients are always contiguous flat buffers",
-    "zero_optimization.reduce_scatter": "stage 2/3 always reduce-scatter",
-    "zero_optimization.reduce_bucket_size": "gradients are reduced per unit, not per bucket",
-    "zero_optimization.allgather_partitions": "partitions are always all-gathered",
-    "zero_optimization.allgather_bucket_size": "parameters are gathered per unit",
-    "zero_optimization.round_robin_gradients": "partitions are contiguous per unit",
-    "zero_optimization.sub_group_size": "the optimizer steps per unit",
-    "zero_optimization.stage3_param_persistence_threshold": "every unit is partitioned",
-    "zero_optimization.stage3_gather_16bit_weights_on_model_save": (
-        "use trainer.state.checkpoint.consolidate_fp32_state_dict"
-    ),
-    "zero_optimization.memory_efficient_linear": "no linear-layer rewrite here",
-    "zero_optimization.ignore_unused_parameters": "unused parameters are always tolerated",
-    "zero_optimization.elastic_checkpoint": "checkpoints need the same world size",
-    "zero_optimization.load_from_fp32_weights": "checkpoints always hold fp32 masters",
-    "zero_optimization.offload_optimizer.pin_memory": "the daemon arena is always pinned",
-    "zero_optimization.offload_optimizer.buffer_count": "the daemon sizes its own buffers",
-    "zero_optimization.offload_optimizer.fast_init": "shards are created from the model",
-    "zero_optimization.offload_optimizer.pipeline_read": "the daemon always pipelines IO",
-    "zero_optimization.offload_optimizer.pipeline_write": "the daemon always pipelines IO",
-    "zero_optimization.offload_optimizer.ratio": "all of the optimizer state is offloaded",
-    "zero_optimization.offload_param.pin_memory": "the daemon arena is always pinned",
-    "zero_optimization.offload_param.buffer_count": "the daemon sizes its own buffers",
-    "zero_optimization.offload_param.buffer_size": "the daemon sizes its own buffers",
-    "zero_optimization.offload_param.max_in_cpu": "offloadd.arena_size bounds DRAM use",
-}
 
 # Tuning knobs whose "auto" (Hugging Face configs) takes this engine's default.
 AUTO_DEFAULT_KEYS = frozenset({
@@ -573,11 +529,17 @@ def parse_config(source: dict[str, Any] | str | Path | EngineConfig) -> EngineCo
     if not isinstance(source, dict):
         raise ValueError(f"config must be a dict or a JSON file path, got {type(source).__name__}")
     flat = dict(source)
-    if isinstance(flat.get("optimizer"), dict):
-        flat["optimizer"] = _flatten_typed_section(flat["optimizer"], "optimizer")
-    if isinstance(flat.get("scheduler"), dict):
-        flat["scheduler"] = _build_scheduler(flat["scheduler"])
-    return _build(EngineConfig, flat, "")
+    _IGNORED_SEEN.clear()
+    try:
+        if isinstance(flat.get("optimizer"), dict):
+            flat["optimizer"] = _flatten_typed_section(flat["optimizer"], "optimizer")
+        if isinstance(flat.get("scheduler"), dict):
+            flat["scheduler"] = _build_scheduler(flat["scheduler"])
+        parsed = _build(EngineConfig, flat, "")
+        report_ignored(list(_IGNORED_SEEN))
+    finally:
+        _IGNORED_SEEN.clear()
+    return typing.cast(EngineConfig, parsed)
 
 
 def _build_scheduler(section: dict[str, Any]) -> SchedulerConfig:
@@ -638,6 +600,10 @@ def _key_path(prefix: str, key: str) -> str:
     return prefix + key
 
 
+_IGNORED_SEEN: list[str] = []
+"""Ignored keys that asked for something, met while the current config is parsed."""
+
+
 def _reject_renamed_and_drop_ignored(data: dict[str, Any], prefix: str) -> None:
     check_unsupported(data, prefix)
     for key in list(data):
@@ -645,8 +611,9 @@ def _reject_renamed_and_drop_ignored(data: dict[str, Any], prefix: str) -> None:
         if dotted in RENAMED_KEYS:
             raise ValueError(f"config key {dotted} was renamed: use {RENAMED_KEYS[dotted]}")
         if dotted in IGNORED_KEYS:
-            warnings.warn(f"config key {dotted} is accepted but ignored: {IGNORED_KEYS[dotted]}",
-                          UserWarning, stacklevel=4)
+            if dotted not in SILENT_KEYS and turns_on(data[key]) and (
+                    dotted not in _IGNORED_SEEN):
+                _IGNORED_SEEN.append(dotted)
             del data[key]
 
 

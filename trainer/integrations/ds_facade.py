@@ -31,9 +31,11 @@ What the callers expect that ``trainer.initialize`` does not do itself:
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import os
 import warnings
+import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -80,6 +82,20 @@ class DeepSpeedCPUAdam:
             groups = [{"params": groups}]
         self.param_groups: list[dict[str, Any]] = groups
         """As given: accelerate passes the torch optimizer's own list (see ``link_groups``)."""
+        self.client: Any = _optimizer_owning(groups)
+        """The torch optimizer whose ``param_groups`` list this is (the one the user's LR
+        scheduler holds), or None."""
+
+
+def _optimizer_owning(groups: list[dict[str, Any]]) -> torch.optim.Optimizer | None:
+    """The torch optimizer whose ``param_groups`` is ``groups``: accelerate hands
+    ``DeepSpeedCPUAdam`` only that list (``map_pytorch_optim_to_deepspeed``), while the
+    user's scheduler holds the optimizer, which ``link_groups`` must mark as stepped. One
+    look at the list's referrers, once per ``prepare``."""
+    for owner in gc.get_referrers(groups):
+        if isinstance(owner, torch.optim.Optimizer) and owner.param_groups is groups:
+            return owner
+    return None
 
 
 def optimizer_section(optimizer: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -284,7 +300,8 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         training_data=training_data, collate_fn=collate_fn,
         dist_init_required=dist_init_required)
     if optimizer is not None:
-        link_groups(optimizer.param_groups, zero)
+        client = optimizer.client if isinstance(optimizer, DeepSpeedCPUAdam) else optimizer
+        link_groups(client if client is not None else optimizer, zero)
     view = OptimizerView(zero)
     if lr_scheduler is not None:
         engine.lr_scheduler = _client_scheduler(lr_scheduler, view, scheduler)
@@ -292,17 +309,30 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     return wrapped, view, loader, wrapped.lr_scheduler
 
 
-def link_groups(client_groups: list[dict[str, Any]], zero: ZeroOptimizer) -> None:
-    """Point the client optimizer's ``param_groups`` at the engine's group dicts.
+def link_groups(client: Any, zero: ZeroOptimizer) -> None:
+    """Make the client's torch optimizer follow the engine's: shared groups, and stepped.
 
     A torch LR scheduler built on the client's optimizer before ``prepare`` (an
-    Accelerate loop's) keeps writing ``lr`` into that optimizer's groups; DeepSpeed
-    steps that very optimizer, offloadd steps its own, so both must share the dicts.
+    Accelerate loop's, Lightning's ``configure_optimizers``) keeps writing ``lr`` into
+    that optimizer's groups; DeepSpeed steps that very optimizer, offloadd steps its
+    own, so both share the group dicts. And since the client's ``step`` never runs, the
+    engine's applied steps mark it as stepped the way torch's scheduler checks it
+    (``_opt_called``, set by the ``step`` wrapper ``LRScheduler`` installs): otherwise
+    the scheduler's first ``step()`` warns that it ran before ``optimizer.step()``.
     """
+    client_groups = client.param_groups
     for index, group in enumerate(client_groups):
         if "initial_lr" in group:
             zero.param_groups[index]["initial_lr"] = group["initial_lr"]
         client_groups[index] = zero.param_groups[index]
+    client_ref = weakref.ref(client)
+
+    def mark_stepped() -> None:
+        stepped = client_ref()
+        if stepped is not None:
+            stepped._opt_called = True
+
+    zero.after_step.append(mark_stepped)
 
 
 def _client_scheduler(lr_scheduler: Any, view: OptimizerView, built: Any) -> Any:

@@ -1,4 +1,11 @@
-"""Lightning on offloadd: ``Trainer(strategy=trainer.lightning.OffloaddStrategy(config=cfg))``.
+"""Lightning on offloadd: ``Trainer(strategy=trainer.lightning.OffloaddStrategy(...))``.
+
+``OffloaddStrategy`` takes Lightning's ``DeepSpeedStrategy`` keywords with their meanings
+(``stage``, ``offload_optimizer``, ``offload_parameters``, ``offload_params_device``,
+``offload_optimizer_device``, ``nvme_path``, ..., or a whole ``config``), and importing
+this module registers the same named strategies under ``offloadd`` in Lightning's
+registry: ``Trainer(strategy="offloadd_stage_3_offload")`` where a script had
+``strategy="deepspeed_stage_3_offload"``.
 
 The strategy is Lightning's DDP strategy (process group, launcher, reductions)
 with the model handed to ``trainer.initialize`` instead of DDP, as Lightning's
@@ -24,7 +31,9 @@ DeepSpeed strategy hands it to ``deepspeed.initialize``:
 from __future__ import annotations
 
 import copy
+import datetime
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -34,7 +43,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch import Trainer as LightningTrainer
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 
@@ -54,21 +63,132 @@ check_versions("lightning")
 __all__ = ["CHECKPOINT_TAG", "OffloaddStrategy", "UnsupportedVersionError"]
 
 
+_REMOTE_DEVICES = (None, "cpu", "nvme")
+
+
 class OffloaddStrategy(DDPStrategy):
-    """Lightning strategy training through ``trainer.initialize`` (see module docstring)."""
+    """Lightning strategy training through ``trainer.initialize`` (see module docstring).
+
+    The keywords are ``DeepSpeedStrategy``'s, with its defaults and meanings: without
+    ``config`` they build the same DeepSpeed config Lightning would (``stage`` 2 unless
+    told; ``offload_optimizer`` / ``offload_parameters`` to ``offload_*_device``, ``cpu``
+    by default, with ``nvme_path`` for ``nvme``); ``config`` (a dict or JSON path)
+    replaces them, as there. ``remote_device`` is where DeepSpeed's ``zero.Init``
+    puts parameters while a model is built inside the strategy; Lightning builds it
+    before the strategy here, and the engine then places partitions where
+    ``offload_param.device`` says, so it is checked and kept (``self.remote_device``).
+    Buffer, bucket and aio sizes are the daemon's own and pass silently
+    (``trainer.deepspeed_features.SILENT_KEYS``). ``load_full_weights`` and
+    ``exclude_frozen_parameters`` are not supported and raise when set.
+    """
 
     strategy_name = "offloadd"
 
-    def __init__(self, config: dict[str, Any] | str | os.PathLike[str], **ddp_kwargs: Any
-                 ) -> None:
-        super().__init__(**ddp_kwargs)
-        if isinstance(config, (str, os.PathLike)):
+    def __init__(self, accelerator: Any = None, zero_optimization: bool = True,
+                 stage: int = 2, remote_device: str | None = None,
+                 offload_optimizer: bool = False, offload_parameters: bool = False,
+                 offload_params_device: str = "cpu", nvme_path: str = "/local_nvme",
+                 params_buffer_count: int = 5, params_buffer_size: int = 100_000_000,
+                 max_in_cpu: int = 1_000_000_000, offload_optimizer_device: str = "cpu",
+                 optimizer_buffer_count: int = 4, block_size: int = 1_048_576,
+                 queue_depth: int = 8, single_submit: bool = False,
+                 overlap_events: bool = True, thread_count: int = 1,
+                 pin_memory: bool = False, sub_group_size: int = 1_000_000_000_000,
+                 contiguous_gradients: bool = True, overlap_comm: bool = True,
+                 allgather_partitions: bool = True, reduce_scatter: bool = True,
+                 allgather_bucket_size: int = 200_000_000,
+                 reduce_bucket_size: int = 200_000_000,
+                 zero_allow_untested_optimizer: bool = True,
+                 logging_batch_size_per_gpu: str | int = "auto",
+                 config: dict[str, Any] | str | os.PathLike[str] | None = None,
+                 logging_level: int = logging.WARN, parallel_devices: Any = None,
+                 cluster_environment: Any = None, loss_scale: float = 0,
+                 initial_scale_power: int = 16, loss_scale_window: int = 1000,
+                 hysteresis: int = 2, min_loss_scale: int = 1,
+                 partition_activations: bool = False, cpu_checkpointing: bool = False,
+                 contiguous_memory_optimization: bool = False,
+                 synchronize_checkpoint_boundary: bool = False,
+                 load_full_weights: bool = False, precision_plugin: Any = None,
+                 process_group_backend: str | None = None,
+                 timeout: datetime.timedelta | None = datetime.timedelta(seconds=1800),
+                 exclude_frozen_parameters: bool = False) -> None:
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment,
+                         precision_plugin=precision_plugin,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        if remote_device not in _REMOTE_DEVICES:
+            raise ValueError(f"OffloaddStrategy(remote_device={remote_device!r}): use one of "
+                             f"{list(_REMOTE_DEVICES)}")
+        if load_full_weights:
+            raise ValueError("OffloaddStrategy(load_full_weights=True) is not supported: "
+                             "fit(ckpt_path=...) takes the strategy's own checkpoint "
+                             "directories; load a single-file model with "
+                             "trainer.load_pretrained before fit")
+        if exclude_frozen_parameters:
+            raise ValueError("OffloaddStrategy(exclude_frozen_parameters=True) is not "
+                             "supported: checkpoints hold every parameter; drop it")
+        self.remote_device = remote_device
+        logging.getLogger("offloadd.deepspeed").setLevel(logging_level)
+        self.loss_scaling = {"loss_scale": loss_scale, "initial_scale_power": initial_scale_power,
+                             "loss_scale_window": loss_scale_window, "hysteresis": hysteresis,
+                             "min_loss_scale": min_loss_scale}
+        """fp16's loss scaling, for ``precision="16-mixed"`` without a config ``fp16``."""
+        if config is None:
+            config = _default_config(
+                zero_optimization=zero_optimization, stage=stage,
+                offload_optimizer=offload_optimizer, offload_parameters=offload_parameters,
+                offload_params_device=offload_params_device,
+                offload_optimizer_device=offload_optimizer_device, nvme_path=nvme_path,
+                zero_extra={"contiguous_gradients": contiguous_gradients,
+                            "overlap_comm": overlap_comm,
+                            "allgather_partitions": allgather_partitions,
+                            "reduce_scatter": reduce_scatter,
+                            "allgather_bucket_size": allgather_bucket_size,
+                            "reduce_bucket_size": reduce_bucket_size,
+                            "sub_group_size": sub_group_size},
+                buffers={"params_buffer_count": params_buffer_count,
+                         "params_buffer_size": params_buffer_size, "max_in_cpu": max_in_cpu,
+                         "optimizer_buffer_count": optimizer_buffer_count,
+                         "pin_memory": pin_memory},
+                aio={"block_size": block_size, "queue_depth": queue_depth,
+                     "single_submit": single_submit, "overlap_events": overlap_events,
+                     "thread_count": thread_count},
+                activations={"partition_activations": partition_activations,
+                             "cpu_checkpointing": cpu_checkpointing,
+                             "contiguous_memory_optimization": contiguous_memory_optimization,
+                             "synchronize_checkpoint_boundary": synchronize_checkpoint_boundary},
+                zero_allow_untested_optimizer=zero_allow_untested_optimizer,
+                logging_batch_size_per_gpu=logging_batch_size_per_gpu)
+        elif isinstance(config, (str, os.PathLike)):
             config = json.loads(Path(config).read_text(encoding="utf-8"))
         if not isinstance(config, dict):
             raise ValueError("OffloaddStrategy(config=...) takes a DeepSpeed-style config dict "
                              f"or a JSON path, got {type(config).__name__}")
         self.config: dict[str, Any] = copy.deepcopy(config)
         self.engine: Engine | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """``offloadd`` and ``offloadd_stage_*``, as Lightning registers ``deepspeed_stage_*``."""
+        named: dict[str, tuple[str, dict[str, Any]]] = {
+            "offloadd": ("offloadd with ZeRO stage 2 (DeepSpeedStrategy's default)", {}),
+            "offloadd_stage_1": ("offloadd with ZeRO stage 1", {"stage": 1}),
+            "offloadd_stage_2": ("offloadd with ZeRO stage 2", {"stage": 2}),
+            "offloadd_stage_2_offload": ("offloadd ZeRO stage 2, optimizer in the daemon",
+                                         {"stage": 2, "offload_optimizer": True}),
+            "offloadd_stage_3": ("offloadd with ZeRO stage 3", {"stage": 3}),
+            "offloadd_stage_3_offload": (
+                "offloadd ZeRO stage 3, parameters and optimizer in the daemon",
+                {"stage": 3, "offload_optimizer": True, "offload_parameters": True}),
+            "offloadd_stage_3_offload_nvme": (
+                "offloadd ZeRO stage 3, parameters and optimizer on NVMe",
+                {"stage": 3, "offload_optimizer": True, "offload_parameters": True,
+                 "remote_device": "nvme", "offload_params_device": "nvme",
+                 "offload_optimizer_device": "nvme"}),
+        }
+        for name, (description, keywords) in named.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **keywords)
 
     # ----------------------------------------------------------- precision
 
@@ -130,7 +250,7 @@ class OffloaddStrategy(DDPStrategy):
         engine, zero, _, _ = initialize(model=module, model_parameters=model_parameters,
                                                 config=settings, dist_init_required=False)
         if client_optimizer is not None:
-            ds_facade.link_groups(client_optimizer.param_groups, zero)
+            ds_facade.link_groups(client_optimizer, zero)
         self.engine = engine
         self.model = engine
         self.optimizers = [ds_facade.OptimizerView(zero)]
@@ -152,7 +272,10 @@ class OffloaddStrategy(DDPStrategy):
             settings["gradient_clipping"] = float(trainer_.gradient_clip_val)
         precision = getattr(self.precision_plugin, "precision", "32-true")
         if precision in _PRECISION_KEYS:
-            settings.setdefault(_PRECISION_KEYS[precision], {})["enabled"] = True
+            section = _PRECISION_KEYS[precision]
+            if section == "fp16" and "fp16" not in settings:
+                settings["fp16"] = dict(self.loss_scaling)
+            settings.setdefault(section, {})["enabled"] = True
         elif precision != "32-true":
             raise ValueError(f"OffloaddStrategy supports precision 32-true, bf16-mixed, "
                              f"bf16-true, 16-mixed and 16-true, got {precision!r}")
@@ -215,3 +338,34 @@ class OffloaddStrategy(DDPStrategy):
             self.engine = None
             self.model = self.lightning_module
         super().teardown()
+
+
+def _default_config(*, zero_optimization: bool, stage: int, offload_optimizer: bool,
+                    offload_parameters: bool, offload_params_device: str,
+                    offload_optimizer_device: str, nvme_path: str, zero_extra: dict[str, Any],
+                    buffers: dict[str, Any], aio: dict[str, Any], activations: dict[str, Any],
+                    zero_allow_untested_optimizer: bool,
+                    logging_batch_size_per_gpu: str | int) -> dict[str, Any]:
+    """The config ``DeepSpeedStrategy`` builds from its keywords (``_create_default_config``)."""
+    config: dict[str, Any] = {"activation_checkpointing": activations, "aio": aio}
+    if zero_optimization:
+        zero: dict[str, Any] = {"stage": stage, **zero_extra}
+        if offload_optimizer:
+            zero["offload_optimizer"] = {
+                "device": offload_optimizer_device, "nvme_path": nvme_path,
+                "buffer_count": buffers["optimizer_buffer_count"],
+                "pin_memory": buffers["pin_memory"]}
+        if offload_parameters:
+            zero["offload_param"] = {
+                "device": offload_params_device, "nvme_path": nvme_path,
+                "buffer_count": buffers["params_buffer_count"],
+                "buffer_size": buffers["params_buffer_size"],
+                "max_in_cpu": buffers["max_in_cpu"], "pin_memory": buffers["pin_memory"]}
+        config = {"zero_allow_untested_optimizer": zero_allow_untested_optimizer,
+                  "zero_optimization": zero, **config}
+    if logging_batch_size_per_gpu != "auto":
+        config["train_micro_batch_size_per_gpu"] = logging_batch_size_per_gpu
+    return config
+
+
+OffloaddStrategy.register_strategies(StrategyRegistry)

@@ -29,6 +29,12 @@ it leaves every parameter it loaded flagged ``_is_hf_initialized`` and the
 model's ``name_or_path`` pointing at the checkpoint; ``initialize`` sees the
 flags and streams the same files as ``load_pretrained`` would (a hub id is
 looked up in the local HF cache only).
+
+Checkpoint tensors are matched to model tensors under the names the modules had
+where they were built under ``zero.Init`` (``trainer.zero.init.load_paths``), and
+the match is kept by object, so a wrapper applied in between (PEFT's
+``get_peft_model``, DDP's ``module.``, ``torch.compile``'s ``_orig_mod``) changes
+nothing: the checkpoint still reaches the base weights it re-parented.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,7 +55,9 @@ from trainer.state.hf_checkpoint import (
     SAFE_WEIGHTS,
     CheckpointReader,
 )
+from trainer.zero import init as zero_init
 from trainer.zero.engine import Engine
+from trainer.zero.init import WeightSource
 from trainer.zero.partition import Unit
 
 
@@ -67,36 +76,84 @@ class LoadReport:
     """Checkpoint tensors the model has no place for (ignored, as HF does)."""
 
 
-def _model_tensors(model: nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """Every parameter and persistent buffer once, with all its state-dict names (tied
-    weights have several)."""
-    names: dict[int, list[str]] = {}
-    tensors: dict[int, torch.Tensor] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(param), []).append(name)
-        tensors[id(param)] = param
-    persistent = set(model.state_dict(keep_vars=True))
-    for name, buffer in model.named_buffers(remove_duplicate=False):
-        if name in persistent:
-            names.setdefault(id(buffer), []).append(name)
-            tensors[id(buffer)] = buffer
-    return [(names[key], tensors[key]) for key in names]
+@dataclass(kw_only=True)
+class _ModelTensor:
+    """One parameter or persistent buffer of a model, with every name it may be saved under."""
+
+    tensor: torch.Tensor
+    label: str
+    """Its current state-dict name (what reports say)."""
+    built_names: list[tuple[str, str]] = field(default_factory=list)
+    """``(name, base_model_prefix)`` where it was built under ``zero.Init``
+    (``load_paths``): the names ``from_pretrained`` loaded it under."""
+    current_names: list[tuple[str, str]] = field(default_factory=list)
+    """``(name, base_model_prefix)`` of every current alias (tied tensors have several)."""
+    places: list[tuple[nn.Module, str]] = field(default_factory=list)
+    """``(owning module, attribute)`` of every alias."""
+
+    def checkpoint_names(self) -> list[str]:
+        """Checkpoint names to look for, where it was built first (a wrapper applied since,
+        such as PEFT's, renames the current ones)."""
+        return [key for name, prefix in [*self.built_names, *self.current_names]
+                for key in _candidates(name, prefix)]
+
+
+def _prefix_of(module: nn.Module) -> str:
+    return str(getattr(module, "base_model_prefix", "") or "")
+
+
+def _join(path: str, local: str) -> str:
+    return f"{path}.{local}" if path else local
+
+
+def _model_tensors(model: nn.Module) -> list[_ModelTensor]:
+    """Every parameter and persistent buffer of ``model`` once (see ``_ModelTensor``)."""
+    found: dict[int, _ModelTensor] = {}
+    model_prefix = _prefix_of(model)
+    for path, module in model.named_modules(remove_duplicate=False):
+        built = [(root_path, _prefix_of(root)) for root, root_path in zero_init.load_paths(module)]
+        persistent = [(name, buffer) for name, buffer in module._buffers.items()
+                      if name not in module._non_persistent_buffers_set]
+        for local, tensor in [*module._parameters.items(), *persistent]:
+            if tensor is None:
+                continue
+            entry = found.get(id(tensor))
+            if entry is None:
+                entry = found[id(tensor)] = _ModelTensor(tensor=tensor, label=_join(path, local))
+            _add(entry.current_names, (_join(path, local), model_prefix))
+            for root_path, prefix in built:
+                _add(entry.built_names, (_join(root_path, local), prefix))
+            _add(entry.places, (module, local))
+    return list(found.values())
+
+
+def _add(items: list[Any], item: Any) -> None:
+    if item not in items:  # modules compare by identity
+        items.append(item)
 
 
 class PretrainedSource:
     """A checkpoint matched to a model: which file tensor fills which model tensor.
 
-    ``shapes`` overrides tensor shapes by ``id`` (stage 3 parameters are empty between
-    gathers)."""
+    The match is made once, by name (where each module was built under ``zero.Init``,
+    else its current name), and kept by object: parameters by identity, buffers by their
+    owning module and attribute (``initialize`` replaces buffers when it moves them). A
+    wrapper applied after the match renames nothing here. ``tensors`` limits the match
+    to those (default: the whole model); ``shapes`` overrides tensor shapes by ``id``
+    (stage 3 parameters are empty between gathers)."""
 
     def __init__(self, path: str | os.PathLike[str], model: nn.Module, *,
-                 strict: bool, shapes: dict[int, torch.Size] | None = None) -> None:
+                 strict: bool, shapes: dict[int, torch.Size] | None = None,
+                 tensors: list[_ModelTensor] | None = None) -> None:
         self.path = Path(path)
         self.reader = CheckpointReader(path)
         self.report = LoadReport()
-        self._key_of: dict[str, str] = {}
-        """Model state-dict name (every alias of a tied tensor) -> checkpoint name."""
-        mismatched = self._match(model, shapes or {})
+        self._param_key: dict[int, tuple[torch.Tensor, str]] = {}
+        """id(parameter) -> (the parameter, kept alive so the id stays its, checkpoint name)."""
+        self._buffer_key: dict[tuple[int, str], tuple[nn.Module, str]] = {}
+        """(id(module), attribute) -> (the module, checkpoint name)."""
+        mismatched = self._match(tensors if tensors is not None else _model_tensors(model),
+                                 shapes or {})
         if mismatched:
             raise PretrainedError(f"{self.path} does not fit the model (shapes differ): "
                                   f"{mismatched[:8]}; build the model from the checkpoint's "
@@ -106,40 +163,69 @@ class PretrainedSource:
                 f"{self.path} lacks {len(self.report.missing)} tensor(s) of the model: "
                 f"{self.report.missing[:8]}; pass strict=False to keep their init")
 
-    def _match(self, model: nn.Module, shapes: dict[int, torch.Size]) -> list[str]:
-        """Fill the name map and the report; the shape mismatches."""
+    def _match(self, tensors: list[_ModelTensor], shapes: dict[int, torch.Size]) -> list[str]:
+        """Fill the maps and the report; the shape mismatches."""
         available = set(self.reader.names())
-        prefix = getattr(model, "base_model_prefix", "") or ""
+        used: set[str] = set()
         mismatched: list[str] = []
-        for names, tensor in _model_tensors(model):
-            key = next((key for name in names for key in _candidates(name, prefix)
-                        if key in available), None)
-            shape = tuple(shapes.get(id(tensor), tensor.shape))
+        for entry in tensors:
+            key = next((key for key in entry.checkpoint_names() if key in available), None)
+            shape = tuple(shapes.get(id(entry.tensor), entry.tensor.shape))
             if key is None:
-                self.report.missing.append(names[0])
+                self.report.missing.append(entry.label)
             elif tuple(self.reader.shape(key)) != shape:
-                mismatched.append(f"{names[0]}: model {shape}, "
+                mismatched.append(f"{entry.label}: model {shape}, "
                                   f"checkpoint {tuple(self.reader.shape(key))}")
             else:
-                self._key_of.update(dict.fromkeys(names, key))
-                self.report.loaded.append(names[0])
-        self.report.unexpected = sorted(available - set(self._key_of.values()))
+                if isinstance(entry.tensor, nn.Parameter):
+                    self._param_key[id(entry.tensor)] = (entry.tensor, key)
+                else:
+                    for module, local in entry.places:
+                        self._buffer_key[(id(module), local)] = (module, key)
+                used.add(key)
+                self.report.loaded.append(entry.label)
+        self.report.unexpected = sorted(available - used)
         return mismatched
 
-    def key_of(self, name: str) -> str | None:
-        """The checkpoint name holding the model tensor ``name`` (None: the checkpoint lacks
-        it). Names, not tensor objects: ``initialize`` replaces buffers when it moves them."""
-        return self._key_of.get(name)
+    def key_of_param(self, param: torch.Tensor) -> str | None:
+        """The checkpoint name holding ``param`` (None: the checkpoint lacks it)."""
+        found = self._param_key.get(id(param))
+        return found[1] if found is not None else None
 
-    def read_into(self, name: str, tensor: torch.Tensor) -> bool:
-        """Overwrite ``tensor`` (the model's ``name``) with its checkpoint value; False when
-        the checkpoint has none."""
-        key = self.key_of(name)
+    def fill_param(self, param: torch.Tensor) -> bool:
+        """Overwrite ``param`` with its checkpoint value; False when the checkpoint has none."""
+        key = self.key_of_param(param)
         if key is None:
             return False
+        self._read(key, param)
+        return True
+
+    def fill_buffers(self, model: nn.Module) -> None:
+        """Overwrite every buffer of ``model`` the checkpoint holds."""
+        for module in model.modules():
+            for local, buffer in module._buffers.items():
+                found = self._buffer_key.get((id(module), local))
+                if buffer is not None and found is not None:
+                    self._read(found[1], buffer)
+
+    def _read(self, key: str, tensor: torch.Tensor) -> None:
         with torch.no_grad():
             tensor.copy_(self.reader.read(key).view(tensor.shape))
-        return True
+
+
+class PendingWeights:
+    """Several checkpoints filling one model (a model holding two ``from_pretrained``
+    models): each tensor from the one it was loaded from."""
+
+    def __init__(self, sources: list[PretrainedSource]) -> None:
+        self.sources = sources
+
+    def fill_param(self, param: torch.Tensor) -> bool:
+        return any(source.fill_param(param) for source in self.sources)
+
+    def fill_buffers(self, model: nn.Module) -> None:
+        for source in self.sources:
+            source.fill_buffers(model)
 
 
 def _candidates(name: str, prefix: str) -> list[str]:
@@ -178,8 +264,9 @@ def load_pretrained(model_or_engine: nn.Module, path: str | os.PathLike[str], *,
         _check_built_under_init(model)
         model._zero_pretrained = source  # type: ignore[assignment]
         return source.report
-    for names, tensor in _model_tensors(model):
-        source.read_into(names[0], tensor)
+    for param in model.parameters():
+        source.fill_param(param)
+    source.fill_buffers(model)
     return source.report
 
 
@@ -206,33 +293,65 @@ def _check_built_under_init(model: nn.Module) -> None:
 # before initialize: the engine's materialisation fills units (rank 0)
 
 
-def pending_source(model: nn.Module) -> PretrainedSource | None:
-    """The checkpoint ``initialize`` must fill a meta-built model from, if any:
-    ``load_pretrained``'s, or the one ``from_pretrained`` loaded under ``zero.Init``."""
-    source: PretrainedSource | None = getattr(model, "_zero_pretrained", None)
-    if source is not None:
-        return source
-    loaded = [name for name, param in model.named_parameters()
-              if param.is_meta and getattr(param, "_is_hf_initialized", False)]
-    if not loaded:
+def pending_source(model: nn.Module) -> WeightSource | None:
+    """The checkpoint(s) ``initialize`` must fill a meta-built model from, if any:
+    ``load_pretrained``'s, or the one ``from_pretrained`` loaded under ``zero.Init``.
+
+    Found on any module of ``model``, so a wrapper applied since (PEFT's ``get_peft_model``,
+    DDP, ``torch.compile``) keeps it; ``from_pretrained``'s tensors are matched under the
+    names they were loaded as (``zero.init.load_paths``), not their current ones."""
+    stored = [module.__dict__["_zero_pretrained"] for module in model.modules()
+              if "_zero_pretrained" in module.__dict__]
+    if stored:
+        return stored[0] if len(stored) == 1 else PendingWeights(stored)
+    by_root: dict[int, tuple[nn.Module, list[_ModelTensor]]] = {}
+    stray: list[str] = []
+    for entry in _model_tensors(model):
+        roots = [root for module, _ in entry.places for root, _ in zero_init.load_paths(module)]
+        if roots:
+            by_root.setdefault(id(roots[0]), (roots[0], []))[1].append(entry)
+        elif _loaded_meta(entry):
+            stray.append(entry.label)
+    if not any(_loaded_meta(entry) for _, entries in by_root.values() for entry in entries):
         return None
-    path = _resolve_hf_checkpoint(model)
-    source = PretrainedSource(path, model, strict=False)
-    absent = [name for name in loaded if name in source.report.missing]
+    if stray:
+        raise PretrainedError(
+            f"parameters {stray[:4]} are on 'meta', flagged as loaded by from_pretrained, but "
+            f"were not built under zero.Init, so their checkpoint names are unknown; load "
+            f"the model with TrainingArguments(deepspeed=...) / the DeepSpeedPlugin in place, "
+            f"or build it on CPU")
+    sources = [_from_pretrained_source(root, entries) for root, entries in by_root.values()
+               if any(_loaded_meta(entry) for entry in entries)]
+    return sources[0] if len(sources) == 1 else PendingWeights(sources)
+
+
+def _loaded_meta(entry: _ModelTensor) -> bool:
+    """A parameter ``from_pretrained`` loaded under ZeRO-3 (``_is_hf_initialized``) into
+    ``meta``: only rank 0's copy went anywhere, and nowhere; ``initialize`` reads it again."""
+    return (isinstance(entry.tensor, nn.Parameter) and entry.tensor.is_meta
+            and bool(getattr(entry.tensor, "_is_hf_initialized", False)))
+
+
+def _from_pretrained_source(root: nn.Module, entries: list[_ModelTensor]) -> PretrainedSource:
+    path = _resolve_hf_checkpoint(root)
+    source = PretrainedSource(path, root, strict=False, tensors=entries)
+    absent = [entry.built_names[0][0] if entry.built_names else entry.label
+              for entry in entries
+              if _loaded_meta(entry) and source.key_of_param(entry.tensor) is None]
     if absent:
         raise PretrainedError(
             f"from_pretrained under zero.Init loaded {absent[:4]}, which {path} does not hold "
-            f"under these names (a checkpoint transformers converts on load); build the "
-            f"model from its config under zero.Init and call trainer.load_pretrained(model, "
-            f"converted_checkpoint_dir)")
-    model._zero_pretrained = source  # type: ignore[assignment]
+            f"under these names (transformers renamed or converted them while loading this "
+            f"checkpoint); build the model from its config under zero.Init and call "
+            f"trainer.load_pretrained(model, converted_checkpoint_dir)")
     return source
 
 
 def forget_pending(model: nn.Module) -> None:
     """``initialize`` has filled every unit: drop the pending checkpoint (and its open
     ``.bin`` memory maps) so a later ``initialize`` does not read it again."""
-    model.__dict__.pop("_zero_pretrained", None)
+    for module in model.modules():
+        module.__dict__.pop("_zero_pretrained", None)
 
 
 def _resolve_hf_checkpoint(model: nn.Module) -> Path:
@@ -265,9 +384,10 @@ def load_into_engine(engine: Engine, source: PretrainedSource) -> None:
         with agree(engine.collectives, f"loading pretrained weights into unit {unit.name}"):
             _load_unit(engine, unit, source)
         engine.placement.after_step(unit)
-    for names, tensor in _model_tensors(engine.module):
-        if id(tensor) not in tracked:
-            source.read_into(names[0], tensor)  # replicated: every rank reads the same
+    for param in engine.module.parameters():  # replicated: every rank reads the same
+        if id(param) not in tracked:
+            source.fill_param(param)
+    source.fill_buffers(engine.module)
 
 
 def _load_unit(engine: Engine, unit: Unit, source: PretrainedSource) -> None:
@@ -281,7 +401,7 @@ def _load_unit(engine: Engine, unit: Unit, source: PretrainedSource) -> None:
     begin = unit.part_index * unit.part_numel
     end = begin + unit.part_numel
     for slot in unit.slots:
-        key = source.key_of(slot.name)
+        key = source.key_of_param(slot.param)
         low, high = max(begin, slot.offset), min(end, slot.offset + slot.numel)
         if key is None or low >= high:
             continue

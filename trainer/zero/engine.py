@@ -36,7 +36,12 @@ from trainer.dist.collectives import Collectives
 from trainer.offload.backend import StateBackend, UnitSpec
 from trainer.zero.groups import ParamGroups, resolve_param_groups
 from trainer.zero.hooks import UnitHooks
-from trainer.zero.init import WeightSource, materialise_unit, materialise_untracked
+from trainer.zero.init import (
+    WeightSource,
+    materialise_unit,
+    materialise_untracked,
+    release_kept_values,
+)
 from trainer.zero.optimizer import ZeroOptimizer
 from trainer.zero.partition import Unit, build_units
 from trainer.zero.precision import Precision
@@ -175,6 +180,7 @@ class Engine(nn.Module):
                 self.backend.register(spec, unit.part_slice(flat).float())
                 self.placement.setup(unit, flat)
         self.state_io.forget_pending(self.module)
+        release_kept_values()
 
     def _grad_dtype(self) -> torch.dtype:
         """bf16 where the gradient partition is a bf16 reduce-scatter taken once per step
@@ -267,15 +273,17 @@ class Engine(nn.Module):
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backpropagate ``loss`` (scaled for accumulation and fp16) and reduce gradients."""
-        if not self.module.training:
-            raise RuntimeError("engine.backward() called in eval mode; call engine.train()")
+        """Backpropagate ``loss`` (scaled for accumulation and fp16) and reduce gradients.
+
+        In eval mode too, as torch trains a model in eval mode (dropout off): the
+        gradients are the eval-mode forward's, and stage 3 gathers what the forward
+        released again in backward."""
         scale = self.precision.scaler.scale / self.batch.gradient_accumulation_steps
         self.hooks.start_backward()
         self._backward_done.clear()
         self.reduce_order.start()
         if self.trace is not None:
-            self.trace.begin("backward", training=True)
+            self.trace.begin("backward", training=self.module.training)
         self._in_backward = True
         try:
             (loss.float() * scale).backward()

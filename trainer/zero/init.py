@@ -21,6 +21,22 @@ pretrained checkpoint is pending (``trainer.load_pretrained`` before
 ``initialize``, or ``from_pretrained`` under ``Init``: ``trainer.state.pretrained``),
 rank 0 overwrites each freshly materialised unit from it, one tensor at a time.
 
+While ``Init`` is active it also records where every module is registered
+(torch's global module-registration hook): ``load_paths(module)`` gives the
+module's dotted path in the model it was built in. A checkpoint loaded then
+(``from_pretrained``) is keyed by those paths, and a wrapper applied before
+``initialize`` re-parents modules (PEFT's ``base_model.model.`` prefix and
+``.base_layer.`` infix, DDP's ``module.``, ``torch.compile``'s ``_orig_mod``)
+without changing the module objects, so the checkpoint still finds them.
+
+A wrapper may also add modules of its own and move them to the device of the
+weights they wrap, which is ``meta`` here: PEFT builds and initialises its LoRA
+adapters on CPU, then moves them to ``meta``, which drops their values. So from
+the end of ``Init`` until ``initialize`` has materialised the model
+(``release_kept_values``), the tensors of every module registered anywhere are
+kept (``_keep_values``: a reference, no copy, while they stay where they are)
+and ``materialise`` puts them back instead of running an init over them.
+
 ``GatheredParameters(params, modifier_rank=None)`` gathers engine-managed
 parameters outside forward on every rank (collective) and, with
 ``modifier_rank``, scatters that rank's changes back into the partitions
@@ -38,6 +54,7 @@ import ctypes.util
 import functools
 import json
 import os
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -45,6 +62,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.modules.module import register_module_module_registration_hook
+from torch.utils.hooks import RemovableHandle
 
 from trainer.dist.agreement import agree
 from trainer.dist.collectives import Collectives
@@ -54,6 +73,16 @@ ParamInitFn = Callable[[nn.Module], None]
 
 _ACTIVE: list[Init] = []
 _original_param_new = nn.Parameter.__new__
+
+ParentLinks = list[tuple["weakref.ref[nn.Module]", str]]
+_PARENTS: weakref.WeakKeyDictionary[nn.Module, ParentLinks] = weakref.WeakKeyDictionary()
+"""Module -> the (parent, attribute) places it was registered at while ``Init`` was active;
+an empty list marks the root of a model built under ``Init`` (see ``load_paths``)."""
+_registration_hook: list[RemovableHandle] = []
+_KEPT: dict[int, tuple[weakref.ref[nn.Module], dict[str, torch.Tensor]]] = {}
+"""id(module) -> (the module, its parameters' values by attribute when it was registered);
+see ``_keep_values``."""
+_keep_hook: list[RemovableHandle] = []
 
 
 class ZeroInitError(RuntimeError):
@@ -101,6 +130,8 @@ class Init:
         if self.enabled:
             if not _ACTIVE:
                 nn.Parameter.__new__ = staticmethod(_meta_param_new)  # type: ignore[assignment]
+                _registration_hook.append(
+                    register_module_module_registration_hook(_record_parent))
             _ACTIVE.append(self)
         return self
 
@@ -109,6 +140,96 @@ class Init:
             _ACTIVE.remove(self)
             if not _ACTIVE:
                 nn.Parameter.__new__ = staticmethod(_original_param_new)  # type: ignore[method-assign]
+                while _registration_hook:
+                    _registration_hook.pop().remove()
+                _settle_parents()
+                if not _keep_hook:
+                    _keep_hook.append(register_module_module_registration_hook(_keep_values))
+
+
+# ---------------------------------------------------------------------------
+# where modules were built (checkpoint names survive wrappers)
+
+
+def _record_parent(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+    """torch's module-registration hook while ``Init`` is active: remember the place."""
+    if child is not None:
+        _PARENTS.setdefault(child, []).append((weakref.ref(parent), name))
+
+
+def _settle_parents() -> None:
+    """``Init`` ends: the model is built and this is the structure a checkpoint is loaded
+    into. Drop places a module was registered at and then replaced in, and mark roots."""
+    for child, links in list(_PARENTS.items()):
+        links[:] = [(ref, name) for ref, name in links
+                    if (parent := ref()) is not None and parent._modules.get(name) is child]
+        for ref, _ in links:
+            parent = ref()
+            if parent is not None and parent not in _PARENTS:
+                _PARENTS[parent] = []
+
+
+def _keep_values(parent: nn.Module, name: str, child: nn.Module | None) -> None:
+    """torch's module-registration hook between ``Init`` and ``initialize``: keep a
+    reference to the values of the real parameters in the child's subtree, by module and
+    attribute (a move to ``meta`` replaces the Parameter object), so that move loses
+    nothing. A reference costs nothing while the parameter keeps its storage; a move
+    elsewhere (``.to("cuda")``) keeps the old storage alive until ``release_kept_values``."""
+    if child is None:
+        return
+    for module in child.modules():
+        real = {attr: param.data for attr, param in module._parameters.items()
+                if param is not None and not param.is_meta}
+        key = id(module)
+        if real and key not in _KEPT:
+            _KEPT[key] = (weakref.ref(module, functools.partial(_forget_kept, key)), real)
+
+
+def _forget_kept(key: int, _ref: object) -> None:
+    """The module ``_keep_values`` kept values for is gone: so are they."""
+    _KEPT.pop(key, None)
+
+
+def _kept_values(root: nn.Module, wanted: dict[int, nn.Parameter]) -> dict[int, torch.Tensor]:
+    """id(parameter) -> the values ``_keep_values`` kept for it, among ``wanted``."""
+    found: dict[int, torch.Tensor] = {}
+    for module in root.modules():
+        kept = _KEPT.get(id(module))
+        if kept is None or kept[0]() is not module:
+            continue
+        for attr, param in module._parameters.items():
+            value = kept[1].get(attr)
+            if (param is not None and id(param) in wanted and value is not None
+                    and value.shape == param.shape):
+                found[id(param)] = value
+    return found
+
+
+def release_kept_values() -> None:
+    """``initialize`` has materialised its model: stop keeping values (``_keep_values``)."""
+    while _keep_hook:
+        _keep_hook.pop().remove()
+    _KEPT.clear()
+
+
+def load_paths(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """``(root, dotted path)`` of every place ``module`` had in the model it was built in
+    under ``Init`` (the root's path is ``""``); empty for a module built elsewhere.
+
+    These are the names ``from_pretrained`` loaded it under: a wrapper applied since (PEFT,
+    DDP, ``torch.compile``) changes the module's current path, not these."""
+    links = _PARENTS.get(module)
+    if links is None:
+        return []
+    if not links:
+        return [(module, "")]
+    found: list[tuple[nn.Module, str]] = []
+    for ref, name in links:
+        parent = ref()
+        if parent is None:
+            continue
+        found += [(root, f"{path}.{name}" if path else name) for root, path in load_paths(parent)]
+    return found
 
 
 # ---------------------------------------------------------------------------
@@ -117,16 +238,24 @@ class Init:
 
 class WeightSource(Protocol):
     """Checkpoint values for freshly materialised tensors: the pretrained checkpoint a
-    meta-built model is filled from (``trainer.state.pretrained.PretrainedSource``)."""
+    meta-built model is filled from (``trainer.state.pretrained.PretrainedSource``).
 
-    def read_into(self, name: str, tensor: torch.Tensor) -> bool:
-        """Copy the checkpoint's ``name`` into ``tensor``; False when it has none."""
+    Keyed by the tensors themselves (parameters) and by their owning module (buffers,
+    which ``initialize`` replaces when it moves them), never by the model's current
+    names: a wrapper may have renamed them since the checkpoint was matched."""
+
+    def fill_param(self, param: torch.Tensor) -> bool:
+        """Copy the checkpoint's value of ``param`` into it; False when it has none."""
+        ...
+
+    def fill_buffers(self, model: nn.Module) -> None:
+        """Copy the checkpoint's value into every buffer of ``model`` it holds."""
         ...
 
 
-def _fill(source: WeightSource, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-    for name, tensor in named:
-        source.read_into(name, tensor)
+def _fill(source: WeightSource, params: Sequence[torch.Tensor]) -> None:
+    for param in params:
+        source.fill_param(param)
 
 
 def _post_order(module: nn.Module) -> list[nn.Module]:
@@ -153,13 +282,17 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
     wanted = {id(p): p for p in params if p.device.type == "meta"}
     if not wanted:
         return
-    owner: Init | None = getattr(next(iter(wanted.values())), "_zero_init", None)
+    kept = _kept_values(root, wanted)
+    owner: Init | None = next((getattr(p, "_zero_init", None) for p in wanted.values()
+                               if getattr(p, "_zero_init", None) is not None), None)
     custom = owner.param_init_fn if owner is not None else None
     hf_init = getattr(model, "_init_weights", None)
     init_fn: ParamInitFn | None = custom or (hf_init if callable(hf_init) else None)
-    modules = [m for m in _post_order(root) if any(id(p) in wanted for p in m.parameters())]
+    to_init = {key: p for key, p in wanted.items() if key not in kept}
+    modules = [m for m in _post_order(root) if any(id(p) in to_init for p in m.parameters())]
     if init_fn is None:
-        modules = [m for m in modules if any(id(p) in wanted for p in m.parameters(recurse=False))]
+        modules = [m for m in modules
+                   if any(id(p) in to_init for p in m.parameters(recurse=False))]
         for module in modules:
             if not callable(getattr(module, "reset_parameters", None)):
                 raise ZeroInitError(
@@ -179,6 +312,8 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
                 init_fn(module)
             else:
                 module.reset_parameters()  # type: ignore[operator]
+        for key, value in kept.items():  # moved to meta after it was built: its own values
+            wanted[key].copy_(value)
 
 
 def _return_free_heap() -> None:
@@ -210,12 +345,10 @@ def materialise_untracked(model: nn.Module, units: Sequence[Unit], collectives: 
     meta = {id(p) for p in rest if p.is_meta}
     materialise(model, model, rest, "<untracked>", collectives.device)
     if pretrained is not None:
-        named: list[tuple[str, torch.Tensor]] = [
-            (name, p) for name, p in model.named_parameters() if id(p) in meta]
-        named += list(model.named_buffers())
         with agree(collectives, "loading pretrained weights outside the units"):
             if collectives.rank == 0:
-                _fill(pretrained, named)
+                _fill(pretrained, [p for p in rest if id(p) in meta])
+                pretrained.fill_buffers(model)
 
 
 def materialise_unit(model: nn.Module, unit: Unit, collectives: Collectives,
@@ -223,7 +356,7 @@ def materialise_unit(model: nn.Module, unit: Unit, collectives: Collectives,
     """Engine hook, once per unit before its flat parameters are built. With ``pretrained``
     rank 0 overwrites the unit's freshly materialised parameters from the checkpoint (the
     engine broadcasts rank 0's values)."""
-    meta = [(slot.name, slot.param) for slot in unit.slots if slot.param.is_meta]
+    meta = [slot.param for slot in unit.slots if slot.param.is_meta]
     if meta:
         _return_free_heap()  # the previous unit's buffers, before this unit's are allocated
     materialise(model, unit.module, [slot.param for slot in unit.slots], unit.name,

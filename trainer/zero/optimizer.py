@@ -55,6 +55,9 @@ class ZeroOptimizer:
         self.last_grad_norm: float | None = None
         self._sq_norms: list[torch.Tensor] = []
         self._ready: list[int] = []
+        self.after_step: list[Callable[[], None]] = []
+        """Called after every applied step (``trainer.integrations.ds_facade.link_groups``
+        marks the client's torch optimizer as stepped for its LR scheduler)."""
 
     @property
     def eager(self) -> bool:
@@ -95,6 +98,8 @@ class ZeroOptimizer:
         self.scaler.update(not applied)
         if applied:
             self.step_count += 1
+            for callback in self.after_step:
+                callback()
         else:
             self.skipped_steps += 1
         return applied

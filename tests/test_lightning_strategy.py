@@ -1,0 +1,66 @@
+"""Lightning's DeepSpeed guide with offloadd: ``OffloaddStrategy`` takes
+``DeepSpeedStrategy``'s keywords with their meanings, and ``import trainer.lightning``
+registers ``offloadd_stage_*`` names as Lightning registers ``deepspeed_stage_*``.
+
+2 torchrun ranks (``tests/scripts/lightning_guide_run.py``): the guide's ZeRO-3 NVMe
+keywords (``stage=3, offload_optimizer=True, offload_parameters=True,
+remote_device="nvme", ..., nvme_path=...``) and ``strategy="offloadd_stage_3_offload"``
+both train with the losses of ``strategy="ddp"``, without warnings (none about the
+buffer/aio sizes the keywords write, none from torch's LR scheduler).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _torchrun import torchrun
+
+pytest.importorskip("lightning", reason="the lightning extra is not installed")
+pytest.importorskip("transformers", reason="the hf extra is not installed")
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).parent / "scripts" / "lightning_guide_run.py"
+
+
+def run(out: Path, strategy: str) -> dict[str, Any]:
+    torchrun(SCRIPT, ["--out", str(out), "--strategy", strategy], out)
+    result: dict[str, Any] = json.loads((out / "result.json").read_text())
+    return result
+
+
+def test_deepspeed_keywords_and_registered_names_match_ddp(tmp_path: Path) -> None:
+    reference = run(tmp_path / "ddp", "ddp")
+    assert reference["strategy"] == "DDPStrategy"
+    for strategy in ("keywords", "offloadd_stage_3_offload"):
+        ours = run(tmp_path / strategy, strategy)
+        assert ours["strategy"] == "OffloaddStrategy", strategy
+        assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5), strategy
+        assert ours["warnings"] == [], strategy
+    assert (tmp_path / "keywords" / "swap").is_dir()  # nvme_path reached the daemon
+
+
+def test_registered_names_mean_what_deepspeeds_do() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from trainer.lightning import OffloaddStrategy
+
+    expected = {"offloadd": (2, None, None), "offloadd_stage_1": (1, None, None),
+                "offloadd_stage_2": (2, None, None),
+                "offloadd_stage_2_offload": (2, "cpu", None),
+                "offloadd_stage_3": (3, None, None),
+                "offloadd_stage_3_offload": (3, "cpu", "cpu"),
+                "offloadd_stage_3_offload_nvme": (3, "nvme", "nvme")}
+    for name, (stage, optimizer_device, param_device) in expected.items():
+        strategy = StrategyRegistry.get(name)
+        assert isinstance(strategy, OffloaddStrategy), name
+        zero = strategy.config["zero_optimization"]
+        assert zero["stage"] == stage, name
+        assert zero.get("offload_optimizer", {}).get("device") == optimizer_device, name
+        assert zero.get("offload_param", {}).get("device") == param_device, name
+    with pytest.raises(ValueError, match="remote_device"):
+        OffloaddStrategy(remote_device="gpu")
+    with pytest.raises(ValueError, match="exclude_frozen_parameters"):
+        OffloaddStrategy(exclude_frozen_parameters=True)
