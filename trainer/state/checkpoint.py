@@ -54,7 +54,16 @@ from typing import Any
 
 import torch
 
-from trainer.state.export import HF_CONFIG_DIR, param_layout, write_hf_configs
+from trainer.state.export import (
+    HF_CONFIG_DIR,
+    LATEST_FILE,
+    latest_tag,
+    param_layout,
+    rank_file,
+    read_meta,
+    write_hf_configs,
+)
+from trainer.state.hf_checkpoint import path_inside
 from trainer.state.reshard import check_reshardable, load_resharded
 from trainer.zero.engine import Engine
 
@@ -79,11 +88,6 @@ def check_full_restore(options: dict[str, bool]) -> None:
 
 
 FORMAT_VERSION = 1
-LATEST_FILE = "latest"
-
-
-def _rank_file(tag_dir: Path, rank: int) -> Path:
-    return tag_dir / f"rank_{rank:05d}.pt"
 
 
 def _meta(engine: Engine) -> dict[str, Any]:
@@ -138,7 +142,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
         engine.backend.flush(tag)
     payload = {"units": _unit_states(engine), "engine": _engine_state(engine),
                "untracked": _untracked_state(engine), "client_state": client_state or {}}
-    _atomic_save(payload, _rank_file(tag_dir, engine.collectives.rank))
+    _atomic_save(payload, rank_file(tag_dir, engine.collectives.rank))
     if engine.collectives.rank == 0:
         write_hf_configs(engine.module, tag_dir / HF_CONFIG_DIR, engine.precision.dtype)
         _atomic_write_text(tag_dir / "meta.json", json.dumps(_meta(engine), indent=2))
@@ -165,19 +169,24 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str],
                     tag: str | None = None) -> tuple[str | None, dict[str, Any]]:
     """Restore a checkpoint written by ``save_checkpoint``; returns ``(path, client_state)``.
 
-    Returns ``(None, {})`` when ``tag`` is None and there is no ``latest`` file.
+    Returns ``(None, {})`` when ``tag`` is None and there is no ``latest`` file. A
+    checkpoint may come from elsewhere: it is read only inside ``load_dir`` and every count
+    in its meta.json is checked before it sizes anything (``CheckpointError`` otherwise).
     """
+    what = "the tag passed to load_checkpoint"
     if tag is None:
-        latest = Path(load_dir) / LATEST_FILE
-        if not latest.exists():
+        tag = latest_tag(Path(load_dir))
+        if tag is None:
             return None, {}
-        tag = latest.read_text(encoding="utf-8").strip()
-    tag_dir = Path(load_dir) / tag
+        what = f"{load_dir}'s '{LATEST_FILE}' file"
+    tag_dir = path_inside(load_dir, tag, what=what)
     saved = _check_meta(engine, tag_dir)
     if saved["world_size"] != engine.collectives.world_size:
-        payload = load_resharded(engine, tag_dir, saved, _rank_file)
+        payload = load_resharded(engine, tag_dir, saved)
     else:
-        payload = torch.load(_rank_file(tag_dir, engine.collectives.rank), weights_only=True)
+        own = rank_file(tag_dir, engine.collectives.rank).name  # other ranks' may be elsewhere
+        payload = torch.load(path_inside(tag_dir, own, what=f"{tag_dir}'s {own}"),
+                             weights_only=True)
         _restore_units(engine, payload["units"])
     _restore_engine(engine, payload["engine"])
     _restore_untracked(engine, payload["untracked"])
@@ -188,10 +197,7 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str],
 def _check_meta(engine: Engine, tag_dir: Path) -> dict[str, Any]:
     """The checkpoint's meta.json, checked against this engine (a world size change is
     resharded, see ``trainer.state.reshard``)."""
-    meta_path = tag_dir / "meta.json"
-    if not meta_path.exists():
-        raise FileNotFoundError(f"no checkpoint at {tag_dir} (missing meta.json)")
-    saved: dict[str, Any] = json.loads(meta_path.read_text(encoding="utf-8"))
+    saved = read_meta(tag_dir)
     current = _meta(engine)
     for key in ("format_version", "stage", "dtype"):
         if saved.get(key) != current[key]:

@@ -36,12 +36,13 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -49,8 +50,10 @@ from torch import nn
 from trainer.state.hf_checkpoint import (
     BIN_WEIGHTS,
     SAFE_WEIGHTS,
+    CheckpointError,
     ShardWriter,
     parse_size,
+    path_inside,
     remove_stale_weights,
     weights_format,
 )
@@ -175,29 +178,165 @@ def _open_writer(target: Path, sizes: list[tuple[str, int]], weights_name: str,
 # offline conversion
 
 
+LATEST_FILE = "latest"
+"""In a save dir: the tag of the newest complete checkpoint."""
+META_FILE = "meta.json"
+MAX_TAG_NBYTES = 4096
+"""Longest ``latest`` file read: a tag is a directory name."""
+
+
+def rank_file(tag_dir: Path, rank: int) -> Path:
+    """Where rank ``rank``'s partition of a checkpoint lives."""
+    return tag_dir / f"rank_{rank:05d}.pt"
+
+
+def latest_tag(save_dir: Path) -> str | None:
+    """The tag ``save_dir``'s ``latest`` file names; None when there is no such file.
+
+    ``latest`` comes with the checkpoint, so it is read like any of its files: it must be a
+    small regular file inside ``save_dir`` (``path_inside`` then checks the tag it names)."""
+    latest = save_dir / LATEST_FILE
+    if not latest.exists():
+        return None
+    path_inside(save_dir, LATEST_FILE, what=f"{save_dir}'s '{LATEST_FILE}' file")
+    if not latest.is_file():
+        raise CheckpointError(f"{latest} is not a regular file; it should hold a tag")
+    with latest.open("rb") as file:
+        raw = file.read(MAX_TAG_NBYTES + 1)
+    if len(raw) > MAX_TAG_NBYTES:
+        raise CheckpointError(f"{latest} holds more than {MAX_TAG_NBYTES} bytes, not a tag; "
+                              f"pass the tag explicitly")
+    try:
+        tag = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as error:
+        raise CheckpointError(f"{latest} is not UTF-8 text ({error}); it should hold a "
+                              f"tag") from error
+    if not tag:
+        raise CheckpointError(f"{latest} is empty; it should hold a tag")
+    return tag
+
+
+def read_meta(checkpoint_dir: Path) -> dict[str, Any]:
+    """A tag directory's meta.json, its counts checked (see ``check_meta``); raises
+    ``FileNotFoundError`` when there is none."""
+    meta_path = path_inside(checkpoint_dir, META_FILE, what=f"{checkpoint_dir}'s {META_FILE}")
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"no checkpoint at {checkpoint_dir} (missing {META_FILE})")
+    try:
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(f"{meta_path} is not JSON ({error})") from error
+    check_meta(meta, meta_path)
+    return meta
+
+
+def _count(value: object) -> TypeGuard[int]:
+    return type(value) is int and value >= 0
+
+
+def check_meta(meta: object, meta_path: Path) -> None:
+    """Every count meta.json holds, checked before anything is sized by it: a positive int
+    ``world_size`` (``rank_files`` checks it against the files on disk) and per unit a
+    partitioning ``trainer.zero.partition`` could have made. Raises ``CheckpointError``."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_path} is not a JSON object")
+    world_size = meta.get("world_size")
+    if not (_count(world_size) and world_size > 0):
+        raise CheckpointError(f"{meta_path} has world_size={world_size!r}; it must be the "
+                              f"number of ranks that saved it (a positive int)")
+    units = meta.get("units")
+    if not isinstance(units, list) or not all(isinstance(unit, dict) for unit in units):
+        raise CheckpointError(f"{meta_path} has no 'units' list")
+    for position, unit in enumerate(units):
+        numel, padded, part = (unit.get(key) for key in ("numel", "padded_numel", "part_numel"))
+        if not (_count(unit.get("index")) and _count(numel) and _count(padded)
+                and _count(part) and _partitioned_as(numel, padded, part, world_size)):
+            raise CheckpointError(
+                f"{meta_path}: units[{position}] has numel={numel!r}, padded_numel="
+                f"{padded!r}, part_numel={part!r}; a unit saved by {world_size} ranks pads "
+                f"numel to padded_numel, cut into 1 or {world_size} parts of part_numel")
+
+
+def _partitioned_as(numel: int, padded: int, part: int, world_size: int) -> bool:
+    """``numel`` elements padded to ``padded`` and cut into 1 or ``world_size`` equal parts
+    (``trainer.zero.partition``): the padding is less than one element per part."""
+    num_parts = 1 if part == padded else world_size
+    return part * num_parts == padded and 0 <= padded - numel < num_parts
+
+
+def check_layout(meta: dict[str, Any], meta_path: Path) -> None:
+    """meta.json's ``layout``: per unit, every parameter inside the unit's elements."""
+    layout = meta["layout"]
+    if not isinstance(layout, list) or len(layout) != len(meta["units"]):
+        raise CheckpointError(f"{meta_path}: 'layout' must list the parameters of each of "
+                              f"its {len(meta['units'])} units")
+    for unit, slots in zip(meta["units"], layout, strict=True):
+        for slot in slots if isinstance(slots, list) else [None]:
+            if not (isinstance(slot, dict) and _count(slot.get("offset"))
+                    and _count(slot.get("numel")) and isinstance(slot.get("shape"), list)
+                    and all(_count(size) for size in slot["shape"])
+                    and math.prod(slot["shape"]) == slot["numel"]
+                    and slot["offset"] + slot["numel"] <= unit["numel"]
+                    and isinstance(slot.get("names"), list) and slot["names"]
+                    and all(isinstance(name, str) for name in slot["names"])):
+                raise CheckpointError(
+                    f"{meta_path}: a parameter of unit {unit['index']} in 'layout' is "
+                    f"{slot!r}; each needs names, and an offset, numel and shape that lie "
+                    f"inside the unit's {unit['numel']} elements")
+
+
+def rank_files(checkpoint_dir: Path, world_size: int,
+               error: type[CheckpointError] = CheckpointError) -> list[Path]:
+    """The ``world_size`` rank files of a checkpoint, each inside ``checkpoint_dir``.
+
+    Raises ``error`` naming the first missing ones: a world size larger than the files on
+    disk costs a look at those files, never ``world_size`` of anything.
+    """
+    files: list[Path] = []
+    missing: list[str] = []
+    for rank in range(world_size):
+        file = path_inside(checkpoint_dir, rank_file(checkpoint_dir, rank).name,
+                           what=f"{checkpoint_dir}'s rank {rank} file")
+        if not file.is_file():
+            missing.append(file.name)
+            if len(missing) == 8:
+                break
+        files.append(file)
+    if missing:
+        raise error(f"checkpoint {checkpoint_dir} was saved by {world_size} ranks but "
+                    f"{missing} {'and more ' if len(missing) == 8 else ''}are missing (its "
+                    f"{META_FILE} has world_size={world_size}); loading at another world size "
+                    f"or exporting reads every rank's file: copy the whole tag directory")
+    return files
+
+
 def _resolve_tag(save_dir: Path, tag: str | None) -> Path:
     if tag is None:
-        latest = save_dir / "latest"
-        if not latest.exists():
+        tag = latest_tag(save_dir)
+        if tag is None:
             raise ExportError(f"{save_dir} has no 'latest' file; pass --tag")
-        tag = latest.read_text(encoding="utf-8").strip()
-    tag_dir = save_dir / tag
-    if not (tag_dir / "meta.json").exists():
-        raise ExportError(f"no checkpoint at {tag_dir} (missing meta.json)")
-    return tag_dir
+        what = f"{save_dir}'s '{LATEST_FILE}' file"
+    else:
+        what = "--tag"
+    checkpoint_dir = path_inside(save_dir, tag, what=what)
+    if not (checkpoint_dir / META_FILE).exists():
+        raise ExportError(f"no checkpoint at {checkpoint_dir} (missing meta.json)")
+    return checkpoint_dir
 
 
 def _open_checkpoint(save_dir: str | os.PathLike[str],
                      tag: str | None) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
     """The tag directory, its meta.json and every rank file, memory-mapped."""
-    tag_dir = _resolve_tag(Path(save_dir), tag)
-    meta = json.loads((tag_dir / "meta.json").read_text(encoding="utf-8"))
+    checkpoint_dir = _resolve_tag(Path(save_dir), tag)
+    meta = read_meta(checkpoint_dir)
     if meta.get("layout") is None:
-        raise ExportError(f"{tag_dir}/meta.json has no 'layout' (written before exports were "
-                          f"supported); load it in an engine and call save_16bit_model instead")
-    ranks = [torch.load(tag_dir / f"rank_{rank:05d}.pt", mmap=True, weights_only=True,
-                        map_location="cpu") for rank in range(meta["world_size"])]
-    return tag_dir, meta, ranks
+        raise ExportError(f"{checkpoint_dir}/meta.json has no 'layout' (written before "
+                          f"exports were supported); load it in an engine and call "
+                          f"save_16bit_model instead")
+    check_layout(meta, checkpoint_dir / META_FILE)
+    ranks = [torch.load(file, mmap=True, weights_only=True, map_location="cpu")
+             for file in rank_files(checkpoint_dir, meta["world_size"])]
+    return checkpoint_dir, meta, ranks
 
 
 def iter_units(save_dir: str | os.PathLike[str], tag: str | None = None,
@@ -213,11 +352,9 @@ def _iter_units(meta: dict[str, Any], ranks: list[dict[str, Any]],
                 dtype: torch.dtype) -> Iterator[tuple[int, dict[str, Any]]]:
     for unit, slots in zip(meta["units"], meta["layout"], strict=True):
         index = unit["index"]
-        parts = [rank["units"][index] for rank in ranks]
+        parts = [_saved_part(rank, unit, rank_index) for rank_index, rank in enumerate(ranks)]
         partitioned = unit["part_numel"] != unit["padded_numel"]
-        kind = "master" if "master" in parts[0] else "param"
-        flat = (torch.cat([part[kind] for part in parts]) if partitioned
-                else parts[0][kind]).to(dtype)
+        flat = (torch.cat(parts) if partitioned else parts[0]).to(dtype)
         tensors: dict[str, torch.Tensor] = {}
         for slot in slots:
             value = flat.narrow(0, slot["offset"], slot["numel"]).view(slot["shape"]).clone()
@@ -225,6 +362,21 @@ def _iter_units(meta: dict[str, Any], ranks: list[dict[str, Any]],
                 tensors[name] = value
         yield index, tensors
     yield -1, {name: value.clone() for name, value in ranks[0]["untracked"].items()}
+
+
+def _saved_part(rank: dict[str, Any], unit: dict[str, Any], rank_index: int) -> torch.Tensor:
+    """A rank file's fp32 master (or parameter) partition of ``unit``, of the size meta.json
+    gives it (``part_numel``): what the layout is then cut from."""
+    units = rank.get("units") if isinstance(rank, dict) else None
+    state = units.get(unit["index"]) if isinstance(units, dict) else None
+    part = state.get("master", state.get("param")) if isinstance(state, dict) else None
+    if not isinstance(part, torch.Tensor) or part.dim() != 1 \
+            or part.numel() != unit["part_numel"]:
+        found = tuple(part.shape) if isinstance(part, torch.Tensor) else type(part).__name__
+        raise CheckpointError(
+            f"rank {rank_index}'s file has {found} for unit {unit['index']}, not the "
+            f"{unit['part_numel']} elements its meta.json gives (part_numel)")
+    return part
 
 
 def export_checkpoint(save_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
@@ -261,12 +413,21 @@ def export_checkpoint(save_dir: str | os.PathLike[str], out: str | os.PathLike[s
                 writer.add(name, value)
                 written.add(id(value))
     writer.finish()
-    _copy_configs(Path(config_dir) if config_dir is not None else tag_dir / HF_CONFIG_DIR,
-                  out, dtype)
+    if config_dir is not None:
+        _copy_configs(Path(config_dir), out, dtype)
+    else:
+        _copy_configs(tag_dir / HF_CONFIG_DIR, out, dtype, inside=tag_dir)
     return out
 
 
-def _copy_configs(source: Path, out: Path, dtype: torch.dtype) -> None:
+def _copy_configs(source: Path, out: Path, dtype: torch.dtype, *,
+                  inside: Path | None = None) -> None:
+    """The HF configs from ``source`` into ``out``; ``inside``: a checkpoint's directory
+    that every config file read must lie in (``path_inside``)."""
+    if inside is not None:
+        for name in HF_CONFIG_FILES:
+            path_inside(inside, str((source / name).relative_to(inside)),
+                        what=f"the checkpoint's {HF_CONFIG_DIR}/{name}")
     if not (source / "config.json").exists():
         raise ExportError(
             f"the weights are in {out}, but {source} has no config.json, which "

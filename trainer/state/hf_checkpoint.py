@@ -27,7 +27,8 @@ import os
 import re
 import struct
 from collections.abc import Iterable
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import TypeGuard
 
 import torch
 
@@ -43,7 +44,46 @@ _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**1
 
 
 class CheckpointError(ValueError):
-    """A checkpoint directory or file cannot be read as an HF checkpoint; says what to change."""
+    """A checkpoint (HF or ZeRO) cannot be read: a file is missing or malformed, a name
+    leads out of the checkpoint's directory, or a count disagrees with what is on disk.
+    The message names the file and the entry and says what to change."""
+
+
+def path_inside(directory: str | os.PathLike[str], name: object, *, what: str,
+                also_inside: Iterable[Path] = ()) -> Path:
+    """``directory / name`` for a ``name`` read from a checkpoint's own files.
+
+    A checkpoint handed over by someone else reads only inside its directory: ``name``
+    must be a relative path without ``..`` parts, and the file it names, symlinks
+    followed, must lie inside ``directory`` (or one of ``also_inside``: the blob store of
+    a Hugging Face cache snapshot). Anything else raises ``CheckpointError`` naming
+    ``what`` (the file and entry the name came from). Returns the path as named, not
+    resolved: a ``.safetensors`` symlink into an HF cache keeps its suffix.
+    """
+    directory = Path(directory)
+    if not isinstance(name, str) or not name or "\0" in name:
+        raise CheckpointError(f"{what} must name a file inside {directory}, got {name!r}")
+    relative = PurePosixPath(name)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise CheckpointError(
+            f"{what} names {name!r}, which is not inside {directory}: a checkpoint may only "
+            f"name files in its own directory (a relative path without '..'); fix the entry "
+            f"or copy the file into the checkpoint")
+    path = directory / relative
+    target = path.resolve()
+    roots = [root.resolve() for root in (directory, *also_inside)]
+    if not any(target.is_relative_to(root) for root in roots):
+        raise CheckpointError(
+            f"{what} names {name!r}, a symlink to {target}, outside {directory}: a checkpoint "
+            f"may only read files in its own directory; replace the link by the file")
+    return path
+
+
+def _hf_cache_blobs(directory: Path) -> list[Path]:
+    """Where the files of a Hugging Face cache snapshot (``.../snapshots/<rev>``) live."""
+    if directory.parent.name == "snapshots":
+        return [directory.parent.parent / "blobs"]
+    return []
 
 
 def parse_size(size: int | str) -> int:
@@ -64,7 +104,8 @@ def parse_size(size: int | str) -> int:
 
 
 def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
-    """The weight files of a ``save_pretrained`` directory (or one weight file), in order."""
+    """The weight files of a ``save_pretrained`` directory (or one weight file), in order;
+    every one inside the directory (``path_inside``)."""
     path = Path(path)
     if path.is_file():
         if path.name.endswith(".index.json"):
@@ -72,21 +113,31 @@ def checkpoint_files(path: str | os.PathLike[str]) -> list[Path]:
         return [path]
     if not path.is_dir():
         raise CheckpointError(f"{path} is neither a checkpoint directory nor a weight file")
+    blobs = _hf_cache_blobs(path)
     for index_name, single in ((SAFE_INDEX, SAFE_WEIGHTS), (BIN_INDEX, BIN_WEIGHTS)):
         if (path / index_name).exists():
+            path_inside(path, index_name, what=f"{path}'s index", also_inside=blobs)
             return _indexed_files(path / index_name)
         if (path / single).exists():
-            return [path / single]
+            return [path_inside(path, single, what=f"{path}'s weights", also_inside=blobs)]
     raise CheckpointError(f"{path} has no {SAFE_INDEX}, {SAFE_WEIGHTS}, {BIN_INDEX} or "
                           f"{BIN_WEIGHTS}; point at the directory save_pretrained wrote")
 
 
 def _indexed_files(index_path: Path) -> list[Path]:
-    index = json.loads(index_path.read_text(encoding="utf-8"))
-    names = dict.fromkeys(index.get("weight_map", {}).values())
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as error:
+        raise CheckpointError(f"{index_path} is not JSON ({error})") from error
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_path} has no 'weight_map' object")
+    names = dict.fromkeys(weight_map.values())
     if not names:
         raise CheckpointError(f"{index_path} has an empty weight_map")
-    files = [index_path.parent / name for name in names]
+    blobs = _hf_cache_blobs(index_path.parent)
+    files = [path_inside(index_path.parent, name, what=f"{index_path}'s weight_map",
+                         also_inside=blobs) for name in names]
     missing = [str(file) for file in files if not file.exists()]
     if missing:
         raise CheckpointError(f"{index_path} names shard(s) that do not exist: {missing}")
@@ -101,27 +152,61 @@ _SAFETENSORS_DTYPES = {
 }
 
 
+MAX_SAFETENSORS_HEADER_NBYTES = 100 << 20
+"""Largest safetensors JSON header read (the safetensors library's own limit)."""
+
+
 class _SafetensorsFile:
-    """One safetensors file read by byte range (header: 8-byte length, then JSON)."""
+    """One safetensors file read by byte range (header: 8-byte length, then JSON).
+
+    Every count in the header is checked against the file's size before anything is
+    allocated from it: a tensor's bytes must lie inside the file and match its shape.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         with path.open("rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            header = json.loads(file.read(length))
+            file_nbytes = os.fstat(file.fileno()).st_size
+            (length,) = struct.unpack("<Q", file.read(8).ljust(8, b"\0"))
+            if not 0 < length <= min(file_nbytes - 8, MAX_SAFETENSORS_HEADER_NBYTES):
+                raise CheckpointError(f"{path}: its header claims {length} bytes, but the "
+                                      f"file holds {file_nbytes}; it is not a safetensors file")
+            try:
+                header = json.loads(file.read(length))
+            except (ValueError, RecursionError) as error:
+                raise CheckpointError(f"{path}: its header is not JSON ({error})") from error
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: its header is not a JSON object")
         header.pop("__metadata__", None)
         self.data_start = 8 + length
-        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {}
-        for name, entry in header.items():
-            if entry["dtype"] not in _SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{path}: tensor {name} has dtype {entry['dtype']}, "
-                                      f"which this reader does not support")
-            self.entries[name] = (_SAFETENSORS_DTYPES[entry["dtype"]], tuple(entry["shape"]),
-                                  self.data_start + entry["data_offsets"][0])
+        self.entries: dict[str, tuple[torch.dtype, tuple[int, ...], int]] = {
+            name: self._entry(name, entry, file_nbytes - self.data_start)
+            for name, entry in header.items()}
+
+    def _entry(self, name: str, entry: object,
+               data_nbytes: int) -> tuple[torch.dtype, tuple[int, ...], int]:
+        """A header entry as (dtype, shape, file offset), its counts checked."""
+        if not isinstance(entry, dict) or entry.get("dtype") not in _SAFETENSORS_DTYPES:
+            dtype = entry.get("dtype") if isinstance(entry, dict) else entry
+            raise CheckpointError(f"{self.path}: tensor {name} has dtype {dtype!r}, "
+                                  f"which this reader does not support")
+        dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (_counts(shape) and _counts(offsets) and len(offsets) == 2
+                and offsets[0] <= offsets[1] <= data_nbytes
+                and offsets[1] - offsets[0] == math.prod(shape) * dtype.itemsize):
+            raise CheckpointError(
+                f"{self.path}: tensor {name} has shape {shape!r} and data_offsets "
+                f"{offsets!r}, which do not fit its dtype and the file's "
+                f"{data_nbytes} data bytes; the file is damaged or not safetensors")
+        return dtype, tuple(shape), self.data_start + offsets[0]
 
     def read(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Elements ``[start, stop)`` of the flattened tensor, as a new 1-D tensor."""
-        dtype, _, offset = self.entries[name]
+        dtype, shape, offset = self.entries[name]
+        if start < 0 or stop > math.prod(shape):
+            raise CheckpointError(f"{self.path}: elements [{start}, {stop}) asked of tensor "
+                                  f"{name}, which has {math.prod(shape)}")
         out = torch.empty(max(stop - start, 0), dtype=dtype)
         nbytes = out.numel() * out.element_size()
         if nbytes == 0:
@@ -138,6 +223,12 @@ class _SafetensorsFile:
         finally:
             os.close(descriptor)
         return out
+
+
+def _counts(value: object) -> TypeGuard[list[int]]:
+    """A list of non-negative ints (a shape, a pair of offsets), as JSON gives them."""
+    return isinstance(value, list) and all(
+        type(item) is int and item >= 0 for item in value)
 
 
 class CheckpointReader:

@@ -29,38 +29,35 @@ import torch
 
 from offloadd import moment_codec
 from trainer.offload.backend import MOMENT_KINDS
+from trainer.state.export import rank_files
+from trainer.state.hf_checkpoint import CheckpointError
 from trainer.zero.engine import Engine
 from trainer.zero.partition import Unit
 
 
-class ReshardError(ValueError):
+class ReshardError(CheckpointError):
     """A checkpoint cannot be resharded into this engine; the message says why."""
 
 
 def check_reshardable(engine: Engine, saved: dict[str, Any], tag_dir: Path) -> None:
-    """Same model (units by name and size), stage and dtype; only the world size differs."""
+    """Same model (units by name and size), stage and dtype; only the world size differs.
+    ``saved`` is a meta.json whose counts ``trainer.state.export.check_meta`` checked."""
     current = [(u.index, u.name, u.numel) for u in engine.units]
-    stored = [(u["index"], u["name"], u["numel"]) for u in saved["units"]]
+    stored = [(u["index"], u.get("name"), u["numel"]) for u in saved["units"]]
     if stored != current:
         raise ReshardError(
             f"checkpoint {tag_dir} (world size {saved['world_size']}) was saved from other "
             f"units than this engine's: first difference "
             f"{next(((a, b) for a, b in zip(stored, current) if a != b), None)}; resume it with "
             f"the same model and the same 'units' config")
+    rank_files(tag_dir, saved["world_size"], ReshardError)
 
 
-def load_resharded(engine: Engine, tag_dir: Path, saved: dict[str, Any],
-                   rank_file: Any) -> dict[str, Any]:
+def load_resharded(engine: Engine, tag_dir: Path, saved: dict[str, Any]) -> dict[str, Any]:
     """Restore every unit's partition from a checkpoint of another world size; returns rank
     0's payload for the rest of the state (``engine``, ``untracked``, ``client_state``)."""
-    files = [rank_file(tag_dir, rank) for rank in range(saved["world_size"])]
-    missing = [file.name for file in files if not file.exists()]
-    if missing:
-        raise ReshardError(f"checkpoint {tag_dir} was saved by {saved['world_size']} ranks but "
-                           f"{missing} are missing; resharding reads every rank's file: copy "
-                           f"the whole tag directory")
     ranks = [torch.load(file, mmap=True, weights_only=True, map_location="cpu")
-             for file in files]
+             for file in rank_files(tag_dir, saved["world_size"], ReshardError)]
     for unit, saved_unit in zip(engine.units, saved["units"], strict=True):
         parts = [payload["units"][unit.index] for payload in ranks]
         state = {kind: _repartition(unit, [_flat(part[kind], kind, saved_unit)
@@ -76,8 +73,18 @@ def load_resharded(engine: Engine, tag_dir: Path, saved: dict[str, Any],
 
 
 def _flat(part: torch.Tensor, kind: str, saved_unit: dict[str, Any]) -> torch.Tensor:
-    """A saved partition as elements: compact moments decoded to fp32."""
-    if kind in MOMENT_KINDS and part.dtype != torch.float32:
+    """A saved partition as elements: compact moments decoded to fp32. Its size is checked
+    against meta.json's ``part_numel`` first, so no count from meta.json sizes a decode."""
+    moment = isinstance(part, torch.Tensor) and kind in MOMENT_KINDS \
+        and part.dtype != torch.float32
+    if not isinstance(part, torch.Tensor) or (
+            moment_codec.moment_numel(part) if moment else part.numel()
+    ) != saved_unit["part_numel"]:
+        raise ReshardError(f"a rank file's {kind} of unit {saved_unit['index']} holds "
+                           f"{getattr(part, 'shape', part)!r}, not the "
+                           f"{saved_unit['part_numel']} elements its meta.json gives "
+                           f"(part_numel)")
+    if moment:
         return moment_codec.decode(part, signed=kind == "exp_avg",
                                    numel=saved_unit["part_numel"])
     return part
