@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -195,6 +196,8 @@ def main() -> None:
     kind = args.engine or ("cuda" if torch.cuda.is_available() else "twin")
     device = torch.device("cuda", 0) if kind == "cuda" else torch.device("cpu")
     engine = select_copy_engine(device, kind)
+    if kind == "twin":  # the daemon it starts serves the CPU twin's staging (a test double)
+        os.environ["OFFLOADD_ACCEPT_TWIN_COPIES"] = "1"
     arena_nbytes = 2 * max(sizes) + 64 * MIB
     readahead_nbytes = args.readahead_units * args.readahead_mib * MIB + 16 * MIB
     rows: list[dict[str, Any]] = []

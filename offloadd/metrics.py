@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import bisect
 import logging
+import socket
+import sys
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -185,17 +188,22 @@ def gauge(name: str, doc: str, value: float, labelnames: list[str] | None = None
 
 
 def serve_metrics(registry: CollectorRegistry, host: str, port: int, *,
-                  idle_timeout_s: float = 10.0, max_connections: int = 8) -> BoundedMetricsServer:
+                  idle_timeout_s: float = 10.0, max_connections: int = 8,
+                  request_timeout_s: float | None = None) -> BoundedMetricsServer:
     """Start the /metrics HTTP server on its own thread; returns the server (has .shutdown()).
 
     Each connection is served on a thread of its own, so connections are bounded
-    (``max_connections``; more are closed at once) and each socket times out after
-    ``idle_timeout_s`` without a request: an idle TCP connection holds neither a thread
-    nor a descriptor for long.
+    (``max_connections``). A connection has ``request_timeout_s`` (default:
+    ``idle_timeout_s``) from its accept to send its whole request and take the reply, and
+    no read may wait longer than ``idle_timeout_s``: a client that dribbles a byte now and
+    then cannot keep a slot. When every slot is taken, a new connection takes the slot of
+    the oldest one that has not sent its whole request yet (a scraper sends its request
+    at once, so only a stalling client loses its slot): held slots cannot keep a scrape out.
     """
     handler = type("MetricsHandler", (MetricsHandler,),
                    {"registry": registry, "timeout": idle_timeout_s})
-    server = BoundedMetricsServer((host, port), handler, max_connections)
+    server = BoundedMetricsServer((host, port), handler, max_connections,
+                                  request_timeout_s or idle_timeout_s)
     threading.Thread(target=server.serve_forever, name="offloadd-metrics", daemon=True).start()
     log.info("event=metrics_listening addr=%s:%d", host, server.server_address[1])
     return server
@@ -205,11 +213,14 @@ class MetricsHandler(BaseHTTPRequestHandler):
     """GET /metrics: the registry in Prometheus' text format; one request per connection."""
 
     registry: CollectorRegistry
+    server: BoundedMetricsServer
     timeout: ClassVar[float | None]  # the socket's timeout (StreamRequestHandler): idle go
 
     def do_GET(self) -> None:
         from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+        if not self.server.request_read(self.request):
+            return  # cut (deadline or evicted) while its head was read: nobody to answer
         if self.path.split("?", 1)[0] not in ("/", "/metrics"):
             self.send_error(404, "only /metrics is served here")
             return
@@ -224,25 +235,73 @@ class MetricsHandler(BaseHTTPRequestHandler):
         pass  # scrapes are not log events
 
 
+class _Connection:
+    """One accepted /metrics connection: when its time is up and whether it still reads."""
+
+    __slots__ = ("cut", "deadline", "reading")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        """time.monotonic() by which the whole exchange must be done."""
+        self.reading = True
+        """Its request head is not read yet (it may be evicted for a newcomer)."""
+        self.cut = False
+        """Its socket was shut down (deadline passed or evicted)."""
+
+
+def _cut(sock: socket.socket) -> None:
+    # shutdown, not close: the handler's thread still owns the descriptor; its blocked
+    # read or write returns at once and the thread ends, freeing the slot.
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # the peer is already gone
+
+
 class BoundedMetricsServer(ThreadingHTTPServer):
-    """A ThreadingHTTPServer with at most ``max_connections`` connections (and threads)."""
+    """A ThreadingHTTPServer with at most ``max_connections`` connections (and threads),
+    each cut once ``request_timeout_s`` since its accept have passed.
+
+    Hazard: a socket is shut down from this server's thread while its handler's thread
+    uses it. ``_lock`` orders that against the handler's close, so a shutdown never hits
+    a descriptor number the kernel has already handed to a newer connection.
+    """
 
     daemon_threads = True
+    request_queue_size = 128
+    """The listen backlog (socketserver's default is 5): a burst of connects waits in the
+    kernel to be accepted (and to evict a stalled connection) instead of having its SYNs
+    dropped and retried a second later."""
+    eviction_grace_s = 5.0
+    """Longest the accept loop waits for an evicted connection's thread to end."""
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler],
-                 max_connections: int) -> None:
+                 max_connections: int, request_timeout_s: float = 10.0) -> None:
         self.slots = threading.BoundedSemaphore(max_connections)
+        self.request_timeout_s = request_timeout_s
         self.refused = 0
+        """Connections closed at once: no slot, none could be freed."""
+        self.evicted = 0
+        """Connections cut before their request was whole, for a newer connection."""
+        self.expired = 0
+        """Connections cut because their request_timeout_s passed."""
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, _Connection] = {}
+        """Connections holding a slot, oldest first."""
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.slots.acquire(blocking=False):
+        if not self.slots.acquire(blocking=False) and not self._take_a_reading_slot():
             self.refused += 1
             self.shutdown_request(request)
             return
+        with self._lock:
+            self._open[request] = _Connection(time.monotonic() + self.request_timeout_s)
         try:
             super().process_request(request, client_address)
         except BaseException:
+            with self._lock:
+                self._open.pop(request, None)
             self.slots.release()
             raise
 
@@ -251,3 +310,49 @@ class BoundedMetricsServer(ThreadingHTTPServer):
             super().process_request_thread(request, client_address)
         finally:
             self.slots.release()
+
+    def shutdown_request(self, request: Any) -> None:
+        with self._lock:  # see the class note
+            self._open.pop(request, None)
+            super().shutdown_request(request)
+
+    def request_read(self, request: Any) -> bool:
+        """The handler has read a whole request head: it may no longer be evicted. False
+        when the connection was cut meanwhile (nothing should be written to it)."""
+        with self._lock:
+            connection = self._open.get(request)
+            if connection is None or connection.cut:
+                return False
+            connection.reading = False
+            return True
+
+    def service_actions(self) -> None:
+        """Cut every connection past its deadline (run by serve_forever each poll)."""
+        now = time.monotonic()
+        with self._lock:
+            for sock, connection in self._open.items():
+                if not connection.cut and now >= connection.deadline:
+                    connection.cut = True
+                    self.expired += 1
+                    _cut(sock)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], OSError):
+            # A cut or vanished connection's handler fails on its socket: expected.
+            log.debug("event=metrics_connection_failed client=%s", client_address,
+                      exc_info=True)
+        else:
+            log.exception("event=metrics_request_failed client=%s", client_address)
+
+    def _take_a_reading_slot(self) -> bool:
+        """Evict the oldest connection still sending its request and wait for its slot."""
+        with self._lock:
+            oldest = next((item for item in self._open.items()
+                           if item[1].reading and not item[1].cut), None)
+            if oldest is None:
+                return False
+            sock, connection = oldest
+            connection.cut = True
+            self.evicted += 1
+            _cut(sock)
+        return self.slots.acquire(timeout=self.eviction_grace_s)

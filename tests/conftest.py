@@ -38,6 +38,9 @@ T = TypeVar("T")
 # Every device copy in the suite goes through the CPU twin copy engine (trainer.device.copy_engine):
 # late, threaded copies with events, so release-before-copy races fail here, not on a GPU.
 os.environ.setdefault("OFFLOADD_COPY_ENGINE", "twin")
+# Daemons the suite starts inherit this: they were started for tests, so they serve the
+# twin's copies (offloadd.service.device_copies refuses them elsewhere).
+os.environ["OFFLOADD_ACCEPT_TWIN_COPIES"] = "1"
 # Plain-torch references compute with the one intra-op thread every rank and script in the
 # suite uses (tests/_dist.py, tests/scripts): matmul splits its sums by thread, so a
 # reference on two threads differs from the same math on one in the last bits, and Adam

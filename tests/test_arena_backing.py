@@ -96,7 +96,7 @@ def test_closing_an_arena_stops_its_backing_thread_which_then_closes_the_fd() ->
 
 
 def test_prefault_knobs_are_checked() -> None:
-    with pytest.raises(ValueError, match=r"arena_prefault must be now\|background\|lazy"):
+    with pytest.raises(ValueError, match=r"arena_prefault must be one of now\|background\|lazy"):
         DaemonConfig(arena_prefault="eager")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="arena_prefault_rate"):
         DaemonConfig(arena_prefault_rate="fast")  # type: ignore[arg-type]

@@ -141,7 +141,7 @@ def tiny_job(socket_path: str, index: int) -> OffloadClient:
 @pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root")
 def test_jobs_and_descriptors_per_uid(tmp_path: Path) -> None:
     """Tiny jobs from one uid stop at its cap (jobs, then descriptors: a connection and an
-    arena each); another uid's hello still works, and the refusal names the knob."""
+    arena's two each); another uid's hello still works, and the refusal names the knob."""
     with nobody_daemon(tmp_path, "max_jobs_per_uid = 5\n", arena_size="32MiB") as daemon:
         outcome = as_nobody_until_refused(daemon.socket_path, 100, tiny_job)
         assert outcome.startswith("refused after 5:") and "max_jobs_per_uid" in outcome, outcome
@@ -151,8 +151,9 @@ def test_jobs_and_descriptors_per_uid(tmp_path: Path) -> None:
     (tmp_path / "fds").mkdir()
     with nobody_daemon(tmp_path / "fds", "max_fds_per_uid = 9\n", arena_size="32MiB") as daemon:
         outcome = as_nobody_until_refused(daemon.socket_path, 100, tiny_job)
-        # 4 jobs hold 8 descriptors; the 5th connection is the 9th, its arena the 10th
-        assert outcome.startswith("refused after 4:") and "max_fds_per_uid" in outcome, outcome
+        # 3 jobs hold 9 descriptors (a connection, an arena's memfd and its mmap's copy
+        # each); the 4th connection would be the 10th
+        assert outcome.startswith("refused after 3:") and "max_fds_per_uid" in outcome, outcome
         with OffloadClient.connect(daemon.socket_path, job="root-job", arena_nbytes=4096) as c:
             c.put("x", b"ok")
         assert rejections(daemon, "max_fds_per_uid") == 1

@@ -9,6 +9,7 @@ import socket
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -270,21 +271,28 @@ def _maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def test_the_daemon_loads_torch_only_for_its_first_optimizer_step(tmp_path: Path) -> None:
+def test_the_daemon_loads_torch_only_once_a_job_creates_optimizer_state(tmp_path: Path) -> None:
+    """Serving shards needs no torch; a rank creating optimizer state (a step's length
+    before its first step) starts loading the Adam kernel on the worker thread, so the
+    first step does not wait for the import."""
     import torch
 
     with PrivateDaemon.start(tmp_path / "d", arena_size="16MiB",
                              extra_args=["--metrics-addr", "127.0.0.1:0"]) as daemon, \
             OffloadClient.connect(daemon.socket_path, job="lazy") as client:
         state = torch.full((64,), 2.0)
-        client.put_many({f"u.{name}": state for name in ("master", "exp_avg", "exp_avg_sq",
-                                                          "grad")})
-        assert client.get("u.grad") == state.numpy().tobytes()
+        client.put_many({f"blob{index}.data": state for index in range(4)})
+        assert client.get("blob0.data") == state.numpy().tobytes()
         assert client.stats()["adam_kernel"] in ("avx512", "avx2", "scalar", "torch")
         assert not _maps_torch(daemon.process.pid)  # serving shards needs no torch
+        client.put_many({f"u.{name}": state for name in ("master", "exp_avg", "exp_avg_sq",
+                                                          "grad")})
+        deadline = time.monotonic() + 60
+        while not _maps_torch(daemon.process.pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _maps_torch(daemon.process.pid)  # loaded before any step asked for it
         client.optimizer_step("u", step=1, lr=0.1)
         assert client.get("u.master") != state.numpy().tobytes()
-        assert _maps_torch(daemon.process.pid)
 
 
 def test_toml_config_takes_the_same_keys_as_the_flags_and_flags_win(tmp_path: Path) -> None:

@@ -47,6 +47,8 @@ CORE_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "offloadd_arena_largest_free_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_arena_leased_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_shards": ("gauge", frozenset({"train_job"})),
+    "offloadd_client_buffered_bytes": ("gauge", frozenset()),
+    "offloadd_connections_unread": ("gauge", frozenset()),
     "offloadd_build_info": ("gauge", frozenset({"version", "adam_kernel", "io_engine", "python"})),
     "offloadd_optimizer_steps_total": ("counter", frozenset({"status"})),
     "offloadd_optimizer_elements_total": ("counter", frozenset()),
@@ -93,6 +95,8 @@ TARGET_LABELS = frozenset({"instance", "job", "le"})
 """Labels Prometheus adds (instance, job) or histograms carry (le): usable in any expression."""
 NON_OFFLOADD_METRICS = frozenset({"up"})
 JOB = "opsjob"
+LABELS: dict[str, str] = {}
+"""Job name -> its train_job label on /metrics (an opaque label; the job's stats name it)."""
 
 
 # -- a daemon with traffic -------------------------------------------------------------
@@ -100,6 +104,7 @@ JOB = "opsjob"
 
 def _make_traffic(daemon: PrivateDaemon) -> None:
     with OffloadClient.connect(daemon.socket_path, job=JOB, rank=0, world_size=1) as client:
+        LABELS[JOB] = client.stats()["metrics_label"]
         state = torch.ones(256, dtype=torch.float32)
         client.put_many({f"u0.{name}": state for name in ("master", "exp_avg", "exp_avg_sq",
                                                             "grad")})
@@ -205,7 +210,7 @@ def test_samples_carry_the_traffic(exposition: str) -> None:
     assert samples[("offloadd_bad_frames_total", (("reason", "decode"),))] == 1
     assert samples[("offloadd_optimizer_steps_total", (("status", "ok"),))] == 1
     assert samples[("offloadd_optimizer_elements_total", ())] == 256
-    assert samples[("offloadd_arena_used_bytes", (("train_job", JOB),))] >= 4 * 1024
+    assert samples[("offloadd_arena_used_bytes", (("train_job", LABELS[JOB]),))] >= 4 * 1024
 
 
 # -- PromQL of the dashboard and the alerts ------------------------------------------------
@@ -380,7 +385,7 @@ def test_prometheus_receives_samples_of_every_core_metric(prometheus: str) -> No
 
 
 def test_prometheus_keeps_train_job_and_scrape_job_apart(prometheus: str) -> None:
-    expr = f'offloadd_arena_capacity_bytes{{job="offloadd", train_job="{JOB}"}}'
+    expr = f'offloadd_arena_capacity_bytes{{job="offloadd", train_job="{LABELS[JOB]}"}}'
     result = _query(prometheus, expr)["data"]["result"]
     assert len(result) == 1 and float(result[0]["value"][1]) > 0
     assert "exported_job" not in result[0]["metric"]

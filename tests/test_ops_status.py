@@ -114,7 +114,8 @@ def test_gc_removes_only_jobs_the_daemon_does_not_know(daemon: PrivateDaemon, sw
     odd = fake_job(swap_dir, "odd", "notes.txt")
     dry = offloadd("gc", "--dry-run", "--socket", daemon.socket_path, "--swap-dir", str(swap_dir))
     assert dry.returncode == 0, dry.stdout + dry.stderr
-    assert "would remove job 'finished'" in dry.stdout and "'live'" not in dry.stdout
+    assert "would remove job 'finished'" in dry.stdout and "remove job 'live'" not in dry.stdout
+    assert f"kept job 'live' in {swap_dir}: live" in dry.stdout
     assert (gone / "swap.0").exists()
 
     real = offloadd("gc", "--socket", daemon.socket_path, "--swap-dir", str(swap_dir))

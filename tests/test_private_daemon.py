@@ -18,7 +18,7 @@ import pytest
 from conftest import JOB_ARENA_NBYTES, call, hello, raw_socket
 
 from offloadd import protocol as p
-from offloadd.ops.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon, make_scratch_dir
 from trainer.client import OffloadClient
 
 EXIT_WAIT_S = 60.0
@@ -29,10 +29,9 @@ NEVER_S = 3600.0
 
 def start_private(tmp_path: Path, idle_s: float) -> PrivateDaemon:
     """A daemon as the trainer starts it, its swap dir and another dir its scratch (the
-    trainer's socket dir is one too; here the log must outlive the daemon)."""
-    scratch, swap_dir = tmp_path / "scratch", tmp_path / "swap"
-    swap_dir.mkdir()
-    scratch.mkdir()
+    trainer's socket dir is one too; here the log must outlive the daemon): one made as
+    scratch by its launcher, the swap dir made by the daemon itself."""
+    scratch, swap_dir = Path(make_scratch_dir(tmp_path, "scratch-")), tmp_path / "swap"
     (scratch / "left-by-the-rank").write_bytes(b"x")
     return PrivateDaemon.start(tmp_path / "d", arena_size="32MiB", swap_dirs=[str(swap_dir)],
                                release_swap_at_exit=True, exit_when_idle_s=idle_s,

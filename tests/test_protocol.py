@@ -130,6 +130,9 @@ class FakeTransport:
     def is_closing(self) -> bool:
         return self.closed
 
+    def get_write_buffer_size(self) -> int:
+        return 0  # the client reads every reply at once
+
     def replies(self) -> list[p.Reply]:
         out, view = [], bytes(self.written)
         while view:

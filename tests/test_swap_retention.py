@@ -58,8 +58,9 @@ def test_ended_jobs_swap_counts_against_its_owner_and_is_reclaimed(
         shown = subprocess.run([sys.executable, "-m", "offloadd", "status", "--socket",
                                 daemon.socket_path], capture_output=True, text=True, timeout=60)
         assert "ended job first (uid 0)" in shown.stdout, shown.stdout + shown.stderr
-        # The same owner needs the room: its oldest ended job goes, not the new flush.
-        flush_and_end(daemon, "second", 8 * MIB)
+        # The same owner needs the room: its oldest ended job goes, not the new flush
+        # (4 MiB kept, its file cut to what its manifest names, + 16 MiB > 20 MiB).
+        flush_and_end(daemon, "second", 16 * MIB)
         status = node_status(daemon)
         assert "first" not in status["retained"] and "second" in status["retained"]
         assert not job_dir(swap_root, "first").exists()

@@ -50,7 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop once no rank has been attached for SECONDS, and at once "
                             "when the last rank left after closing its job (private daemon)")
     serve.add_argument("--scratch-dir", action="append", dest="scratch_dirs",
-                       help="directory deleted, whole, when the daemon exits (repeatable)")
+                       help="directory the daemon creates (it must not exist yet) and deletes, "
+                            "whole, when it exits (repeatable)")
 
     demo = commands.add_parser("demo", help="run the end-to-end demo on a private daemon")
     demo.add_argument("--mode", choices=["train", "data"], default="train",

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import IO
 
+from offloadd.swap.swapdirs import make_scratch_dir
+
 
 class DaemonStartError(RuntimeError):
     pass
@@ -69,7 +71,7 @@ class PrivateDaemon:
         if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH_NBYTES:
             # A deep workdir (a job's scratch tree, pytest's tmp_path) can pass AF_UNIX's
             # 108-byte limit: the socket then lives in a private dir of its own, short.
-            short_dir = tempfile.mkdtemp(prefix="offloadd-", dir=_short_tmp())
+            short_dir = make_scratch_dir(_short_tmp())  # the daemon may delete it
             socket_path = os.path.join(short_dir, "offloadd.sock")
             scratch_dirs = [*(scratch_dirs or []), short_dir] if exit_when_idle_s is not None \
                 else scratch_dirs

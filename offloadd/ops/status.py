@@ -5,7 +5,12 @@ socket (the same framing and message types the ranks use). ``status`` turns
 the reply into a table or JSON; IO rates and ratios are computed here, from
 two samples of the daemon's counters, never kept as gauges in the daemon.
 
-``gc`` reclaims the swap files of jobs the daemon no longer knows. The NVMe
+``gc`` reclaims the swap files the daemon neither serves nor keeps: it keeps every
+live job's files and every ended job's files the daemon keeps for their owner to resume
+(``offloadd.swap.retention``, which deletes those itself when their retention runs out),
+and says for each job what it kept and why. What it removes is orphaned: files of no
+job the daemon knows (a crash before any flush, a daemon started without
+``--recover``), or of a job quarantined for a manifest it could not read. The NVMe
 tier's layout is ``<swap_dir>/offloadd/<job>/`` holding ``swap.<n>`` files and
 ``manifest.json`` / ``manifest.<tag>.json``. Only files of that shape are
 removed: a job directory holding anything else keeps it (and the directory).
@@ -18,7 +23,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -174,11 +179,27 @@ def render_swap(status: dict[str, Any]) -> list[str]:
         f"errors: checksum_failures={swap.get('checksum_failures', 0)} "
         f"rank_stall={_number(swap, 'stall_s'):.1f}s",
         *(f"QUARANTINED {why}" for _job, why in sorted(swap.get("quarantined", {}).items())),
-        *(f"ended job {job} (uid {kept['uid']}): {format_nbytes(kept['nbytes'])} of swap "
-          + ("being deleted" if kept.get("deleting") else
-             f"kept for --recover, deleted in {kept['expires_in_s']:.0f}s")
-          for job, kept in sorted(status.get("retained", {}).items())),
+        *(_kept_line(job, kept) for job, kept in sorted(status.get("retained", {}).items())),
+        *_kept_by_owner(status.get("retained", {})),
     ]
+
+
+def _kept_line(job: str, kept: dict[str, Any]) -> str:
+    what = "ended job" if kept.get("state", "ended") == "ended" else "unrecovered live job"
+    fate = ("being deleted" if kept.get("deleting") else
+            f"kept for its owner to resume, deleted in {_number(kept, 'expires_in_s'):.0f}s")
+    note = f" ({kept['note']})" if kept.get("note") else ""
+    return (f"{what} {job} (uid {kept.get('uid')}): {format_nbytes(_number(kept, 'nbytes'))} "
+            f"of swap {fate}{note}")
+
+
+def _kept_by_owner(retained: dict[str, dict[str, Any]]) -> list[str]:
+    """One line per owner: the swap its ended jobs' kept files take (charged to it)."""
+    by_uid: dict[str, list[float]] = {}
+    for kept in retained.values():
+        by_uid.setdefault(str(kept.get("uid")), []).append(_number(kept, "nbytes"))
+    return [f"kept swap of uid {uid}: {len(sizes)} job(s), {format_nbytes(sum(sizes))}"
+            for uid, sizes in sorted(by_uid.items())]
 
 
 def render_status(status: dict[str, Any]) -> str:
@@ -187,7 +208,8 @@ def render_status(status: dict[str, Any]) -> str:
     lines = [
         f"offloadd {node.get('daemon_version')} pid={node.get('daemon_pid')} "
         f"uptime={node.get('uptime_s', 0):.0f}s adam_kernel={node.get('adam_kernel')} "
-        f"jobs={len(jobs)} rank_sessions={rank_sessions}",
+        f"jobs={len(jobs)} rank_sessions={rank_sessions} "
+        f"kept_jobs={len(status.get('retained') or {})}",
         f"arena budget {format_nbytes(_number(node, 'budget_nbytes'))}, reserved by jobs "
         f"{format_nbytes(_number(node, 'reserved_nbytes'))}",
         "",
@@ -255,21 +277,38 @@ def scan_swap_dir(swap_dir: str | os.PathLike[str]) -> list[JobSwap]:
     return found
 
 
-def find_garbage(swap_dirs: list[str], live: set[str]) -> list[JobSwap]:
-    return [job for d in swap_dirs for job in scan_swap_dir(d) if job.job not in live]
+def find_garbage(swap_dirs: list[str], keep: Collection[str]) -> list[JobSwap]:
+    return [job for d in swap_dirs for job in scan_swap_dir(d) if job.job not in keep]
 
 
 def _same_dir(a: str, b: str) -> bool:
     return os.path.realpath(a) == os.path.realpath(b)
 
 
-def live_jobs(socket_path: str, swap_dirs: list[str], *, force: bool) -> set[str] | str:
-    """The jobs a running daemon holds, or a message saying why gc must refuse."""
+@dataclass
+class DaemonHolds:
+    """What the daemon holds in its swap dirs, as gc sees it: job name -> why it is kept,
+    and the quarantined jobs (gc removes their files) -> why they are quarantined."""
+
+    kept: dict[str, str] = field(default_factory=dict)
+    quarantined: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def num_live(self) -> int:
+        return sum(1 for why in self.kept.values() if why == LIVE)
+
+
+LIVE = "live"
+
+
+def daemon_holds(socket_path: str, swap_dirs: list[str], *, force: bool) -> DaemonHolds | str:
+    """What a running daemon serves or keeps in ``swap_dirs``, or a message saying why gc
+    must refuse (no daemon, another daemon's dirs, a view of one uid's jobs only)."""
     try:
         status = query_node_status(socket_path)
     except DaemonUnreachableError as exc:
         if force:
-            return set()
+            return DaemonHolds()
         return (f"{exc}.\nWithout a daemon gc cannot tell which jobs still exist, and a daemon "
                 "started with --recover restores jobs from these manifests. Refusing. If no "
                 "daemon will use these swap dirs again, rerun with --force (removes the swap "
@@ -283,29 +322,56 @@ def live_jobs(socket_path: str, swap_dirs: list[str], *, force: bool) -> set[str
     if status.get("scope", "all") != "all":
         return ("the daemon shows this uid only its own jobs, so every other job would look "
                 "dead. Refusing; run gc as root.")
-    return set(status["jobs"])
+    holds = DaemonHolds({name: LIVE for name in status["jobs"]})
+    for name, kept in (status.get("retained") or {}).items():
+        holds.kept.setdefault(name, _why_kept(kept))
+    swap = status["node"].get("swap") or {}
+    holds.quarantined = dict(swap.get("quarantined") or {})
+    return holds
+
+
+def _why_kept(kept: dict[str, Any]) -> str:
+    if kept.get("deleting"):
+        return f"the daemon is deleting it (uid {kept.get('uid')}'s, retention over)"
+    what = "ended" if kept.get("state", "ended") == "ended" else "live at the restart, no room"
+    return (f"{what}, kept for uid {kept.get('uid')} to resume for "
+            f"{_number(kept, 'expires_in_s'):.0f}s more")
+
+
+def live_jobs(socket_path: str, swap_dirs: list[str], *, force: bool) -> set[str] | str:
+    """The jobs a running daemon serves, or a message saying why gc must refuse."""
+    holds = daemon_holds(socket_path, swap_dirs, force=force)
+    if isinstance(holds, str):
+        return holds
+    return {name for name, why in holds.kept.items() if why == LIVE}
 
 
 def gc_main(swap_dirs: list[str], socket_path: str, *, dry_run: bool, force: bool) -> int:
     if not swap_dirs:
         print("offloadd gc: no swap dirs; pass --swap-dir DIR or --config with swap_dirs")
         return 2
-    live = live_jobs(socket_path, swap_dirs, force=force)
-    if isinstance(live, str):
-        print(f"offloadd gc: {live}", flush=True)
+    holds = daemon_holds(socket_path, swap_dirs, force=force)
+    if isinstance(holds, str):
+        print(f"offloadd gc: {holds}", flush=True)
         return 3
-    garbage = find_garbage(swap_dirs, live)
+    garbage = find_garbage(swap_dirs, holds.kept)
     if garbage and not dry_run:
-        # Narrow the race with a job that (re)connected since the first query.
-        again = live_jobs(socket_path, swap_dirs, force=force)
-        garbage = [job for job in garbage if not isinstance(again, set) or job.job not in again]
+        # Narrow the race with a job that (re)connected or ended since the first query.
+        again = daemon_holds(socket_path, swap_dirs, force=force)
+        garbage = [job for job in garbage
+                   if not isinstance(again, DaemonHolds) or job.job not in again.kept]
         for job in garbage:
             job.remove()
     verb = "would remove" if dry_run else "removed"
+    for job in (j for d in swap_dirs for j in scan_swap_dir(d) if j.job in holds.kept):
+        print(f"kept job {job.job!r} in {job.path.parent.parent}: {holds.kept[job.job]}")
     for job in garbage:
         kept = f"; kept foreign entries {job.foreign}" if job.foreign else ""
+        why = (f"quarantined: {holds.quarantined[job.job]}" if job.job in holds.quarantined
+               else "no live job and no kept files of the daemon (orphaned)")
         print(f"{verb} job {job.job!r} in {job.path.parent.parent}: {len(job.files)} files, "
-              f"{format_nbytes(job.nbytes)}{kept}")
+              f"{format_nbytes(job.nbytes)}{kept} ({why})")
     total = format_nbytes(sum(job.nbytes for job in garbage))
-    print(f"{verb} {len(garbage)} job(s), {total}; kept {len(live)} live job(s)")
+    print(f"{verb} {len(garbage)} job(s), {total}; kept {holds.num_live} live job(s) and "
+          f"{len(holds.kept) - holds.num_live} ended job(s) kept for their owners")
     return 0

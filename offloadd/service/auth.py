@@ -13,6 +13,14 @@ read every arena through /proc, and see every job in ``node_status``. The job
 secret still binds root's hellos, but root can read it from the ranks'
 environment.
 
+Job names are shown to their owner and root only. ``node_status`` and a job's ``stats``
+show another uid's jobs as counts (``num_jobs``), never by name, and a quarantined job
+only to its owner. ``/metrics`` is plain HTTP: it cannot tell who scrapes, so its
+``train_job`` label is never the name but an opaque label, a keyed hash of the name
+(``metrics_label``) with a key of this daemon run: a stranger can neither read a name
+off it nor test a guessed name against it. A job's own ``stats`` and its owner's
+``node_status`` give the label, so the owner (and root) find their series.
+
 The other direction, a client checking who listens on the socket before it sends its
 secret, is ``offloadd.protocol.check_daemon_peer`` (clients import only the protocol).
 
@@ -24,9 +32,17 @@ so after a restart the job still belongs to the uid that created it. The record 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+
 from offloadd.errors import PermissionDeniedError
+from offloadd.metrics import JOB_LABEL
 from offloadd.protocol import JOB_SECRET_ENV, ROOT_UID
 from offloadd.swap.manifests import JobOwner
 
@@ -37,6 +53,8 @@ class JobAuthority:
     def __init__(self, *, require_job_secret: bool = False) -> None:
         self.require_job_secret = require_job_secret
         self.owners: dict[str, JobOwner] = {}
+        self.label_key = secrets.token_bytes(32)
+        """Keys ``metrics_label``: new each run, so a label cannot be matched to a guess."""
 
     def check_hello(self, job: str, uid: int, secret: str) -> None:
         """Raise PermissionDeniedError unless ``uid`` with ``secret`` may attach to ``job``."""
@@ -82,4 +100,38 @@ class JobAuthority:
     def scope(self, uid: int) -> str:
         """'all' when node_status shows every job to ``uid``, else 'own'."""
         return "all" if uid == ROOT_UID else "own"
+
+    def metrics_label(self, job: str) -> str:
+        """The ``train_job`` label of ``job`` on /metrics: 'j-' and 16 hex digits of an
+        HMAC-SHA256 of the name, the same for the name all through this daemon run."""
+        digest = hmac.new(self.label_key, job.encode(errors="surrogateescape"), hashlib.sha256)
+        return "j-" + digest.hexdigest()[:16]
+
+
+class _JobLabelMask:
+    """A Prometheus collector: another registry's families, each ``train_job`` label value
+    replaced by ``label_of(value)``."""
+
+    def __init__(self, registry: CollectorRegistry, label_of: Callable[[str], str]) -> None:
+        self.registry = registry
+        self.label_of = label_of
+
+    def collect(self) -> Iterator[Metric]:
+        label_of = self.label_of
+        for family in self.registry.collect():
+            family.samples = [
+                sample._replace(labels={**sample.labels,
+                                        JOB_LABEL: label_of(sample.labels[JOB_LABEL])})
+                if JOB_LABEL in sample.labels else sample
+                for sample in family.samples]
+            yield family
+
+
+def mask_job_labels(registry: CollectorRegistry,
+                    label_of: Callable[[str], str]) -> CollectorRegistry:
+    """What /metrics serves: ``registry`` with job names replaced by ``label_of`` (its
+    ``JobAuthority.metrics_label``), for every family that has a ``train_job`` label."""
+    masked = CollectorRegistry(auto_describe=False)
+    masked.register(_JobLabelMask(registry, label_of))
+    return masked
 

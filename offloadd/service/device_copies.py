@@ -52,6 +52,13 @@ rank's "consumed" event, never on the loop.
 Read-ahead never stages a shard whose current version already sits in one of
 the rank's slots (staged and not reported consumed): the rank has those bytes
 on its GPU, and a second copy would only cost PCIe time and a slot.
+
+The CPU twin (``kind="twin"``) is a test double: the daemon opens the rank's staging
+memfd through ``/proc/<pid>/fd`` with its own credentials (root's, on a node daemon).
+So it is served only by a daemon started for tests, with ``OFFLOADD_ACCEPT_TWIN_COPIES=1``
+in its own environment (the test suite sets it); any other daemon answers
+``path="rank"`` (reason ``gpu_not_visible``) and the rank copies itself. A client
+cannot set a daemon's environment, so no client can turn it on.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, Protocol
@@ -80,6 +88,8 @@ from offloadd.service.jobs import Job
 from offloadd.swap.scheduler import Priority
 
 log = logging.getLogger(__name__)
+TWIN_COPIES_ENV = "OFFLOADD_ACCEPT_TWIN_COPIES"
+"""``1`` in the daemon's environment: it was started for tests and serves twin copies."""
 PINNED_OUTCOMES = ("pinned", "failed", "not_attempted")
 """What a rank reports of its cudaHostRegister of the arena (a metric label)."""
 
@@ -541,6 +551,11 @@ class DeviceCopiesService:
 
     def __init__(self) -> None:
         self.metrics = DeviceCopiesMetrics()
+        self.twin_accepted = os.environ.get(TWIN_COPIES_ENV) == "1"
+        """Twin copies are served (a daemon started for tests; see the module note)."""
+        if self.twin_accepted:
+            log.warning("event=twin_copies_accepted env=%s note=%r", TWIN_COPIES_ENV,
+                        "test mode: the CPU twin's staging memfds are opened via /proc")
 
     async def open(self, session: Session, req: p.StagingOpen) -> p.StagingOk:
         assert session.job is not None
@@ -586,6 +601,9 @@ class DeviceCopiesService:
             raise CopiesRefused(req.rank_reason, "the rank cannot export its staging slots")
         if req.kind not in ("cuda", "twin"):
             raise InvalidRequestError(f"staging kind {req.kind!r}: expected cuda, twin or none")
+        if req.kind == "twin" and not self.twin_accepted:
+            raise CopiesRefused("gpu_not_visible", "twin staging is a test double: this "
+                                f"daemon serves it only when started with {TWIN_COPIES_ENV}=1")
         if not 1 <= req.num_slots <= MAX_STAGING_SLOTS or req.slot_nbytes < 1 \
                 or req.num_slots * req.slot_nbytes > MAX_STAGING_NBYTES:
             raise InvalidRequestError(

@@ -10,7 +10,9 @@ task switch.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import resource
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
@@ -19,6 +21,7 @@ from offloadd.config import HugePages, Prefault
 from offloadd.errors import (
     InvalidRequestError,
     LeaseConflictError,
+    LimitExceededError,
     NoSwapError,
     OverBudgetError,
     UnknownShardError,
@@ -537,6 +540,30 @@ def _count_shards(shards: Iterable[Shard], residency: dict[str, int]) -> int:
     return nbytes
 
 
+class ArenaAdmission(Protocol):
+    """Who may take how much of the DRAM budget (``offloadd.service.limits.LimitGuard``): the
+    registry knows the jobs and the budget, not the uids asking for arenas."""
+
+    def size_new(self, name: str, requested_nbytes: int) -> tuple[int, int] | None:
+        """(arena bytes for new job ``name``, budget bytes free) as its creator's share allows,
+        having freed other uids' lingering arenas where that share needs them; raise
+        OverBudgetError past it; None where nobody asked for ``name`` (the registry's own
+        sizing applies)."""
+        ...
+
+    def creation_ended(self, name: str, job: Job | None) -> None:
+        """The arena of ``name`` was made (``job``) or will not be (None)."""
+        ...
+
+    def out_of_fds(self, name: str, exc: OSError) -> LimitExceededError:
+        """The error for a new job that found no descriptor left (EMFILE/ENFILE)."""
+        ...
+
+
+FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE)
+"""Errnos of an open() that found no descriptor: the process's or the system's limit."""
+
+
 class JobRegistry:
     """Every job on the node, and the node-wide DRAM budget they share."""
 
@@ -552,12 +579,15 @@ class JobRegistry:
         self.jobs: dict[str, Job] = {}
         self.creating: dict[str, asyncio.Task[Job]] = {}
         """Arenas being made off the loop, by job name; every hello of that job awaits it."""
-        self._creating_nbytes: dict[str, int] = {}
+        self.creating_nbytes: dict[str, int] = {}
+        """Bytes of the arenas being made, by job name (reserved against the budget)."""
+        self.admission: ArenaAdmission | None = None
+        """Sizes new arenas by their creator's share (set by the daemon's LimitGuard)."""
 
     @property
     def reserved_nbytes(self) -> int:
         made = sum(job.arena.nbytes for job in self.jobs.values())
-        return made + sum(self._creating_nbytes.values())
+        return made + sum(self.creating_nbytes.values())
 
     def open(self, name: str, requested_nbytes: int,
              make_tier: Callable[[], SwapTier] | None = None) -> tuple[Job, bool]:
@@ -565,15 +595,14 @@ class JobRegistry:
         job = self.jobs.get(name)
         if job is not None:
             return job, False
-        nbytes, free = self._size_new(name, requested_nbytes)
-        arena = self._make_arena(name, nbytes, free)
         try:
-            tier = make_tier() if make_tier is not None else None
+            nbytes, free = self._size_new(name, requested_nbytes)
+            job = self._make_job(name, nbytes, free, make_tier)
         except BaseException:
-            arena.close()
+            self._creation_ended(name, None)
             raise
-        job = Job(name, arena, tier)
         self.jobs[name] = job
+        self._creation_ended(name, job)
         return job, True
 
     async def open_async(self, name: str, requested_nbytes: int,
@@ -593,8 +622,12 @@ class JobRegistry:
             return job
         creating = self.creating.get(name)
         if creating is None:
-            nbytes, free = self._size_new(name, requested_nbytes)
-            self._creating_nbytes[name] = nbytes
+            try:
+                nbytes, free = self._size_new(name, requested_nbytes)
+            except BaseException:
+                self._creation_ended(name, None)
+                raise
+            self.creating_nbytes[name] = nbytes
             creating = self.creating[name] = asyncio.ensure_future(
                 self._create(name, nbytes, free, make_tier, on_created))
         return await asyncio.shield(creating)
@@ -602,29 +635,69 @@ class JobRegistry:
     async def _create(self, name: str, nbytes: int, free: int,
                       make_tier: Callable[[], SwapTier] | None,
                       on_created: Callable[[Job], None] | None) -> Job:
+        job: Job | None = None
         try:
             arena = await asyncio.get_running_loop().run_in_executor(
                 None, self._make_arena, name, nbytes, free)
-            try:
-                tier = make_tier() if make_tier is not None else None
-            except BaseException:
-                arena.close()
-                raise
-            job = self.jobs[name] = Job(name, arena, tier)
+            job = self.jobs[name] = Job(name, arena, self._make_tier(name, arena, make_tier))
+            self._creation_ended(name, job)
             if on_created is not None:
                 on_created(job)
             return job
         finally:
-            del self.creating[name], self._creating_nbytes[name]
+            del self.creating[name], self.creating_nbytes[name]
+            if job is None:
+                self._creation_ended(name, None)
+
+    def _make_job(self, name: str, nbytes: int, free: int,
+                  make_tier: Callable[[], SwapTier] | None) -> Job:
+        arena = self._make_arena(name, nbytes, free)
+        return Job(name, arena, self._make_tier(name, arena, make_tier))
+
+    def _make_tier(self, name: str, arena: Arena,
+                   make_tier: Callable[[], SwapTier] | None) -> SwapTier | None:
+        try:
+            return make_tier() if make_tier is not None else None
+        except OSError as exc:
+            arena.close()
+            if exc.errno in FD_EXHAUSTED:
+                raise self._out_of_fds(name, exc) from exc
+            raise
+        except BaseException:
+            arena.close()
+            raise
 
     def _make_arena(self, name: str, nbytes: int, free: int) -> Arena:
-        return Arena(name, nbytes, lock=self.lock, hugepages=self.hugepages, max_nbytes=free,
-                     prefault=self.prefault, prefault_rate=self.prefault_rate)
+        try:
+            return Arena(name, nbytes, lock=self.lock, hugepages=self.hugepages,
+                         max_nbytes=free, prefault=self.prefault,
+                         prefault_rate=self.prefault_rate)
+        except OSError as exc:
+            if exc.errno in FD_EXHAUSTED:
+                raise self._out_of_fds(name, exc) from exc
+            raise
+
+    def _out_of_fds(self, name: str, exc: OSError) -> LimitExceededError:
+        if self.admission is not None:
+            return self.admission.out_of_fds(name, exc)
+        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return LimitExceededError(
+            f"the daemon has no file descriptor left for job {name!r} ({exc.strerror}; its "
+            f"RLIMIT_NOFILE is {soft}); try again once jobs end, or raise the daemon's "
+            "LimitNOFILE")
+
+    def _creation_ended(self, name: str, job: Job | None) -> None:
+        if self.admission is not None:
+            self.admission.creation_ended(name, job)
 
     def _size_new(self, name: str, requested_nbytes: int) -> tuple[int, int]:
         """(arena bytes for a new job, budget bytes free now); OverBudgetError if none fit."""
-        free = self.budget_nbytes - self.reserved_nbytes
-        nbytes = align_up(requested_nbytes) if requested_nbytes else self._fair_share(free)
+        if self.admission is not None:
+            sized = self.admission.size_new(name, requested_nbytes)
+            if sized is not None:
+                return sized
+        free = self.free_nbytes
+        nbytes = align_up(requested_nbytes) if requested_nbytes else self.default_nbytes(free)
         if nbytes > free or nbytes <= 0:
             raise OverBudgetError(
                 f"job {name!r} asks for a {requested_nbytes or nbytes}-byte arena but only "
@@ -633,8 +706,14 @@ class JobRegistry:
             )
         return nbytes, free
 
-    def _fair_share(self, free: int) -> int:
-        return min(align_up(int(free * self.share)), free // 4096 * 4096)
+    @property
+    def free_nbytes(self) -> int:
+        """Budget bytes no arena holds or is being made with."""
+        return self.budget_nbytes - self.reserved_nbytes
+
+    def default_nbytes(self, room: int) -> int:
+        """The arena of a hello that names no size, out of ``room`` bytes it may take."""
+        return min(align_up(int(room * self.share)), room // 4096 * 4096)
 
     def close_job(self, name: str) -> None:
         job = self.jobs.pop(name)

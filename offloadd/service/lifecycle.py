@@ -9,8 +9,15 @@ reattaches, then crashes) would find its shards gone instead of lingering. So on
 way the last session leaves decides. A job made for a hello whose session never attached
 (closed or timed out while its arena was made) lingers too, from its creation.
 
-Freeing a job unmaps and unlocks its arena, closes its fds, forgets its owner, and closes
-its swap files (deleting them unless a flush left a manifest there for ``--recover``).
+Freeing a job unmaps and unlocks its arena, closes its fds, and closes its swap files:
+deleting them and forgetting its owner, unless a flush left a manifest there. Then the
+files are kept for the owner (``offloadd.swap.retention``), and so is the job's name: only
+the owner's hello takes it, claiming the kept files (``Daemon.open_job_async``), until
+they are reclaimed. A hello for a name whose job is being freed waits for that to end
+(``settled``), so it finds the files either kept or gone, never half-closed.
+
+A job brought back by ``--recover`` has no ranks attached: it lingers like a job whose
+ranks are gone (``created``), charged to its owner.
 
 Hazard, arena lifetime: an optimizer step runs on a worker thread and swap IO on the IO
 engine, both writing into the arena. A job is freed only when no shard is leased (the
@@ -21,6 +28,7 @@ its swap tier has been closed (which waits for the tier's IO).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from collections.abc import Collection
@@ -76,7 +84,8 @@ class JobLifecycle:
         self.daemon = daemon
         self.linger_s = linger_s
         self.timers: dict[str, asyncio.TimerHandle] = {}
-        self.freeing: set[asyncio.Task[None]] = set()
+        self.freeing: dict[str, asyncio.Task[None]] = {}
+        """Freed jobs whose swap files are being closed (and kept or deleted), by name."""
         self.freed_jobs = 0
         self.hellos: dict[str, int] = {}
         """Hellos being served, by job name: a job they are about to attach to is not freed
@@ -136,15 +145,15 @@ class JobLifecycle:
     def free(self, job: Job) -> None:
         """Forget ``job`` now; its arena closes after its swap tier (see the module note)."""
         del self.daemon.jobs.jobs[job.name]
-        self.daemon.auth.forget(job.name)
         self.freed_jobs += 1
         log.info("event=job_freed job=%s shards=%d", job.name, len(job.table.shards))
         if job.tier is None or self.daemon.swap is None:
+            self.daemon.auth.forget(job.name)
             job.arena.close()
         else:
             task = asyncio.ensure_future(self._free_swap(job))
-            self.freeing.add(task)
-            task.add_done_callback(self.freeing.discard)
+            self.freeing[job.name] = task
+            task.add_done_callback(functools.partial(self._freed, job.name))
         if self.daemon.idle_exit is not None:
             self.daemon.idle_exit.check()
 
@@ -155,7 +164,33 @@ class JobLifecycle:
         except Exception:  # the arena must still go; the files are left for `offloadd gc`
             log.exception("event=swap_release_failed job=%s", job.name)
         finally:
+            kept = job.name in self.daemon.swap.retention.jobs
+            if not kept and job.name not in self.daemon.jobs.jobs:
+                self.daemon.auth.forget(job.name)  # kept files keep the name for their owner
             job.arena.close()
+
+    def abandon(self, job: Job) -> None:
+        """A job that could not be set up (its kept files would not load) and has left the
+        registry: its swap files close, staying on disk, then its arena."""
+        task = asyncio.ensure_future(self._close_abandoned(job))
+        self.freeing[job.name] = task
+        task.add_done_callback(functools.partial(self._freed, job.name))
+
+    async def _close_abandoned(self, job: Job) -> None:
+        try:
+            await self.daemon.swap.close_tier(job.name)
+        finally:
+            job.arena.close()
+
+    def _freed(self, name: str, task: asyncio.Task[None]) -> None:
+        if self.freeing.get(name) is task:
+            del self.freeing[name]
+
+    async def settled(self, name: str) -> None:
+        """Wait until a job of this name that is being freed has its swap files closed."""
+        task = self.freeing.get(name)
+        if task is not None:
+            await asyncio.shield(task)
 
     async def close(self) -> None:
         """Daemon stop: cancel the timers and let frees in progress finish."""
@@ -163,7 +198,7 @@ class JobLifecycle:
             timer.cancel()
         self.timers.clear()
         if self.freeing:
-            await asyncio.gather(*self.freeing, return_exceptions=True)
+            await asyncio.gather(*self.freeing.values(), return_exceptions=True)
 
 
 class IdleExit:

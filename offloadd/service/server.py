@@ -8,25 +8,27 @@ import itertools
 import logging
 import os
 import platform
-import shutil
 import signal
 import socket
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from offloadd import __version__
 from offloadd.compute.optimizer import OptimizerService
 from offloadd.config import SERVICE_SOCKET_DIR, DaemonConfig, parse_host_port
+from offloadd.errors import JobQuarantinedError
 from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
-from offloadd.protocol import socket_peer
-from offloadd.service.auth import JobAuthority
+from offloadd.protocol import ROOT_UID, socket_peer
+from offloadd.service.auth import JobAuthority, mask_job_labels
 from offloadd.service.device_copies import DeviceCopiesService
 from offloadd.service.jobs import Job, JobRegistry
 from offloadd.service.lifecycle import IdleExit, JobLifecycle
 from offloadd.service.limits import LimitGuard
 from offloadd.service.session import Session
+from offloadd.swap.swapdirs import ScratchClaim, claim_scratch_dir, release_scratch_dir
 
 log = logging.getLogger(__name__)
 LAG_PERIOD_S = 0.25
@@ -71,8 +73,10 @@ class Daemon:
                           if config.exit_when_idle_s is not None else None)
         """A private daemon's end once its ranks are gone; None for a node daemon."""
         self.limits = LimitGuard(config.limits(), self.metrics, self.jobs,
-                                 fds_per_job=1 + len(config.swap_dirs))
+                                 swap_dirs=len(config.swap_dirs), lifecycle=self.lifecycle)
         self.swap: Any = None
+        self.scratch: list[ScratchClaim] = []
+        """The scratch dirs this daemon claimed; it deletes them (only them) at exit."""
         self._session_ids = itertools.count(1)
         self._server: asyncio.AbstractServer | None = None
         self._metrics_server: Any = None
@@ -88,6 +92,8 @@ class Daemon:
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
+        for path in self.config.scratch_dirs:  # first: its socket and swap dirs may be in them
+            self.scratch.append(claim_scratch_dir(Path(path)))
         if self.config.swap_dirs:
             from offloadd.swap.nvme import SwapSpace
 
@@ -95,16 +101,17 @@ class Daemon:
                                   owner_of=lambda name: getattr(self.jobs.jobs.get(name),
                                                                 "owner_uid", None))
             await self.swap.open()
+            self.swap.retention.on_reclaimed = self._kept_files_gone
             if self.config.recover:
-                await self.swap.recover(self.jobs,
-                                        lambda name: self._open_tier(name, recovering=True))
-                for name, tier in self.swap.tiers.items():  # a restart keeps who owns a job
-                    self.auth.restore(name, tier.recovered_owner)
+                recovered = await self.swap.recover(
+                    self.jobs, lambda name: self._open_tier(name, recovering=True))
+                self._adopt_recovered(recovered)
         self._server = await self._listen()
         if self.config.metrics_addr:
             host, port = parse_host_port(self.config.metrics_addr)
             self._metrics_server = serve_metrics(
-                build_registry(self.metrics), host, port,
+                mask_job_labels(build_registry(self.metrics), self.auth.metrics_label),
+                host, port,
                 idle_timeout_s=self.config.metrics_idle_timeout_s,
                 max_connections=self.config.max_metrics_connections)
         self._background.append(asyncio.ensure_future(self._watch_loop_lag()))
@@ -156,9 +163,10 @@ class Daemon:
         if self._server is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.config.socket)
-            # A private daemon may outlive the rank that made these dirs: it removes them.
-            for path in self.config.scratch_dirs:
-                shutil.rmtree(path, ignore_errors=True)
+        # A private daemon may outlive the rank that made these dirs: it removes them.
+        for claim in self.scratch:
+            release_scratch_dir(claim)
+        self.scratch = []
         self._stopped.set()
 
     def open_job(self, name: str, arena_nbytes: int) -> Job:
@@ -174,12 +182,91 @@ class Daemon:
                          owner_record=lambda: self.auth.record(name))
 
     async def open_job_async(self, name: str, arena_nbytes: int) -> Job:
-        """``open_job`` with a new arena made off the loop (see ``JobRegistry.open_async``)."""
+        """``open_job`` with a new arena made off the loop (see ``JobRegistry.open_async``).
+
+        A name whose ended job's files are kept (``offloadd.swap.retention``) is claimed:
+        the job resumes from its last flush. Only its owner gets here (the owner record
+        stays in ``auth`` while the files are kept, and the hello checked it).
+        """
         make_tier = (lambda: self._open_tier(name)) if self.swap is not None else None
+        if self.swap is not None:
+            await self.lifecycle.settled(name)  # its files kept or gone, not half-closed
+            if (name in self.swap.retention.jobs and name not in self.jobs.jobs
+                    and name not in self.jobs.creating):
+                return await self._claim_kept(name, arena_nbytes)
         # The lifecycle owns the job from its creation: a hello that is cancelled (its
         # client left, or its hello timer fired) while the arena is made leaves no leak.
         return await self.jobs.open_async(name, arena_nbytes, make_tier,
                                           on_created=self.lifecycle.created)
+
+    # -- recovered and kept jobs --------------------------------------------------
+
+    def _adopt_recovered(self, recovered: list[str]) -> None:
+        """Jobs ``--recover`` brought back: owned and charged as before the restart, and
+        lingering like a job whose ranks are gone; kept files keep their names for their
+        owners."""
+        for name in recovered:
+            job, owner = self.jobs.jobs[name], self.swap.tiers[name].recovered_owner
+            self.auth.restore(name, owner)  # None (an older manifest): root's
+            self.limits.claim_job(job, owner.uid if owner is not None else ROOT_UID)
+            self.lifecycle.created(job)
+        for name, kept in self.swap.retention.jobs.items():
+            self.auth.restore(name, kept.owner)
+
+    def _kept_files_gone(self, name: str) -> None:
+        if name not in self.jobs.jobs and name not in self.jobs.creating:
+            self.auth.forget(name)
+
+    async def _claim_kept(self, name: str, arena_nbytes: int) -> Job:
+        """The owner's hello for a name whose files are kept: the job resumes from them."""
+        from offloadd.swap.manifests import mark_ended, read_job_manifest
+
+        loop, first = asyncio.get_running_loop(), self.swap.dirs[0]
+        try:
+            manifest = await loop.run_in_executor(None, read_job_manifest,
+                                                  first.job_dir(name), first.root_fd)
+        except Exception as exc:
+            self.swap.retention.claim(name, "unreadable")  # uncounted: gc reclaims the files
+            self.swap.quarantine(name, first.job_dir(name), exc)
+            raise JobQuarantinedError(self.swap.quarantined[name]) from exc
+        claimed = []
+
+        def make_tier() -> Any:
+            kept = self.swap.retention.claim(name)
+            if kept is None:  # reclaimed while the arena was made: a new job
+                return self._open_tier(name)
+            try:
+                tier = self._open_tier(name, recovering=True)
+            except BaseException:
+                self.swap.retention.unclaim(kept)
+                raise
+            claimed.append(kept)
+            return tier
+
+        def on_created(job: Job) -> None:
+            if claimed:
+                try:
+                    self.swap.tiers[name].load_manifest(job.table, manifest)
+                except Exception as exc:
+                    del self.jobs.jobs[name]
+                    self.swap.quarantine(name, first.job_dir(name), exc)
+                    self.lifecycle.abandon(job)
+                    raise JobQuarantinedError(self.swap.quarantined[name]) from exc
+            self.lifecycle.created(job)
+
+        nbytes = arena_nbytes or manifest["arena_nbytes"]
+        job = await self.jobs.open_async(name, nbytes, make_tier, on_created=on_created)
+        tier = self.swap.tiers.get(name)
+        if claimed and tier is not None:  # live again: a restart now recovers it
+            async with tier.commit_lock:
+                try:
+                    await loop.run_in_executor(None, mark_ended, first.job_dir(name),
+                                               first.root_fd, None)
+                except Exception as exc:  # its next flush writes a live manifest anyway
+                    log.warning("event=mark_live_failed job=%s error=%r", name, str(exc))
+            log.info("event=job_claimed job=%s shards=%d tag=%s", name,
+                     len(job.table.shards), manifest["tag"])
+        return job
 
     # -- health and stats ---------------------------------------------------------
 
@@ -230,6 +317,12 @@ class Daemon:
         for name, doc, read in per_job:
             yield gauge(name, doc, 0, [JOB_LABEL], [([j.name], read(j)) for j in jobs])
         yield gauge("offloadd_sessions", "Connected rank sessions.", len(self.sessions))
+        sessions = list(self.sessions)
+        yield gauge("offloadd_client_buffered_bytes", "Bytes buffered for clients: requests "
+                    "not yet answered and replies not yet read (max_pending_nbytes_per_uid).",
+                    sum(s.pending_nbytes + s.reply_nbytes for s in sessions))
+        yield gauge("offloadd_connections_unread", "Connections not read until their client "
+                    "reads its replies.", sum(1 for s in sessions if s.writing_paused))
         yield gauge("offloadd_build_info", "Build and active code paths.", 1,
                     ["version", "adam_kernel", "io_engine", "python"],
                     [([__version__, adam_kernel(), self._io_engine_name(),

@@ -34,7 +34,7 @@ from offloadd.errors import (
 )
 from offloadd.memory.shards import Lease, Shard
 from offloadd.metrics import DaemonMetrics, Histogram
-from offloadd.service import device_copies
+from offloadd.service import device_copies, node_view
 from offloadd.service.auth import JobAuthority
 from offloadd.service.batches import SLICE_IDS
 from offloadd.service.jobs import Job, JobRegistry
@@ -122,6 +122,15 @@ class Session(asyncio.Protocol):
         self.max_frame_nbytes = min(p.MAX_FRAME_NBYTES, daemon.config.max_partial_frame_nbytes)
         self.pending_nbytes = 0
         """Bytes of ``buffer`` counted against the uid (LimitGuard.pending_changed)."""
+        self.reply_nbytes = 0
+        """Reply bytes in the transport's buffer counted against the uid (``count_replies``)."""
+        self.replies_capped = False
+        """The uid's buffered bytes passed its limit while this connection held replies: its
+        transport pauses writing (and so reading) at any reply byte it cannot send."""
+        self.status_pending = False
+        """A node_status is being answered: the connection's next frame waits for it."""
+        self.drain_waiters: list[asyncio.Future[None]] = []
+        """Replies not yet built, waiting for the client to read (``writable``)."""
         self.staging: device_copies.SessionStaging | None = None
         """Daemon-driven device copies into this rank's GPU staging slots, once opened."""
         self.staging_opening = False
@@ -201,6 +210,9 @@ class Session(asyncio.Protocol):
         if self.pending_nbytes:
             self.daemon.limits.pending_changed(self.peer_uid, -self.pending_nbytes)
             self.pending_nbytes = 0
+        if self.reply_nbytes:
+            self.daemon.limits.replies_changed(self.peer_uid, -self.reply_nbytes)
+            self.reply_nbytes = 0
         self.buffer.clear()
         for task in self.tasks:
             task.cancel()
@@ -216,13 +228,50 @@ class Session(asyncio.Protocol):
     # our write buffer (and our loop time) without bound. Once the transport's buffer
     # passes its high-water mark, no frame is dispatched and the socket is not read
     # until the client drains its replies; frames already received wait in the buffer.
+    # Replies still to be built for it (node_status) wait too (``writable``), and the
+    # buffered replies count against the uid's max_pending_nbytes_per_uid with its
+    # buffered requests: past it, each of the uid's connections holding replies stops
+    # at its next unsent byte instead of at the high-water mark (``count_replies``), so
+    # many connections of one uid cannot each buffer a high-water mark's worth.
     def pause_writing(self) -> None:
         self.writing_paused = True
+        self.count_replies()
         self.hold()
 
     def resume_writing(self) -> None:
         self.writing_paused = False
+        self.count_replies()
+        waiters, self.drain_waiters = self.drain_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
         self.release_hold()
+
+    def count_replies(self) -> None:
+        """Charge the replies buffered in the transport (written, not yet taken by the
+        client) to the uid; past the uid's limit, stop at the next reply byte not sent."""
+        transport = self.transport
+        if transport is None or self.closed:
+            return
+        nbytes = transport.get_write_buffer_size()
+        over = self.daemon.limits.replies_changed(self.peer_uid, nbytes - self.reply_nbytes)
+        self.reply_nbytes = nbytes
+        if transport.is_closing():
+            return
+        if over and nbytes and not self.replies_capped:
+            self.replies_capped = True
+            transport.set_write_buffer_limits(high=0)  # pauses writing (and reading) now
+        elif self.replies_capped and not over and not self.writing_paused:
+            self.replies_capped = False
+            transport.set_write_buffer_limits()  # the default high-water mark again
+
+    async def writable(self) -> None:
+        """Return once the client takes its replies (writing is not paused)."""
+        while self.writing_paused and not self.closed:
+            assert self.loop is not None
+            waiter = self.loop.create_future()
+            self.drain_waiters.append(waiter)
+            await waiter
 
     def hold(self) -> None:
         self.held = True
@@ -231,7 +280,7 @@ class Session(asyncio.Protocol):
 
     def release_hold(self) -> None:
         """Dispatch again once replies drain and requests in flight are under the limit."""
-        if (not self.held or self.writing_paused or self.closed
+        if (not self.held or self.writing_paused or self.closed or self.status_pending
                 or self.in_flight >= self.daemon.config.max_requests_in_flight):
             return
         self.held = False
@@ -243,13 +292,18 @@ class Session(asyncio.Protocol):
 
     def fail_and_close(self, rid: int, error: OffloadError) -> None:
         self.send(p.ErrorReply(rid, error.code.value, error.message, error.shard_ids))
-        if self.transport is not None:
+        if self.transport is None:
+            return
+        if self.writing_paused:  # close() would keep its unread replies until it reads
+            self.transport.abort()
+        else:
             self.transport.close()
 
     def send(self, reply: p.Reply) -> None:
         if self.transport is not None and not self.closed:
             payload = _encode(reply)
             self.transport.write(p.HEADER.pack(len(payload)) + payload)
+            self.count_replies()
 
     # -- framing ------------------------------------------------------------------
 
@@ -389,6 +443,8 @@ class Session(asyncio.Protocol):
             reply.rid = request.rid
             payload = _encode(reply)
             transport.write(p.HEADER.pack(len(payload)) + payload)  # one write per reply
+            if transport.get_write_buffer_size() != self.reply_nbytes:  # the client lags
+                self.count_replies()
         ok_seconds.observe(time.perf_counter() - started)
 
     def dispatch_control(self, request: p.Request, started: float) -> None:
@@ -407,8 +463,19 @@ class Session(asyncio.Protocol):
             return
         if isinstance(result, p.Reply):
             self.reply_ok(request.rid, op, result, started)
-        else:
-            self.spawn(self.finish_async(request.rid, op, result, started))
+            return
+        # One node_status at a time per connection: its reply is built only once the
+        # client reads (``writable``), so a pipeline of them would only park tasks here.
+        self.status_pending = True
+        self.spawn(self.finish_status(request.rid, op, result, started))
+        self.hold()
+
+    async def finish_status(self, rid: int, op: str, pending: Awaitable[p.Reply | None],
+                            started: float) -> None:
+        try:
+            await self.finish_async(rid, op, pending, started)
+        finally:
+            self.status_pending = False
 
     def reply_ok(self, rid: int, op: str, reply: p.Reply | None, started: float) -> None:
         if reply is None:
@@ -467,7 +534,7 @@ class Session(asyncio.Protocol):
         self.daemon.auth.check_hello(req.job, self.peer_uid, req.job_secret)
         job = self.daemon.jobs.jobs.get(req.job)
         if job is None:
-            self.daemon.limits.new_job_starting(self.peer_uid)
+            self.daemon.limits.new_job_starting(self.peer_uid, req.job)
             self.hello_pending = True
             if self.transport is not None:
                 self.transport.pause_reading()
@@ -491,7 +558,7 @@ class Session(asyncio.Protocol):
                              time.perf_counter())
         finally:
             lifecycle.hello_ended(req.job)
-            self.daemon.limits.new_job_done(self.peer_uid)
+            self.daemon.limits.new_job_done(self.peer_uid, req.job)
         self.hello_pending = False
         if self.job is None and self.hello_timer is None and not self.closed:
             self.arm_hello_timer()  # it fired while the arena was made: a failed hello may retry
@@ -525,6 +592,7 @@ class Session(asyncio.Protocol):
         assert self.job is not None
         self.daemon.limits.check_new_shards(self.job, self.rank, req.ids)
         self.daemon.limits.check_uid_shards(self.job, req.ids)
+        self.daemon.optimizer.warm_for(req.ids)
         return self.job.alloc(self.rank, req.ids, req.nbytes, req.dtypes)
 
     def on_acquire(self, req: p.Acquire) -> p.Reply | Awaitable[p.Reply]:
@@ -533,6 +601,7 @@ class Session(asyncio.Protocol):
             self.daemon.limits.check_new_shards(self.job, self.rank, req.ids)
             self.daemon.limits.check_uid_shards(self.job, req.ids)
             dtypes = req.create_dtypes or ["uint8"] * len(req.ids)
+            self.daemon.optimizer.warm_for(req.ids)
             return self.job.alloc(self.rank, req.ids, req.create_nbytes, dtypes,
                                   self.leases, req.mode)
         return self.job.acquire(self.rank, req.ids, req.mode, self.leases)
@@ -564,19 +633,14 @@ class Session(asyncio.Protocol):
         assert job is not None
         if len(job.table.shards) > SLICE_IDS:  # counted a slice per loop turn
             return self.stats_reply(req, job.name, job.stats_sliced())
-        stats = job.stats()
-        stats.update(self.daemon.node_stats())
-        stats["rank"] = self.rank
-        stats["job"] = job.name
-        return p.StatsOk(req.rid, stats)
+        return p.StatsOk(req.rid, node_view.job_stats(self.daemon, self.peer_uid, job.name,
+                                                      job.stats(), self.rank))
 
     async def stats_reply(self, req: p.Stats, name: str,
                           pending: Awaitable[dict[str, object]]) -> p.Reply:
         stats = await pending
-        stats.update(self.daemon.node_stats())
-        stats["rank"] = self.rank
-        stats["job"] = name
-        return p.StatsOk(req.rid, stats)
+        return p.StatsOk(req.rid, node_view.job_stats(self.daemon, self.peer_uid, name, stats,
+                                                      self.rank))
 
     def on_node_status(self, req: p.NodeStatus) -> p.Reply | Awaitable[p.Reply]:
         if self.job is None:  # an admin connection: it never says hello, but may not idle
@@ -589,30 +653,22 @@ class Session(asyncio.Protocol):
 
     async def node_status_later(self, req: p.NodeStatus, delay_s: float) -> p.Reply:
         await asyncio.sleep(delay_s)
+        await self.writable()  # built when the client reads: not kept here meanwhile
         reply = self.node_status_now(req)
         return reply if isinstance(reply, p.Reply) else await reply
 
     def node_status_now(self, req: p.NodeStatus) -> p.Reply | Awaitable[p.Reply]:
-        auth, uid = self.daemon.auth, self.peer_uid
-        visible = [job for name, job in list(self.daemon.jobs.jobs.items())
-                   if auth.visible(name, uid)]
+        uid = self.peer_uid
+        visible = node_view.visible_jobs(self.daemon, self.daemon.jobs.jobs, uid)
         if sum(len(job.table.shards) for job in visible) > SLICE_IDS:
             return self.node_status_sliced(req, visible)
-        return self.node_status_reply(req, {job.name: job.stats() for job in visible})
+        return p.StatsOk(req.rid, node_view.node_status(
+            self.daemon, uid, {job.name: job.stats() for job in visible}))
 
     async def node_status_sliced(self, req: p.NodeStatus, visible: list[Job]) -> p.Reply:
         """Each job's per-shard counts a slice per loop turn (offloadd.service.batches)."""
-        return self.node_status_reply(req, {job.name: await job.stats_sliced()
-                                            for job in visible})
-
-    def node_status_reply(self, req: p.NodeStatus, jobs: dict[str, object]) -> p.Reply:
-        auth, uid = self.daemon.auth, self.peer_uid
-        swap_dirs = list(self.daemon.config.swap_dirs)
-        swap = self.daemon.swap
-        retained = swap.retention.listing(lambda r: uid == 0 or r.uid == uid) if swap else {}
-        return p.StatsOk(req.rid, {"node": self.daemon.node_stats(), "jobs": jobs,
-                                   "swap_dirs": swap_dirs, "scope": auth.scope(uid),
-                                   "retained": retained})
+        jobs = {job.name: await job.stats_sliced() for job in visible}
+        return p.StatsOk(req.rid, node_view.node_status(self.daemon, self.peer_uid, jobs))
 
     def on_close_job(self, req: p.CloseJob) -> None:
         job = self.job

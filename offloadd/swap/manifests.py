@@ -1,5 +1,11 @@
 """Reading flush manifests at recovery: two generations, and quarantine of a bad job.
 
+A manifest also says whether its job was live or had ended: a flush writes it with no
+``ended_at`` (live), and a job that ends with its files kept has both generations
+rewritten with ``ended_at`` (``mark_ended``). ``--recover`` brings back only live jobs;
+an ended one stays files until its owner (the manifest's ``owner``) claims it or its
+retention runs out (``offloadd.swap.retention``).
+
 A flush replaces ``manifest.json`` atomically; just before, the manifest it
 replaces is hard-linked as ``manifest.prev.json``, so a newest manifest that
 is torn or corrupt on disk (a bad block, a copy gone wrong) still recovers
@@ -16,6 +22,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +35,8 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 PREVIOUS = "manifest.prev.json"
 REQUIRED_KEYS = ("format", "job", "arena_nbytes", "dirs", "shards", "tag")
+ENDED_AT = "ended_at"
+"""Unix time the job ended at; absent (or null): the job was live when it last flushed."""
 
 
 # -- the owner record (a job's uid and secret digest, restored at --recover) ---------
@@ -183,10 +192,120 @@ def _read_generations(dir_fd: int, job_dir: Path) -> dict[str, Any]:
         return manifest
 
 
+def has_manifest(job_dir: Path) -> bool:
+    """Whether a job folder holds a manifest of either generation."""
+    return (job_dir.is_dir() and not job_dir.is_symlink()
+            and ((job_dir / MANIFEST).exists() or (job_dir / PREVIOUS).exists()))
+
+
 def jobs_with_manifests(root: Path) -> list[Path]:
     """Job folders in a swap dir's layout dir holding a manifest of either generation."""
     if not root.exists():
         return []
-    return sorted(p for p in root.iterdir()
-                  if p.is_dir() and not p.is_symlink()
-                  and ((p / MANIFEST).exists() or (p / PREVIOUS).exists()))
+    return sorted(p for p in root.iterdir() if has_manifest(p))
+
+
+# -- live or ended, and what the swap files must keep ---------------------------------
+
+
+def manifest_ended_at(manifest: dict[str, Any]) -> float | None:
+    """When the manifest's job ended (None: it was live); ManifestError if malformed."""
+    ended_at = manifest.get(ENDED_AT)
+    if ended_at is None:
+        return None
+    if (not isinstance(ended_at, int | float) or isinstance(ended_at, bool)
+            or not math.isfinite(ended_at)):
+        raise ManifestError(f"manifest of job {manifest.get('job')!r}: {ENDED_AT} is "
+                            f"{ended_at!r}, not a time")
+    return float(ended_at)
+
+
+def manifest_owner(manifest: dict[str, Any]) -> JobOwner | None:
+    """The owner the manifest records (None: a format-1 manifest, or a job no hello served)."""
+    record = manifest.get("owner")
+    if manifest.get("format", 1) < 2 or record is None:
+        return None
+    try:
+        return JobOwner.from_record(record)
+    except ValueError as exc:
+        raise ManifestError(f"manifest of job {manifest.get('job')!r}: {exc}") from exc
+
+
+def manifest_flushed_at(manifest: dict[str, Any]) -> float:
+    """When the manifest was written (0: not recorded)."""
+    created = manifest.get("created")
+    if isinstance(created, int | float) and not isinstance(created, bool):
+        return float(created) if math.isfinite(created) else 0.0
+    return 0.0
+
+
+def named_file_ends(manifest: dict[str, Any]) -> dict[int, int]:
+    """Swap dir index -> end of the furthest extent the manifest names in that dir's file;
+    ManifestError if a chunk is malformed."""
+    ends: dict[int, int] = {}
+    try:
+        for entry in manifest["shards"]:
+            for chunk in entry["chunks"]:
+                dir_index, offset, nbytes = chunk[0], chunk[1], chunk[2]
+                if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0
+                           for v in (dir_index, offset, nbytes)):
+                    raise ManifestError(f"manifest of job {manifest.get('job')!r}: chunk "
+                                        f"{str(chunk)[:80]} is malformed")
+                ends[dir_index] = max(ends.get(dir_index, 0), offset + nbytes)
+    except (KeyError, IndexError, TypeError) as exc:
+        raise ManifestError(f"manifest of job {manifest.get('job')!r}: its shard list is "
+                            f"malformed ({exc!r})") from exc
+    return ends
+
+
+def mark_ended(job_dir: Path, root_fd: int, ended_at: float | None
+               ) -> tuple[dict[str, Any], dict[int, int]]:
+    """Record in each readable generation of a job's manifest that the job ended at
+    ``ended_at`` (None: that it is live again, claimed by its owner); each file is
+    replaced whole, by ``stage_file`` and ``publish_staged``. The caller holds the job's
+    commit lock or the job has no tier: no flush writes these files meanwhile.
+
+    Returns the newest manifest and the file ends both generations name (what its swap
+    files must keep: the previous generation is recovery's fallback). A torn generation is
+    left as it is. ManifestError if neither generation is readable.
+    """
+    dir_fd = open_private_subdir(root_fd, job_dir.name, job_dir, create=False)
+    try:
+        newest: dict[str, Any] | None = None
+        ends: dict[int, int] = {}
+        for name in (PREVIOUS, MANIFEST):  # a crash in between leaves the newest one as it was
+            try:
+                manifest = parse_manifest(dir_fd, job_dir / name, job_dir.name)
+                generation_ends = named_file_ends(manifest)
+            except ManifestError:
+                continue
+            if manifest.get(ENDED_AT) != ended_at:
+                manifest[ENDED_AT] = ended_at
+                stage_file(dir_fd, name, json.dumps(manifest).encode())
+                publish_staged(dir_fd, name)
+            newest = manifest
+            for index, end in generation_ends.items():
+                ends[index] = max(ends.get(index, 0), end)
+        if newest is None:
+            raise ManifestError(f"no readable manifest in {job_dir}")
+        return newest, ends
+    finally:
+        os.close(dir_fd)
+
+
+def retained_file_ends(job_dir: Path, root_fd: int) -> dict[int, int]:
+    """The file ends either readable generation of a job's manifest names (see mark_ended)."""
+    dir_fd = open_private_subdir(root_fd, job_dir.name, job_dir, create=False)
+    try:
+        ends: dict[int, int] = {}
+        for name in (PREVIOUS, MANIFEST):
+            try:
+                generation_ends = named_file_ends(
+                    parse_manifest(dir_fd, job_dir / name, job_dir.name))
+            except ManifestError:
+                continue
+            for index, end in generation_ends.items():
+                ends[index] = max(ends.get(index, 0), end)
+        return ends
+    finally:
+        os.close(dir_fd)

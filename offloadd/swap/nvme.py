@@ -31,6 +31,7 @@ import xxhash
 
 from offloadd.errors import (
     JobQuarantinedError,
+    LimitExceededError,
     OffloadError,
     OverBudgetError,
     ShardExistsError,
@@ -40,8 +41,20 @@ from offloadd.memory.arena import Allocator, align_up
 from offloadd.memory.shards import Chunk
 from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
 from offloadd.swap.ioengine import IOEngineError, VolatileCacheEngine, open_engine
-from offloadd.swap.manifests import jobs_with_manifests, read_job_manifest
-from offloadd.swap.retention import SwapRetention
+from offloadd.swap.manifests import (
+    has_manifest,
+    jobs_with_manifests,
+    manifest_ended_at,
+    manifest_flushed_at,
+    manifest_owner,
+    read_job_manifest,
+)
+from offloadd.swap.retention import (
+    SWAP_FILE,
+    SwapRetention,
+    end_job_files,
+    shrink_kept_files,
+)
 from offloadd.swap.scheduler import IOQueue, IOTicket, Priority
 from offloadd.swap.swapdirs import (
     FILE_FLAGS,
@@ -84,14 +97,17 @@ class JobFile:
     """One job's swap file on one swap dir, with an extent allocator inside it."""
 
     def __init__(self, swap_dir: SwapDir, job: str, *, existing: bool,
-                 before_grow: Callable[[JobFile, int], Awaitable[int | None]] | None = None
-                 ) -> None:
+                 before_grow: Callable[[JobFile, int], Awaitable[int | None]] | None = None,
+                 when_full: Callable[[JobFile], Awaitable[bool]] | None = None) -> None:
         self.dir = swap_dir
         self.job = job
         self.before_grow = before_grow
         """Called before the file grows by at least ``need`` bytes; may free room (ended
         jobs' files) and returns the bytes the owner may still add (None: no cap)."""
-        self.path = swap_dir.root / job / "swap.0"
+        self.when_full = when_full
+        """Called when the file system has no room for even ``need`` bytes: deletes an
+        ended job's kept files there (True) or finds none to delete (False)."""
+        self.path = swap_dir.root / job / SWAP_FILE
         self.dir_fd = open_private_subdir(swap_dir.root_fd, job, self.path.parent)
         """The job's dir, checked: manifests are written relative to it."""
         flags = os.O_RDWR | os.O_CREAT | FILE_FLAGS | (os.O_DIRECT if swap_dir.direct else 0)
@@ -141,18 +157,25 @@ class JobFile:
         add = max(need, min(SEGMENT_NBYTES, room // 4) // 4096 * 4096)
         if owner_room is not None:
             add = max(need, min(add, owner_room // 4096 * 4096))
-        try:
-            await self._fallocate(add)
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC or add == need:
-                raise self._grow_error(exc, add) from exc
-            add = need
-            try:
-                await self._fallocate(add)
-            except OSError as retry_exc:
-                raise self._grow_error(retry_exc, add) from retry_exc
+        add = await self._fallocate_what_fits(add, need)
         swap_dir.reserved_nbytes += add
         self.allocator.grow(self.allocator.capacity + add)
+
+    async def _fallocate_what_fits(self, add: int, need: int) -> int:
+        """Allocate ``add`` bytes, or on ENOSPC ``need``; while even that does not fit,
+        ended jobs' kept files in this dir go first (oldest first): a live job's write
+        fails only once there are none left. Returns the bytes added."""
+        while True:
+            try:
+                await self._fallocate(add)
+                return add
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise self._grow_error(exc, add) from exc
+                if add > need:
+                    add = need
+                elif self.when_full is None or not await self.when_full(self):
+                    raise self._grow_error(exc, add) from exc
 
     async def _fallocate(self, add: int) -> None:
         loop = asyncio.get_running_loop()
@@ -270,8 +293,8 @@ class SwapSpace:
                 raise ShardExistsError(
                     f"swap files of an earlier job {job!r} exist in {stale[0]}; restart the daemon "
                     "with --recover to restore them, or reclaim them with `offloadd gc`")
-        return [JobFile(d, job, existing=recovering, before_grow=self.before_grow)
-                for d in self.dirs]
+        return [JobFile(d, job, existing=recovering, before_grow=self.before_grow,
+                        when_full=self.reclaim_for_disk) for d in self.dirs]
 
     async def before_grow(self, jobfile: JobFile, need: int) -> int | None:
         """Room for ``need`` more bytes in ``jobfile``: the owner's cap first, then the dir's
@@ -292,6 +315,12 @@ class SwapSpace:
                 break
         return None if uid is None or cap is None else cap - self.uid_nbytes(uid)
 
+    async def reclaim_for_disk(self, jobfile: JobFile) -> bool:
+        """The file system of ``jobfile``'s dir is full: delete the oldest kept job there."""
+        index = jobfile.dir.index
+        return await self.retention.reclaim_oldest(
+            lambda r: index in r.nbytes_by_dir and r.job != jobfile.job, "disk_full")
+
     def uid_nbytes(self, uid: int) -> int:
         """Swap file bytes of ``uid``: its live jobs' files and its ended jobs' kept ones."""
         live = sum(jobfile.allocator.capacity for name, tier in self.tiers.items()
@@ -309,19 +338,21 @@ class SwapSpace:
 
         Call once the job has no sessions and left the registry (``JobRegistry.close_job``):
         it ended, was dropped, or the daemon stops.
-        ``keep_flushed`` keeps the files of a job that has a manifest, so a later
-        ``--recover`` still finds its last flush; they stay counted against ``owner_uid``
-        and their dirs until ``offloadd.swap.retention`` reclaims them. Returns the bytes freed.
+        ``keep_flushed`` keeps the files of a job that has a manifest, so its owner can
+        resume from its last flush (``claim``, or after a restart with ``--recover``):
+        its manifest is marked ended and its files cut to what it names, and they stay
+        counted against their owner and their dirs until ``offloadd.swap.retention``
+        reclaims them. Returns the bytes freed.
         """
-        kept: dict[int, int] = {}
+        tier = None
         if job in self.tiers:
-            tier = await self._close_tier(job)  # files closed and budget returned in every case
-            kept = {f.dir.index: f.allocator.capacity for f in tier.files}
+            tier = await self.close_tier(job)  # files closed and budget returned in every case
         stalls = self.counters.stall_seconds.values  # an ended job's series end with it
         for labels in [labels for labels in stalls if labels[0] == job]:
             del stalls[labels]
-        if keep_flushed and (self.dirs[0].job_dir(job) / MANIFEST).exists():
-            self.retention.keep(job, owner_uid, kept)
+        if keep_flushed and has_manifest(self.dirs[0].job_dir(job)):
+            sizes = {f.dir.index: f.allocator.capacity for f in tier.files} if tier else {}
+            await self._retain_ended(job, owner_uid, sizes)
             return 0
         self.created.discard(job)
         loop = asyncio.get_running_loop()
@@ -332,27 +363,75 @@ class SwapSpace:
         log.info("event=swap_released job=%s freed_nbytes=%d", job, freed)
         return freed
 
-    async def recover(self, registry: JobOpener, open_tier: Callable[[str], Any]) -> None:
-        """Re-open every job whose manifest is in the first swap dir; a job whose manifest
-        is bad is quarantined (logged, in status, refused at hello), the others recover.
+    async def _retain_ended(self, job: str, owner_uid: int | None,
+                            sizes: dict[int, int]) -> None:
+        """Keep an ended job's files (listed and counted at once), mark its manifest ended
+        and cut its files to what the manifest names (see release_job)."""
+        loop, ended_at = asyncio.get_running_loop(), time.time()
+        self.retention.keep(job, None, sizes, ended_at=ended_at, uid=owner_uid, settling=True)
+        try:
+            owner, kept = await loop.run_in_executor(None, end_job_files, self.dirs, job,
+                                                     ended_at)
+        except Exception as exc:  # unreadable manifests: what is on disk stays for gc
+            self.retention.claim(job, "unreadable")
+            log.error("event=swap_retain_failed job=%s error=%r", job, str(exc))
+            self.quarantine(job, self.dirs[0].job_dir(job), exc)
+            return
+        self.retention.settle(job, owner, kept)
 
-        Whatever a manifest holds costs its job only: any exception while one is read or
-        loaded (deep nesting is a RecursionError, odd types an AttributeError) quarantines it.
+    def quarantine(self, name: str, job_dir: Path, exc: BaseException) -> None:
+        self.quarantined[name] = (
+            f"job {name!r} is quarantined: its manifest in {job_dir} could not be "
+            f"recovered ({exc}); its swap files are kept. Restart with the swap dirs "
+            "it was flushed with, or reclaim it with `offloadd gc`")
+        log.error("event=job_quarantined job=%s error=%r", name, str(exc))
+
+    async def recover(self, registry: JobOpener, open_tier: Callable[[str], Any]) -> list[str]:
+        """Bring back the jobs that were live when the daemon stopped; keep ended ones as
+        files for their owners (``offloadd.swap.retention``). Returns the recovered names.
+
+        Live jobs take the DRAM budget in ``recovery_order`` (no ended job, and no name,
+        decides who gets it); one that finds no room is kept as files for its owner to
+        claim, never quarantined. A job whose manifest is bad is quarantined (logged, in
+        status, refused at hello). Whatever a manifest holds costs its job only: any
+        exception while one is read or loaded (deep nesting is a RecursionError, odd types
+        an AttributeError) quarantines it.
         """
+        live: list[tuple[str, dict[str, Any]]] = []
         for job_dir in jobs_with_manifests(self.dirs[0].root):
             name = job_dir.name
             try:
                 manifest = read_job_manifest(job_dir, self.dirs[0].root_fd)
+                ended_at = manifest_ended_at(manifest)
+                owner = manifest_owner(manifest)
+                if ended_at is not None:
+                    await self._keep_from_disk(name, owner, ended_at, "ended before the restart")
+                else:
+                    live.append((name, manifest))
+            except Exception as exc:
+                self.quarantine(name, job_dir, exc)
+        recovered = []
+        for name, manifest in recovery_order(live):
+            try:
                 count = await self._recover_job(registry, name, manifest,
                                                 functools.partial(open_tier, name))
-            except Exception as exc:
-                self.quarantined[name] = (
-                    f"job {name!r} is quarantined: its manifest in {job_dir} could not be "
-                    f"recovered ({exc}); its swap files are kept. Restart with the swap dirs "
-                    "it was flushed with, or reclaim it with `offloadd gc`")
-                log.error("event=job_quarantined job=%s error=%r", name, str(exc))
+            except (OverBudgetError, LimitExceededError) as exc:  # no room: its files wait
+                log.warning("event=job_not_recovered job=%s error=%r", name, exc.message)
+                await self._keep_from_disk(name, manifest_owner(manifest), None,
+                                           f"no room at the restart: {exc.message}")
                 continue
+            except Exception as exc:
+                self.quarantine(name, self.dirs[0].job_dir(name), exc)
+                continue
+            recovered.append(name)
             log.info("event=job_recovered job=%s shards=%d tag=%s", name, count, manifest["tag"])
+        return recovered
+
+    async def _keep_from_disk(self, name: str, owner: Any, ended_at: float | None,
+                              note: str) -> None:
+        loop = asyncio.get_running_loop()
+        kept = await loop.run_in_executor(None, shrink_kept_files, self.dirs, name)
+        self.retention.keep(name, owner, kept, ended_at=ended_at, note=note)
 
     async def _recover_job(self, registry: JobOpener, name: str, manifest: dict[str, Any],
                            make_tier: Callable[[], Any]) -> int:
@@ -362,10 +441,10 @@ class SwapSpace:
             return job.tier.load_manifest(job.table, manifest)
         except BaseException:
             registry.close_job(name)
-            await self._close_tier(name)
+            await self.close_tier(name)
             raise
 
-    async def _close_tier(self, job: str) -> Any:
+    async def close_tier(self, job: str) -> Any:
         """Close a job's files and return their budget; the files stay on disk."""
         tier = self.tiers.pop(job)
         await tier.quiesce()
@@ -538,6 +617,30 @@ class SwapSpace:
         self.lock_fds.clear()
         for swap_dir in self.dirs:
             swap_dir.close()
+
+
+def recovery_order(live: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:
+    """The order live jobs take the DRAM budget at ``--recover``: owners take turns (each
+    owner's first job before anyone's second), each turn smallest arena first (then by
+    uid), each owner's jobs last-flushed first. Names play no part, so a name chosen to
+    sort first gains nothing, and many jobs of one uid take no more than one turn each."""
+    by_uid: dict[int, list[tuple[str, dict[str, Any]]]] = {}
+    for name, manifest in live:
+        owner = manifest_owner(manifest)
+        by_uid.setdefault(owner.uid if owner is not None else 0, []).append((name, manifest))
+    for jobs in by_uid.values():
+        jobs.sort(key=lambda job: -manifest_flushed_at(job[1]))
+    order = []
+    for turn in range(max((len(jobs) for jobs in by_uid.values()), default=0)):
+        round_ = [(_arena_nbytes(jobs[turn][1]), uid, jobs[turn])
+                  for uid, jobs in by_uid.items() if turn < len(jobs)]
+        order += [job for _nbytes, _uid, job in sorted(round_, key=lambda r: r[:2])]
+    return order
+
+
+def _arena_nbytes(manifest: dict[str, Any]) -> int:
+    nbytes = manifest.get("arena_nbytes")
+    return nbytes if isinstance(nbytes, int) and not isinstance(nbytes, bool) else 0
 
 
 def _by_kind(kind_nbytes: Counters) -> dict[str, dict[str, int]]:

@@ -15,6 +15,15 @@ daemon takes an exclusive ``flock`` on ``<swap_dir>/offloadd/.lock`` for its who
 life; the lock file records the holder's pid for the error a second daemon
 gets. The lock dies with the process (kill -9 included), so a crashed
 daemon never blocks its successor.
+
+Scratch dirs (``DaemonConfig.scratch_dirs``: a private daemon's socket and swap dirs) are
+deleted, whole, when the daemon exits, so a daemon deletes only a dir made to be deleted:
+one it creates itself, or one offloadd's launcher made for it (``make_scratch_dir``), each
+marked by a ``.offloadd-scratch`` file. At start the daemon claims each (an exclusive lock
+on the marker, its pid and a random token written in it); at exit it deletes a dir only
+if the dir at that path is still the one it claimed and its marker still holds its token.
+A typo that names / or someone's data finds no marker there, and the daemon refuses to
+start.
 """
 
 from __future__ import annotations
@@ -24,8 +33,10 @@ import errno
 import fcntl
 import logging
 import os
+import secrets
 import shutil
 import stat
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +56,11 @@ class SwapDirBusyError(RuntimeError):
 
 class SwapDirUnsafeError(OSError):
     """A swap dir (or a dir on its path, or a job dir in it) that another uid could write."""
+
+
+class ScratchDirRefusedError(RuntimeError):
+    """A scratch dir the daemon may not take: not made to be deleted, another uid's, or
+    held by another live daemon."""
 
 
 def open_private_dir(path: Path) -> int:
@@ -222,3 +238,182 @@ class SwapDir:
         if self.root_fd >= 0:
             os.close(self.root_fd)
             self.root_fd = -1
+
+
+SCRATCH_MARKER = ".offloadd-scratch"
+"""The file that makes a dir a scratch dir a daemon may delete, whole, at its exit."""
+SCRATCH_MAGIC = "offloadd scratch dir: the daemon that claims it deletes it, whole, at exit\n"
+"""The marker's first line; a claim adds the claiming daemon's pid and token."""
+
+
+@dataclass(eq=False)
+class ScratchClaim:
+    """A scratch dir this daemon holds: which dir it was, its token, the marker's lock."""
+
+    path: Path
+    device: int
+    inode: int
+    token: str
+    lock_fd: int
+    """The marker, flock'ed for the daemon's life: a second daemon cannot claim the dir."""
+
+
+def make_scratch_dir(parent: str | os.PathLike[str] | None = None,
+                     prefix: str = "offloadd-") -> str:
+    """A new private dir (``tempfile.mkdtemp``, mode 0700) marked as scratch, for a launcher
+    that must put something in it (the daemon's log) before the daemon it hands the dir to
+    (``--scratch-dir``) claims it."""
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS
+    with open(os.path.join(path, SCRATCH_MARKER), "x", opener=lambda name, _: os.open(
+            name, flags, 0o600)) as marker:
+        marker.write(f"{SCRATCH_MAGIC}made_by_pid={os.getpid()}\n")
+    return path
+
+
+def claim_scratch_dir(path: Path) -> ScratchClaim:
+    """Create ``path`` (its parent must exist) and mark it, or take the marked scratch dir
+    there; lock its marker and write this daemon's pid and token into it.
+
+    Refused (ScratchDirRefusedError naming the dir): a dir without the marker (it was not
+    made to be deleted), a link, a dir of another uid or writable by others, and a dir a live
+    daemon holds. A dead daemon's claim (its lock died with it) passes to this one.
+    """
+    fd, created = _open_or_make_scratch(path)
+    try:
+        _check_scratch_owner(fd, path)
+        flags = os.O_RDWR | FILE_FLAGS | (os.O_CREAT | os.O_EXCL if created else 0)
+        try:
+            lock_fd = os.open(SCRATCH_MARKER, flags, 0o600, dir_fd=fd)
+        except FileNotFoundError:
+            raise ScratchDirRefusedError(
+                f"scratch dir {path} exists and was not made by offloadd (no {SCRATCH_MARKER} "
+                "in it): the daemon deletes its scratch dirs whole at exit, so it takes only "
+                "dirs it creates; name a path that does not exist yet in scratch_dirs "
+                "(--scratch-dir), or drop it") from None
+        info = os.fstat(fd)
+    finally:
+        os.close(fd)
+    try:
+        return _lock_scratch(lock_fd, path, info, created)
+    except BaseException:
+        os.close(lock_fd)
+        raise
+
+
+def _open_or_make_scratch(path: Path) -> tuple[int, bool]:
+    parent_fd = os.open(path.parent, DIR_FLAGS & ~os.O_NOFOLLOW)
+    try:
+        created = False
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path.name, 0o700, dir_fd=parent_fd)
+            created = True
+        try:
+            return os.open(path.name, DIR_FLAGS, dir_fd=parent_fd), created
+        except OSError as exc:
+            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+                raise
+            raise ScratchDirRefusedError(
+                f"scratch dir {path} is a symbolic link or not a dir; the daemon deletes only "
+                "a dir it made, named by its real path") from None
+    finally:
+        os.close(parent_fd)
+
+
+def _check_scratch_owner(fd: int, path: Path) -> None:
+    info = os.fstat(fd)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        raise ScratchDirRefusedError(
+            f"scratch dir {path} is owned by uid {info.st_uid} with mode "
+            f"{stat.S_IMODE(info.st_mode):o}: a scratch dir must be the daemon's "
+            f"(uid {os.geteuid()}) and writable only by it; name a path that does not exist yet")
+
+
+def _lock_scratch(lock_fd: int, path: Path, info: os.stat_result, created: bool) -> ScratchClaim:
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ScratchDirRefusedError(
+            f"scratch dir {path} is held by another live offloadd ({_claimant(lock_fd)}); give "
+            "each daemon scratch dirs of its own") from None
+    if not created and not os.pread(lock_fd, 4096, 0).decode(errors="replace").startswith(
+            SCRATCH_MAGIC):
+        raise ScratchDirRefusedError(
+            f"scratch dir {path}: {SCRATCH_MARKER} in it is not offloadd's marker; the daemon "
+            "deletes only dirs it made: name a path that does not exist yet")
+    token = secrets.token_hex(16)
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, f"{SCRATCH_MAGIC}claimed_by_pid={os.getpid()}\ntoken={token}\n".encode(),
+              0)
+    log.info("event=scratch_dir_claimed dir=%s created=%s", path, created)
+    return ScratchClaim(path, info.st_dev, info.st_ino, token, lock_fd)
+
+
+def _claimant(lock_fd: int) -> str:
+    text = os.pread(lock_fd, 4096, 0).decode(errors="replace")
+    pids = [line for line in text.splitlines() if line.startswith("claimed_by_pid=")]
+    return pids[0] if pids else "pid unknown"
+
+
+def release_scratch_dir(claim: ScratchClaim) -> None:
+    """Delete a claimed scratch dir, whole, if the dir at its path is still the one claimed
+    and its marker still holds this daemon's token; else leave it (and say so in the log).
+
+    Never leaves the dir's filesystem (a mount inside is left, and the dir with it) and
+    follows no links. Errors are logged: the daemon is exiting, and must finish."""
+    try:
+        fd = os.open(claim.path, DIR_FLAGS)
+    except OSError as exc:
+        log.warning("event=scratch_dir_kept dir=%s reason=%r", claim.path, exc.strerror)
+        os.close(claim.lock_fd)
+        return
+    try:
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) != (claim.device, claim.inode) or \
+                f"token={claim.token}\n" not in _marker_text(fd):
+            log.warning("event=scratch_dir_kept dir=%s reason=not_the_dir_it_claimed",
+                        claim.path)
+            return
+        emptied = _empty_dir(fd, info.st_dev, claim.path)
+    except (OSError, RecursionError) as exc:
+        log.warning("event=scratch_dir_kept dir=%s reason=%r", claim.path, str(exc))
+        return
+    finally:
+        os.close(fd)
+        os.close(claim.lock_fd)
+    if emptied:
+        with contextlib.suppress(OSError):  # rmdir takes only an empty dir, whatever is there
+            os.rmdir(claim.path)
+
+
+def _marker_text(dir_fd: int) -> str:
+    try:
+        fd = os.open(SCRATCH_MARKER, os.O_RDONLY | FILE_FLAGS, dir_fd=dir_fd)
+    except OSError:
+        return ""
+    try:
+        return os.pread(fd, 4096, 0).decode(errors="replace")
+    finally:
+        os.close(fd)
+
+
+def _empty_dir(fd: int, device: int, path: Path) -> bool:
+    """Delete what is in the dir open at ``fd`` without leaving ``device``; True if emptied."""
+    emptied = True
+    for entry in os.scandir(fd):
+        if not entry.is_dir(follow_symlinks=False):
+            os.unlink(entry.name, dir_fd=fd)
+            continue
+        if entry.stat(follow_symlinks=False).st_dev != device:
+            log.warning("event=scratch_mount_kept dir=%s", path / entry.name)
+            emptied = False
+            continue
+        child = os.open(entry.name, DIR_FLAGS, dir_fd=fd)
+        try:
+            child_emptied = _empty_dir(child, device, path / entry.name)
+        finally:
+            os.close(child)
+        if child_emptied:
+            os.rmdir(entry.name, dir_fd=fd)
+        emptied = emptied and child_emptied
+    return emptied

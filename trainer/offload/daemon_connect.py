@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 
 from offloadd.formats import moment_nbytes
-from offloadd.ops.embedded import PrivateDaemon
+from offloadd.ops.embedded import PrivateDaemon, make_scratch_dir
 from trainer.client import OffloadClient, OffloadError
 from trainer.config import EngineConfig
 from trainer.device import copy_engine
@@ -130,8 +130,9 @@ def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
         base.mkdir(parents=True, exist_ok=True)
     # Dirs of its own: a second job on the node (or the same workdir) gets another
     # socket, and a swap dir belongs to one daemon (it is locked).
-    scratch = [tempfile.mkdtemp(prefix="offloadd-", dir=base)]
-    scratch += [tempfile.mkdtemp(prefix=f"offloadd-private-{job}-", dir=path)
+    # Marked as scratch (make_scratch_dir): the daemon deletes no dir that is not.
+    scratch = [make_scratch_dir(base, "offloadd-")]
+    scratch += [make_scratch_dir(path, f"offloadd-private-{job}-")
                 for path in _swap_dirs(config, job, subdir)]
     try:
         return PrivateDaemon.start(scratch[0], arena_size=arena_nbytes, swap_dirs=scratch[1:],
