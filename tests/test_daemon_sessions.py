@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from _uids import become
 from conftest import (
     JOB_ARENA_NBYTES,
     call,
@@ -124,9 +125,7 @@ def as_uid(uid: int, action: Callable[[], str]) -> str:
     if pid == 0:  # pragma: no cover - runs in the child
         outcome = "crashed"
         try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
+            become(uid)
             outcome = action()
         except PermissionDeniedError as exc:
             outcome = f"denied: {exc}"

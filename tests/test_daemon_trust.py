@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from _uids import become
 from conftest import call, error_code, hello, is_closed, raw_socket, read_reply, start_daemon
 from test_daemon_sessions import as_uid, open_to_everyone, serve
 
@@ -241,9 +242,7 @@ def squatter(uid: int = NOBODY) -> Iterator[tuple[str, Callable[[], bytes]]]:
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
+            become(uid)
             server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             server.bind(path)
             server.listen(8)

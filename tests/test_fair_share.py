@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from _uids import become
 from conftest import call, raw_socket, start_daemon
 from test_daemon_limits import NOBODY, as_nobody_until_refused, nobody_daemon, rejections
 from test_daemon_sessions import as_uid, open_to_everyone
@@ -215,9 +216,7 @@ def held_as_nobody(action: Callable[[], str]) -> Iterator[str]:
     pid = os.fork()
     if pid == 0:  # pragma: no cover - runs in the child
         try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            become(NOBODY)
             outcome = action()
         except BaseException as exc:
             outcome = f"error: {exc!r}"

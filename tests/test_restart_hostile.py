@@ -165,7 +165,9 @@ def test_a_recovered_job_is_charged_to_its_owner_lingers_and_stays_ended(
 
     refused = as_uid(VICTIM, another_job)
     assert "max_jobs_per_uid" in refused, refused  # the recovered job counts as its owner's
-    status = wait_for(second, lambda s: not s["jobs"], "the recovered job's linger")
+    # The end is listed at once; the manifest is marked ended right after (off the loop).
+    status = wait_for(second, lambda s: not s["jobs"] and "ended_at" in manifest_of(
+        swap_root, "resumable"), "the recovered job's linger and its manifest marked ended")
     kept = status["retained"]["resumable"]
     assert (kept["uid"], kept["state"]) == (VICTIM, "ended")
     assert manifest_of(swap_root, "resumable")["ended_at"] > 0

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from _uids import become
 from conftest import call, raw_socket, start_daemon
 from test_daemon_metrics import scrape, value
 from test_daemon_sessions import as_uid, open_to_everyone
@@ -73,9 +74,7 @@ class NonReader:
             try:
                 os.close(self.to_child)
                 os.close(self.from_child)
-                os.setgroups([])
-                os.setgid(uid)
-                os.setuid(uid)
+                become(uid)
                 self._serve(socket_path, to_child_r, from_child_w)
             finally:
                 os._exit(0)
@@ -261,9 +260,7 @@ def test_metrics_and_other_uids_never_see_a_jobs_name(tmp_path: Path) -> None:
         pid = os.fork()
         if pid == 0:  # pragma: no cover - runs in the child
             try:
-                os.setgroups([])
-                os.setgid(NOBODY)
-                os.setuid(NOBODY)
+                become(NOBODY)
                 owner_runs()
             finally:
                 os._exit(0)
