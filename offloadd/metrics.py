@@ -249,6 +249,19 @@ class _Connection:
         """Its socket was shut down (deadline passed or evicted)."""
 
 
+def _head_waiting(sock: socket.socket) -> bool:
+    """Whether a whole request head waits in the socket's receive queue, unread."""
+    try:
+        pending = sock.recv(MAX_HEAD_PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:  # nothing there (EAGAIN), or the peer is gone
+        return False
+    return b"\r\n\r\n" in pending
+
+
+MAX_HEAD_PEEK = 65536
+"""Bytes of a request head looked at (http.server refuses longer lines anyway)."""
+
+
 def _cut(sock: socket.socket) -> None:
     # shutdown, not close: the handler's thread still owns the descriptor; its blocked
     # read or write returns at once and the thread ends, freeing the slot.
@@ -317,13 +330,15 @@ class BoundedMetricsServer(ThreadingHTTPServer):
             super().shutdown_request(request)
 
     def request_read(self, request: Any) -> bool:
-        """The handler has read a whole request head: it may no longer be evicted. False
-        when the connection was cut meanwhile (nothing should be written to it)."""
+        """The handler has read a whole request head: it may no longer be evicted, and the
+        reply gets a deadline of its own (the time the daemon takes to answer is not the
+        client's). False when the connection was cut meanwhile (nothing to write to)."""
         with self._lock:
             connection = self._open.get(request)
             if connection is None or connection.cut:
                 return False
             connection.reading = False
+            connection.deadline = time.monotonic() + self.request_timeout_s
             return True
 
     def service_actions(self) -> None:
@@ -331,10 +346,16 @@ class BoundedMetricsServer(ThreadingHTTPServer):
         now = time.monotonic()
         with self._lock:
             for sock, connection in self._open.items():
-                if not connection.cut and now >= connection.deadline:
-                    connection.cut = True
-                    self.expired += 1
-                    _cut(sock)
+                if connection.cut or now < connection.deadline:
+                    continue
+                if connection.reading and _head_waiting(sock):
+                    # The client sent its whole request; this busy daemon has not read it
+                    # yet. Its thread will: that is no slowloris.
+                    connection.deadline = now + self.request_timeout_s
+                    continue
+                connection.cut = True
+                self.expired += 1
+                _cut(sock)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         if isinstance(sys.exc_info()[1], OSError):
@@ -348,7 +369,8 @@ class BoundedMetricsServer(ThreadingHTTPServer):
         """Evict the oldest connection still sending its request and wait for its slot."""
         with self._lock:
             oldest = next((item for item in self._open.items()
-                           if item[1].reading and not item[1].cut), None)
+                           if item[1].reading and not item[1].cut
+                           and not _head_waiting(item[0])), None)
             if oldest is None:
                 return False
             sock, connection = oldest
