@@ -76,6 +76,27 @@ def default_socket_path() -> str:
     return str(Path(runtime) / "offloadd.sock")
 
 
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """``"0-3,8"`` -> {0, 1, 2, 3, 8} (the kernel's cpulist format); ValueError if not one."""
+    cpus: set[int] = set()
+    for part in text.replace(" ", "").split(","):
+        low, _, high = part.partition("-")
+        if not low.isdigit() or (high and not high.isdigit()):
+            raise ValueError(f"{text!r} is not a CPU list (write e.g. \"2-15\" or \"2,4,6\")")
+        first, last = int(low), int(high or low)
+        if last < first:
+            raise ValueError(f"{part!r} in {text!r} runs backwards")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
+def check_cpu_setting(setting: str) -> None:
+    """ValueError unless ``setting`` is "off", "auto" or a CPU list."""
+    if setting not in ("off", "auto"):
+        parse_cpu_list(setting)
+
+
+
 @dataclass(kw_only=True, frozen=True)
 class Limits:
     """The per-client limit values, copied from DaemonConfig (see its docstrings); enforced by
@@ -183,7 +204,11 @@ class DaemonConfig:
     """Bytes per second the background prefault backs at most (0: unthrottled); keeps
     it from taking cores and DRAM bandwidth from training on small machines."""
     optimizer_threads: int = 0
-    """Threads for the CPU optimizer step; 0 = one per core."""
+    """Threads for the CPU optimizer step; 0 = one per CPU it may run on."""
+    optimizer_cpus: str = "off"
+    """Where the optimizer step runs (offloadd.compute.cpus): "off" (anywhere), "auto"
+    (one logical CPU of every physical core but the first, which keeps the event loop, IO
+    and hash threads; from 4 physical cores) or a CPU list such as "2-15"."""
     watchdog: bool = True
     """Answer systemd's watchdog (WATCHDOG_USEC) from the event loop."""
     job_linger_s: float = 300.0
@@ -265,6 +290,11 @@ class DaemonConfig:
         for knob in ("io_queue_depth", "max_metrics_connections"):
             if getattr(self, knob) < 1:
                 raise ConfigError(knob, f"{knob} must be >= 1, got {getattr(self, knob)}")
+        try:
+            check_cpu_setting(self.optimizer_cpus)
+        except ValueError as error:
+            raise ConfigError("optimizer_cpus", f"optimizer_cpus must be \"off\", \"auto\" "
+                              f"or a CPU list: {error}") from None
         for knob in ("hash_threads", "optimizer_threads"):
             if (getattr(self, knob) or 0) < 0:
                 raise ConfigError(knob, f"{knob} must be >= 0, got {getattr(self, knob)}")

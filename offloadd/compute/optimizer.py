@@ -23,6 +23,7 @@ from collections.abc import Awaitable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
+from offloadd.compute.cpus import pin_this_thread
 from offloadd.errors import InvalidRequestError, LeaseConflictError, UnknownShardError
 from offloadd.formats import SHARD_DTYPES, moment_nbytes
 from offloadd.memory.arena import Arena
@@ -124,9 +125,15 @@ def rounding_seed(rank: int, unit: str) -> int:
 class OptimizerService:
     """Runs optimizer steps for every job on one worker thread (the kernel is multithreaded)."""
 
-    def __init__(self, num_threads: int = 0) -> None:
+    def __init__(self, num_threads: int = 0, cpus: frozenset[int] | None = None) -> None:
         self.num_threads = num_threads or None
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offloadd-adam")
+        self.cpus = cpus
+        """The CPUs of the worker and its kernel's pool (offloadd.compute.cpus), or None."""
+        # The worker pins itself first: the kernel's pool threads, which it starts at its
+        # first step, inherit its CPUs.
+        self.executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="offloadd-adam",
+            initializer=pin_this_thread if cpus else None, initargs=(cpus,) if cpus else ())
         self.step_seconds = Histogram()
         self.steps = Counters("offloadd_optimizer_steps", "Optimizer steps run, by status.",
                               ["status"])

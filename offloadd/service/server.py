@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from offloadd import __version__
+from offloadd.compute.cpus import pin_process, plan_cpus
 from offloadd.compute.optimizer import OptimizerService
 from offloadd.config import SERVICE_SOCKET_DIR, DaemonConfig, parse_host_port
 from offloadd.errors import JobQuarantinedError
@@ -55,17 +56,31 @@ def sd_notify(message: str) -> None:
         sock.sendto(message.encode(), address)
 
 
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ",".join(str(cpu) for cpu in sorted(cpus))
+
+
 class Daemon:
     """One per node. ``await start()`` then ``await wait_closed()``; ``stop()`` from anywhere."""
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
+        self.cpu_plan, no_plan = plan_cpus(config.optimizer_cpus)
+        """The optimizer's CPUs and everyone else's (offloadd.compute.cpus), or None."""
+        if self.cpu_plan is not None:  # first: the threads made from here on inherit it
+            pin_process(self.cpu_plan.rest)
+            log.info("event=cpus_pinned optimizer=%s loop=%s",
+                     _cpu_list(self.cpu_plan.optimizer), _cpu_list(self.cpu_plan.rest))
+        elif config.optimizer_cpus != "off":
+            log.info("event=cpus_not_pinned optimizer_cpus=%s reason=%s",
+                     config.optimizer_cpus, no_plan)
         self.metrics = DaemonMetrics()
         self.jobs = JobRegistry(config.arena_size, config.job_arena_share, lock=config.mlock,
                                 hugepages=config.arena_hugepages,
                                 prefault=config.arena_prefault,
                                 prefault_rate=config.arena_prefault_rate)
-        self.optimizer = OptimizerService(config.optimizer_threads)
+        self.optimizer = OptimizerService(
+            config.optimizer_threads, self.cpu_plan.optimizer if self.cpu_plan else None)
         self.sessions: set[Session] = set()
         self.auth = JobAuthority(require_job_secret=config.require_job_secret)
         self.lifecycle = JobLifecycle(self, config.job_linger_s)
