@@ -15,6 +15,7 @@ run rounds as the uninterrupted one) or uint8 (8-bit block-wise).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import zlib
@@ -133,7 +134,7 @@ class OptimizerService:
         # first step, inherit its CPUs.
         self.executor = ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="offloadd-adam",
-            initializer=pin_this_thread if cpus else None, initargs=(cpus,) if cpus else ())
+            initializer=functools.partial(pin_this_thread, cpus) if cpus else None)
         self.step_seconds = Histogram()
         self.steps = Counters("offloadd_optimizer_steps", "Optimizer steps run, by status.",
                               ["status"])
