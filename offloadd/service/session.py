@@ -588,20 +588,23 @@ class Session(asyncio.Protocol):
         log.info("event=session_opened session=%d job=%s rank=%d pid=%d arena_nbytes=%d",
                  self.session_id, req.job, req.rank, self.peer_pid, job.arena.nbytes)
 
+    def admit_new_shards(self, job: Job, ids: list[str]) -> None:
+        """Before ``ids`` are created: the per-job and per-uid shard limits, and the Adam
+        kernel's load once optimizer state appears (``OptimizerService.warm_for``)."""
+        self.daemon.limits.check_new_shards(job, self.rank, ids)
+        self.daemon.limits.check_uid_shards(job, ids)
+        self.daemon.optimizer.warm_for(ids)
+
     def on_alloc(self, req: p.Alloc) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
-        self.daemon.limits.check_new_shards(self.job, self.rank, req.ids)
-        self.daemon.limits.check_uid_shards(self.job, req.ids)
-        self.daemon.optimizer.warm_for(req.ids)
+        self.admit_new_shards(self.job, req.ids)
         return self.job.alloc(self.rank, req.ids, req.nbytes, req.dtypes)
 
     def on_acquire(self, req: p.Acquire) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
         if req.create_nbytes is not None:
-            self.daemon.limits.check_new_shards(self.job, self.rank, req.ids)
-            self.daemon.limits.check_uid_shards(self.job, req.ids)
+            self.admit_new_shards(self.job, req.ids)
             dtypes = req.create_dtypes or ["uint8"] * len(req.ids)
-            self.daemon.optimizer.warm_for(req.ids)
             return self.job.alloc(self.rank, req.ids, req.create_nbytes, dtypes,
                                   self.leases, req.mode)
         return self.job.acquire(self.rank, req.ids, req.mode, self.leases)
