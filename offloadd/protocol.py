@@ -122,6 +122,13 @@ class NodeStatus(Request, tag="node_status"):
     """Admin query: every job's stats and the node's, answered with StatsOk even before hello."""
 
 
+StepUndo = Literal["none", "keep", "commit", "redo", "revert"]
+"""A speculative optimizer step's part (``OptimizerStep.undo``), in the order a rank sends
+them: ``keep`` steps and saves the state before it in ``{unit}.undo.*``; then exactly one
+of ``commit`` (the step stands: drop the saved state), ``redo`` (restore it and step again
+with this request's arguments) or ``revert`` (restore it, parameter included, no step)."""
+
+
 class OptimizerStep(Request, tag="optimizer_step"):
     unit: str
     step: int
@@ -135,6 +142,9 @@ class OptimizerStep(Request, tag="optimizer_step"):
     drop_grad: bool = False
     """Forget ``{unit}.grad`` once the step has consumed it (the rank's next gradient
     window re-creates it): dead gradient bytes are then never written back or read in."""
+    undo: StepUndo = "none"
+    """Part of a speculative step (``StepUndo``); the daemon runs a unit's requests in the
+    order they came, so a rank sends ``commit``/``redo``/``revert`` without waiting."""
 
 
 class StagingOpen(Request, tag="staging_open"):

@@ -292,6 +292,11 @@ class OffloadOptimizerConfig(OffloadDeviceConfig):
     master stays fp32): "fp32" (4 B each, exactly torch's AdamW), "bf16" (2 B, stochastic
     rounding), "8bit" (~1.016 B: 8-bit codes with one fp32 absmax per 256 elements, as
     bitsandbytes' 8-bit Adam). Moment bytes per parameter: 8 / 4 / 2.03."""
+    speculative_step: bool = True
+    """With gradient clipping or fp16 overflow checks, start each unit's daemon step as soon
+    as its gradient is reduced, before the global norm is known, and undo it exactly on the
+    steps where clipping fires (``trainer.zero.optimizer``); false: every step waits for the
+    norm. The result is bit-identical either way; only the step time differs."""
 
     @property
     def moment_format(self) -> MomentFormat:

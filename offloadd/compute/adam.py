@@ -72,6 +72,8 @@ def adam_step(
     use_native: bool | None = None,
     use_kernel: KernelName | None = None,
     rounding_seed: int = 0,
+    save_to: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    restore_from: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """One Adam/AdamW step over flat state, in place.
 
@@ -86,15 +88,28 @@ def adam_step(
     receives the updated master rounded to its dtype (round-to-nearest-even,
     bit-identical to ``master.to(param_out.dtype)``).
 
+    save_to (a speculative step's undo copy: master, exp_avg, exp_avg_sq of the same
+    dtypes and sizes) receives the state as it was before the update; restore_from
+    replaces the state with such a copy before the update. The native kernels do it
+    slice by slice beside the update, so saving costs the copy's writes, not a pass.
+
     use_native=None picks native when built; False forces the torch path.
     use_kernel forces one kernel ("avx512", "avx2", "scalar" or "torch"),
     mainly for tests.  num_threads=None uses every CPU this process may run on.
     """
     _check_state(master, exp_avg, exp_avg_sq, grad, param_out)
     _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay, grad_scale, num_threads)
+    undo = _check_undo((master, exp_avg, exp_avg_sq), save_to, restore_from)
     kernel = _choose_kernel(use_native, use_kernel)
     if master.numel() == 0:
         return
+    if kernel == "torch" and undo is not None:
+        for copy, state in zip(undo, (master, exp_avg, exp_avg_sq), strict=True):
+            if save_to is not None:
+                copy.copy_(state)
+            else:
+                state.copy_(copy)
+        undo = None
     hyper: dict[str, Any] = dict(
         step=step,
         lr=lr,
@@ -112,11 +127,29 @@ def adam_step(
             _torch_compact_step(master, exp_avg, exp_avg_sq, grad, param_out, key, **hyper)
         else:
             _native_compact_step(master, exp_avg, exp_avg_sq, grad, param_out, key, kernel,
-                                 num_threads, **hyper)
+                                 num_threads, undo, restore_from is not None, **hyper)
     elif kernel == "torch":
         _torch_step(master, exp_avg, exp_avg_sq, grad, param_out, **hyper)
     else:
-        _native_step(master, exp_avg, exp_avg_sq, grad, param_out, kernel, num_threads, **hyper)
+        _native_step(master, exp_avg, exp_avg_sq, grad, param_out, kernel, num_threads, undo,
+                     restore_from is not None, **hyper)
+
+
+def _check_undo(state: tuple[torch.Tensor, ...], save_to: Any, restore_from: Any
+                ) -> tuple[torch.Tensor, ...] | None:
+    """The undo copy, each tensor of its state tensor's dtype and size; None without one."""
+    if save_to is not None and restore_from is not None:
+        raise ValueError("pass save_to or restore_from, not both")
+    undo = save_to if save_to is not None else restore_from
+    if undo is None:
+        return None
+    undo = tuple(undo)
+    if len(undo) != len(state):
+        raise ValueError(f"the undo copy is master, exp_avg and exp_avg_sq, got {len(undo)}")
+    for name, copy, tensor in zip(("master", "exp_avg", "exp_avg_sq"), undo, state,
+                                  strict=True):
+        _check_tensor(f"the undo copy of {name}", copy, (tensor.dtype,), tensor.numel())
+    return undo
 
 
 def _check_tensor(name: str, tensor: Any, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
@@ -212,6 +245,8 @@ def _native_step(
     param_out: torch.Tensor | None,
     kernel: str,
     num_threads: int | None,
+    undo: tuple[torch.Tensor, ...] | None,
+    restore: bool,
     **hyper: Any,
 ) -> None:
     # Addresses are only valid while the tensors live: they are all
@@ -228,6 +263,8 @@ def _native_step(
         master.numel(),
         kernel=kernel,
         num_threads=num_threads or 0,
+        undo_addresses=[copy.data_ptr() for copy in undo or ()],
+        undo_restore=restore,
         **hyper,
     )
 
@@ -241,19 +278,22 @@ def _native_compact_step(
     key: int,
     kernel: str,
     num_threads: int | None,
+    undo: tuple[torch.Tensor, ...] | None,
+    restore: bool,
     **hyper: Any,
 ) -> None:
     assert _native is not None
     numel = master.numel()
     fmt = moment_codec.format_of(exp_avg.dtype)
-    addresses = []
-    for moment in (exp_avg, exp_avg_sq):
+    (exp_avg_address, exp_avg_scales), (exp_avg_sq_address, exp_avg_sq_scales) = (
+        _moment_addresses(fmt, moment, numel) for moment in (exp_avg, exp_avg_sq))
+    undo_addresses = []
+    if undo is not None:  # the native order: master, both codes, both scales (blockwise8)
+        undo_master, *undo_moments = undo
+        codes_and_scales = [_moment_addresses(fmt, moment, numel) for moment in undo_moments]
+        undo_addresses = [undo_master.data_ptr(), *(codes for codes, _ in codes_and_scales)]
         if fmt == "blockwise8":
-            scales, codes = moment_codec.split_blockwise8(moment, numel)
-            addresses.append((codes.data_ptr(), scales.data_ptr()))
-        else:
-            addresses.append((moment.data_ptr(), 0))
-    (exp_avg_address, exp_avg_scales), (exp_avg_sq_address, exp_avg_sq_scales) = addresses
+            undo_addresses += [scales for _, scales in codes_and_scales]
     _native.adam_step_compact(
         master.data_ptr(),
         grad.data_ptr(),
@@ -269,8 +309,18 @@ def _native_compact_step(
         key,
         kernel=kernel,
         num_threads=num_threads or 0,
+        undo_addresses=undo_addresses,
+        undo_restore=restore,
         **hyper,
     )
+
+
+def _moment_addresses(fmt: str, moment: torch.Tensor, numel: int) -> tuple[int, int]:
+    """A compact moment's codes (bf16 bits or blockwise8 codes) and scales (0: none)."""
+    if fmt == "blockwise8":
+        scales, codes = moment_codec.split_blockwise8(moment, numel)
+        return codes.data_ptr(), scales.data_ptr()
+    return moment.data_ptr(), 0
 
 
 def _torch_compact_step(

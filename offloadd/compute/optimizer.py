@@ -7,6 +7,11 @@ worker thread (the loop never blocks), writes the updated parameter into
 ``{unit}.param`` in that shard's dtype when it exists, and releases the
 updated shards dirty so the swap tier persists them.
 
+A speculative step (``OptimizerStep.undo``, see ``offloadd.protocol.StepUndo``)
+first saves the master and moments into ``{unit}.undo.*``; the rank's follow-up
+commits it (the saved shards are dropped) or restores them, and steps again or not.
+A unit's requests run in the order they came: each takes the job's turn at the worker.
+
 The moments' format is their shards' dtype tag (``offloadd.formats``):
 float32, bfloat16 (stochastic rounding, seeded per rank and unit so a resumed
 run rounds as the uninterrupted one) or uint8 (8-bit block-wise).
@@ -22,6 +27,7 @@ import zlib
 from collections import OrderedDict, deque
 from collections.abc import Awaitable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from offloadd.compute.cpus import pin_this_thread
@@ -67,6 +73,9 @@ class Job(Protocol):
 
 
 STATE_SUFFIXES = ("master", "exp_avg", "exp_avg_sq", "grad")
+UNDO_SUFFIXES = ("undo.master", "undo.exp_avg", "undo.exp_avg_sq")
+"""Where a speculative step (``OptimizerStep.undo``) keeps the master and moments from
+before it, until the rank commits or reverts it (the rank allocates them)."""
 WARMING_SUFFIXES = (".master", ".exp_avg")
 
 
@@ -117,6 +126,44 @@ def _check_moments(unit: str, exp_avg: Shard, exp_avg_sq: Shard, numel: int) -> 
                 f"moment of {numel} elements (the master's) takes {expected}")
 
 
+@dataclass(frozen=True)
+class StepShards:
+    """The shards one optimizer request uses, by role."""
+
+    state: list[Shard]
+    """master, exp_avg, exp_avg_sq and grad."""
+    param: Shard | None
+    undo: list[Shard]
+    """The saved master and moments of a speculative step (``UNDO_SUFFIXES``), or none."""
+
+    @property
+    def all(self) -> list[Shard]:
+        return [*self.state, *((self.param,) if self.param else ()), *self.undo]
+
+    def written_whole(self, undo: str) -> frozenset[Shard]:
+        """Shards the request rewrites entirely: placed without reading their swap copy."""
+        whole = [*((self.param,) if self.param else ())]
+        if undo == "keep":
+            whole += self.undo
+        elif undo in ("redo", "revert"):
+            whole += self.state[:3]  # restored from the undo shards first
+        return frozenset(whole)
+
+    def read_first(self, undo: str) -> list[Shard]:
+        """Shards the request reads (the swap tier reads them ahead while it waits)."""
+        return [*self.undo, self.state[3]] if undo in ("redo", "revert") else self.state
+
+
+def check_undo_shards(state: list[Shard], undo: list[Shard]) -> None:
+    """Each saved shard has its state shard's dtype and size."""
+    for saved, shard in zip(undo, state, strict=False):
+        if saved.dtype != shard.dtype or saved.nbytes != shard.nbytes:
+            raise InvalidRequestError(
+                f"{saved.shard_id!r} ({saved.nbytes} bytes of {saved.dtype}) must match "
+                f"{shard.shard_id!r} ({shard.nbytes} bytes of {shard.dtype}): allocate it "
+                f"with the same size and dtype")
+
+
 def rounding_seed(rank: int, unit: str) -> int:
     """Seed of a unit's stochastic rounding: distinct per rank and unit, the same across
     restarts (a resumed run rounds as the uninterrupted one would have)."""
@@ -164,27 +211,51 @@ class OptimizerService:
         state = job.table.lookup(rank, [f"{req.unit}.{suffix}" for suffix in STATE_SUFFIXES])
         param = job.table.shards.get((rank, f"{req.unit}.param"))
         check_unit_shards(req.unit, state, param)
-        shards = [*state, *((param,) if param else ())]
-        ids = [shard.shard_id for shard in shards]
+        undo: list[Shard] = []
+        if req.undo != "none":
+            undo = job.table.lookup(rank, [f"{req.unit}.{suffix}" for suffix in UNDO_SUFFIXES])
+            check_undo_shards(state, undo)
+        if req.undo == "commit":
+            await self._commit(job, rank, req, state[3], undo)
+            return
+        shards = StepShards(state, param, undo)
         # Leases are taken only when the worker is free: a queue of waiting steps
         # holding write leases would pin their whole state in the arena and starve
         # the swap tier. Until then the swap tier keeps the state the step will use
         # resident and reads the rest ahead, evicting only what is needed later.
         slot = self.worker_slot
-        job.expect_step(rank, shards, state, self._due_s())
+        job.expect_step(rank, shards.all, shards.read_first(req.undo), self._due_s())
         try:
             await slot.acquire(job.name)
             try:
-                outcome = await self._start_leased(job, rank, shards, ids, req)
+                outcome = await self._start_leased(job, rank, shards, req)
             except BaseException:
                 slot.release()
                 raise
         finally:
-            job.unexpect_step(shards)
+            job.unexpect_step(shards.all)
         outcome.add_done_callback(lambda _f: slot.release())
         await asyncio.shield(outcome)
+        if req.undo in ("redo", "revert"):
+            await self._drop(job, rank, undo)
         if req.drop_grad:
             await self._drop_grad(job, rank, state[3])
+
+    async def _commit(self, job: Job, rank: int, req: OptimizerStep, grad: Shard,
+                      undo: list[Shard]) -> None:
+        """The speculative step stands: drop what it saved once it has run. The worker slot
+        is taken only to come after the unit's earlier requests (FIFO within a job)."""
+        await self.worker_slot.acquire(job.name)
+        self.worker_slot.release()
+        await self._drop(job, rank, undo)
+        if req.drop_grad:
+            await self._drop_grad(job, rank, grad)
+
+    @staticmethod
+    async def _drop(job: Job, rank: int, shards: list[Shard]) -> None:
+        pending = job.drop(rank, [shard.shard_id for shard in shards])
+        if pending is not None:
+            await pending
 
     def _due_s(self) -> float:
         """When a step queued now should get the worker: the steps ahead of it (every job's)
@@ -205,7 +276,7 @@ class OptimizerService:
         except (LeaseConflictError, UnknownShardError) as exc:
             log.debug("event=grad_drop_skipped shard=%s error=%r", grad.shard_id, exc)
 
-    async def _start_leased(self, job: Job, rank: int, shards: list[Shard], ids: list[str],
+    async def _start_leased(self, job: Job, rank: int, shards: StepShards,
                             req: OptimizerStep) -> asyncio.Future[None]:
         """Lease the unit's shards and start the kernel; the future ends once the leases
         are released, which happens only after the kernel thread has returned.
@@ -215,17 +286,16 @@ class OptimizerService:
         an eviction or another writer would use shards the kernel is still writing.
         """
         leases: dict[Shard, Lease] = {}
-        # The kernel writes the param whole: a swapped-out one is placed, not read.
-        overwrite = frozenset(shards[4:])
+        ids = [shard.shard_id for shard in shards.all]
         job.steps_holding += 1  # its batch pins, then leases, until _finish released them
         try:
-            placed = job.acquire_for_step(rank, ids, leases, overwrite)
+            placed = job.acquire_for_step(rank, ids, leases, shards.written_whole(req.undo))
             if not isinstance(placed, Placed):
                 await placed  # the tier had to read some state back from swap first
         except BaseException:
             job.steps_holding -= 1
             raise
-        job.unexpect_step(shards)
+        job.unexpect_step(shards.all)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
         kernel = loop.run_in_executor(self.executor, self._run, job, rank, shards, req)
@@ -234,7 +304,7 @@ class OptimizerService:
         def on_kernel_end(done: asyncio.Future[None]) -> None:
             ok = not done.cancelled() and done.exception() is None
             try:
-                self._finish(job, rank, shards, leases, ok, started)
+                self._finish(job, rank, shards, leases, ok, started, req.undo)
             except BaseException as exc:  # handed to the awaiting step
                 outcome.set_exception(exc)
                 return
@@ -248,21 +318,22 @@ class OptimizerService:
         outcome.add_done_callback(_consume_orphan_result)
         return outcome
 
-    def _finish(self, job: Job, rank: int, shards: list[Shard], leases: dict[Shard, Lease],
-                ok: bool, started: float) -> None:
-        for shard in shards[:3]:  # master and moments (scheduler.untraced_next_use)
+    def _finish(self, job: Job, rank: int, shards: StepShards, leases: dict[Shard, Lease],
+                ok: bool, started: float, undo: str) -> None:
+        for shard in shards.state[:3]:  # master and moments (scheduler.untraced_next_use)
             shard.optimizer_state = True  # before the release re-keys them for eviction
         job.steps_holding -= 1  # before the releases wake make_room (tier.note_room)
-        # The gradient is consumed, not changed; the rest is dirty only if the kernel ran.
-        for shard in shards:
+        # The gradient is consumed, not changed; saved state is written only by "keep";
+        # the rest is dirty only if the kernel ran.
+        unchanged = {shards.state[3], *(shards.undo if undo != "keep" else ())}
+        for shard in shards.all:
             if (rank, shard.shard_id) not in job.table.shards:
                 raise UnknownShardError(f"{shard.shard_id!r} vanished during the step")
-            dirty = ok and not shard.shard_id.endswith(".grad")
-            job.release(rank, [shard.shard_id], dirty, leases)
+            job.release(rank, [shard.shard_id], ok and shard not in unchanged, leases)
         self.steps.add(("ok" if ok else "error",))
         if ok:
             self.step_seconds.observe(time.perf_counter() - started)
-            self.elements += element_count(shards[0])
+            self.elements += element_count(shards.state[0])
 
     @staticmethod
     def _tensor(job: Job, shard: Shard) -> torch.Tensor:
@@ -272,18 +343,27 @@ class OptimizerService:
         view = job.arena.slice(shard.offset, shard.nbytes)
         return torch.frombuffer(view, dtype=torch_dtypes()[shard.dtype])
 
-    def _run(self, job: Job, rank: int, shards: list[Shard], req: OptimizerStep) -> None:
+    def _run(self, job: Job, rank: int, shards: StepShards, req: OptimizerStep) -> None:
         """On the worker thread (torch is imported here, off the event loop)."""
         from offloadd.compute import adam
 
-        views = [self._tensor(job, shard) for shard in shards]
-        master, exp_avg, exp_avg_sq, grad = views[:4]
+        master, exp_avg, exp_avg_sq, grad = (self._tensor(job, shard) for shard in shards.state)
+        param = self._tensor(job, shards.param) if shards.param is not None else None
+        saved = tuple(self._tensor(job, shard) for shard in shards.undo)
+        if req.undo == "revert":  # the saved state back, no step
+            for target, source in zip((master, exp_avg, exp_avg_sq), saved, strict=True):
+                target.copy_(source)
+            if param is not None:  # rounded as the kernel rounds it (to nearest even)
+                param.copy_(master)
+            return
         adam.adam_step(
             master, exp_avg, exp_avg_sq, grad,
             step=req.step, lr=req.lr, beta1=req.beta1, beta2=req.beta2, eps=req.eps,
             weight_decay=req.weight_decay, decoupled_weight_decay=req.decoupled_weight_decay,
-            grad_scale=req.grad_scale, param_out=views[4] if len(views) > 4 else None,
+            grad_scale=req.grad_scale, param_out=param,
             num_threads=self.num_threads, rounding_seed=rounding_seed(rank, req.unit),
+            save_to=saved if req.undo == "keep" else None,  # type: ignore[arg-type]
+            restore_from=saved if req.undo == "redo" else None,  # type: ignore[arg-type]
         )
 
     def families(self) -> list[Metric]:

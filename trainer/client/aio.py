@@ -169,9 +169,10 @@ class AsyncOffloadClient(ClientCore):
     async def optimizer_step(self, unit: str, *, step: int, lr: float, beta1: float = 0.9,
                              beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                              decoupled_weight_decay: bool = True, grad_scale: float = 1.0,
-                             drop_grad: bool = False) -> None:
+                             drop_grad: bool = False, undo: p.StepUndo = "none") -> None:
         await self._call(self._step_request(unit, step, lr, beta1, beta2, eps, weight_decay,
-                                            decoupled_weight_decay, grad_scale, drop_grad))
+                                            decoupled_weight_decay, grad_scale, drop_grad,
+                                            undo))
 
     async def close_job(self) -> None:
         """Tell the daemon this rank is done with the job, then close (see OffloadClient)."""

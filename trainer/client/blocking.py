@@ -219,11 +219,13 @@ class OffloadClient(ClientCore):
     def optimizer_step_async(self, unit: str, *, step: int, lr: float, beta1: float = 0.9,
                              beta2: float = 0.999, eps: float = 1e-8, weight_decay: float = 0.0,
                              decoupled_weight_decay: bool = True,
-                             grad_scale: float = 1.0, drop_grad: bool = False) -> StepHandle:
+                             grad_scale: float = 1.0, drop_grad: bool = False,
+                             undo: p.StepUndo = "none") -> StepHandle:
         """Start Adam/AdamW on ``{unit}.master/.exp_avg/.exp_avg_sq/.grad`` in the daemon;
-        ``drop_grad``: the daemon forgets ``{unit}.grad`` after the step."""
+        ``drop_grad``: the daemon forgets ``{unit}.grad`` after the step; ``undo``: a part
+        of a speculative step (``offloadd.protocol.StepUndo``)."""
         request = self._step_request(unit, step, lr, beta1, beta2, eps, weight_decay,
-                                     decoupled_weight_decay, grad_scale, drop_grad)
+                                     decoupled_weight_decay, grad_scale, drop_grad, undo)
         return self.request_async(request)
 
     def optimizer_step(self, unit: str, **hyperparams: Any) -> None:

@@ -100,9 +100,10 @@ class ClientCore:
     @staticmethod
     def _step_request(unit: str, step: int, lr: float, beta1: float, beta2: float, eps: float,
                       weight_decay: float, decoupled_weight_decay: bool,
-                      grad_scale: float, drop_grad: bool = False) -> p.OptimizerStep:
+                      grad_scale: float, drop_grad: bool = False,
+                      undo: p.StepUndo = "none") -> p.OptimizerStep:
         return p.OptimizerStep(0, unit, step, lr, beta1, beta2, eps, weight_decay,
-                               decoupled_weight_decay, grad_scale, drop_grad)
+                               decoupled_weight_decay, grad_scale, drop_grad, undo)
 
     @staticmethod
     def _stats_of(reply: p.Reply) -> dict[str, Any]:

@@ -61,6 +61,16 @@ class UnitSpec:
     training dtype where the reduction already rounded to it (``Engine._grad_dtype``)."""
 
 
+@dataclass(kw_only=True, frozen=True)
+class StepRedo:
+    """What one unit's optimizer step was (or must be) started with: two are equal exactly
+    when the two steps give the same bytes."""
+
+    step: int
+    hyper: AdamHyper
+    grad_scale: float
+
+
 class StepHandle(Protocol):
     """An optimizer step in flight; ``wait()`` re-raises its failure."""
 
@@ -82,6 +92,10 @@ class StateBackend(abc.ABC):
         """Create the unit's state: master from ``master`` (fp32), zero moments and grad;
         a frozen unit (``spec.trainable`` False) gets only its parameter partition."""
 
+    def plan(self, specs: list[UnitSpec]) -> None:  # noqa: B027 - most backends need no plan
+        """Every unit ``register`` will get, in index order, before the first call (the
+        same on every rank; ``trainer.offload.split`` places units by their sizes)."""
+
     @abc.abstractmethod
     def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,
                         want_sq_norm: bool, last: bool = True) -> torch.Tensor | None:
@@ -89,10 +103,40 @@ class StateBackend(abc.ABC):
         (float64 scalar, inf/nan on overflow) when ``want_sq_norm``. ``last``: the window's
         final micro-batch (the sum must be in the grad shard when this returns)."""
 
+    undo_budget_nbytes: int = 0
+    """Bytes of undo data (``undo_nbytes``) undoable steps may hold at once; 0: none."""
+
     @abc.abstractmethod
-    def step_async(self, unit: int, *, step: int, hyper: AdamHyper,
-                   grad_scale: float) -> StepHandle:
-        """Start Adam on the unit with ``grad * grad_scale``; ``step`` is 1-based."""
+    def step_async(self, unit: int, *, step: int, hyper: AdamHyper, grad_scale: float,
+                   undoable: bool = False) -> StepHandle:
+        """Start Adam on the unit with ``grad * grad_scale``; ``step`` is 1-based.
+
+        ``undoable`` (after ``prepare_undo`` said yes): keep what ``revert_step`` needs to
+        put the state back as it was before this step, and leave the gradient as it is;
+        ``commit_step`` or ``revert_step`` ends it."""
+
+    def step_runs_async(self, unit: int) -> bool:
+        """True when the unit's step runs off the rank's critical path (in the daemon): only
+        then does starting it before the global gradient norm is known pay."""
+        return False
+
+    def undo_nbytes(self, unit: int) -> int:
+        """Bytes an undoable step of the unit keeps: its master and both moments."""
+        return 0
+
+    def prepare_undo(self, unit: int) -> bool:
+        """Make room for the unit's undo data; False when there is none (step it later)."""
+        return False
+
+    @abc.abstractmethod
+    def commit_step(self, unit: int) -> None:
+        """The unit's undoable step stands: drop its undo data (and the consumed gradient
+        where the backend drops it after a step)."""
+
+    @abc.abstractmethod
+    def revert_step(self, unit: int, redo: StepRedo | None) -> StepHandle:
+        """Put the unit's state (and parameter) back as before its undoable step, then, with
+        ``redo``, run the step again with those arguments on the unchanged gradient."""
 
     @abc.abstractmethod
     def read_params(self, unit: int, out: torch.Tensor) -> None:
@@ -176,6 +220,15 @@ class _UnitState:
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.grad = torch.zeros_like(self.master)
+        self.undo: tuple[torch.Tensor, ...] | None = None
+        """Master and moments before an undoable step, until it is committed or reverted."""
+
+    def step(self, redo: StepRedo, *, keep_grad: bool) -> None:
+        grad = self.grad
+        if redo.grad_scale != 1.0:
+            grad = grad * redo.grad_scale if keep_grad else grad.mul_(redo.grad_scale)
+        adam_update(self.master, grad, self.exp_avg, self.exp_avg_sq, step=redo.step,
+                    hyper=redo.hyper)
 
 
 class InProcessBackend(StateBackend):
@@ -200,11 +253,31 @@ class InProcessBackend(StateBackend):
             target.add_(grad)
         return squared_norm(target) if want_sq_norm else None
 
-    def step_async(self, unit: int, *, step: int, hyper: AdamHyper,
-                   grad_scale: float) -> StepHandle:
+    def step_async(self, unit: int, *, step: int, hyper: AdamHyper, grad_scale: float,
+                   undoable: bool = False) -> StepHandle:
         state = self._units[unit]
-        grad = state.grad.mul_(grad_scale) if grad_scale != 1.0 else state.grad
-        adam_update(state.master, grad, state.exp_avg, state.exp_avg_sq, step=step, hyper=hyper)
+        if undoable:
+            state.undo = tuple(getattr(state, kind).clone() for kind in STATE_KINDS)
+        state.step(StepRedo(step=step, hyper=hyper, grad_scale=grad_scale), keep_grad=undoable)
+        return FinishedStep()
+
+    def undo_nbytes(self, unit: int) -> int:
+        return 3 * self._units[unit].master.nbytes
+
+    def prepare_undo(self, unit: int) -> bool:
+        return True
+
+    def commit_step(self, unit: int) -> None:
+        self._units[unit].undo = None
+
+    def revert_step(self, unit: int, redo: StepRedo | None) -> StepHandle:
+        state = self._units[unit]
+        assert state.undo is not None, f"unit {unit} has no undoable step to revert"
+        for kind, saved in zip(STATE_KINDS, state.undo, strict=True):
+            getattr(state, kind).copy_(saved)
+        state.undo = None
+        if redo is not None:
+            state.step(redo, keep_grad=False)
         return FinishedStep()
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:

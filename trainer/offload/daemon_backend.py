@@ -24,7 +24,9 @@ from typing import Any
 import torch
 
 from offloadd import moment_codec
-from offloadd.formats import SHARD_DTYPES, MomentFormat
+from offloadd.errors import LimitExceededError, OverBudgetError
+from offloadd.formats import SHARD_DTYPES, MomentFormat, moment_nbytes
+from offloadd.protocol import StepUndo
 from trainer.client import OffloadError
 from trainer.device.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue, host_address
 from trainer.dist.collectives import Collectives
@@ -35,6 +37,7 @@ from trainer.offload.backend import (
     AdamHyper,
     StateBackend,
     StepHandle,
+    StepRedo,
     UnitSpec,
     squared_norm,
 )
@@ -46,6 +49,10 @@ from trainer.offload.daemon_copies import (
 from trainer.offload.daemon_steps import DaemonStepQueue, step_nbytes
 
 SHARD_KINDS = (*STATE_KINDS, "grad", "param")
+UNDO_KINDS = tuple(f"undo.{kind}" for kind in STATE_KINDS)
+"""Where the daemon saves a speculative step's master and moments (allocated per step)."""
+UNDO_ARENA_SLACK_FRACTION = 8
+"""Undo data leaves 1/8 of the rank's arena share free (with NVMe: takes at most 1/8)."""
 
 
 class DaemonBackend(StateBackend):
@@ -95,6 +102,11 @@ class DaemonBackend(StateBackend):
         local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", collectives.world_size)))
         self.steps = DaemonStepQueue(swaps=swaps, arena_nbytes=arena_nbytes,
                                      local_ranks=local_ranks)
+        self._arena_share_nbytes = arena_nbytes // local_ranks
+        self._state_nbytes = 0
+        """Arena bytes of the registered units' shards."""
+        self._undoable: dict[int, StepRedo] = {}
+        """Units with a speculative step not committed or reverted yet, and its arguments."""
         """Optimizer steps in flight in the daemon, by unit (trainer.offload.daemon_steps)."""
         self._device_sums: dict[int, torch.Tensor] = {}
         """Running gradient sums of open accumulation windows, on the compute device."""
@@ -121,6 +133,8 @@ class DaemonBackend(StateBackend):
                               [_dtype_tag(spec.param_dtype)])
             self.client.put(self._names[spec.index][2], master.to(spec.param_dtype))
             return
+        self._state_nbytes += (step_nbytes(spec, self.moment_format)
+                               + spec.part_numel * spec.grad_dtype.itemsize)
         zeros = torch.zeros(spec.part_numel, dtype=torch.float32)
         # All-zero bytes are zero moments in every format (blockwise8: zero scales and codes).
         moment = moment_codec.empty(self.moment_format, spec.part_numel).zero_()
@@ -339,16 +353,59 @@ class DaemonBackend(StateBackend):
             self.moved_nbytes += target.nbytes
             return squared_norm(target) if want_sq_norm else None
 
-    def step_async(self, unit: int, *, step: int, hyper: AdamHyper,
-                   grad_scale: float) -> StepHandle:
+    def step_async(self, unit: int, *, step: int, hyper: AdamHyper, grad_scale: float,
+                   undoable: bool = False) -> StepHandle:
         """Start the step; it is waited for at the unit's next use (or ``wait_steps``).
 
         The step reads the committed gradient: while the gradient's D2H is in flight the
         step is deferred, and sent at the first poll that finds the copy done (or when it
         is waited for), so the host goes on issuing compute instead of blocking on it."""
         self.steps.settle(unit)
-        return self.steps.submit(unit, lambda: self._send_step(unit, step, hyper, grad_scale),
+        redo = StepRedo(step=step, hyper=hyper, grad_scale=grad_scale)
+        undo: StepUndo = "none"
+        if undoable:
+            self._undoable[unit], undo = redo, "keep"
+        return self.steps.submit(unit, lambda: self._send_step(unit, redo, undo),
                                  defer=not self._grad_copied(unit))
+
+    def step_runs_async(self, unit: int) -> bool:
+        return True
+
+    def undo_nbytes(self, unit: int) -> int:
+        numel = self._specs[unit].part_numel
+        return 4 * numel + 2 * moment_nbytes(self.moment_format, numel)
+
+    @property
+    def undo_budget_nbytes(self) -> int:  # type: ignore[override]
+        """A share of the arena beyond the registered state (with NVMe, where the state
+        does not fit anyway, a fixed share of the cache)."""
+        slack = self._arena_share_nbytes // UNDO_ARENA_SLACK_FRACTION
+        if self.swaps:
+            return slack
+        return max(0, self._arena_share_nbytes - self._state_nbytes - slack)
+
+    def prepare_undo(self, unit: int) -> bool:
+        """Allocate ``u{N}.undo.*``; a full arena or a limit means no speculation."""
+        numel = self._specs[unit].part_numel
+        moment_tag = SHARD_DTYPES[self.moment_format]
+        try:
+            self.client.alloc(self._ids(unit, *UNDO_KINDS),
+                              [4 * numel, *[moment_nbytes(self.moment_format, numel)] * 2],
+                              ["float32", moment_tag, moment_tag])
+        except (OverBudgetError, LimitExceededError):
+            return False
+        return True
+
+    def commit_step(self, unit: int) -> None:
+        """Sent without waiting: the daemon runs it after the unit's speculative step."""
+        redo = self._undoable.pop(unit)
+        self.steps.chain(unit, lambda: self._step_request(unit, redo, "commit"))
+
+    def revert_step(self, unit: int, redo: StepRedo | None) -> StepHandle:
+        kept = self._undoable.pop(unit)
+        self._before_param_write(unit)
+        return self.steps.chain(unit, lambda: self._step_request(
+            unit, redo or kept, "redo" if redo is not None else "revert"))
 
     def _grad_copied(self, unit: int) -> bool:
         """No copy in flight holds the unit's gradient lease: a step reads the committed grad."""
@@ -359,25 +416,29 @@ class DaemonBackend(StateBackend):
         self.releases.poll()
         self.steps.send_deferred(self._grad_copied)
 
-    def _send_step(self, unit: int, step: int, hyper: AdamHyper,
-                   grad_scale: float) -> StepHandle:
-        self._settle_copies_of(self._names[unit][1])  # the step reads the committed grad
-        self._settle_copies_of(self._names[unit][2])  # and rewrites the param a copy may read
-        if self._daemon_copies is not None:  # the step reads the grad and rewrites the param
+    def _before_param_write(self, unit: int) -> None:
+        """A request that reads the committed grad and rewrites the param is about to go."""
+        self._settle_copies_of(self._names[unit][1])
+        self._settle_copies_of(self._names[unit][2])
+        if self._daemon_copies is not None:
             self._daemon_copies.settle(self._names[unit][1])
             self._daemon_copies.discard(self._names[unit][2])
 
-        def send() -> StepHandle:
-            return self.client.optimizer_step_async(
-                self._names[unit][0], step=step, lr=hyper.lr, beta1=hyper.beta1,
-                beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
-                decoupled_weight_decay=hyper.decoupled_weight_decay, grad_scale=grad_scale,
-                # The step consumes the gradient and the next window overwrites it: dropped
-                # at once, it frees arena room and is never written back or read in dead.
-                drop_grad=self.swaps)
+    def _send_step(self, unit: int, redo: StepRedo, undo: StepUndo) -> StepHandle:
+        self._before_param_write(unit)
+        return self.steps.admit(unit, step_nbytes(self._specs[unit], self.moment_format),
+                                lambda: self._step_request(unit, redo, undo), clock=self)
 
-        return self.steps.admit(unit, step_nbytes(self._specs[unit], self.moment_format), send,
-                                clock=self)
+    def _step_request(self, unit: int, redo: StepRedo, undo: StepUndo) -> StepHandle:
+        hyper = redo.hyper
+        # The step consumes the gradient and the next window overwrites it: dropped once no
+        # later request of the window needs it, it frees arena room and is never written
+        # back or read in dead (a speculative step's redo still reads it).
+        return self.client.optimizer_step_async(
+            self._names[unit][0], step=redo.step, lr=hyper.lr, beta1=hyper.beta1,
+            beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
+            decoupled_weight_decay=hyper.decoupled_weight_decay, grad_scale=redo.grad_scale,
+            drop_grad=self.swaps and undo != "keep", undo=undo)
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:
         self.steps.settle(unit)

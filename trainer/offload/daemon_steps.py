@@ -87,6 +87,19 @@ class DaemonStepQueue:
         self._steps[unit] = handle
         return handle
 
+    def chain(self, unit: int, send: Callable[[], StepHandle]) -> StepHandle:
+        """Send a follow-up of the unit's step in flight (a speculative step's commit or
+        revert) now, without waiting for it: the daemon runs a unit's requests in the order
+        they came. A deferred step is sent first, so it comes first."""
+        previous = self._steps.get(unit)
+        if isinstance(previous, _DeferredStep):
+            previous.send()
+        handle: StepHandle = send()
+        if previous is not None:
+            handle = _ChainedSteps(previous, handle)
+        self._steps[unit] = handle
+        return handle
+
     def send_deferred(self, copied: Callable[[int], bool]) -> None:
         """Send the deferred steps whose gradient D2H completed (after a ``poll``)."""
         for unit, handle in list(self._steps.items()):
@@ -135,6 +148,26 @@ class _DeferredStep:
         self.send()
         assert self._sent is not None
         self._sent.wait()
+
+
+class _ChainedSteps:
+    """A unit's step and its follow-up, waited for in order (the first failure re-raised
+    once both ended)."""
+
+    def __init__(self, first: StepHandle, then: StepHandle) -> None:
+        self._first = first
+        self._then = then
+
+    def wait(self) -> None:
+        try:
+            self._first.wait()
+        except BaseException:
+            try:
+                self._then.wait()
+            except Exception:  # the first failure is the one raised
+                pass
+            raise
+        self._then.wait()
 
 
 class _TimedHandle:

@@ -138,7 +138,8 @@ class Engine(nn.Module):
                                        partitioned=num_parts > 1, groups=groups.hyper,
                                        unit_groups={unit.index: unit.group or 0
                                                     for unit in trainable},
-                                       before_step=self._before_unit_step)
+                                       before_step=self._before_unit_step,
+                                       speculative=zero.offload_optimizer.speculative_step)
         self.lr_scheduler: LRSchedule | None = build_scheduler(self.optimizer, config.scheduler)
         self.prefetch = PrefetchPlanner(config.zero_optimization.stage3_prefetch_bucket_size,
                                         config.zero_optimization.stage3_max_live_parameters)
@@ -166,16 +167,17 @@ class Engine(nn.Module):
             pretrained = self.state_io.pending_weights(self.module)
         materialise_untracked(self.module, self.units, self.collectives, pretrained)
         self._broadcast_untracked_state()
-        for unit in self.units:
+        specs = [UnitSpec(index=unit.index, part_numel=unit.part_numel,
+                          param_dtype=self.precision.dtype, trainable=unit.trainable,
+                          grad_dtype=self._grad_dtype()) for unit in self.units]
+        self.backend.plan(specs)
+        for unit, spec in zip(self.units, specs, strict=True):
             materialise_unit(self.module, unit, self.collectives, pretrained)
             for slot in unit.slots:  # how zero.GatheredParameters and load_pretrained find us
                 slot.param._zero_engine = weakref.ref(self)  # type: ignore[attr-defined]
                 slot.param._zero_unit = unit  # type: ignore[attr-defined]
             flat = unit.flatten_params(self.precision.dtype)
             self.collectives.broadcast(flat)
-            spec = UnitSpec(index=unit.index, part_numel=unit.part_numel,
-                            param_dtype=self.precision.dtype, trainable=unit.trainable,
-                            grad_dtype=self._grad_dtype())
             with agree(self.collectives, f"registering unit {unit.index} ({unit.name})"):
                 self.backend.register(spec, unit.part_slice(flat).float())
                 self.placement.setup(unit, flat)
@@ -376,8 +378,10 @@ class Engine(nn.Module):
         return self.precision.scaler.scale
 
     def offload_stats(self) -> dict[str, Any]:
-        """The backend's counters (daemon client stats when offloading)."""
-        return self.backend.stats()
+        """The backend's counters (daemon client stats when offloading), and how many unit
+        steps started before the global norm and how many of those were run again."""
+        return {**self.backend.stats(), "speculated_units": self.optimizer.speculated_units,
+                "reverted_units": self.optimizer.reverted_units}
 
     # ------------------------------------------------------------ checkpoint
 

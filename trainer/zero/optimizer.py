@@ -1,12 +1,23 @@
 """The optimizer facade: Adam/AdamW over unit partitions held by a ``StateBackend``.
 
 It receives each unit's reduced gradient partition as soon as the unit's
-backward is reduced. At the accumulation boundary it either starts that
-unit's step right away (*eager*: no clipping and no overflow check, so no
-global information is needed) or records the partition's squared norm and
-steps every unit in ``step()`` once the global norm is known (all-reduced
-across ranks), with ``grad_scale`` folding in the clip factor, the loss
-scale and the 1/world average in one multiply.
+backward is reduced. At the accumulation boundary it starts that unit's step
+right away when nothing global is needed first (*eager*: no clipping and no
+overflow check). Otherwise the step needs the global gradient norm (all-reduced
+across ranks; ``grad_scale`` folds the clip factor, the loss scale and the
+1/world average into one multiply), known only once the whole backward is done.
+
+*Speculative steps* take that wait off the critical path where the step runs
+in the daemon: the unit's step starts at once with the scale the step has when
+clipping does not fire, and the backend keeps the unit's state from before it
+(``StateBackend.step_async(undoable=True)``). ``step()`` then checks each
+speculative step against the step the norm asks for: the same arguments give
+the same bytes, so it stands (``commit_step``); otherwise (clipping fired, an
+overflow, the LR changed meanwhile) the state is put back and the step run
+again with the right scale (``revert_step``), bit-identical to having waited.
+A revert costs a second pass, so after one speculation pauses for a number of
+steps that doubles with each revert in a row. Undo data is bounded by the
+backend's ``undo_budget_nbytes``; the units beyond it wait for the norm.
 
 ``param_groups`` is torch-compatible so LR schedulers can drive it.
 """
@@ -21,8 +32,12 @@ import torch
 
 from trainer.config import OptimizerConfig
 from trainer.dist.collectives import Collectives
-from trainer.offload.backend import AdamHyper, StateBackend, StepHandle
+from trainer.offload.backend import AdamHyper, StateBackend, StepRedo
 from trainer.zero.precision import LossScaler
+
+MAX_SPECULATION_PAUSE_STEPS = 64
+"""Speculation pauses for 1, 2, 4, ... steps after reverts in a row, at most this many:
+where clipping fires at most steps, speculating costs a second Adam pass each time."""
 
 
 class ZeroOptimizer:
@@ -32,7 +47,8 @@ class ZeroOptimizer:
                  collectives: Collectives, scaler: LossScaler, clip_norm: float,
                  partitioned: bool, groups: list[dict[str, Any]] | None = None,
                  unit_groups: dict[int, int] | None = None,
-                 before_step: Callable[[int], None] | None = None) -> None:
+                 before_step: Callable[[int], None] | None = None,
+                 speculative: bool = True) -> None:
         self.backend = backend
         self.before_step = before_step
         """Called with a unit's index right before its step starts (the engine lets go of
@@ -55,6 +71,20 @@ class ZeroOptimizer:
         self.last_grad_norm: float | None = None
         self._sq_norms: list[torch.Tensor] = []
         self._ready: list[int] = []
+        self._speculated: dict[int, StepRedo] = {}
+        """Units stepped speculatively this window, with the arguments they were run with."""
+        self._undo_nbytes = 0
+        """Undo data the speculative steps of this window hold."""
+        self._pause_steps = 0
+        """Optimizer steps left before speculation resumes after a revert."""
+        self._pause_length = 0
+        self.speculative = speculative
+        """Steps may start before the global norm is known (``offload_optimizer``'s
+        ``speculative_step``)."""
+        self.speculated_units = 0
+        """Unit steps started before the global norm was known (cumulative)."""
+        self.reverted_units = 0
+        """Of those, the ones put back and run again (or skipped on overflow)."""
         self.after_step: list[Callable[[], None]] = []
         """Called after every applied step (``trainer.integrations.ds_facade.link_groups``
         marks the client's torch optimizer as stepped for its LR scheduler)."""
@@ -81,9 +111,26 @@ class ZeroOptimizer:
             return
         if sq_norm is not None:
             self._sq_norms.append(sq_norm)
-        self._ready.append(unit)
         if self.eager:
             self._start(unit, self._base_grad_scale())
+        elif self._may_speculate(unit):
+            self._speculated[unit] = self._start(unit, self._base_grad_scale(), undoable=True)
+            self.speculated_units += 1
+        else:
+            self._ready.append(unit)
+
+    def _may_speculate(self, unit: int) -> bool:
+        """Start the unit's step before the norm is known: it runs off the rank, recent
+        steps did not revert, and its undo data fits the budget and the backend."""
+        if not self.speculative or self._pause_steps or not self.backend.step_runs_async(unit):
+            return False
+        undo_nbytes = self.backend.undo_nbytes(unit)
+        if self._undo_nbytes + undo_nbytes > self.backend.undo_budget_nbytes:
+            return False
+        if not self.backend.prepare_undo(unit):
+            return False
+        self._undo_nbytes += undo_nbytes
+        return True
 
     def step(self) -> bool:
         """Start the step of every unit handed over; False when skipped on overflow.
@@ -95,6 +142,8 @@ class ZeroOptimizer:
         if not self.eager:
             applied = self._step_all_with_norm()
         self._ready.clear()
+        self._speculated.clear()
+        self._undo_nbytes = 0
         self.scaler.update(not applied)
         if applied:
             self.step_count += 1
@@ -107,15 +156,42 @@ class ZeroOptimizer:
     def _step_all_with_norm(self) -> bool:
         norm = self._global_grad_norm()
         self.last_grad_norm = norm
-        if not math.isfinite(norm):
-            return False
+        applied = math.isfinite(norm)
         grad_scale = self._base_grad_scale()
-        if self.clip_norm > 0:
+        if self.clip_norm > 0 and applied:
             grad_scale *= min(1.0, self.clip_norm / (norm + 1e-6))
+        reverted = False
         # Forward order: the next forward needs the lowest units first.
-        for unit in sorted(self._ready):
-            self._start(unit, grad_scale)
-        return True
+        for unit in sorted([*self._ready, *self._speculated]):
+            redo = self._redo(unit, grad_scale) if applied else None
+            speculated = self._speculated.get(unit)
+            if speculated is None:
+                if redo is not None:
+                    self._start(unit, grad_scale)
+            elif speculated == redo:
+                self.backend.commit_step(unit)
+            else:
+                self._revert(unit, redo)
+                reverted = True
+        if self._speculated:
+            self._pause_after(reverted=reverted)
+        elif self._pause_steps:
+            self._pause_steps -= 1
+        return applied
+
+    def _revert(self, unit: int, redo: StepRedo | None) -> None:
+        if self.before_step is not None:
+            self.before_step(unit)  # the revert rewrites the parameter partition
+        self.backend.revert_step(unit, redo)
+        self.reverted_units += 1
+
+    def _pause_after(self, *, reverted: bool) -> None:
+        if reverted:
+            self._pause_length = min(max(1, 2 * self._pause_length),
+                                     MAX_SPECULATION_PAUSE_STEPS)
+            self._pause_steps = self._pause_length
+        else:
+            self._pause_length = 0
 
     def _global_grad_norm(self) -> float:
         total = torch.stack(self._sq_norms).sum() if self._sq_norms else torch.zeros(
@@ -129,12 +205,18 @@ class ZeroOptimizer:
         """Undo the loss scale and turn the sum over ranks into a mean."""
         return 1.0 / (self.scaler.scale * self.collectives.world_size)
 
-    def _start(self, unit: int, grad_scale: float) -> StepHandle:
-        hyper = self.hyper(self.unit_groups.get(unit, 0))
+    def _redo(self, unit: int, grad_scale: float) -> StepRedo:
+        """The arguments of the unit's step now."""
+        return StepRedo(step=self.step_count + 1, hyper=self.hyper(self.unit_groups.get(unit, 0)),
+                        grad_scale=grad_scale)
+
+    def _start(self, unit: int, grad_scale: float, *, undoable: bool = False) -> StepRedo:
+        redo = self._redo(unit, grad_scale)
         if self.before_step is not None:
             self.before_step(unit)
-        return self.backend.step_async(unit, step=self.step_count + 1, hyper=hyper,
-                                       grad_scale=grad_scale)
+        self.backend.step_async(unit, step=redo.step, hyper=redo.hyper,
+                                grad_scale=redo.grad_scale, undoable=undoable)
+        return redo
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the backend and are overwritten each window; nothing to do."""

@@ -1,0 +1,233 @@
+"""Speculative optimizer steps: started before the global gradient norm is known, undone
+exactly where clipping fires, a step overflows or the LR changed meanwhile.
+
+Every case trains the same model twice in the same 2 gloo ranks against a real daemon,
+with ``speculative_step`` on and off, and asserts the two leave the same bytes: every
+unit's master, moments and parameter partition, the skipped steps and the losses. The
+counters show that the speculative run really speculated and really reverted. The
+protocol cases drive ``optimizer_step``'s ``undo`` parts straight from a client and
+compare with the kernel run on copies.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import pytest
+import torch
+from _dist import base_config, make_batch, make_model, run_ranks
+
+from offloadd.compute import adam
+from offloadd.errors import InvalidRequestError, UnknownShardError
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device_twin")]
+
+WORLD = 2
+LOSS_FACTORS = (0.01, 100.0, 100.0, 100.0, 100.0, 100.0, 0.01, 0.01, 0.01, 0.01, 0.01)
+"""Per step, what the loss is multiplied by before backward: at 0.01 the gradient norm
+stays under the clip (1.0) and speculation stands; at 100 clipping fires and every
+speculated unit is run again. Reverts in a row pause speculation 1, then 2 steps:
+step 0 stands, 1 reverts, 2 waits, 3 reverts, 4-5 wait, 6-10 stand."""
+SPECULATED_STEPS = 8
+REVERTED_STEPS = 2
+
+
+def _offload(device: str, stage: int, **optimizer: Any) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": stage,
+                            "offload_optimizer": {"device": device, **optimizer}}
+    if stage == 3:
+        zero["offload_param"] = {"device": device}
+    if device == "nvme":
+        swap_dir = tempfile.mkdtemp(prefix="offloadd-spec-")
+        for key in ("offload_optimizer", "offload_param"):
+            if key in zero:
+                zero[key]["nvme_path"] = swap_dir
+    return zero
+
+
+def _train(rank: int, config: dict[str, Any], *, change_lr: bool) -> dict[str, Any]:
+    import trainer
+
+    model = make_model(0)
+    engine, _, _, _ = trainer.initialize(model=model, model_parameters=model.parameters(),
+                                         config=config)
+    losses = []
+    try:
+        for step, factor in enumerate(LOSS_FACTORS):
+            batch = make_batch(step, 0, rank, engine.train_micro_batch_size_per_gpu())
+            loss = engine(*(t.to(engine.collectives.device) for t in batch))
+            engine.backward(loss * factor)
+            if change_lr and step % 4 == 1:  # a hand-written schedule between backward and step
+                for group in engine.optimizer.param_groups:
+                    group["lr"] *= 0.5
+            engine.step()
+            losses.append(loss.item())
+        engine.backend.wait_steps()
+        units = [unit for unit in engine.units if unit.trainable]
+        state = {unit.index: {kind: tensor.clone() for kind, tensor in
+                              engine.backend.get_state(unit.index).items()} for unit in units}
+        params = {}
+        for unit in units:
+            part = engine.backend.copies.empty(unit.part_numel,
+                                               engine.backend.param_dtype(unit.index))
+            engine.backend.read_params(unit.index, part)
+            params[unit.index] = part.cpu()
+        stats = engine.offload_stats()
+        return {"state": state, "params": params, "losses": losses,
+                "skipped": engine.optimizer.skipped_steps, "units": len(units),
+                "speculated": stats["speculated_units"], "reverted": stats["reverted_units"]}
+    finally:
+        engine.close()
+
+
+def _both_ways(rank: int, world: int, config: dict[str, Any],
+               change_lr: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Rank body: the same training with speculation on, then off (its own job each)."""
+    runs = []
+    for speculative in (True, False):
+        case = {**config, "zero_optimization": {**config["zero_optimization"]}}
+        zero = case["zero_optimization"]
+        zero["offload_optimizer"] = {**zero["offload_optimizer"],
+                                     "speculative_step": speculative}
+        case["offloadd"] = {"job": f"speculative-{int(speculative)}"}
+        runs.append(_train(rank, case, change_lr=change_lr))
+    return runs[0], runs[1]
+
+
+def _assert_same_bytes(speculative: dict[str, Any], waited: dict[str, Any]) -> None:
+    assert speculative["losses"] == waited["losses"]
+    assert speculative["skipped"] == waited["skipped"]
+    for unit, state in waited["state"].items():
+        for kind, tensor in state.items():
+            assert torch.equal(speculative["state"][unit][kind], tensor), (unit, kind)
+        assert torch.equal(speculative["params"][unit], waited["params"][unit]), unit
+    assert waited["speculated"] == 0 and waited["reverted"] == 0
+
+
+def _check(config: dict[str, Any], *, change_lr: bool = False) -> list[dict[str, Any]]:
+    results = run_ranks(_both_ways, WORLD, config, change_lr)
+    for speculative, waited in results:
+        _assert_same_bytes(speculative, waited)
+    return [speculative for speculative, _waited in results]
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_clipping_that_fires_on_some_steps_leaves_the_bytes_of_waiting_for_the_norm(
+        stage: int) -> None:
+    runs = _check(base_config(zero_optimization=_offload("cpu", stage),
+                              gradient_clipping=1.0))
+    for run in runs:
+        assert run["speculated"] == SPECULATED_STEPS * run["units"]
+        assert run["reverted"] == REVERTED_STEPS * run["units"]
+
+
+def test_an_lr_changed_between_backward_and_step_is_applied_exactly() -> None:
+    runs = _check(base_config(zero_optimization=_offload("cpu", 2), gradient_clipping=1e6),
+                  change_lr=True)
+    assert all(run["reverted"] > 0 for run in runs)  # the changed LR forced a second pass
+
+
+def test_fp16_overflow_skips_the_step_and_reverts_what_speculation_did() -> None:
+    config = base_config(zero_optimization=_offload("cpu", 2),
+                         fp16={"enabled": True, "initial_scale_power": 40, "hysteresis": 1})
+    runs = _check(config)
+    for run in runs:
+        assert run["skipped"] > 0  # the early steps overflow at a scale of 2**40
+        assert run["reverted"] > 0
+
+
+def test_swap_tier_and_bf16_moments_stay_exact_under_speculation() -> None:
+    zero = _offload("nvme", 3, state_dtype="bf16")
+    runs = _check(base_config(zero_optimization=zero, gradient_clipping=1.0,
+                              bf16={"enabled": True}))
+    assert all(run["speculated"] > 0 and run["reverted"] > 0 for run in runs)
+
+
+# -- the protocol, from one client -------------------------------------------------------
+
+NUMEL = 4099
+HYPER = {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 0.1}
+KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
+
+
+def _unit_state() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    state = {kind: torch.rand(NUMEL, generator=generator) for kind in KINDS}
+    state["exp_avg"] -= 0.5
+    return state
+
+
+def _stepped(state: dict[str, torch.Tensor], grad_scale: float) -> dict[str, torch.Tensor]:
+    copies = {kind: tensor.clone() for kind, tensor in state.items()}
+    param = torch.empty(NUMEL, dtype=torch.bfloat16)
+    adam.adam_step(copies["master"], copies["exp_avg"], copies["exp_avg_sq"], copies["grad"],
+                   step=1, grad_scale=grad_scale, param_out=param, **HYPER)
+    return {**copies, "param": param}
+
+
+def _load(client: Any, state: dict[str, torch.Tensor]) -> None:
+    client.put_many({f"u.{kind}": tensor for kind, tensor in state.items()})
+    client.put("u.param", state["master"].to(torch.bfloat16))
+    client.alloc([f"u.undo.{kind}" for kind in KINDS[:3]], [NUMEL * 4] * 3,
+                 ["float32"] * 3)
+
+
+def _read(client: Any) -> dict[str, torch.Tensor]:
+    read = {kind: torch.frombuffer(bytearray(client.get(f"u.{kind}")), dtype=torch.float32)
+            for kind in KINDS}
+    read["param"] = torch.frombuffer(bytearray(client.get("u.param")), dtype=torch.bfloat16)
+    return read
+
+
+def _assert_state(read: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    for kind, tensor in expected.items():
+        assert torch.equal(read[kind], tensor), kind
+
+
+def _step(client: Any, undo: str, grad_scale: float = 1.0) -> None:
+    client.optimizer_step_async("u", step=1, grad_scale=grad_scale, undo=undo,
+                                **HYPER).wait()
+
+
+@pytest.mark.parametrize(("second", "grad_scale"),
+                         [("commit", 1.0), ("redo", 0.25), ("revert", 1.0)])
+def test_keep_then_commit_redo_or_revert_in_the_daemon(connect, second: str,
+                                                        grad_scale: float) -> None:
+    client = connect(arena_nbytes=16 << 20)
+    state = _unit_state()
+    _load(client, state)
+    first = client.optimizer_step_async("u", step=1, undo="keep", **HYPER)
+    # Sent without waiting for the kept step: the daemon runs a unit's parts in order.
+    client.optimizer_step_async("u", step=1, grad_scale=grad_scale, undo=second,
+                                **HYPER).wait()
+    first.wait()
+    if second == "revert":
+        expected = {**state, "param": state["master"].to(torch.bfloat16)}
+    else:
+        expected = _stepped(state, grad_scale)
+    _assert_state(_read(client), expected)
+    assert torch.equal(_read(client)["grad"], state["grad"])  # never scaled in place
+    with pytest.raises(UnknownShardError):  # the saved state is gone once resolved
+        client.get("u.undo.master")
+
+
+def test_undo_parts_with_missing_or_mismatched_saved_shards_are_refused(connect) -> None:
+    client = connect(arena_nbytes=16 << 20)
+    state = _unit_state()
+    client.put_many({f"u.{kind}": tensor for kind, tensor in state.items()})
+    with pytest.raises(UnknownShardError, match="undo"):
+        _step(client, "keep")
+    client.alloc([f"u.undo.{kind}" for kind in KINDS[:3]], [NUMEL * 4, NUMEL * 4, NUMEL * 2],
+                 ["float32", "float32", "bfloat16"])
+    with pytest.raises(InvalidRequestError, match="u.undo.exp_avg_sq"):
+        _step(client, "keep")
+    _assert_state(_read_state_only(client), state)  # nothing ran
+    _step(client, "none")  # the connection and the daemon still serve
+    _assert_state(_read_state_only(client), {k: v for k, v in _stepped(state, 1.0).items()
+                                             if k != "param"})
+
+
+def _read_state_only(client: Any) -> dict[str, torch.Tensor]:
+    return {kind: torch.frombuffer(bytearray(client.get(f"u.{kind}")), dtype=torch.float32)
+            for kind in KINDS}
