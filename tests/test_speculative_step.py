@@ -12,6 +12,7 @@ compare with the kernel run on copies.
 from __future__ import annotations
 
 import tempfile
+import time
 from typing import Any
 
 import pytest
@@ -20,6 +21,11 @@ from _dist import base_config, make_batch, make_model, run_ranks
 
 from offloadd.compute import adam
 from offloadd.errors import InvalidRequestError, UnknownShardError
+from trainer.config import OptimizerConfig
+from trainer.dist.collectives import Collectives
+from trainer.offload.backend import InProcessBackend, UnitSpec
+from trainer.zero.optimizer import ZeroOptimizer
+from trainer.zero.precision import LossScaler
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device_twin")]
 
@@ -118,8 +124,9 @@ def test_clipping_that_fires_on_some_steps_leaves_the_bytes_of_waiting_for_the_n
     runs = _check(base_config(zero_optimization=_offload("cpu", stage),
                               gradient_clipping=1.0))
     for run in runs:
-        assert run["speculated"] == SPECULATED_STEPS * run["units"]
-        assert run["reverted"] == REVERTED_STEPS * run["units"]
+        # A loaded host may find the daemon behind and pause more than the clip does: the
+        # exact counts are pinned by the policy test below.
+        assert 0 < run["reverted"] < run["speculated"] <= SPECULATED_STEPS * run["units"]
 
 
 def test_an_lr_changed_between_backward_and_step_is_applied_exactly() -> None:
@@ -142,6 +149,71 @@ def test_swap_tier_and_bf16_moments_stay_exact_under_speculation() -> None:
     runs = _check(base_config(zero_optimization=zero, gradient_clipping=1.0,
                               bf16={"enabled": True}))
     assert all(run["speculated"] > 0 and run["reverted"] > 0 for run in runs)
+
+
+# -- the policy, on the in-process state -------------------------------------------------
+
+
+class _OffRankInProcess(InProcessBackend):
+    """The rank's own torch state presented as steps that run off the rank (as the
+    daemon's do), with ``behind`` of them still queued whenever asked."""
+
+    undo_budget_nbytes = 1 << 40
+
+    def __init__(self, behind: int) -> None:
+        super().__init__()
+        self.behind = behind
+
+    def step_runs_async(self, unit: int) -> bool:
+        return True
+
+    def steps_behind(self, units: list[int]) -> int:
+        return min(self.behind, len(units))
+
+
+UNIT_NUMELS = (33, 1, 700)
+
+
+def _policy_run(*, speculative: bool, behind: int = 0) -> tuple[ZeroOptimizer, list[Any]]:
+    backend = _OffRankInProcess(behind)
+    generator = torch.Generator().manual_seed(5)
+    for index, numel in enumerate(UNIT_NUMELS):
+        backend.register(UnitSpec(index=index, part_numel=numel, param_dtype=torch.float32),
+                         torch.randn(numel, generator=generator))
+    optimizer = ZeroOptimizer(backend, OptimizerConfig(), collectives=Collectives(),
+                              scaler=LossScaler(), clip_norm=1.0, partitioned=False,
+                              speculative=speculative)
+    history = []
+    for factor in LOSS_FACTORS:
+        for index in reversed(range(len(UNIT_NUMELS))):  # backward order
+            grad = torch.randn(UNIT_NUMELS[index], generator=generator) * factor / 10
+            optimizer.take_grad(index, grad, first=True, boundary=True)
+        optimizer.step()
+        history.append((optimizer.speculated_units, optimizer.reverted_units))
+    return optimizer, [backend.get_state(index) for index in range(len(UNIT_NUMELS))]
+
+
+def test_the_pause_doubles_after_reverts_in_a_row_and_the_bytes_never_change() -> None:
+    waited, expected = _policy_run(speculative=False)
+    speculated, state = _policy_run(speculative=True)
+    for ours, theirs in zip(state, expected, strict=True):
+        for kind, tensor in theirs.items():
+            assert torch.equal(ours[kind], tensor), kind
+    assert waited.speculated_units == 0
+    assert speculated.speculated_units == SPECULATED_STEPS * len(UNIT_NUMELS)
+    assert speculated.reverted_units == REVERTED_STEPS * len(UNIT_NUMELS)
+
+
+def test_a_cpu_that_is_behind_pauses_speculation_without_a_revert() -> None:
+    # Every window finds its speculative steps queued: speculate at steps 0, 2, 5 and 10
+    # only (pauses of 1, 2 and 4 steps); 2 and 5 clip speculated, 1, 3 and 4 while paused.
+    optimizer, state = _policy_run(speculative=True, behind=len(UNIT_NUMELS))
+    _waited, expected = _policy_run(speculative=False)
+    assert optimizer.speculated_units == 4 * len(UNIT_NUMELS)
+    assert optimizer.reverted_units == 2 * len(UNIT_NUMELS)
+    for ours, theirs in zip(state, expected, strict=True):
+        for kind, tensor in theirs.items():
+            assert torch.equal(ours[kind], tensor), kind
 
 
 # -- the protocol, from one client -------------------------------------------------------
@@ -220,7 +292,7 @@ def test_undo_parts_with_missing_or_mismatched_saved_shards_are_refused(connect)
         _step(client, "keep")
     client.alloc([f"u.undo.{kind}" for kind in KINDS[:3]], [NUMEL * 4, NUMEL * 4, NUMEL * 2],
                  ["float32", "float32", "bfloat16"])
-    with pytest.raises(InvalidRequestError, match="u.undo.exp_avg_sq"):
+    with pytest.raises(InvalidRequestError, match=r"u\.undo\.exp_avg_sq"):
         _step(client, "keep")
     _assert_state(_read_state_only(client), state)  # nothing ran
     _step(client, "none")  # the connection and the daemon still serve
@@ -231,3 +303,17 @@ def test_undo_parts_with_missing_or_mismatched_saved_shards_are_refused(connect)
 def _read_state_only(client: Any) -> dict[str, torch.Tensor]:
     return {kind: torch.frombuffer(bytearray(client.get(f"u.{kind}")), dtype=torch.float32)
             for kind in KINDS}
+
+
+def test_poll_replies_tells_a_finished_step_without_waiting_for_it(connect) -> None:
+    client = connect(arena_nbytes=16 << 20)
+    _load(client, _unit_state())
+    handle = client.optimizer_step_async("u", step=1, **HYPER)
+    deadline = time.monotonic() + 60
+    while not handle.done():  # what the optimizer's "is the CPU behind" question reads
+        assert time.monotonic() < deadline, "the step's reply never showed"
+        client.poll_replies()
+        time.sleep(0.001)
+    handle.wait()  # its reply was parked, not lost
+    client.poll_replies()  # nothing pending: returns at once
+    assert client.get("u.master") != _unit_state()["master"].numpy().tobytes()

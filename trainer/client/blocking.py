@@ -8,6 +8,7 @@ Imports the rest of the client package; nothing in the package imports it but
 
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import threading
@@ -35,6 +36,12 @@ def set_reply_timeout(sock: socket.socket, seconds: float | None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 
 
+def _holds_frame(buffer: bytearray) -> bool:
+    """A whole frame is in ``buffer``."""
+    return (len(buffer) >= p.HEADER_NBYTES
+            and len(buffer) >= p.HEADER_NBYTES + p.HEADER.unpack_from(buffer)[0])
+
+
 class StepHandle:
     """An optimizer step in flight; ``wait()`` blocks until the daemon has applied it."""
 
@@ -49,7 +56,8 @@ class StepHandle:
             self.reply = self._client._wait_reply(self._rid)
 
     def done(self) -> bool:
-        return self._done
+        """Waited for, or its reply already read (by another call or ``poll_replies``)."""
+        return self._done or self._rid in self._client._inbox
 
 
 class OffloadClient(ClientCore):
@@ -141,6 +149,14 @@ class OffloadClient(ClientCore):
                     self._inbox[reply.rid] = reply
                     reply = None
             return check_reply(reply)
+
+    def poll_replies(self) -> None:
+        """Read the replies the daemon has sent so far, without blocking: what makes a
+        step handle's ``done()`` current."""
+        with self._lock:
+            while _holds_frame(self._rbuf) or select.select([self._sock], [], [], 0)[0]:
+                reply = self._read_frame()
+                self._inbox[reply.rid] = reply
 
     def _call(self, request: p.Request) -> p.Reply:
         with self._lock:

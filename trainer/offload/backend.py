@@ -128,6 +128,10 @@ class StateBackend(abc.ABC):
         """Make room for the unit's undo data; False when there is none (step it later)."""
         return False
 
+    def steps_behind(self, units: list[int]) -> int:
+        """How many of ``units``' steps are still queued or running now."""
+        return 0
+
     @abc.abstractmethod
     def commit_step(self, unit: int) -> None:
         """The unit's undoable step stands: drop its undo data (and the consumed gradient

@@ -396,6 +396,10 @@ class DaemonBackend(StateBackend):
             return False
         return True
 
+    def steps_behind(self, units: list[int]) -> int:
+        self.client.poll_replies()
+        return sum(self.steps.pending(unit) for unit in units)
+
     def commit_step(self, unit: int) -> None:
         """Sent without waiting: the daemon runs it after the unit's speculative step."""
         redo = self._undoable.pop(unit)

@@ -100,6 +100,12 @@ class DaemonStepQueue:
         self._steps[unit] = handle
         return handle
 
+    def pending(self, unit: int) -> bool:
+        """The unit's step is queued, deferred or running, as far as the replies read so far
+        tell (``OffloadClient.poll_replies``)."""
+        handle = self._steps.get(unit)
+        return handle is not None and not _done(handle)
+
     def send_deferred(self, copied: Callable[[int], bool]) -> None:
         """Send the deferred steps whose gradient D2H completed (after a ``poll``)."""
         for unit, handle in list(self._steps.items()):
@@ -128,6 +134,11 @@ def step_nbytes(spec: UnitSpec, moment_format: MomentFormat) -> int:
             + 2 * moment_nbytes(moment_format, numel))
 
 
+def _done(handle: StepHandle) -> bool:
+    done = getattr(handle, "done", None)
+    return True if done is None else bool(done())
+
+
 class _DeferredStep:
     """An optimizer step not sent yet: its gradient's D2H was in flight at ``step_async``.
     Sent by the backend's poll once the copy completed, or by ``wait``."""
@@ -149,6 +160,9 @@ class _DeferredStep:
         assert self._sent is not None
         self._sent.wait()
 
+    def done(self) -> bool:
+        return self._sent is not None and _done(self._sent)
+
 
 class _ChainedSteps:
     """A unit's step and its follow-up, waited for in order (the first failure re-raised
@@ -169,6 +183,9 @@ class _ChainedSteps:
             raise
         self._then.wait()
 
+    def done(self) -> bool:
+        return _done(self._first) and _done(self._then)
+
 
 class _TimedHandle:
     """A daemon step handle that books its blocking time on the backend."""
@@ -183,3 +200,6 @@ class _TimedHandle:
             self._handle.wait()
         finally:
             self._clock.wait_s += time.perf_counter() - started
+
+    def done(self) -> bool:
+        return _done(self._handle)

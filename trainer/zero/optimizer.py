@@ -16,8 +16,10 @@ the same bytes, so it stands (``commit_step``); otherwise (clipping fired, an
 overflow, the LR changed meanwhile) the state is put back and the step run
 again with the right scale (``revert_step``), bit-identical to having waited.
 A revert costs a second pass, so after one speculation pauses for a number of
-steps that doubles with each revert in a row. Undo data is bounded by the
-backend's ``undo_budget_nbytes``; the units beyond it wait for the norm.
+steps that doubles with each revert in a row; likewise when most speculative
+steps are still queued once the norm is known (the CPU is the bottleneck, and
+saving the state only adds to its work). Undo data is bounded by the backend's
+``undo_budget_nbytes``; the units beyond it wait for the norm.
 
 ``param_groups`` is torch-compatible so LR schedulers can drive it.
 """
@@ -35,6 +37,10 @@ from trainer.dist.collectives import Collectives
 from trainer.offload.backend import AdamHyper, StateBackend, StepRedo
 from trainer.zero.precision import LossScaler
 
+CPU_BEHIND_FRACTION = 4
+"""Speculation pauses when more than 1/4 of this window's speculative steps are still
+queued in the daemon once the norm is known: where the GPU is the bottleneck, only the
+last units' steps are."""
 MAX_SPECULATION_PAUSE_STEPS = 64
 """Speculation pauses for 1, 2, 4, ... steps after reverts in a row, at most this many:
 where clipping fires at most steps, speculating costs a second Adam pass each time."""
@@ -160,7 +166,10 @@ class ZeroOptimizer:
         grad_scale = self._base_grad_scale()
         if self.clip_norm > 0 and applied:
             grad_scale *= min(1.0, self.clip_norm / (norm + 1e-6))
-        reverted = False
+        # Many speculative steps still running when the backward is done: the CPU is the
+        # bottleneck, and saving the state only adds to its work. Pause as after a revert.
+        behind = self.backend.steps_behind(list(self._speculated)) if self._speculated else 0
+        pause = behind * CPU_BEHIND_FRACTION > len(self._speculated)
         # Forward order: the next forward needs the lowest units first.
         for unit in sorted([*self._ready, *self._speculated]):
             redo = self._redo(unit, grad_scale) if applied else None
@@ -172,9 +181,9 @@ class ZeroOptimizer:
                 self.backend.commit_step(unit)
             else:
                 self._revert(unit, redo)
-                reverted = True
+                pause = True
         if self._speculated:
-            self._pause_after(reverted=reverted)
+            self._pause_after(pause=pause)
         elif self._pause_steps:
             self._pause_steps -= 1
         return applied
@@ -185,8 +194,10 @@ class ZeroOptimizer:
         self.backend.revert_step(unit, redo)
         self.reverted_units += 1
 
-    def _pause_after(self, *, reverted: bool) -> None:
-        if reverted:
+    def _pause_after(self, *, pause: bool) -> None:
+        """Pause 1, 2, 4, ... steps after windows that reverted (or found the CPU behind)
+        in a row; a window whose speculation stood resets the length."""
+        if pause:
             self._pause_length = min(max(1, 2 * self._pause_length),
                                      MAX_SPECULATION_PAUSE_STEPS)
             self._pause_steps = self._pause_length
