@@ -223,7 +223,10 @@ def _peaks(device: torch.device) -> dict[str, int | None]:
 def run_ours(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
     model = _model(args)
     num_params = sum(param.numel() for param in model.parameters())
-    engine, _, _, _ = trainer.initialize(model=model, config=_config(swap_dir, args))
+    config = _config(swap_dir, args)
+    # Ours only: DeepSpeed refuses a ratio below 1 with NVMe and keeps the full offload.
+    config["zero_optimization"]["offload_optimizer"]["ratio"] = args.offload_ratio
+    engine, _, _, _ = trainer.initialize(model=model, config=config)
     device = engine.collectives.device
     one_step = _stepper(engine, args, device)
 
@@ -337,6 +340,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--offload-param", choices=["nvme", "cpu", "none"], default="nvme")
     parser.add_argument("--offload-optimizer", choices=["nvme", "cpu"], default="nvme",
                         help="the tier of both contenders (DeepSpeed runs the same config)")
+    parser.add_argument("--offload-ratio", type=float, default=1.0,
+                        help="offload_optimizer.ratio (ours): the fraction of the optimizer "
+                             "state offloaded, the rest stepped on the device (Twin-Flow)")
     parser.add_argument("--state-dtype", choices=["fp32", "bf16", "8bit"], default=None,
                         help="offload_optimizer.state_dtype (ours; default fp32, or what "
                              "--gpt auto picks)")
@@ -454,6 +460,7 @@ def main() -> None:
             "gpt": args.gpt, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
             "tier": {"param": args.offload_param, "optimizer": args.offload_optimizer,
                      "state_dtype": args.state_dtype},
+            "offload_ratio": args.offload_ratio,
             "activation_checkpointing": args.activation_checkpointing,
             "flops": "6 x params x tokens + 12 x depth x width x seq x tokens (model FLOPs)"}
     fixed = ["--gpt", args.gpt, "--state-dtype", args.state_dtype]

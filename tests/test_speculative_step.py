@@ -73,12 +73,7 @@ def _train(rank: int, config: dict[str, Any], *, change_lr: bool) -> dict[str, A
         units = [unit for unit in engine.units if unit.trainable]
         state = {unit.index: {kind: tensor.clone() for kind, tensor in
                               engine.backend.get_state(unit.index).items()} for unit in units}
-        params = {}
-        for unit in units:
-            part = engine.backend.copies.empty(unit.part_numel,
-                                               engine.backend.param_dtype(unit.index))
-            engine.backend.read_params(unit.index, part)
-            params[unit.index] = part.cpu()
+        params = {unit.index: engine.backend.host_params(unit.index) for unit in units}
         stats = engine.offload_stats()
         return {"state": state, "params": params, "losses": losses,
                 "skipped": engine.optimizer.skipped_steps, "units": len(units),

@@ -23,6 +23,7 @@ from trainer.device.compute import activate, resolve_device
 from trainer.dist.collectives import Collectives
 from trainer.dist.distributed import init_distributed
 from trainer.offload.backend import InProcessBackend, StateBackend
+from trainer.offload.split import SplitBackend
 from trainer.state.engine_io import EngineStateIO
 from trainer.zero.engine import Engine
 from trainer.zero.groups import resolve_param_groups
@@ -90,7 +91,11 @@ def _build_backend(config: EngineConfig, collectives: Collectives,
         return InProcessBackend()
     from trainer.offload.daemon_connect import connect_backend
 
-    return connect_backend(config, collectives, model)
+    daemon = connect_backend(config, collectives, model)
+    ratio = config.zero_optimization.offload_optimizer.ratio
+    if ratio == 1.0:
+        return daemon
+    return SplitBackend(daemon, ratio=ratio)  # Twin-Flow: the rest stays on the device
 
 
 def _build_loader(data: Dataset[Any], engine: Engine, collate_fn: Any) -> DataLoader[Any]:

@@ -292,11 +292,20 @@ class OffloadOptimizerConfig(OffloadDeviceConfig):
     master stays fp32): "fp32" (4 B each, exactly torch's AdamW), "bf16" (2 B, stochastic
     rounding), "8bit" (~1.016 B: 8-bit codes with one fp32 absmax per 256 elements, as
     bitsandbytes' 8-bit Adam). Moment bytes per parameter: 8 / 4 / 2.03."""
+    ratio: float = 1.0
+    """Fraction of the trainable elements whose optimizer state is offloaded, in [0, 1]
+    (DeepSpeed's ZeRO-Offload++ Twin-Flow); the rest, the first units of the forward, keep
+    state and Adam on the compute device (``trainer.offload.split``). Unused with device
+    none, where nothing is offloaded (DeepSpeed reads it only with an offload device)."""
     speculative_step: bool = True
     """With gradient clipping or fp16 overflow checks, start each unit's daemon step as soon
     as its gradient is reduced, before the global norm is known, and undo it exactly on the
     steps where clipping fires (``trainer.zero.optimizer``); false: every step waits for the
     norm. The result is bit-identical either way; only the step time differs."""
+
+    def __post_init__(self) -> None:
+        _check(not isinstance(self.ratio, bool) and 0.0 <= self.ratio <= 1.0,
+               "zero_optimization.offload_optimizer.ratio", self.ratio, "a number in [0, 1]")
 
     @property
     def moment_format(self) -> MomentFormat:

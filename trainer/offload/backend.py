@@ -146,6 +146,12 @@ class StateBackend(abc.ABC):
     def read_params(self, unit: int, out: torch.Tensor) -> None:
         """Copy the unit's parameter partition (training dtype) into ``out``."""
 
+    def host_params(self, unit: int) -> torch.Tensor:
+        """A host copy of the unit's parameter partition (checkpoints, exports)."""
+        part = torch.empty(self.part_numel(unit), dtype=self.param_dtype(unit))
+        self.read_params(unit, part)
+        return part
+
     def lease_params(self, unit: int) -> tuple[torch.Tensor, Callable[[], None]]:
         """The unit's parameter partition to read from (valid until the callback runs)."""
         part = torch.empty(self.part_numel(unit), dtype=self.param_dtype(unit))

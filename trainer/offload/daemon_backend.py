@@ -461,6 +461,15 @@ class DaemonBackend(StateBackend):
             check_view(part)
             self.moved_nbytes += out.nbytes
 
+    def host_params(self, unit: int) -> torch.Tensor:
+        """Staged through the compute device where a copy engine moves the bytes: it takes
+        only device destinations, as CUDA would (the strict twin refuses a host one)."""
+        if self.copies.zero_copy:
+            return super().host_params(unit)
+        part = self.copies.empty(self._specs[unit].part_numel, self._specs[unit].param_dtype)
+        self.read_params(unit, part)
+        return part.cpu()
+
     def lease_params(self, unit: int) -> tuple[torch.Tensor, Callable[[], None]]:
         """A read lease on ``u{N}.param``: collectives read the arena directly (no copy);
         with a device copy engine, a device copy of it (the lease returns after the copy)."""

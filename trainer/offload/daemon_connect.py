@@ -42,16 +42,23 @@ def estimate_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int
     """Bytes of daemon shards one rank needs (fp32 master and grad, the moments in their
     ``state_dtype``, the param copy, and the param copy of frozen parameters under
     stage 3)."""
-    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     parts = world_size if config.zero_optimization.stage >= 1 else 1
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype_name]
     frozen = 0  # stage 3 keeps frozen parameters' partitions in the daemon too (no state)
     if config.zero_optimization.stage == 3:
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    part = -(-numel // parts)
+    part = _trainable_part_numel(model, config, world_size)
     moments_nbytes = 2 * moment_nbytes(config.zero_optimization.offload_optimizer.moment_format,
                                        part)
     return part * (8 + itemsize) + moments_nbytes + -(-frozen // parts) * itemsize
+
+
+def _trainable_part_numel(model: nn.Module, config: EngineConfig, world_size: int) -> int:
+    """Trainable elements in one rank's partition (all of them below stage 1). With a
+    ``ratio`` below 1 the daemon holds fewer, but which units stay on the device is known
+    only once the engine has built them (``trainer.offload.split``): sized for all."""
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return -(-numel // (world_size if config.zero_optimization.stage >= 1 else 1))
 
 
 def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Collectives) -> int:
@@ -70,7 +77,27 @@ def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Co
     wanted = node_nbytes + node_nbytes // 4 + 32 * MIB
     if config.zero_optimization.offload_optimizer.device == "nvme":
         wanted = max(64 * MIB, min(wanted, available_memory_nbytes() // 2))
+    elif speculates(config):
+        # Room for speculative steps' undo copies (master and moments), where DRAM has it.
+        undo_nbytes = undo_rank_nbytes(model, config, collectives.world_size)
+        undo_nbytes *= _node_world_size(collectives)
+        spare = available_memory_nbytes() * 3 // 4 - wanted
+        wanted += max(0, min(undo_nbytes, spare))
     return int(collectives.node_leader_value(-(-wanted // (2 * MIB)) * 2 * MIB))
+
+
+def speculates(config: EngineConfig) -> bool:
+    """Optimizer steps may start before the global norm (``trainer.zero.optimizer``): the
+    norm is needed (clipping, fp16 overflow checks) and speculation is not turned off."""
+    needs_norm = config.gradient_clipping > 0 or config.dtype_name == "float16"
+    return needs_norm and config.zero_optimization.offload_optimizer.speculative_step
+
+
+def undo_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) -> int:
+    """Bytes of one rank's undo copies when every unit's step is speculative."""
+    part = _trainable_part_numel(model, config, world_size)
+    return 4 * part + 2 * moment_nbytes(
+        config.zero_optimization.offload_optimizer.moment_format, part)
 
 
 def available_memory_nbytes() -> int:

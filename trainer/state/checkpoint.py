@@ -119,9 +119,7 @@ def _unit_states(engine: Engine) -> dict[int, dict[str, torch.Tensor]]:
     states = {}
     for unit in engine.units:
         state = engine.backend.get_state(unit.index)
-        param = torch.empty(unit.part_numel, dtype=engine.precision.dtype)
-        engine.backend.read_params(unit.index, param)
-        states[unit.index] = {"param": param, **state}
+        states[unit.index] = {"param": engine.backend.host_params(unit.index), **state}
     return states
 
 

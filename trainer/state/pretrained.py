@@ -392,12 +392,9 @@ def load_into_engine(engine: Engine, source: PretrainedSource) -> None:
 
 def _load_unit(engine: Engine, unit: Unit, source: PretrainedSource) -> None:
     state = engine.backend.get_state(unit.index)
-    if unit.trainable:
-        part = state["master"]
-    else:
-        param = torch.empty(unit.part_numel, dtype=engine.precision.dtype)
-        engine.backend.read_params(unit.index, param)
-        part = param.float()
+    # A frozen unit (stage 3) has no master: its parameter partition is all there is.
+    part = (state["master"] if unit.trainable
+            else engine.backend.host_params(unit.index).float())
     begin = unit.part_index * unit.part_numel
     end = begin + unit.part_numel
     for slot in unit.slots:
