@@ -25,6 +25,9 @@ timed steps.  A short sleep separates blocks: torch's OpenMP workers
 busy-wait for a while after each parallel region and would otherwise steal
 cores from whichever contender runs next.
 
+``speculative_step_time_factor`` is the mixed step that also saves the state it
+overwrites (a speculative optimizer step's undo copy) over the plain mixed step.
+
 The last line printed is one JSON object; ratios are peer time / our time
 (>1 means offloadd is faster).
 """
@@ -69,11 +72,15 @@ class Problem:
         self.torch_param.grad = torch.empty_like(self.grad32)
 
 
-def ours(problem: Problem, mixed: bool, threads: int | None) -> Callable[[], None]:
+def ours(problem: Problem, mixed: bool, threads: int | None,
+         speculative: bool = False) -> Callable[[], None]:
+    """``speculative``: the step also saves the state it overwrites (a speculative step's
+    undo copy, 12 B/param more written), as the daemon's speculative steps do."""
     master = problem.master.clone()
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     grad = problem.grad_bf16 if mixed else problem.grad32
     param_out = problem.param_bf16 if mixed else None
+    undo = tuple(torch.empty_like(master) for _ in range(3)) if speculative else None
     step = 0
 
     def run() -> None:
@@ -92,6 +99,7 @@ def ours(problem: Problem, mixed: bool, threads: int | None) -> Callable[[], Non
             weight_decay=WEIGHT_DECAY,
             param_out=param_out,
             num_threads=threads,
+            save_to=undo,
         )
 
     return run
@@ -152,6 +160,7 @@ def build_contenders(
     contenders: dict[str, tuple[str, Callable[[], None]]] = {
         "ours_fp32": ("fp32", ours(problem, False, threads)),
         "ours_mixed": ("mixed", ours(problem, True, threads)),
+        "ours_mixed_speculative": ("mixed", ours(problem, True, threads, speculative=True)),
         "torch_foreach_fp32": ("fp32", torch_optimizer(problem, False, foreach=True)),
         "stream_triad": ("triad", stream_triad(problem.master.numel(), threads)),
     }
@@ -225,6 +234,8 @@ def report(
     for peer, mine in peers:
         if peer in seconds:
             result[f"ratio_vs_{peer}"] = round(seconds[peer] / seconds[mine], 3)
+    result["speculative_step_time_factor"] = round(
+        seconds["ours_mixed_speculative"] / seconds["ours_mixed"], 3)
     result["stream_triad_gb_per_s"] = round(gbps["stream_triad"], 2)
     for path in ("fp32", "mixed"):
         result[f"ratio_vs_stream_triad_{path}"] = round(

@@ -220,12 +220,15 @@ def _peaks(device: torch.device) -> dict[str, int | None]:
     return {"peak_device_bytes": gpu, "peak_host_rss_bytes": rss}
 
 
-def run_ours(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
+def run_ours(args: argparse.Namespace, swap_dir: str, *,
+             speculative: bool = True) -> dict[str, Any]:
+    """Ours; ``speculative`` False: every optimizer step waits for the global norm."""
     model = _model(args)
     num_params = sum(param.numel() for param in model.parameters())
     config = _config(swap_dir, args)
     # Ours only: DeepSpeed refuses a ratio below 1 with NVMe and keeps the full offload.
     config["zero_optimization"]["offload_optimizer"]["ratio"] = args.offload_ratio
+    config["zero_optimization"]["offload_optimizer"]["speculative_step"] = speculative
     engine, _, _, _ = trainer.initialize(model=model, config=config)
     device = engine.collectives.device
     one_step = _stepper(engine, args, device)
@@ -242,6 +245,8 @@ def run_ours(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
     return {"device": str(device), "num_params": num_params, "step_s": step_s, **_peaks(device),
             "world_size": engine.collectives.world_size, **profiled,
             "adam_s": adam["step_s"], "adam_unit_steps": adam["steps"],
+            "speculated_units": stats.get("speculated_units"),
+            "reverted_units": stats.get("reverted_units"),
             "copy_engine": stats.get("rank_copy_engine"),
             "arena_pinned": stats.get("rank_arena_pinned"),
             "device_copies": stats.get("rank_device_copies"),
@@ -354,15 +359,17 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--device-copies", choices=["rank", "daemon"], default="rank",
                         help="who copies arena <-> GPU: the rank's streams or the daemon's")
     parser.add_argument("--contenders", default="ours,deepspeed,none",
-                        help="which of ours, deepspeed, none (plain torch on the device, no "
-                             "offload: the ceiling) run beside each other")
+                        help="which of ours, ours-wait (ours with every optimizer step "
+                             "waiting for the global norm: speculative_step off), deepspeed, "
+                             "none (plain torch on the device, no offload: the ceiling) run "
+                             "beside each other")
     parser.add_argument("--no-deepspeed", action="store_true",
                         help="drop deepspeed from --contenders")
     parser.add_argument("--sweep", default=None,
                         help="TOKENS,TOKENS,...: tokens per step to sweep (grad-accum scales); "
                              "ours and none at each, the crossover reported")
     parser.add_argument("--port", type=int, default=29533, help="DeepSpeed's rendezvous port")
-    parser.add_argument("--contender", choices=["ours", "deepspeed", "none"], default=None,
+    parser.add_argument("--contender", choices=list(CONTENDERS), default=None,
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gpt == "auto":
@@ -413,8 +420,10 @@ def _run_contenders(args: argparse.Namespace, overrides: list[str], notes: list[
 
 def _summary(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     ours, peer, plain = results["ours"], results.get("deepspeed"), results.get("none")
+    waiting = results.get("ours-wait")
     tokens = _tokens(args, ours["world_size"])
     median_s = statistics.median(ours["step_s"])
+    waiting_s = statistics.median(waiting["step_s"]) if waiting else None
     peer_s = statistics.median(peer["step_s"]) if peer else None
     plain_s = statistics.median(plain["step_s"]) if plain and "step_s" in plain else None
     kernel_s = (ours["sm_busy_fraction"] * ours["profiled_step_s"]
@@ -442,7 +451,20 @@ def _summary(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> di
         "no_offload_model_tflops": _tflops(args, plain, tokens) if plain else None,
         "no_offload_peak_device_bytes": plain.get("peak_device_bytes") if plain else None,
         "ratio_vs_no_offload": round(plain_s / median_s, 3) if plain_s else None,
+        "speculated_units": ours.get("speculated_units"),
+        "reverted_units": ours.get("reverted_units"),
+        "waiting_for_norm_step_s_median": waiting_s,
+        "ratio_vs_waiting_for_norm": round(waiting_s / median_s, 3) if waiting_s else None,
     }
+
+
+def run_ours_waiting(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
+    return run_ours(args, swap_dir, speculative=False)
+
+
+CONTENDERS: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {
+    "ours": run_ours, "ours-wait": run_ours_waiting, "deepspeed": run_deepspeed,
+    "none": run_plain}
 
 
 def main() -> None:
@@ -451,8 +473,7 @@ def main() -> None:
         swap_dir = os.path.join(args.swap_dir or tempfile.mkdtemp(prefix="offloadd-gpu-swap-"),
                                 args.contender)
         os.makedirs(swap_dir, exist_ok=True)
-        run = {"ours": run_ours, "deepspeed": run_deepspeed, "none": run_plain}[args.contender]
-        print(json.dumps(run(args, swap_dir)))
+        print(json.dumps(CONTENDERS[args.contender](args, swap_dir)))
         return
     notes: list[str] = []
     head = {"bench": "gpu_train_step", "device": args.device,

@@ -1,6 +1,7 @@
 """``bench/gpu_train_step.py`` at a CPU size on the twin copy engine: the big case's sizing
 (``--gpt auto``), activation recomputation and compact moments train under our engine
-beside the no-offload ceiling, and the figures it prints agree with each other."""
+beside the no-offload ceiling and beside ours waiting for the global norm (speculative
+steps off), and the figures it prints agree with each other."""
 
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ def test_cpu_big_case_with_recomputation_and_the_ceiling(tmp_path: Path) -> None
                "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--steps", "2",
                "--warmup", "1", "--activation-checkpointing", "--state-dtype", "bf16",
                "--offload-param", "cpu", "--offload-optimizer", "cpu",
-               "--contenders", "ours,none", "--swap-dir", str(tmp_path)]
+               "--contenders", "ours,ours-wait,none", "--swap-dir", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300,
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -67,3 +68,7 @@ def test_cpu_big_case_with_recomputation_and_the_ceiling(tmp_path: Path) -> None
     assert result["ratio_vs_no_offload"] == pytest.approx(
         result["no_offload_step_s_median"] / result["step_s_median"], abs=1e-3)
     assert result["adam_s_per_step"] > 0 and result["peak_host_rss_bytes"] > 0
+    # Clipping is on: ours started steps before the norm; ours-wait is the same run without.
+    assert result["speculated_units"] > 0
+    assert result["ratio_vs_waiting_for_norm"] == pytest.approx(
+        result["waiting_for_norm_step_s_median"] / result["step_s_median"], abs=1e-3)
