@@ -4,7 +4,8 @@ Each example draws: HF Llama or GPT-2 (tiny, from a config) x ZeRO stage 0-3 x
 offload none / cpu / nvme x README's no-decay param groups x stage-3 prefetch
 bucket (0, small, default) x gradient accumulation 1 / 3 x clipping x bf16 /
 fp32 x HF activation checkpointing x a frozen first block x built under
-``zero.Init`` x a job arena that holds the state or one that forces swapping.
+``zero.Init`` x a job arena that holds the state or one that forces swapping x
+Twin-Flow's ``ratio`` (all offloaded, or half kept on the device).
 It trains on 2 gloo ranks (one pair of long-lived rank processes runs every
 example, with one shared daemon) and is compared with single-process torch
 AdamW from the same initial weights: the losses of every micro-step and the
@@ -62,6 +63,8 @@ class Case:
     frozen: bool
     zero_init: bool
     tight_arena: bool
+    ratio: float = 1.0
+    """``offload_optimizer.ratio``: below 1, the first units' optimizer stays on the device."""
 
 
 @st.composite
@@ -74,7 +77,8 @@ def cases(draw: Any) -> Case:
                 accumulation=draw(st.sampled_from([1, 3])), clip=draw(st.booleans()),
                 bf16=draw(st.booleans()), checkpointing=draw(st.booleans()),
                 frozen=draw(st.booleans()), zero_init=draw(st.booleans()),
-                tight_arena=offload == "nvme" and draw(st.booleans()))
+                tight_arena=offload == "nvme" and draw(st.booleans()),
+                ratio=draw(st.sampled_from([1.0, 0.5])) if offload != "none" else 1.0)
 
 
 def hf_config(name: str) -> Any:
@@ -132,7 +136,8 @@ def tokens(step: int, rank: int) -> torch.Tensor:
 def ds_config(case: Case, swap_dir: str, socket_path: str, job: str) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": case.stage}
     if case.offload != "none":
-        zero["offload_optimizer"] = {"device": case.offload, "nvme_path": swap_dir}
+        zero["offload_optimizer"] = {"device": case.offload, "nvme_path": swap_dir,
+                                     "ratio": case.ratio}
         if case.stage == 3:
             zero["offload_param"] = {"device": case.offload, "nvme_path": swap_dir}
     if case.bucket != "default":
@@ -280,8 +285,9 @@ ITEM_1 = Case(model="llama", stage=3, offload="nvme", groups=True, bucket="defau
 """Issue 19's crash: README's groups + NVMe + default prefetch."""
 EVERYTHING = Case(model="gpt2", stage=3, offload="nvme", groups=True, bucket="default",
                   accumulation=3, clip=True, bf16=True, checkpointing=True, frozen=True,
-                  zero_init=True, tight_arena=True)
-"""The issue's whole recipe at once, with swapping."""
+                  zero_init=True, tight_arena=True, ratio=0.5)
+"""The issue's whole recipe at once, with swapping, half the optimizer on the device
+(Twin-Flow) and speculative steps that clipping reverts."""
 
 
 @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,

@@ -52,7 +52,7 @@ SHARD_KINDS = (*STATE_KINDS, "grad", "param")
 UNDO_KINDS = tuple(f"undo.{kind}" for kind in STATE_KINDS)
 """Where the daemon saves a speculative step's master and moments (allocated per step)."""
 UNDO_ARENA_SLACK_FRACTION = 8
-"""Undo data leaves 1/8 of the rank's arena share free (with NVMe: takes at most 1/8)."""
+"""Undo data leaves 1/8 of the rank's arena share free."""
 
 
 class DaemonBackend(StateBackend):
@@ -377,11 +377,10 @@ class DaemonBackend(StateBackend):
 
     @property
     def undo_budget_nbytes(self) -> int:  # type: ignore[override]
-        """A share of the arena beyond the registered state (with NVMe, where the state
-        does not fit anyway, a fixed share of the cache)."""
+        """The rank's share of the arena beyond its registered state and a slack. None
+        where the state does not fit (NVMe with a smaller cache): undo copies would then
+        push state out to disk, or be written there themselves."""
         slack = self._arena_share_nbytes // UNDO_ARENA_SLACK_FRACTION
-        if self.swaps:
-            return slack
         return max(0, self._arena_share_nbytes - self._state_nbytes - slack)
 
     def prepare_undo(self, unit: int) -> bool:
