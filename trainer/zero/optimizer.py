@@ -205,8 +205,9 @@ class ZeroOptimizer:
             self._pause_length = 0
 
     def _global_grad_norm(self) -> float:
-        total = torch.stack(self._sq_norms).sum() if self._sq_norms else torch.zeros(
-            (), dtype=torch.float64, device=self.collectives.device)
+        device = self.collectives.device  # a split backend's norms come from two places
+        total = (torch.stack([norm.to(device) for norm in self._sq_norms]).sum()
+                 if self._sq_norms else torch.zeros((), dtype=torch.float64, device=device))
         self._sq_norms.clear()
         if self.partitioned:
             self.collectives.all_reduce(total)
