@@ -9,6 +9,9 @@ the daemon's best IO engine, ``qd`` chunks in flight, each slot its own region
 of the buffer. Buffers, in rotated order each round:
 
 - ``anon``: private anonymous memory (malloc / DeepSpeed's pinned tensor);
+- ``bounce``: the daemon's bounce slots (``offloadd.swap.bounce.BouncePool``: private
+  anonymous memory advised MADV_HUGEPAGE, 2 MiB aligned), which stage the swap IO
+  of a 4 KiB-page arena; transparent huge pages where the kernel gives them;
 - ``shmem``: an ``offloadd.memory.arena.Arena`` with ``arena_hugepages = "off"`` (memfd);
 - ``hugetlb``: an ``Arena`` with ``arena_hugepages = "on"`` (needs reserved 2 MiB
   pages; ``--reserve-hugepages`` grows ``vm.nr_hugepages`` for the run as root and
@@ -37,6 +40,7 @@ from io_engine import open_test_file, run_loop, sequential_pass
 from offloadd.errors import OverBudgetError
 from offloadd.memory.arena import HUGE_PAGE_NBYTES, Arena, free_huge_pages
 from offloadd.swap import ioengine
+from offloadd.swap.bounce import BouncePool, transparent_huge_pages
 
 MIB = 1 << 20
 NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
@@ -70,10 +74,27 @@ def make_buffer(kind: str, nbytes: int) -> tuple[memoryview, Any]:
         anon = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         anon.write(os.urandom(MIB) * (nbytes // MIB))  # fault every page in, as a pinned buffer
         return memoryview(anon), anon
+    if kind == "bounce":
+        pool = BouncePool(1, nbytes)
+        slot = pool.take(nbytes)
+        assert slot is not None
+        slot[:] = os.urandom(MIB) * (nbytes // MIB)
+        return slot, _GiveBack(pool, slot)
     arena = Arena(f"bench-{kind}", nbytes, lock=True,
                   hugepages="on" if kind == "hugetlb" else "off")
     arena.slice(0, nbytes)[:] = os.urandom(MIB) * (nbytes // MIB)
     return arena.slice(0, nbytes), arena
+
+
+class _GiveBack:
+    """Closes a bounce pool after its one slot is given back (``make_buffer``'s owner)."""
+
+    def __init__(self, pool: BouncePool, slot: memoryview) -> None:
+        self.pool, self.slot = pool, slot
+
+    def close(self) -> None:
+        self.pool.give(self.slot)
+        self.pool.close()
 
 
 def one_pass(kind: str, fd: int, args: argparse.Namespace, test_path: Path) -> dict[str, float]:
@@ -100,7 +121,8 @@ def one_pass(kind: str, fd: int, args: argparse.Namespace, test_path: Path) -> d
     try:
         return run_loop(run())
     finally:
-        view.release()
+        if kind != "bounce":  # the pool releases its slot's view itself
+            view.release()
         owner.close()
 
 
@@ -125,7 +147,7 @@ def main() -> None:
     restore = None
     if args.reserve_hugepages:
         restore = reserve_hugepages(buffer_nbytes // HUGE_PAGE_NBYTES + 1, notes)
-    kinds = ["anon", "shmem", "hugetlb"]
+    kinds = ["anon", "bounce", "shmem", "hugetlb"]
     rates: dict[str, dict[str, list[float]]] = {k: {} for k in kinds}
     try:
         with tempfile.TemporaryDirectory(prefix="offloadd-pages-", dir=args.dir) as tmp:
@@ -154,7 +176,8 @@ def main() -> None:
         if restore is not None:
             NR_HUGEPAGES.write_text(str(restore))
     print(f"{args.size_mib} MiB, chunk {args.chunk_mib} MiB, qd {args.qd}, "
-          f"median of {args.runs}, dir {args.dir}, device stats {stat_path}")
+          f"median of {args.runs}, dir {args.dir}, device stats {stat_path}, "
+          f"transparent_hugepage {transparent_huge_pages() or 'unknown'}")
     print(f"{'buffer':<10}{'write GB/s':>12}{'read GB/s':>12}"
           f"{'req/chunk w':>13}{'req/chunk r':>13}")
     medians = {k: {key: statistics.median(v) for key, v in r.items()} for k, r in rates.items()}
@@ -166,12 +189,13 @@ def main() -> None:
     result: dict[str, Any] = {
         "bench": "arena_pages", "size_mib": args.size_mib, "chunk_mib": args.chunk_mib,
         "qd": args.qd, "runs": args.runs, "direct": direct,
+        "transparent_hugepage": transparent_huge_pages() or "unknown",
         "gb_per_s": {k: {op: round(m[op], 3) for op in ("write", "read")}
                      for k, m in medians.items()},
         "requests_per_chunk": {k: {op: round(m[f"{op}_requests_per_chunk"], 2)
                                    for op in ("write", "read")} for k, m in medians.items()},
     }
-    for kind in ("shmem", "hugetlb"):
+    for kind in ("bounce", "shmem", "hugetlb"):
         if kind in rates:
             for op in ("read", "write"):
                 pairs = zip(rates[kind][op], rates["anon"][op])

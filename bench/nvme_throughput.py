@@ -1,7 +1,7 @@
 """Swap-out / swap-in throughput through the daemon vs fio and DeepSpeed's aio, same file system.
 
     python bench/nvme_throughput.py [--dir /var/tmp] [--size-mib 1024] [--arena-mib 256]
-                                    [--runs 7] [--window 16] [--no-deepspeed]
+                                    [--runs 7] [--window 16] [--no-deepspeed] [--unstaged]
 
 Every contender moves ``size`` bytes with O_DIRECT in blocks of the daemon's
 ``chunk_size`` (4 MiB) with the daemon's ``io_queue_depth`` (32) requests
@@ -22,6 +22,10 @@ in an order rotated from round to round (the host's drift hits all alike).
 - offloadd read: the client then acquires the ``size`` bytes of shards that were
   evicted (oldest first, ``--window`` acquires in flight, each released at once).
   GB/s counts the bytes the daemon read from swap; includes checksum checks.
+- offloadd unstaged (``--unstaged``): the same daemon run with
+  ``OFFLOADD_DISABLE_SWAP_BOUNCE=1``, i.e. a 4 KiB-page arena's O_DIRECT IO done in
+  place instead of staged through the bounce slots (``offloadd.swap.bounce``): an
+  A/B of the staging in the same rounds (``ratio_staged_vs_unstaged_<op>``).
 - fio: ``--direct=1 --rw=write`` then ``--rw=read``, ``--bs=4m --iodepth=32
   --size=SIZE --ioengine=io_uring`` on one file; bandwidth from its JSON.
 - DeepSpeed aio (when ``import deepspeed`` works): ``aio_handle(4 MiB, 32)``
@@ -31,7 +35,9 @@ in an order rotated from round to round (the host's drift hits all alike).
 
 The last line is one JSON object: GB/s of each contender and
 ``ratio_vs_fio_read`` / ``ratio_vs_fio_write`` / ``ratio_vs_deepspeed_read`` /
-``ratio_vs_deepspeed_write`` (offloadd / peer, > 1 is better): the median over
+``ratio_vs_deepspeed_write`` (offloadd / peer, > 1 is better), and
+``staged_nbytes``: the bytes the daemon's swap IO moved through bounce slots
+(0 on a hugetlb arena or a buffered swap dir): the median over
 rounds of the ratio within each round (paired, so drift of the host's disk
 between rounds cancels), not the ratio of the medians.
 """
@@ -55,6 +61,7 @@ from typing import Any
 
 from offloadd.config import DaemonConfig
 from offloadd.ops.embedded import PrivateDaemon
+from offloadd.swap.nvme import DISABLE_BOUNCE_ENV
 from trainer.client import AsyncOffloadClient
 
 MIB = 1 << 20
@@ -71,6 +78,8 @@ def parse_args() -> argparse.Namespace:
                         help="client puts/acquires in flight against the daemon")
     parser.add_argument("--io-engine", default="auto", help="daemon --io-engine")
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's aio")
+    parser.add_argument("--unstaged", action="store_true",
+                        help="also run the daemon with its bounce staging off (an A/B)")
     return parser.parse_args()
 
 
@@ -125,7 +134,8 @@ async def daemon_pass(socket_path: str, args: argparse.Namespace) -> dict[str, A
         started = time.perf_counter()
         await windowed(read_shards, args.window, acquire)
         read_s = time.perf_counter() - started
-        after = swap_totals(await client.stats())
+        after_stats = await client.stats()
+        after = swap_totals(after_stats)
         await check_sample(client, source, [0, read_shards // 2, read_shards - 1])
     finally:
         await client.close()
@@ -133,8 +143,10 @@ async def daemon_pass(socket_path: str, args: argparse.Namespace) -> dict[str, A
     read = after["read"] - middle["read"]
     assert written >= total_shards * chunk, f"only {written} bytes reached swap"
     assert read >= read_shards * chunk, f"only {read} bytes came from swap"
+    bounce = after_stats["swap"].get("bounce", {})
+    staged = bounce.get("read_nbytes", 0) + bounce.get("written_nbytes", 0)
     return {"write": written / write_s / 1e9, "read": read / read_s / 1e9,
-            "hugepages": before_stats["arena_hugepages"]}
+            "hugepages": before_stats["arena_hugepages"], "staged_nbytes": staged}
 
 
 async def check_sample(client: AsyncOffloadClient, source: bytearray, indices: list[int]) -> None:
@@ -151,22 +163,42 @@ def swap_totals(stats: dict[str, Any]) -> dict[str, int]:
             "read": sum(d["read_nbytes"] for d in dirs)}
 
 
-def daemon_run(workdir: Path, index: int, args: argparse.Namespace) -> dict[str, Any]:
-    """One daemon pass; adds "direct": whether the daemon's swap IO was O_DIRECT."""
+def daemon_run(workdir: Path, index: int, args: argparse.Namespace,
+               staged: bool = True) -> dict[str, Any]:
+    """One daemon pass; adds "direct": whether the daemon's swap IO was O_DIRECT.
+    ``staged=False``: the daemon runs with its bounce staging off (the A/B)."""
     try:
         import uvloop
         run = uvloop.run
     except ImportError:
         run = asyncio.run
-    root = workdir / f"daemon{index}"
-    daemon = PrivateDaemon.start(root / "run", arena_size=args.arena_mib * MIB,
-                                 swap_dirs=[str(root / "swap")],
-                                 extra_args=["--io-engine", args.io_engine])
+    root = workdir / f"daemon{index}{'' if staged else 'u'}"
+    with unstaged_env(not staged):  # the daemon inherits the environment at its start
+        daemon = PrivateDaemon.start(root / "run", arena_size=args.arena_mib * MIB,
+                                     swap_dirs=[str(root / "swap")],
+                                     extra_args=["--io-engine", args.io_engine])
     try:
         return {**run(daemon_pass(daemon.socket_path, args)), "direct": o_direct_used(daemon)}
     finally:
         daemon.stop()
         shutil.rmtree(root, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def unstaged_env(unstaged: bool) -> Any:
+    """OFFLOADD_DISABLE_SWAP_BOUNCE=1 while a daemon starts, where ``unstaged``."""
+    if not unstaged:
+        yield
+        return
+    before = os.environ.get(DISABLE_BOUNCE_ENV)
+    os.environ[DISABLE_BOUNCE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[DISABLE_BOUNCE_ENV]
+        else:
+            os.environ[DISABLE_BOUNCE_ENV] = before
 
 
 def o_direct_used(daemon: PrivateDaemon) -> bool:
@@ -268,10 +300,12 @@ def start_deepspeed(args: argparse.Namespace, notes: list[str]) -> DeepSpeedAio 
 
 
 def bench_rounds(workdir: Path, args: argparse.Namespace, notes: list[str]
-                 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, bool]]:
+                 ) -> tuple[dict[str, dict[str, list[float]]], dict[str, Any]]:
     """One run of every contender per round, in an order rotated each round, so that
     drift of the drive (or of a virtual disk's host cache) hits all alike; medians."""
     contenders: dict[str, Any] = {"offloadd": None}
+    if args.unstaged:
+        contenders["offloadd unstaged"] = None
     if shutil.which("fio") is not None:
         contenders["fio io_uring"] = None
     else:
@@ -282,6 +316,7 @@ def bench_rounds(workdir: Path, args: argparse.Namespace, notes: list[str]
     rates: dict[str, dict[str, list[float]]] = {
         name: {"write": [], "read": []} for name in contenders}
     arena = {"direct": True, "hugepages": True}  # held in every daemon run
+    arena_staged = 0
     try:
         for index in range(args.runs):
             names = list(contenders)
@@ -290,6 +325,9 @@ def bench_rounds(workdir: Path, args: argparse.Namespace, notes: list[str]
                 if name == "offloadd":
                     result = daemon_run(workdir, index, args)
                     arena = {key: held and result[key] for key, held in arena.items()}
+                    arena_staged += result["staged_nbytes"]
+                elif name == "offloadd unstaged":
+                    result = daemon_run(workdir, index, args, staged=False)
                 elif name == "fio io_uring":
                     try:
                         result = fio_run(workdir, index, args)
@@ -306,7 +344,7 @@ def bench_rounds(workdir: Path, args: argparse.Namespace, notes: list[str]
             deepspeed.close()
     for name, runs in rates.items():
         print(f"runs of {name} (GB/s, write/read): {runs_text(runs)}")
-    return rates, arena
+    return rates, {**arena, "staged_nbytes": arena_staged}
 
 
 def paired_ratio(ours: list[float], peer: list[float]) -> float:
@@ -330,16 +368,18 @@ def main() -> None:
     medians = {name: {op: statistics.median(v) for op, v in runs.items()}
                for name, runs in rates.items()}
     if not arena["hugepages"]:
-        notes.append("the daemon's arena used 4 KiB pages: reserve 2 MiB huge pages "
-                     f"(sysctl vm.nr_hugepages={args.arena_mib // 2 + 8}) for a hugetlb arena")
+        staged = "staged through bounce slots" if arena["staged_nbytes"] else "done in place"
+        notes.append(f"the daemon's arena used 4 KiB pages, its swap IO {staged}; reserve "
+                     f"2 MiB huge pages (sysctl vm.nr_hugepages={args.arena_mib // 2 + 8}) for "
+                     "a hugetlb arena (IO in place, no copies)")
     if not arena["direct"]:
         notes.append(f"{args.dir} refuses O_DIRECT: the daemon ran buffered")
     print(f"{args.size_mib} MiB, bs {DEFAULTS.chunk_size // MIB} MiB, qd "
           f"{DEFAULTS.io_queue_depth}, arena {args.arena_mib} MiB, window {args.window}, "
           f"median of {args.runs}, dir {args.dir}")
-    print(f"{'contender':<16}{'write GB/s':>12}{'read GB/s':>12}")
+    print(f"{'contender':<18}{'write GB/s':>12}{'read GB/s':>12}")
     for name, median in medians.items():
-        print(f"{name:<16}{median['write']:>12.3f}{median['read']:>12.3f}")
+        print(f"{name:<18}{median['write']:>12.3f}{median['read']:>12.3f}")
     for note in notes:
         print(f"note: {note}")
     ours = medians["offloadd"]
@@ -347,9 +387,15 @@ def main() -> None:
         "bench": "nvme_throughput", "size_mib": args.size_mib, "arena_mib": args.arena_mib,
         "chunk_mib": DEFAULTS.chunk_size // MIB, "qd": DEFAULTS.io_queue_depth,
         "window": args.window, "runs": args.runs, "direct": arena["direct"],
-        "arena_hugepages": arena["hugepages"],
+        "arena_hugepages": arena["hugepages"], "staged_nbytes": arena["staged_nbytes"],
         "offloadd_gb_per_s": {op: round(v, 3) for op, v in ours.items()},
     }
+    if "offloadd unstaged" in medians:
+        result["offloadd_unstaged_gb_per_s"] = {
+            op: round(v, 3) for op, v in medians["offloadd unstaged"].items()}
+        for op in ("read", "write"):
+            result[f"ratio_staged_vs_unstaged_{op}"] = round(
+                paired_ratio(rates["offloadd"][op], rates["offloadd unstaged"][op]), 3)
     for name, key, peer in (("fio io_uring", "fio", "fio"),
                             ("deepspeed aio", "deepspeed_aio", "deepspeed")):
         if name in medians:

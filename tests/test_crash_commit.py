@@ -191,11 +191,11 @@ def test_a_flush_waits_for_the_write_behind_that_took_a_shard_it_listed(tier_at)
         writes_open, writing = asyncio.Event(), asyncio.Event()
         real_io = t.space.io
 
-        async def gated_io(op: str, *args: Any, **kwargs: Any) -> None:
+        async def gated_io(op: str, *args: Any, **kwargs: Any) -> int | None:
             if op == "write":
                 writing.set()
                 await writes_open.wait()
-            await real_io(op, *args, **kwargs)
+            return await real_io(op, *args, **kwargs)  # the checksum of the bytes moved
 
         t.space.io = gated_io  # type: ignore[method-assign]
         # The order of one loop iteration under load: the flush task runs first and

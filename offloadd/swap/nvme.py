@@ -40,6 +40,7 @@ from offloadd.errors import (
 from offloadd.memory.arena import Allocator, align_up
 from offloadd.memory.shards import Chunk
 from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
+from offloadd.swap.bounce import BouncePool, transparent_huge_pages
 from offloadd.swap.ioengine import IOEngineError, VolatileCacheEngine, open_engine
 from offloadd.swap.manifests import (
     has_manifest,
@@ -85,6 +86,8 @@ MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 2
 """2: chunk checksums bound to their place, and the job's owner recorded; 1 is still read."""
 READABLE_FORMATS = (1, 2)
+DISABLE_BOUNCE_ENV = "OFFLOADD_DISABLE_SWAP_BOUNCE"
+"""Set to 1 to do O_DIRECT swap IO of 4 KiB-page arenas in place, unstaged (A/B benchmarks)."""
 POWER_LOSS_FAULT = "power_loss"
 """``OFFLOADD_IO_FAULT=power_loss``: writes stay in a volatile cache until synced (tests)."""
 SEGMENT_NBYTES = 256 << 20
@@ -252,9 +255,15 @@ class SwapSpace:
         """Jobs whose swap files this daemon created (not recovered ones)."""
         self.lock_fds: list[int] = []
         self.quarantined: dict[str, str] = {}
+        """Jobs whose manifest could not be recovered -> why (shown by status)."""
         self.tickets: dict[asyncio.Future[None], IOTicket] = {}
         """IO tickets of the residency transitions in flight, by the shard's io future."""
-        """Jobs whose manifest could not be recovered -> why (shown by status)."""
+        self.bounce: BouncePool | None = None
+        """Staging slots for O_DIRECT IO of 4 KiB-page arenas (``offloadd.swap.bounce``);
+        None when ``OFFLOADD_DISABLE_SWAP_BOUNCE`` is set."""
+        self.copy_pool: ThreadPoolExecutor | None = None
+        """Where bounce copies run: the hash threads, or one or two threads of their own
+        without them (a copy on the loop would stall it ~1 ms a chunk)."""
         self.retention = SwapRetention(self.dirs, config.flushed_job_retention_s)
         metrics.sources.append(self.families)
 
@@ -263,6 +272,10 @@ class SwapSpace:
         for swap_dir in self.dirs:
             await loop.run_in_executor(None, swap_dir.prepare)
             self.lock_fds.append(lock_swap_dir(swap_dir.root_fd, swap_dir.root))
+        if os.environ.get(DISABLE_BOUNCE_ENV, "") in ("", "0"):
+            self.bounce = BouncePool(self.config.io_queue_depth, self.config.chunk_size)
+            self.copy_pool = self.hash_pool or ThreadPoolExecutor(
+                min(2, max(1, (os.cpu_count() or 1) // 2)), thread_name_prefix="offloadd-bounce")
         fault = os.environ.get("OFFLOADD_IO_FAULT", "")  # test hook: "read:3" fails the 3rd read
         if fault == POWER_LOSS_FAULT:
             self.engine = VolatileCacheEngine()
@@ -275,8 +288,10 @@ class SwapSpace:
                 self.sync_fault_nth = int(nth or 1)
             else:
                 self.engine.inject_fault(nth=int(nth or 1), op=op)
-        log.info("event=swap_ready dirs=%s engine=%s direct=%s", [str(d.path) for d in self.dirs],
-                 getattr(self.engine, "kind", self.engine.name), [d.direct for d in self.dirs])
+        log.info("event=swap_ready dirs=%s engine=%s direct=%s bounce=%s thp=%s",
+                 [str(d.path) for d in self.dirs], getattr(self.engine, "kind", self.engine.name),
+                 [d.direct for d in self.dirs], self.bounce is not None,
+                 transparent_huge_pages() or "unknown")
 
     def job_files(self, job: str, *, recovering: bool = False) -> list[JobFile]:
         """Open (or, ``recovering``, reopen) a job's file in every swap dir.
@@ -477,17 +492,29 @@ class SwapSpace:
             self.engine.raise_priority(future, int(priority))
 
     async def io(self, op: str, jobfile: JobFile, offset: int, view: memoryview,
-                 priority: Priority, ticket: IOTicket | None = None) -> None:
+                 priority: Priority, ticket: IOTicket | None = None, *,
+                 in_place: bool = False, seed: int | None = None) -> int | None:
+        """Read into or write from ``view`` at ``offset`` of ``jobfile``, queued by priority;
+        returns the xxh3 checksum seeded with ``seed`` of the bytes moved (None: no seed).
+
+        ``in_place``: ``view`` is on huge pages (a hugetlb arena) and goes to the kernel
+        as it is; otherwise an O_DIRECT transfer is staged through a bounce slot
+        (``offloadd.swap.bounce``), and the checksum is taken as the slot is copied.
+        """
+        staged = not in_place and self.bounce is not None and jobfile.dir.direct
+        # Buffered IO copies through the page cache anyway; huge pages need no slot.
+        checksum = None
+        if seed is not None and op == "write" and not staged:
+            checksum = await self.checksum(view, seed)
         await self.queue.enter(priority, ticket)
         if ticket is not None:
             priority = min(priority, ticket.priority)
         started = time.perf_counter()
         try:
-            future = self.engine.submit(op, jobfile.fd, offset, view, int(priority))
-            if ticket is not None:
-                ticket.in_engine.add(future)
-                future.add_done_callback(ticket.in_engine.discard)
-            await future
+            if staged:
+                checksum = await self._staged(op, jobfile, offset, view, priority, ticket, seed)
+            else:
+                await self._submit(op, jobfile, offset, view, priority, ticket)
         except (IOEngineError, OSError) as exc:
             self.counters.io_errors.add((op,))
             raise SwapIOError(f"swap {op} of {len(view)} bytes at {offset} in {jobfile.path} "
@@ -497,8 +524,41 @@ class SwapSpace:
         self.counters.io_seconds[op].observe(time.perf_counter() - started)
         if op == "read":
             jobfile.dir.read_nbytes += len(view)
+            if checksum is None and seed is not None:
+                checksum = await self.checksum(view, seed)
         else:
             jobfile.dir.written_nbytes += len(view)
+        return checksum
+
+    async def _submit(self, op: str, jobfile: JobFile, offset: int, view: memoryview,
+                      priority: Priority, ticket: IOTicket | None) -> None:
+        future = self.engine.submit(op, jobfile.fd, offset, view, int(priority))
+        if ticket is not None:
+            ticket.in_engine.add(future)
+            future.add_done_callback(ticket.in_engine.discard)
+        await future
+
+    async def _staged(self, op: str, jobfile: JobFile, offset: int, view: memoryview,
+                      priority: Priority, ticket: IOTicket | None, seed: int | None
+                      ) -> int | None:
+        """A transfer through a bounce slot, or in place where no slot fits (counted);
+        returns the checksum taken on the way (None: take it from ``view``)."""
+        pool = self.bounce
+        assert pool is not None
+        slot = pool.take(len(view))
+        if slot is None:
+            pool.direct_count += 1
+            checksum = await self.checksum(view, seed) if seed is not None and op == "write" \
+                else None
+            await self._submit(op, jobfile, offset, view, priority, ticket)
+            return checksum
+        # Hazard: the kernel (or the copy thread) may still use the slot when the caller
+        # is cancelled; the transfer's own task gives it back, once they are done.
+        transfer = asyncio.ensure_future(pool.transfer(
+            op, view, slot, seed, self.copy_pool,
+            lambda buffer: self._submit(op, jobfile, offset, buffer, priority, ticket)))
+        transfer.add_done_callback(_consume_result)
+        return await asyncio.shield(transfer)
 
     async def sync(self, jobfile: JobFile) -> None:
         """fdatasync one swap file off the loop; failure is a SwapIOError naming the file."""
@@ -539,12 +599,21 @@ class SwapSpace:
             "prefetch_issued": c.prefetch_issued, "prefetch_hits": c.prefetch_hits,
             "prefetch_late": c.prefetch_late, "prefetch_wasted": c.prefetch_wasted,
             "checksum_failures": c.checksum_failures,
+            "bounce": self._bounce_stats(),
             "quarantined": dict(self.quarantined),
             **self.retention.stats(),
             "io_errors": {labels[0]: n for labels, n in c.io_errors.values.items()},
             "evictions": {labels[0]: n for labels, n in c.evictions.values.items()},
             "stall_s": sum(c.stall_seconds.values.values()),
         }
+
+    def _bounce_stats(self) -> dict[str, Any]:
+        pool = self.bounce
+        if pool is None:
+            return {"enabled": False}
+        return {"enabled": True, "slots": pool.num_slots, "slot_nbytes": pool.slot_nbytes,
+                "in_use": pool.in_use, "read_nbytes": pool.staged_nbytes["read"],
+                "written_nbytes": pool.staged_nbytes["write"], "in_place": pool.direct_count}
 
     def families(self) -> list[Any]:
         from prometheus_client.core import CounterMetricFamily
@@ -610,6 +679,10 @@ class SwapSpace:
             await tier.close()
         if self.engine is not None:
             await self.engine.aclose()
+        if self.bounce is not None:
+            self.bounce.close()
+        if self.copy_pool is not None and self.copy_pool is not self.hash_pool:
+            self.copy_pool.shutdown(wait=True)
         if self.hash_pool is not None:
             self.hash_pool.shutdown(wait=True)
         for fd in self.lock_fds:
@@ -617,6 +690,11 @@ class SwapSpace:
         self.lock_fds.clear()
         for swap_dir in self.dirs:
             swap_dir.close()
+
+
+def _consume_result(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved; whoever awaited it (if anyone) got it already
 
 
 def recovery_order(live: list[tuple[str, dict[str, Any]]]) -> list[tuple[str, dict[str, Any]]]:

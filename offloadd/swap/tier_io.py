@@ -71,9 +71,11 @@ class TierIO(TierState):
         try:
             view = self._view(table, shard, start, nbytes)
             seed = chunk_seed(self.job, shard.rank, shard.shard_id, version, index)
-            chunk.checksum = await self.space.checksum(view, seed)
-            await self.space.io("write", jobfile, offset, view, priority,
-                                self.space.ticket_for(shard.io, priority))
+            checksum = await self.space.io(
+                "write", jobfile, offset, view, priority, self.space.ticket_for(shard.io, priority),
+                in_place=table.arena.hugepages, seed=seed)
+            assert checksum is not None  # given a seed, io returns the bytes' checksum
+            chunk.checksum = checksum
             self.space.counters.kind_nbytes.add(("write", shard_kind(shard.shard_id)), nbytes)
         except BaseException:
             jobfile.free(chunk)
@@ -84,12 +86,13 @@ class TierIO(TierState):
                           index: int, start: int, priority: Priority) -> None:
         chunk = placement.chunks[index]
         view = self._view(table, shard, start, chunk.nbytes)
-        await self.space.io("read", self.files[chunk.dir_index], chunk.offset, view, priority,
-                            self.space.ticket_for(shard.io, priority))
-        self.space.counters.kind_nbytes.add(("read", shard_kind(shard.shard_id)), chunk.nbytes)
         seed = (chunk_seed(self.job, shard.rank, shard.shard_id, placement.version, index)
                 if placement.bound else 0)
-        if await self.space.checksum(view, seed) != chunk.checksum:
+        checksum = await self.space.io(
+            "read", self.files[chunk.dir_index], chunk.offset, view, priority,
+            self.space.ticket_for(shard.io, priority), in_place=table.arena.hugepages, seed=seed)
+        self.space.counters.kind_nbytes.add(("read", shard_kind(shard.shard_id)), chunk.nbytes)
+        if checksum != chunk.checksum:
             self.space.counters.checksum_failures += 1
             raise ChecksumError(
                 f"shard {shard.shard_id!r}: swap chunk at {chunk.offset} in "
