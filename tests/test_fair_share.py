@@ -27,6 +27,9 @@ from trainer.client import OffloadClient
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root")
 MiB = 1 << 20
+FOUR_KIB_PAGES = 'arena_hugepages = "off"\n'
+"""The budget arithmetic here counts arenas at their asked sizes: a concurrent test that
+reserves huge pages would otherwise round these daemons' arenas up to 2 MiB ("auto")."""
 
 
 def limit_descriptors(daemon: PrivateDaemon, nofile: int) -> None:
@@ -51,7 +54,7 @@ def lingering_tiny_job(socket_path: str, index: int) -> None:
 def test_lingering_jobs_of_one_uid_leave_descriptors_for_everyone_else(tmp_path: Path) -> None:
     """Issue 32 item 1: tiny lingering jobs of one uid took the daemon to 254 of 256 fds
     and another uid's hello failed with an untyped internal OSError(24)."""
-    with nobody_daemon(tmp_path, "", arena_size="64MiB") as daemon:
+    with nobody_daemon(tmp_path, FOUR_KIB_PAGES, arena_size="64MiB") as daemon:
         limit_descriptors(daemon, 256)
         outcome = as_nobody_until_refused(daemon.socket_path, 200, lingering_tiny_job)
         assert outcome.startswith("refused after") and "max_fds_per_uid" in outcome, outcome
@@ -71,7 +74,7 @@ def test_a_hello_that_finds_no_descriptor_left_gets_a_limit_error(tmp_path: Path
     """The daemon's RLIMIT_NOFILE lowered under what it holds (an operator's prlimit): a
     new job's hello is refused with `limit` naming RLIMIT_NOFILE, and once the limit is
     back the daemon serves again."""
-    with start_daemon(None, arena_size="64MiB") as daemon:
+    with start_daemon(None, arena_size="64MiB", extra_args=["--arena-hugepages", "off"]) as daemon:
         with OffloadClient.connect(daemon.socket_path, job="before", arena_nbytes=4096) as c:
             c.put("x", b"kept")
             limit_descriptors(daemon, max(open_fds(daemon)) + 3)
@@ -188,7 +191,7 @@ def test_lingering_arenas_of_a_uid_past_its_share_are_freed_for_another(tmp_path
     """One uid's 12 default-size hellos took 63 of 64 MiB and lingered; another uid got
     `over_budget` (or a one-page arena). Now its hello frees the lingering arenas of the uid
     past its share, oldest first, and gets its own share's worth."""
-    with nobody_daemon(tmp_path, "", arena_size="64MiB") as daemon:
+    with nobody_daemon(tmp_path, FOUR_KIB_PAGES, arena_size="64MiB") as daemon:
         def hog_and_leave() -> str:
             keep: list[OffloadClient] = []
             sizes = twelve_default_hellos(daemon.socket_path, keep)
@@ -239,7 +242,7 @@ def test_over_budget_says_the_share_and_who_holds_it(tmp_path: Path) -> None:
     is refused naming its share and the holders by count (not their job names); the holder
     may not grow past its share while the other waits; once its ranks leave, their
     lingering arenas are freed for the waiting uid."""
-    with nobody_daemon(tmp_path, "", arena_size="64MiB") as daemon:
+    with nobody_daemon(tmp_path, FOUR_KIB_PAGES, arena_size="64MiB") as daemon:
         hog: list[OffloadClient] = []
 
         def hog_and_stay() -> str:
@@ -271,7 +274,7 @@ def test_over_budget_says_the_share_and_who_holds_it(tmp_path: Path) -> None:
 def test_a_configured_share_caps_every_uid(tmp_path: Path) -> None:
     """``max_arena_nbytes_per_uid`` bounds one uid's arenas, lingering ones included, with
     free room left over; another uid still gets its own."""
-    with nobody_daemon(tmp_path, 'max_arena_nbytes_per_uid = "8MiB"\n',
+    with nobody_daemon(tmp_path, FOUR_KIB_PAGES + 'max_arena_nbytes_per_uid = "8MiB"\n',
                        arena_size="64MiB") as daemon:
         def three_jobs() -> str:
             sizes = []
