@@ -59,8 +59,14 @@ lease_debug.enable(True)
 
 def start_daemon(workdir: os.PathLike[str] | str | None, *, arena_size: int | str = "256MiB",
                  extra_args: list[str] | None = None) -> PrivateDaemon:
-    """``offloadd serve`` with Prometheus on a free port (see ``PrivateDaemon.metrics_addr``)."""
+    """``offloadd serve`` with Prometheus on a free port (see ``PrivateDaemon.metrics_addr``).
+
+    Its arenas are on 4 KiB pages unless the test says otherwise: under "auto" (the
+    daemon's default) they would take the huge pages a concurrent test reserved for its
+    own daemon, and round sizes up to 2 MiB in tests that count bytes."""
     args = ["--metrics-addr", "127.0.0.1:0", *(extra_args or [])]
+    if not any(arg in ("--arena-hugepages", "--config") for arg in args):
+        args += ["--arena-hugepages", "off"]
     return PrivateDaemon.start(workdir, arena_size=arena_size, extra_args=args)
 
 
