@@ -312,3 +312,18 @@ def test_poll_replies_tells_a_finished_step_without_waiting_for_it(connect) -> N
     handle.wait()  # its reply was parked, not lost
     client.poll_replies()  # nothing pending: returns at once
     assert client.get("u.master") != _unit_state()["master"].numpy().tobytes()
+
+
+@pytest.mark.parametrize("super_offload", [True, False])
+def test_deepspeeds_superoffload_config_is_read(super_offload: bool) -> None:
+    """DeepSpeed's SuperOffload tutorial config: ``super_offload`` decides speculation,
+    ``ratio`` is Twin-Flow's, ``cpuadam_cores_perc`` is accepted with a word."""
+    from trainer.config import parse_config
+
+    section = {"device": "cpu", "pin_memory": True, "ratio": 0.9,
+               "super_offload": super_offload, "cpuadam_cores_perc": 0.9}
+    with pytest.warns(UserWarning, match="cpuadam_cores_perc"):
+        config = parse_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {
+            "stage": 3, "offload_optimizer": section}})
+    offload = config.zero_optimization.offload_optimizer
+    assert (offload.speculative_step, offload.ratio) == (super_offload, 0.9)

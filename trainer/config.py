@@ -302,10 +302,15 @@ class OffloadOptimizerConfig(OffloadDeviceConfig):
     as its gradient is reduced, before the global norm is known, and undo it exactly on the
     steps where clipping fires (``trainer.zero.optimizer``); false: every step waits for the
     norm. The result is bit-identical either way; only the step time differs."""
+    super_offload: bool | None = None
+    """DeepSpeed's SuperOffload switch, whose speculate-then-validate step this is: when
+    set, it decides ``speculative_step``."""
 
     def __post_init__(self) -> None:
         _check(not isinstance(self.ratio, bool) and 0.0 <= self.ratio <= 1.0,
                "zero_optimization.offload_optimizer.ratio", self.ratio, "a number in [0, 1]")
+        if self.super_offload is not None:
+            object.__setattr__(self, "speculative_step", self.super_offload)
 
     @property
     def moment_format(self) -> MomentFormat:

@@ -188,6 +188,9 @@ IGNORED_KEYS: dict[str, str] = {
     "zero_optimization.offload_optimizer.fast_init": "shards are created from the model",
     "zero_optimization.offload_optimizer.pipeline_read": "the daemon always pipelines IO",
     "zero_optimization.offload_optimizer.pipeline_write": "the daemon always pipelines IO",
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": (
+        "the daemon's optimizer_cpus setting places Adam's threads, node-wide"
+    ),
     "zero_optimization.offload_param.pin_memory": "the daemon arena is always pinned",
     "zero_optimization.offload_param.buffer_count": "the daemon sizes its own buffers",
     "zero_optimization.offload_param.buffer_size": "the daemon sizes its own buffers",
