@@ -43,13 +43,16 @@ JOB = "bounce"
 
 
 @contextlib.contextmanager
-def running(root: Path, extra_args: list[str]) -> Iterator[OffloadClient]:
-    """A daemon with a 16 MiB arena swapping to ``root/nvme0``, and one client."""
+def running(root: Path, extra_args: list[str],
+            huge_pages: Callable[[int], None] | None = None) -> Iterator[OffloadClient]:
+    """A daemon with a 16 MiB arena swapping to ``root/nvme0``, and one client. With
+    ``huge_pages`` the arena's pages are reserved right before the hello, and again if a
+    daemon of a concurrent test (``arena_hugepages = "auto"``, the default) took them in
+    between: the pool is the node's, not this test's."""
     daemon = PrivateDaemon.start(root / "run", arena_size=ARENA_NBYTES,
                                  swap_dirs=[str(root / "nvme0")], extra_args=extra_args)
     try:
-        with OffloadClient.connect(daemon.socket_path, job=JOB, arena_nbytes=ARENA_NBYTES,
-                                   timeout_s=60) as client:
+        with connect_reserving(daemon, huge_pages) as client:
             yield client
     finally:
         alive = daemon.process.poll() is None
@@ -58,32 +61,18 @@ def running(root: Path, extra_args: list[str]) -> Iterator[OffloadClient]:
         assert code == 0
 
 
-@contextlib.contextmanager
-def running_on_huge_pages(root: Path, huge_pages: Callable[[int], None]
-                          ) -> Iterator[OffloadClient]:
-    """``running`` with a hugetlb arena. The pages are reserved right before the hello,
-    and again if a daemon of a concurrent test (``arena_hugepages = "auto"``, the
-    default) took them in between: the pool is the node's, not this test's."""
-    daemon = PrivateDaemon.start(root / "run", arena_size=ARENA_NBYTES,
-                                 swap_dirs=[str(root / "nvme0")],
-                                 extra_args=["--arena-hugepages", "on"])
-    try:
-        for attempt in range(5):
+def connect_reserving(daemon: PrivateDaemon,
+                      huge_pages: Callable[[int], None] | None) -> OffloadClient:
+    for attempt in range(5):
+        if huge_pages is not None:
             huge_pages(ARENA_NBYTES // (2 * MIB))
-            try:
-                client = OffloadClient.connect(daemon.socket_path, job=JOB,
-                                               arena_nbytes=ARENA_NBYTES, timeout_s=60)
-                break
-            except OverBudgetError as exc:
-                if "huge pages" not in str(exc) or attempt == 4:
-                    raise
-        with client:
-            yield client
-    finally:
-        alive = daemon.process.poll() is None
-        code = daemon.stop()
-        assert alive, f"the daemon died; log:\n{Path(daemon.log_path).read_text()[-3000:]}"
-        assert code == 0
+        try:
+            return OffloadClient.connect(daemon.socket_path, job=JOB,
+                                         arena_nbytes=ARENA_NBYTES, timeout_s=60)
+        except OverBudgetError as exc:
+            if huge_pages is None or "huge pages" not in str(exc) or attempt == 4:
+                raise
+    raise AssertionError("unreachable")
 
 
 def put_random_shards(client: OffloadClient, count: int, seed: int) -> dict[str, bytes]:
@@ -137,7 +126,7 @@ def test_a_4k_page_arena_stages_every_swap_byte_and_round_trips_them(swap_root: 
 
 def test_a_hugetlb_arena_does_its_swap_io_in_place(swap_root: Path,
                                                    huge_pages: Callable[[int], None]) -> None:
-    with running_on_huge_pages(swap_root, huge_pages) as client:
+    with running(swap_root, ["--arena-hugepages", "on"], huge_pages) as client:
         require_o_direct(client)
         assert client.stats()["arena_hugepages"] is True
         shards = put_random_shards(client, 10, seed=11)
