@@ -4,17 +4,18 @@
 # a 15-minute device window with its start and one rerun). Steps:
 #   pytest   pytest -m gpu                   (CUDA copy engine, pinned arena, ZeRO-3 on cuda)
 #   path     bench/gpu_path.py               (H2D/D2H GB/s vs pinned cudaMemcpyAsync)
-#   large    1B GPT, optimizer in DRAM, params resident, 64k tokens per step: ours, ours
-#            waiting for the global norm (speculative steps off), the no-offload ceiling
-#            (plain torch, fused AdamW) and DeepSpeed ZeRO-3 + CPUAdam
+#   large    1B GPT, optimizer in DRAM, params resident, 64k tokens per step: ours, the
+#            no-offload ceiling (plain torch, fused AdamW) and DeepSpeed ZeRO-3 + CPUAdam
 #   sweep    the same model from 2k to 64k tokens per step, ours and the ceiling: step time
 #            against max(GPU kernel time, CPU Adam time), the crossover batch
 #   stream   bench/cpu_adam.py: our Adam's GB/s against a STREAM triad on the same cores
-#   twin     the large case with Twin-Flow (offload_optimizer.ratio GPU_CHECK_TWIN_RATIO,
-#            0.8: the first fifth of the optimizer steps on the GPU), ours only
 #   big      the largest model the box allows (--gpt auto: >= 10B on an 80 GB GPU), params
 #            and optimizer offloaded, compact moments where the host needs them, activation
 #            recomputation, 32k tokens per step; the ceiling beside it (an OOM is a result)
+#   spec     the large case, ours beside ours waiting for the global norm (speculative
+#            steps off): ratio_vs_waiting_for_norm
+#   twin     the large case with Twin-Flow (offload_optimizer.ratio GPU_CHECK_TWIN_RATIO,
+#            0.8: the first fifth of the optimizer steps on the GPU), ours only
 #   daemon   --device-copies daemon on a smaller GPT (GPU_CHECK_DAEMON_GPT)
 #   dsnvme   DeepSpeed ZeRO-Infinity (params + optimizer on NVMe) beside ours, with a limit
 # Each step's limit: GPU_CHECK_LIMIT_<STEP>_S, else its default below, never past what the
@@ -39,7 +40,7 @@ out=${OUT:-/tmp}/gpu_check
 mkdir -p "$out"
 install_log="$out/install.log"
 budget=${GPU_CHECK_BUDGET_S:-480}
-only=${GPU_CHECK_ONLY:-pytest path large sweep stream twin big daemon dsnvme}
+only=${GPU_CHECK_ONLY:-pytest path large sweep stream big spec twin daemon dsnvme}
 export PYTHONUNBUFFERED=1
 {
   nvidia-smi -L || echo "nvidia-smi failed"
@@ -107,20 +108,22 @@ gpt=${GPU_CHECK_GPT:-2048,20,16}
 step pytest 120 python -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py
 step path 40 python bench/gpu_path.py
 # The large-batch case: optimizer offloaded to DRAM, params resident, 64k tokens per step.
-step large 130 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
+step large 110 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
   --offload-param none --offload-optimizer cpu --micro-batch 16 --grad-accum 8 \
-  --contenders ours,ours-wait,none,deepspeed \
   --steps "${GPU_CHECK_LARGE_STEPS:-2}" --warmup 1 ${GPU_CHECK_LARGE_ARGS:-}
 step sweep 70 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
   --offload-param none --offload-optimizer cpu --micro-batch 4 --contenders ours,none \
   --sweep "${GPU_CHECK_SWEEP:-2048,8192,32768,65536}" --steps 2 --warmup 1
 step stream 25 python bench/cpu_adam.py --numel 200000000 --rounds 2 --repeats 3
-step twin 45 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
-  --offload-param none --offload-optimizer cpu --micro-batch 16 --grad-accum 8 \
-  --offload-ratio "${GPU_CHECK_TWIN_RATIO:-0.8}" --contenders ours --steps 2 --warmup 1
 step big 120 python bench/gpu_train_step.py --device cuda --gpt auto \
   --offload-param cpu --offload-optimizer cpu --activation-checkpointing --micro-batch 8 \
   --grad-accum 8 --steps 1 --warmup 1 --contenders ours,none ${GPU_CHECK_BIG_ARGS:-}
+step spec 60 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
+  --offload-param none --offload-optimizer cpu --micro-batch 16 --grad-accum 8 \
+  --contenders ours,ours-wait --steps 2 --warmup 1
+step twin 45 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
+  --offload-param none --offload-optimizer cpu --micro-batch 16 --grad-accum 8 \
+  --offload-ratio "${GPU_CHECK_TWIN_RATIO:-0.8}" --contenders ours --steps 2 --warmup 1
 step daemon 40 python bench/gpu_train_step.py --device cuda --device-copies daemon \
   --gpt "${GPU_CHECK_DAEMON_GPT:-1024,8,16}" --steps "${GPU_CHECK_STEPS:-3}" --contenders ours
 step dsnvme 60 python bench/gpu_train_step.py --device cuda --gpt "${GPU_CHECK_DSNVME_GPT:-1024,8,16}" \
