@@ -25,7 +25,7 @@ import torch
 
 from offloadd import moment_codec
 from offloadd.errors import LimitExceededError, OverBudgetError
-from offloadd.formats import SHARD_DTYPES, MomentFormat, moment_nbytes
+from offloadd.formats import SHARD_DTYPES, MomentFormat
 from offloadd.protocol import StepUndo
 from trainer.client import OffloadError
 from trainer.device.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue, host_address
@@ -46,7 +46,7 @@ from trainer.offload.daemon_copies import (
     open_daemon_copies,
     report_rank_copies,
 )
-from trainer.offload.daemon_steps import DaemonStepQueue, step_nbytes
+from trainer.offload.daemon_steps import DaemonStepQueue, step_nbytes, undo_sizes
 
 SHARD_KINDS = (*STATE_KINDS, "grad", "param")
 UNDO_KINDS = tuple(f"undo.{kind}" for kind in STATE_KINDS)
@@ -102,12 +102,12 @@ class DaemonBackend(StateBackend):
         local_ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", collectives.world_size)))
         self.steps = DaemonStepQueue(swaps=swaps, arena_nbytes=arena_nbytes,
                                      local_ranks=local_ranks)
+        """Optimizer steps in flight in the daemon, by unit (trainer.offload.daemon_steps)."""
         self._arena_share_nbytes = arena_nbytes // local_ranks
         self._state_nbytes = 0
         """Arena bytes of the registered units' shards."""
         self._undoable: dict[int, StepRedo] = {}
         """Units with a speculative step not committed or reverted yet, and its arguments."""
-        """Optimizer steps in flight in the daemon, by unit (trainer.offload.daemon_steps)."""
         self._device_sums: dict[int, torch.Tensor] = {}
         """Running gradient sums of open accumulation windows, on the compute device."""
         self.device_sum_room_nbytes = _device_sum_room(self.copies)
@@ -128,13 +128,13 @@ class DaemonBackend(StateBackend):
         self._names[spec.index] = (f"u{spec.index}", f"u{spec.index}.grad",
                                    f"u{spec.index}.param")
         param_nbytes = spec.part_numel * spec.param_dtype.itemsize
+        self._state_nbytes += (step_nbytes(spec, self.moment_format) if spec.trainable
+                               else param_nbytes)
         if not spec.trainable:  # frozen: the parameter partition only, no optimizer state
             self.client.alloc([self._names[spec.index][2]], [param_nbytes],
                               [_dtype_tag(spec.param_dtype)])
             self.client.put(self._names[spec.index][2], master.to(spec.param_dtype))
             return
-        self._state_nbytes += (step_nbytes(spec, self.moment_format)
-                               + spec.part_numel * spec.grad_dtype.itemsize)
         zeros = torch.zeros(spec.part_numel, dtype=torch.float32)
         # All-zero bytes are zero moments in every format (blockwise8: zero scales and codes).
         moment = moment_codec.empty(self.moment_format, spec.part_numel).zero_()
@@ -372,8 +372,7 @@ class DaemonBackend(StateBackend):
         return True
 
     def undo_nbytes(self, unit: int) -> int:
-        numel = self._specs[unit].part_numel
-        return 4 * numel + 2 * moment_nbytes(self.moment_format, numel)
+        return sum(undo_sizes(self._specs[unit].part_numel, self.moment_format))
 
     @property
     def undo_budget_nbytes(self) -> int:  # type: ignore[override]
@@ -385,11 +384,10 @@ class DaemonBackend(StateBackend):
 
     def prepare_undo(self, unit: int) -> bool:
         """Allocate ``u{N}.undo.*``; a full arena or a limit means no speculation."""
-        numel = self._specs[unit].part_numel
         moment_tag = SHARD_DTYPES[self.moment_format]
         try:
             self.client.alloc(self._ids(unit, *UNDO_KINDS),
-                              [4 * numel, *[moment_nbytes(self.moment_format, numel)] * 2],
+                              undo_sizes(self._specs[unit].part_numel, self.moment_format),
                               ["float32", moment_tag, moment_tag])
         except (OverBudgetError, LimitExceededError):
             return False

@@ -28,6 +28,7 @@ from trainer.device import copy_engine
 from trainer.device.compute import resolve_device
 from trainer.dist.collectives import Collectives, node_key
 from trainer.offload.daemon_backend import DaemonBackend
+from trainer.offload.daemon_steps import undo_sizes
 
 MIB = 1 << 20
 DEVICE_COPIES_ENV = "OFFLOADD_DEVICE_COPIES"
@@ -96,8 +97,7 @@ def speculates(config: EngineConfig) -> bool:
 def undo_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) -> int:
     """Bytes of one rank's undo copies when every unit's step is speculative."""
     part = _trainable_part_numel(model, config, world_size)
-    return 4 * part + 2 * moment_nbytes(
-        config.zero_optimization.offload_optimizer.moment_format, part)
+    return sum(undo_sizes(part, config.zero_optimization.offload_optimizer.moment_format))
 
 
 def available_memory_nbytes() -> int:

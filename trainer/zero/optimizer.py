@@ -118,9 +118,10 @@ class ZeroOptimizer:
         if sq_norm is not None:
             self._sq_norms.append(sq_norm)
         if self.eager:
-            self._start(unit, self._base_grad_scale())
+            self._start(unit, self._redo(unit, self._base_grad_scale()))
         elif self._may_speculate(unit):
-            self._speculated[unit] = self._start(unit, self._base_grad_scale(), undoable=True)
+            self._speculated[unit] = self._start(unit, self._redo(unit, self._base_grad_scale()),
+                                                 undoable=True)
             self.speculated_units += 1
         else:
             self._ready.append(unit)
@@ -176,7 +177,7 @@ class ZeroOptimizer:
             speculated = self._speculated.get(unit)
             if speculated is None:
                 if redo is not None:
-                    self._start(unit, grad_scale)
+                    self._start(unit, redo)
             elif speculated == redo:
                 self.backend.commit_step(unit)
             else:
@@ -222,8 +223,7 @@ class ZeroOptimizer:
         return StepRedo(step=self.step_count + 1, hyper=self.hyper(self.unit_groups.get(unit, 0)),
                         grad_scale=grad_scale)
 
-    def _start(self, unit: int, grad_scale: float, *, undoable: bool = False) -> StepRedo:
-        redo = self._redo(unit, grad_scale)
+    def _start(self, unit: int, redo: StepRedo, *, undoable: bool = False) -> StepRedo:
         if self.before_step is not None:
             self.before_step(unit)
         self.backend.step_async(unit, step=redo.step, hyper=redo.hyper,
