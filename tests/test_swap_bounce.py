@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from test_nvme_recovery import stopped_cleanly
 
 from offloadd.config import DaemonConfig
 from offloadd.errors import OverBudgetError, SwapIOError
@@ -51,14 +52,8 @@ def running(root: Path, extra_args: list[str],
     between: the pool is the node's, not this test's."""
     daemon = PrivateDaemon.start(root / "run", arena_size=ARENA_NBYTES,
                                  swap_dirs=[str(root / "nvme0")], extra_args=extra_args)
-    try:
-        with connect_reserving(daemon, huge_pages) as client:
-            yield client
-    finally:
-        alive = daemon.process.poll() is None
-        code = daemon.stop()
-        assert alive, f"the daemon died; log:\n{Path(daemon.log_path).read_text()[-3000:]}"
-        assert code == 0
+    with stopped_cleanly(daemon), connect_reserving(daemon, huge_pages) as client:
+        yield client
 
 
 def connect_reserving(daemon: PrivateDaemon,

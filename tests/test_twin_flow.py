@@ -159,6 +159,17 @@ def test_every_ratio_trains_as_torch_adamw_with_the_split_where_it_says() -> Non
             assert error < TOLERANCE, (zero, error)
 
 
+def _state_then_train_on(engine: Any, rank: int) -> tuple[dict[int, Any], Any, Any]:
+    """The per-unit optimizer state and the placement now; then steps 5-9 and the fp32
+    weights they leave."""
+    from trainer.state.checkpoint import consolidate_fp32_state_dict
+
+    state = {unit.index: engine.backend.get_state(unit.index) for unit in engine.units}
+    placement = _placement(engine)
+    _train(engine, rank, range(5, 10))
+    return state, placement, consolidate_fp32_state_dict(engine)
+
+
 def checkpoint_cases(rank: int, world: int, cases: list[tuple[dict[str, Any], dict[str, Any]]],
                      root: str) -> list[Any]:
     """Per case: train 5 steps under the first config, save, train 5 more (the straight
@@ -166,7 +177,6 @@ def checkpoint_cases(rank: int, world: int, cases: list[tuple[dict[str, Any], di
     5 steps. Returns the straight and resumed states, both engines' placements and the
     per-unit optimizer state right before the save and right after the load."""
     import trainer
-    from trainer.state.checkpoint import consolidate_fp32_state_dict
 
     results = []
     with shared_daemon(rank) as socket_path:
@@ -177,11 +187,7 @@ def checkpoint_cases(rank: int, world: int, cases: list[tuple[dict[str, Any], di
             try:
                 _train(engine, rank, range(5))
                 engine.save_checkpoint(save_dir)
-                saved = {unit.index: engine.backend.get_state(unit.index)
-                         for unit in engine.units}
-                saved_placement = _placement(engine)
-                _train(engine, rank, range(5, 10))
-                straight = consolidate_fp32_state_dict(engine)
+                saved, saved_placement, straight = _state_then_train_on(engine, rank)
             finally:
                 engine.close()
             fresh, _, _, _ = trainer.initialize(
@@ -191,11 +197,7 @@ def checkpoint_cases(rank: int, world: int, cases: list[tuple[dict[str, Any], di
                     warnings.simplefilter("error")  # same moment format: nothing to convert
                     path, _ = fresh.load_checkpoint(save_dir)
                 assert path is not None
-                loaded = {unit.index: fresh.backend.get_state(unit.index)
-                          for unit in fresh.units}
-                loaded_placement = _placement(fresh)
-                _train(fresh, rank, range(5, 10))
-                resumed = consolidate_fp32_state_dict(fresh)
+                loaded, loaded_placement, resumed = _state_then_train_on(fresh, rank)
             finally:
                 fresh.close()
             results.append({"straight": straight, "resumed": resumed, "saved": saved,
