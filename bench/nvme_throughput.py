@@ -25,7 +25,7 @@ in an order rotated from round to round (the host's drift hits all alike).
 - offloadd unstaged (``--unstaged``): the same daemon run with
   ``OFFLOADD_DISABLE_SWAP_BOUNCE=1``, i.e. a 4 KiB-page arena's O_DIRECT IO done in
   place instead of staged through the bounce slots (``offloadd.swap.bounce``): an
-  A/B of the staging in the same rounds (``ratio_staged_vs_unstaged_<op>``).
+  A/B of the staging in the same rounds (``ratio_vs_unstaged_<op>``).
 - fio: ``--direct=1 --rw=write`` then ``--rw=read``, ``--bs=4m --iodepth=32
   --size=SIZE --ioengine=io_uring`` on one file; bandwidth from its JSON.
 - DeepSpeed aio (when ``import deepspeed`` works): ``aio_handle(4 MiB, 32)``
@@ -394,7 +394,7 @@ def main() -> None:
         result["offloadd_unstaged_gb_per_s"] = {
             op: round(v, 3) for op, v in medians["offloadd unstaged"].items()}
         for op in ("read", "write"):
-            result[f"ratio_staged_vs_unstaged_{op}"] = round(
+            result[f"ratio_vs_unstaged_{op}"] = round(
                 paired_ratio(rates["offloadd"][op], rates["offloadd unstaged"][op]), 3)
     for name, key, peer in (("fio io_uring", "fio", "fio"),
                             ("deepspeed aio", "deepspeed_aio", "deepspeed")):
