@@ -25,8 +25,9 @@ timed steps.  A short sleep separates blocks: torch's OpenMP workers
 busy-wait for a while after each parallel region and would otherwise steal
 cores from whichever contender runs next.
 
-``speculative_step_time_factor`` is the mixed step that also saves the state it
-overwrites (a speculative optimizer step's undo copy) over the plain mixed step.
+``speculative_step_time_factor`` is the mixed step run out of place (a speculative
+optimizer step's: it reads the state from one copy and writes the next into another,
+which its commit adopts) over the plain in-place mixed step.
 
 The last line printed is one JSON object; ratios are peer time / our time
 (>1 means offloadd is faster).
@@ -74,22 +75,23 @@ class Problem:
 
 def ours(problem: Problem, mixed: bool, threads: int | None,
          speculative: bool = False) -> Callable[[], None]:
-    """``speculative``: the step also saves the state it overwrites (a speculative step's
-    undo copy, 12 B/param more written), as the daemon's speculative steps do."""
+    """``speculative``: each step reads the state from one copy and writes it into the
+    other, as the daemon's speculative steps do (a commit adopts the written copy)."""
     master = problem.master.clone()
     exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
     grad = problem.grad_bf16 if mixed else problem.grad32
     param_out = problem.param_bf16 if mixed else None
-    undo = tuple(torch.empty_like(master) for _ in range(3)) if speculative else None
+    copies = [(master, exp_avg, exp_avg_sq)]
+    if speculative:
+        copies.append(tuple(torch.empty_like(master) for _ in range(3)))
     step = 0
 
     def run() -> None:
         nonlocal step
         step += 1
+        written, source = copies[step % len(copies)], copies[(step - 1) % len(copies)]
         adam.adam_step(
-            master,
-            exp_avg,
-            exp_avg_sq,
+            *written,
             grad,
             step=step,
             lr=LR,
@@ -99,7 +101,7 @@ def ours(problem: Problem, mixed: bool, threads: int | None,
             weight_decay=WEIGHT_DECAY,
             param_out=param_out,
             num_threads=threads,
-            save_to=undo,
+            source=source if speculative else None,
         )
 
     return run

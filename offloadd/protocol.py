@@ -124,9 +124,12 @@ class NodeStatus(Request, tag="node_status"):
 
 StepUndo = Literal["none", "keep", "commit", "redo", "revert"]
 """A speculative optimizer step's part (``OptimizerStep.undo``), in the order a rank sends
-them: ``keep`` steps and saves the state before it in ``{unit}.undo.*``; then exactly one
-of ``commit`` (the step stands: drop the saved state), ``redo`` (restore it and step again
-with this request's arguments) or ``revert`` (restore it, parameter included, no step)."""
+them: ``keep`` steps out of place, writing the stepped master and moments into
+``{unit}.next.*`` (and the parameter) and leaving the state as it was; then exactly one of
+``commit`` (the step stands: the state adopts ``{unit}.next.*``'s bytes, no copy),
+``redo`` (step the state again, in place, with this request's arguments) or ``revert``
+(no step: the parameter is rewritten from the master). The last two drop
+``{unit}.next.*``."""
 
 
 class OptimizerStep(Request, tag="optimizer_step"):

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from _dist import base_config, make_batch, make_model, run_ranks
+from test_nvme_recovery import stopped_cleanly
 
 from offloadd.compute import adam
 from offloadd.errors import InvalidRequestError, UnknownShardError
+from offloadd.ops.embedded import PrivateDaemon
+from trainer.client import OffloadClient
 from trainer.config import OptimizerConfig
 from trainer.dist.collectives import Collectives
 from trainer.offload.backend import InProcessBackend, UnitSpec
@@ -218,16 +222,16 @@ HYPER = {"lr": 0.01, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "weight_decay": 
 KINDS = ("master", "exp_avg", "exp_avg_sq", "grad")
 
 
-def _unit_state() -> dict[str, torch.Tensor]:
+def _unit_state(numel: int = NUMEL) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
-    state = {kind: torch.rand(NUMEL, generator=generator) for kind in KINDS}
+    state = {kind: torch.rand(numel, generator=generator) for kind in KINDS}
     state["exp_avg"] -= 0.5
     return state
 
 
 def _stepped(state: dict[str, torch.Tensor], grad_scale: float) -> dict[str, torch.Tensor]:
     copies = {kind: tensor.clone() for kind, tensor in state.items()}
-    param = torch.empty(NUMEL, dtype=torch.bfloat16)
+    param = torch.empty(state["master"].numel(), dtype=torch.bfloat16)
     adam.adam_step(copies["master"], copies["exp_avg"], copies["exp_avg_sq"], copies["grad"],
                    step=1, grad_scale=grad_scale, param_out=param, **HYPER)
     return {**copies, "param": param}
@@ -236,7 +240,7 @@ def _stepped(state: dict[str, torch.Tensor], grad_scale: float) -> dict[str, tor
 def _load(client: Any, state: dict[str, torch.Tensor]) -> None:
     client.put_many({f"u.{kind}": tensor for kind, tensor in state.items()})
     client.put("u.param", state["master"].to(torch.bfloat16))
-    client.alloc([f"u.undo.{kind}" for kind in KINDS[:3]], [NUMEL * 4] * 3,
+    client.alloc([f"u.next.{kind}" for kind in KINDS[:3]], [state["master"].nbytes] * 3,
                  ["float32"] * 3)
 
 
@@ -275,19 +279,79 @@ def test_keep_then_commit_redo_or_revert_in_the_daemon(connect, second: str,
         expected = _stepped(state, grad_scale)
     _assert_state(_read(client), expected)
     assert torch.equal(_read(client)["grad"], state["grad"])  # never scaled in place
-    with pytest.raises(UnknownShardError):  # the saved state is gone once resolved
-        client.get("u.undo.master")
+    with pytest.raises(UnknownShardError):  # the step's copy is gone once resolved
+        client.get("u.next.master")
 
 
-def test_undo_parts_with_missing_or_mismatched_saved_shards_are_refused(connect) -> None:
+def _offset(client: Any, shard_id: str) -> int:
+    lease = client.acquire(shard_id, "r")
+    try:
+        return lease.offset
+    finally:
+        lease.release()
+
+
+def test_a_kept_step_leaves_the_state_and_its_commit_adopts_the_copy_in_place(connect) -> None:
+    client = connect(arena_nbytes=16 << 20)
+    state = _unit_state()
+    _load(client, state)
+    _step(client, "keep")
+    stepped = _stepped(state, 1.0)
+    # Out of place: the state is as it was, the stepped one is in u.next.*, the param new.
+    _assert_state(_read_state_only(client), state)
+    for kind in KINDS[:3]:
+        written = torch.frombuffer(bytearray(client.get(f"u.next.{kind}")), dtype=torch.float32)
+        assert torch.equal(written, stepped[kind]), kind
+    assert torch.equal(_read(client)["param"], stepped["param"])
+    where = {kind: _offset(client, f"u.next.{kind}") for kind in KINDS[:3]}
+    _step(client, "commit")
+    # The commit copies nothing: each state shard now lives where its stepped copy was.
+    assert {kind: _offset(client, f"u.{kind}") for kind in KINDS[:3]} == where
+    _assert_state(_read(client), stepped)
+    # And the next step starts from the committed state, with the arena's room back.
+    client.alloc([f"u.next.{kind}" for kind in KINDS[:3]], [NUMEL * 4] * 3, ["float32"] * 3)
+    _step(client, "keep")
+    _step(client, "revert")
+    _assert_state(_read(client), {**stepped, "param": stepped["master"].to(torch.bfloat16)})
+
+
+def test_a_commit_adopts_what_the_swap_tier_moved_since_the_step(tmp_path: Path) -> None:
+    """A 16 MiB arena swapping to disk: between the kept step and its commit, 14 MiB of
+    other shards leased at once push the unit's state and its stepped copy (dirty) out
+    to swap. The commit reads the copy back and hands it over; the adopted bytes are
+    what later evictions write back and reads return, and what a flush makes durable."""
+    daemon = PrivateDaemon.start(tmp_path / "run", arena_size=16 << 20,
+                                 swap_dirs=[str(tmp_path / "nvme0")],
+                                 extra_args=["--arena-hugepages", "off"])
+    with stopped_cleanly(daemon), OffloadClient.connect(
+            daemon.socket_path, job="adopt", arena_nbytes=16 << 20, timeout_s=60) as client:
+        state = _unit_state(1 << 18)  # 1 MiB a shard
+        _load(client, state)
+        _step(client, "keep")
+        filler = bytes(range(256)) * (1 << 12)  # 1 MiB
+        for index in range(40):
+            client.put(f"filler{index}", filler)
+        with client.acquire_many([f"filler{index}" for index in range(14)], "r"):
+            swapped = client.stats()["residency"]
+        _step(client, "commit")
+        stepped = _stepped(state, 1.0)
+        _assert_state(_read(client), stepped)
+        client.flush("after-commit")
+        for index in range(40):  # out again: what is read back is what was written back
+            assert client.get(f"filler{index}") == filler
+        _assert_state(_read(client), stepped)
+    assert swapped.get("nvme", 0) > 0, swapped
+
+
+def test_undo_parts_with_missing_or_mismatched_next_shards_are_refused(connect) -> None:
     client = connect(arena_nbytes=16 << 20)
     state = _unit_state()
     client.put_many({f"u.{kind}": tensor for kind, tensor in state.items()})
-    with pytest.raises(UnknownShardError, match="undo"):
+    with pytest.raises(UnknownShardError, match="next"):
         _step(client, "keep")
-    client.alloc([f"u.undo.{kind}" for kind in KINDS[:3]], [NUMEL * 4, NUMEL * 4, NUMEL * 2],
+    client.alloc([f"u.next.{kind}" for kind in KINDS[:3]], [NUMEL * 4, NUMEL * 4, NUMEL * 2],
                  ["float32", "float32", "bfloat16"])
-    with pytest.raises(InvalidRequestError, match=r"u\.undo\.exp_avg_sq"):
+    with pytest.raises(InvalidRequestError, match=r"u\.next\.exp_avg_sq"):
         _step(client, "keep")
     _assert_state(_read_state_only(client), state)  # nothing ran
     _step(client, "none")  # the connection and the daemon still serve

@@ -9,6 +9,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <initializer_list>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -26,57 +27,42 @@ using namespace nb::literals;
 namespace offloadd {
 namespace {
 
-// Elements per blockwise8 scale (offloadd/formats.py BLOCK_ELEMENTS, compact.h): named
-// here rather than included, as compact.h is built per instruction set (variants.h).
-constexpr size_t kBlockwise8BlockElements = 256;
-
-// The undo streams of a step (adam_dispatch.h): `addresses` are the undo copies of
-// `states`, in order; none (an empty list) means a plain step.
-adam::Undo make_undo(const std::vector<uintptr_t>& addresses, bool restore,
-                     std::initializer_list<adam::UndoStream> states) {
-  if (!addresses.empty() && addresses.size() != states.size()) {
-    throw std::invalid_argument("undo needs one address per state buffer (" +
-                                std::to_string(states.size()) + "), got " +
-                                std::to_string(addresses.size()));
+// Where an out-of-place step reads its state (`source`, in the order of `written`);
+// none (an empty list) reads it where it writes it.
+std::vector<uintptr_t> state_sources(const std::vector<uintptr_t>& source,
+                                     std::initializer_list<uintptr_t> written) {
+  if (source.empty()) return std::vector<uintptr_t>(written);
+  if (source.size() != written.size()) {
+    throw std::invalid_argument("source needs one address per state buffer (" +
+                                std::to_string(written.size()) + "), got " +
+                                std::to_string(source.size()));
   }
-  adam::Undo undo;
-  undo.restore = restore;
-  for (size_t index = 0; index < addresses.size(); ++index) {
-    adam::UndoStream stream = states.begin()[index];
-    stream.undo = reinterpret_cast<char*>(addresses[index]);
-    undo.streams[undo.count++] = stream;
-  }
-  return undo;
-}
-
-adam::UndoStream state_stream(uintptr_t state, size_t unit_bytes, size_t unit_elements = 1) {
-  return {reinterpret_cast<char*>(state), nullptr, unit_bytes, unit_elements};
+  return source;
 }
 
 void adam_step(uintptr_t master, uintptr_t exp_avg, uintptr_t exp_avg_sq, uintptr_t grad,
                int grad_dtype, uintptr_t param_out, int out_dtype, size_t numel, int64_t step,
                double lr, double beta1, double beta2, double eps, double weight_decay,
                bool decoupled_weight_decay, double grad_scale, const std::string& kernel,
-               int num_threads, const std::vector<uintptr_t>& undo_addresses,
-               bool undo_restore) {
+               int num_threads, const std::vector<uintptr_t>& source) {
   if (grad_dtype < 0 || grad_dtype > 1) throw std::invalid_argument("grad_dtype must be 0 or 1");
   if (out_dtype < 0 || out_dtype > 3) throw std::invalid_argument("out_dtype must be in 0..3");
   const adam::KernelFn fn = adam::find_kernel(kernel);
+  const std::vector<uintptr_t> in = state_sources(source, {master, exp_avg, exp_avg_sq});
   const adam::Buffers buffers{reinterpret_cast<float*>(master),
                               reinterpret_cast<float*>(exp_avg),
                               reinterpret_cast<float*>(exp_avg_sq),
                               reinterpret_cast<const void*>(grad),
                               adam::GradDtype(grad_dtype),
                               reinterpret_cast<void*>(param_out),
-                              adam::OutDtype(out_dtype)};
+                              adam::OutDtype(out_dtype),
+                              reinterpret_cast<const float*>(in[0]),
+                              reinterpret_cast<const float*>(in[1]),
+                              reinterpret_cast<const float*>(in[2])};
   const adam::StepScalars scalars = adam::make_step_scalars(
       step, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, grad_scale);
-  const adam::Undo undo = make_undo(
-      undo_addresses, undo_restore,
-      {state_stream(master, 4), state_stream(exp_avg, 4), state_stream(exp_avg_sq, 4)});
   nb::gil_scoped_release no_gil;  // after argument checks: those may raise
-  adam::run_step(fn, scalars, buffers, numel, num_threads,
-                 undo_addresses.empty() ? nullptr : &undo);
+  adam::run_step(fn, scalars, buffers, numel, num_threads);
 }
 
 // exp_avg / exp_avg_sq in a compact format (offloadd/formats.py): moment_format 1 is
@@ -87,43 +73,43 @@ void adam_step_compact(uintptr_t master, uintptr_t grad, int grad_dtype, uintptr
                        uintptr_t exp_avg_sq_scales, uint32_t rounding_key, int64_t step,
                        double lr, double beta1, double beta2, double eps, double weight_decay,
                        bool decoupled_weight_decay, double grad_scale, const std::string& kernel,
-                       int num_threads, const std::vector<uintptr_t>& undo_addresses,
-                       bool undo_restore) {
+                       int num_threads, const std::vector<uintptr_t>& source) {
   if (grad_dtype < 0 || grad_dtype > 1) throw std::invalid_argument("grad_dtype must be 0 or 1");
   if (out_dtype < 0 || out_dtype > 3) throw std::invalid_argument("out_dtype must be in 0..3");
   if (moment_format != 1 && moment_format != 2) {
     throw std::invalid_argument("moment_format must be 1 (bf16) or 2 (blockwise8)");
   }
   const adam::CompactKernelFn fn = adam::find_compact_kernel(kernel);
+  // Blockwise8 reads its scales too (bf16 has none: 0 stands for them).
+  const std::vector<uintptr_t> in = state_sources(
+      source, moment_format == 1
+                  ? std::initializer_list<uintptr_t>{master, exp_avg, exp_avg_sq}
+                  : std::initializer_list<uintptr_t>{master, exp_avg, exp_avg_sq,
+                                                     exp_avg_scales, exp_avg_sq_scales});
   const adam::Buffers buffers{reinterpret_cast<float*>(master),
                               nullptr,
                               nullptr,
                               reinterpret_cast<const void*>(grad),
                               adam::GradDtype(grad_dtype),
                               reinterpret_cast<void*>(param_out),
-                              adam::OutDtype(out_dtype)};
+                              adam::OutDtype(out_dtype),
+                              reinterpret_cast<const float*>(in[0]),
+                              nullptr,
+                              nullptr};
   const adam::CompactMoments moments{adam::MomentFormat(moment_format),
                                      reinterpret_cast<void*>(exp_avg),
                                      reinterpret_cast<void*>(exp_avg_sq),
                                      reinterpret_cast<float*>(exp_avg_scales),
                                      reinterpret_cast<float*>(exp_avg_sq_scales),
-                                     rounding_key};
+                                     rounding_key,
+                                     reinterpret_cast<const void*>(in[1]),
+                                     reinterpret_cast<const void*>(in[2]),
+                                     reinterpret_cast<const float*>(in.size() > 3 ? in[3] : 0),
+                                     reinterpret_cast<const float*>(in.size() > 3 ? in[4] : 0)};
   const adam::StepScalars scalars = adam::make_step_scalars(
       step, lr, beta1, beta2, eps, weight_decay, decoupled_weight_decay, grad_scale);
-  const size_t moment_bytes = moment_format == 1 ? 2 : 1;
-  const adam::Undo undo =
-      moment_format == 1
-          ? make_undo(undo_addresses, undo_restore,
-                      {state_stream(master, 4), state_stream(exp_avg, moment_bytes),
-                       state_stream(exp_avg_sq, moment_bytes)})
-          : make_undo(undo_addresses, undo_restore,
-                      {state_stream(master, 4), state_stream(exp_avg, moment_bytes),
-                       state_stream(exp_avg_sq, moment_bytes),
-                       state_stream(exp_avg_scales, 4, kBlockwise8BlockElements),
-                       state_stream(exp_avg_sq_scales, 4, kBlockwise8BlockElements)});
   nb::gil_scoped_release no_gil;  // after argument checks: those may raise
-  adam::run_compact_step(fn, scalars, buffers, moments, numel, num_threads,
-                         undo_addresses.empty() ? nullptr : &undo);
+  adam::run_compact_step(fn, scalars, buffers, moments, numel, num_threads);
 }
 
 // Owns one backend; closing it waits for in-flight IO (see the backends).
@@ -193,14 +179,12 @@ NB_MODULE(_native, m) {
   m.def("adam_step", &offloadd::adam_step, "master"_a, "exp_avg"_a, "exp_avg_sq"_a, "grad"_a,
         "grad_dtype"_a, "param_out"_a, "out_dtype"_a, "numel"_a, "step"_a, "lr"_a, "beta1"_a,
         "beta2"_a, "eps"_a, "weight_decay"_a, "decoupled_weight_decay"_a, "grad_scale"_a,
-        "kernel"_a, "num_threads"_a, "undo_addresses"_a = std::vector<uintptr_t>{},
-        "undo_restore"_a = false);
+        "kernel"_a, "num_threads"_a, "source"_a = std::vector<uintptr_t>{});
   m.def("adam_step_compact", &offloadd::adam_step_compact, "master"_a, "grad"_a, "grad_dtype"_a,
         "param_out"_a, "out_dtype"_a, "numel"_a, "moment_format"_a, "exp_avg"_a,
         "exp_avg_sq"_a, "exp_avg_scales"_a, "exp_avg_sq_scales"_a, "rounding_key"_a, "step"_a,
         "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "decoupled_weight_decay"_a,
-        "grad_scale"_a, "kernel"_a, "num_threads"_a,
-        "undo_addresses"_a = std::vector<uintptr_t>{}, "undo_restore"_a = false);
+        "grad_scale"_a, "kernel"_a, "num_threads"_a, "source"_a = std::vector<uintptr_t>{});
 
   nb::class_<IoEngine>(m, "IoEngine")
       .def(nb::init<const std::string&, unsigned, unsigned>(), "kind"_a, "queue_depth"_a,

@@ -1,7 +1,8 @@
 """Fused CPU Adam/AdamW over fp32 master weights, for the optimizer service.
 
 `adam_step` updates master, exp_avg and exp_avg_sq in place (typically views
-of the shared arena) with exactly the semantics of torch.optim.AdamW
+of the shared arena), or writes the state it reads from another copy into them
+(out of place) with exactly the semantics of torch.optim.AdamW
 (decoupled weight decay) or torch.optim.Adam (L2 weight decay), and can write
 a bf16/fp16/fp32 copy of the updated master in the same pass. The moments
 may be compact (bf16 or 8-bit block-wise, see offloadd.formats): they are
@@ -72,10 +73,9 @@ def adam_step(
     use_native: bool | None = None,
     use_kernel: KernelName | None = None,
     rounding_seed: int = 0,
-    save_to: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-    restore_from: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    source: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """One Adam/AdamW step over flat state, in place.
+    """One Adam/AdamW step over flat state, in place (or out of place, see ``source``).
 
     master is fp32. exp_avg and exp_avg_sq are both fp32, both bf16, or both uint8
     (blockwise8 buffers of offloadd.formats); compact moments are decoded, updated in
@@ -88,10 +88,11 @@ def adam_step(
     receives the updated master rounded to its dtype (round-to-nearest-even,
     bit-identical to ``master.to(param_out.dtype)``).
 
-    save_to (a speculative step's undo copy: master, exp_avg, exp_avg_sq of the same
-    dtypes and sizes) receives the state as it was before the update; restore_from
-    replaces the state with such a copy before the update. The native kernels do it
-    slice by slice beside the update, so saving costs the copy's writes, not a pass.
+    source (master, exp_avg, exp_avg_sq of the same dtypes and sizes) makes the step
+    out of place: the state is read from it, left unchanged, and the updated state is
+    written to master, exp_avg and exp_avg_sq (a speculative step keeps the state it
+    stepped from). The native kernels read and write every byte once either way; out
+    of place they stream the state's stores (no read of the destination first).
 
     use_native=None picks native when built; False forces the torch path.
     use_kernel forces one kernel ("avx512", "avx2", "scalar" or "torch"),
@@ -99,17 +100,14 @@ def adam_step(
     """
     _check_state(master, exp_avg, exp_avg_sq, grad, param_out)
     _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay, grad_scale, num_threads)
-    undo = _check_undo((master, exp_avg, exp_avg_sq), save_to, restore_from)
+    source = _check_source((master, exp_avg, exp_avg_sq), source)
     kernel = _choose_kernel(use_native, use_kernel)
     if master.numel() == 0:
         return
-    if kernel == "torch" and undo is not None:
-        for copy, state in zip(undo, (master, exp_avg, exp_avg_sq), strict=True):
-            if save_to is not None:
-                copy.copy_(state)
-            else:
-                state.copy_(copy)
-        undo = None
+    if kernel == "torch" and source is not None:  # the same step, after a copy
+        for state, copy in zip((master, exp_avg, exp_avg_sq), source, strict=True):
+            state.copy_(copy)
+        source = None
     hyper: dict[str, Any] = dict(
         step=step,
         lr=lr,
@@ -127,29 +125,31 @@ def adam_step(
             _torch_compact_step(master, exp_avg, exp_avg_sq, grad, param_out, key, **hyper)
         else:
             _native_compact_step(master, exp_avg, exp_avg_sq, grad, param_out, key, kernel,
-                                 num_threads, undo, restore_from is not None, **hyper)
+                                 num_threads, source, **hyper)
     elif kernel == "torch":
         _torch_step(master, exp_avg, exp_avg_sq, grad, param_out, **hyper)
     else:
-        _native_step(master, exp_avg, exp_avg_sq, grad, param_out, kernel, num_threads, undo,
-                     restore_from is not None, **hyper)
+        _native_step(master, exp_avg, exp_avg_sq, grad, param_out, kernel, num_threads, source,
+                     **hyper)
 
 
-def _check_undo(state: tuple[torch.Tensor, ...], save_to: Any, restore_from: Any
-                ) -> tuple[torch.Tensor, ...] | None:
-    """The undo copy, each tensor of its state tensor's dtype and size; None without one."""
-    if save_to is not None and restore_from is not None:
-        raise ValueError("pass save_to or restore_from, not both")
-    undo = save_to if save_to is not None else restore_from
-    if undo is None:
+def _check_source(state: tuple[torch.Tensor, ...], source: Any
+                  ) -> tuple[torch.Tensor, ...] | None:
+    """The state an out-of-place step reads, each tensor of its written tensor's dtype and
+    size, sharing no memory with what is written; None for an in-place step."""
+    if source is None:
         return None
-    undo = tuple(undo)
-    if len(undo) != len(state):
-        raise ValueError(f"the undo copy is master, exp_avg and exp_avg_sq, got {len(undo)}")
-    for name, copy, tensor in zip(("master", "exp_avg", "exp_avg_sq"), undo, state,
+    source = tuple(source)
+    if len(source) != len(state):
+        raise ValueError(f"source is master, exp_avg and exp_avg_sq, got {len(source)} tensors")
+    for name, copy, tensor in zip(("master", "exp_avg", "exp_avg_sq"), source, state,
                                   strict=True):
-        _check_tensor(f"the undo copy of {name}", copy, (tensor.dtype,), tensor.numel())
-    return undo
+        _check_tensor(f"the source {name}", copy, (tensor.dtype,), tensor.numel())
+        written = (tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes)
+        if copy.data_ptr() < written[1] and written[0] < copy.data_ptr() + copy.nbytes:
+            raise ValueError(f"the source {name} overlaps the {name} the step writes: pass "
+                             "source=None for an in-place step")
+    return source
 
 
 def _check_tensor(name: str, tensor: Any, dtypes: tuple[torch.dtype, ...], numel: int) -> None:
@@ -245,8 +245,7 @@ def _native_step(
     param_out: torch.Tensor | None,
     kernel: str,
     num_threads: int | None,
-    undo: tuple[torch.Tensor, ...] | None,
-    restore: bool,
+    source: tuple[torch.Tensor, ...] | None,
     **hyper: Any,
 ) -> None:
     # Addresses are only valid while the tensors live: they are all
@@ -263,8 +262,7 @@ def _native_step(
         master.numel(),
         kernel=kernel,
         num_threads=num_threads or 0,
-        undo_addresses=[copy.data_ptr() for copy in undo or ()],
-        undo_restore=restore,
+        source=[copy.data_ptr() for copy in source or ()],
         **hyper,
     )
 
@@ -278,8 +276,7 @@ def _native_compact_step(
     key: int,
     kernel: str,
     num_threads: int | None,
-    undo: tuple[torch.Tensor, ...] | None,
-    restore: bool,
+    source: tuple[torch.Tensor, ...] | None,
     **hyper: Any,
 ) -> None:
     assert _native is not None
@@ -287,13 +284,13 @@ def _native_compact_step(
     fmt = moment_codec.format_of(exp_avg.dtype)
     (exp_avg_address, exp_avg_scales), (exp_avg_sq_address, exp_avg_sq_scales) = (
         _moment_addresses(fmt, moment, numel) for moment in (exp_avg, exp_avg_sq))
-    undo_addresses = []
-    if undo is not None:  # the native order: master, both codes, both scales (blockwise8)
-        undo_master, *undo_moments = undo
-        codes_and_scales = [_moment_addresses(fmt, moment, numel) for moment in undo_moments]
-        undo_addresses = [undo_master.data_ptr(), *(codes for codes, _ in codes_and_scales)]
+    source_addresses = []
+    if source is not None:  # the native order: master, both codes, both scales (blockwise8)
+        source_master, *source_moments = source
+        codes_and_scales = [_moment_addresses(fmt, moment, numel) for moment in source_moments]
+        source_addresses = [source_master.data_ptr(), *(codes for codes, _ in codes_and_scales)]
         if fmt == "blockwise8":
-            undo_addresses += [scales for _, scales in codes_and_scales]
+            source_addresses += [scales for _, scales in codes_and_scales]
     _native.adam_step_compact(
         master.data_ptr(),
         grad.data_ptr(),
@@ -309,8 +306,7 @@ def _native_compact_step(
         key,
         kernel=kernel,
         num_threads=num_threads or 0,
-        undo_addresses=undo_addresses,
-        undo_restore=restore,
+        source=source_addresses,
         **hyper,
     )
 

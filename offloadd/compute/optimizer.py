@@ -7,10 +7,13 @@ worker thread (the loop never blocks), writes the updated parameter into
 ``{unit}.param`` in that shard's dtype when it exists, and releases the
 updated shards dirty so the swap tier persists them.
 
-A speculative step (``OptimizerStep.undo``, see ``offloadd.protocol.StepUndo``)
-first saves the master and moments into ``{unit}.undo.*``; the rank's follow-up
-commits it (the saved shards are dropped) or restores them, and steps again or not.
-A unit's requests run in the order they came: each takes the job's turn at the worker.
+A speculative step (``OptimizerStep.undo``, see ``offloadd.protocol.StepUndo``) runs
+out of place: it reads the master and moments and writes the stepped ones into
+``{unit}.next.*``, leaving the state as it was. The rank's follow-up commits it (the
+state adopts those shards' bytes, no copy) or not (they are dropped, and the state is
+stepped again in place or the parameter rewritten from it). The kernel reads and writes
+every byte once either way, so speculating costs no extra pass. A unit's requests run in
+the order they came: each takes the job's turn at the worker.
 
 The moments' format is their shards' dtype tag (``offloadd.formats``):
 float32, bfloat16 (stochastic rounding, seeded per rank and unit so a resumed
@@ -71,11 +74,14 @@ class Job(Protocol):
 
     def drop(self, rank: int, ids: list[str]) -> Awaitable[None] | None: ...
 
+    async def adopt(self, pairs: list[tuple[Shard, Shard]]) -> None: ...
+
 
 STATE_SUFFIXES = ("master", "exp_avg", "exp_avg_sq", "grad")
-UNDO_SUFFIXES = ("undo.master", "undo.exp_avg", "undo.exp_avg_sq")
-"""Where a speculative step (``OptimizerStep.undo``) keeps the master and moments from
-before it, until the rank commits or reverts it (the rank allocates them)."""
+NEXT_SUFFIXES = ("next.master", "next.exp_avg", "next.exp_avg_sq")
+"""Where a speculative step (``OptimizerStep.undo`` "keep") writes the master and moments
+it steps to, until the rank commits it (the state adopts them) or not (they are dropped).
+The rank allocates them."""
 WARMING_SUFFIXES = (".master", ".exp_avg")
 
 
@@ -131,35 +137,36 @@ class StepShards:
     """The shards one optimizer request uses, by role."""
 
     state: list[Shard]
-    """master, exp_avg, exp_avg_sq and grad."""
+    """master, exp_avg, exp_avg_sq and grad (only the master for a ``revert``)."""
     param: Shard | None
-    undo: list[Shard]
-    """The saved master and moments of a speculative step (``UNDO_SUFFIXES``), or none."""
+    next: list[Shard]
+    """Where a speculative step writes the stepped master and moments (``NEXT_SUFFIXES``);
+    empty for any other request."""
 
     @property
     def all(self) -> list[Shard]:
-        return [*self.state, *((self.param,) if self.param else ()), *self.undo]
+        return [*self.state, *((self.param,) if self.param else ()), *self.next]
 
-    def written_whole(self, undo: str) -> frozenset[Shard]:
+    @property
+    def written_whole(self) -> frozenset[Shard]:
         """Shards the request rewrites entirely: placed without reading their swap copy."""
-        whole = [*((self.param,) if self.param else ())]
-        if undo == "keep":
-            whole += self.undo
-        elif undo in ("redo", "revert"):
-            whole += self.state[:3]  # restored from the undo shards first
-        return frozenset(whole)
+        return frozenset([*((self.param,) if self.param else ()), *self.next])
 
-    def read_first(self, undo: str) -> list[Shard]:
-        """Shards the request reads (the swap tier reads them ahead while it waits)."""
-        return [*self.undo, self.state[3]] if undo in ("redo", "revert") else self.state
+    @property
+    def changed(self) -> list[Shard]:
+        """Shards the request writes: released dirty once the kernel ran. A speculative
+        step and a revert leave the state as it was; no request changes the gradient."""
+        kept = self.next or len(self.state) == 1
+        return [*(() if kept else self.state[:3]), *((self.param,) if self.param else ()),
+                *self.next]
 
 
-def check_undo_shards(state: list[Shard], undo: list[Shard]) -> None:
-    """Each saved shard has its state shard's dtype and size."""
-    for saved, shard in zip(undo, state, strict=False):
-        if saved.dtype != shard.dtype or saved.nbytes != shard.nbytes:
+def check_next_shards(state: list[Shard], stepped: list[Shard]) -> None:
+    """Each shard a speculative step writes has its state shard's dtype and size."""
+    for written, shard in zip(stepped, state, strict=False):
+        if written.dtype != shard.dtype or written.nbytes != shard.nbytes:
             raise InvalidRequestError(
-                f"{saved.shard_id!r} ({saved.nbytes} bytes of {saved.dtype}) must match "
+                f"{written.shard_id!r} ({written.nbytes} bytes of {written.dtype}) must match "
                 f"{shard.shard_id!r} ({shard.nbytes} bytes of {shard.dtype}): allocate it "
                 f"with the same size and dtype")
 
@@ -211,20 +218,23 @@ class OptimizerService:
         state = job.table.lookup(rank, [f"{req.unit}.{suffix}" for suffix in STATE_SUFFIXES])
         param = job.table.shards.get((rank, f"{req.unit}.param"))
         check_unit_shards(req.unit, state, param)
-        undo: list[Shard] = []
+        stepped: list[Shard] = []
         if req.undo != "none":
-            undo = job.table.lookup(rank, [f"{req.unit}.{suffix}" for suffix in UNDO_SUFFIXES])
-            check_undo_shards(state, undo)
+            stepped = job.table.lookup(rank, [f"{req.unit}.{suffix}" for suffix in NEXT_SUFFIXES])
+            check_next_shards(state, stepped)
         if req.undo == "commit":
-            await self._commit(job, rank, req, state[3], undo)
+            await self._commit(job, rank, req, state, stepped)
             return
-        shards = StepShards(state, param, undo)
+        if req.undo == "keep":
+            shards = StepShards(state, param, stepped)
+        else:  # a revert only rewrites the parameter from the master
+            shards = StepShards(state[:1] if req.undo == "revert" else state, param, [])
         # Leases are taken only when the worker is free: a queue of waiting steps
         # holding write leases would pin their whole state in the arena and starve
         # the swap tier. Until then the swap tier keeps the state the step will use
         # resident and reads the rest ahead, evicting only what is needed later.
         slot = self.worker_slot
-        job.expect_step(rank, shards.all, shards.read_first(req.undo), self._due_s())
+        job.expect_step(rank, shards.all, shards.state, self._due_s())
         try:
             await slot.acquire(job.name)
             try:
@@ -236,20 +246,25 @@ class OptimizerService:
             job.unexpect_step(shards.all)
         outcome.add_done_callback(lambda _f: slot.release())
         await asyncio.shield(outcome)
-        if req.undo in ("redo", "revert"):
-            await self._drop(job, rank, undo)
+        if req.undo in ("redo", "revert"):  # the speculative step's copy is not wanted
+            await self._drop(job, rank, stepped)
         if req.drop_grad:
             await self._drop_grad(job, rank, state[3])
 
-    async def _commit(self, job: Job, rank: int, req: OptimizerStep, grad: Shard,
-                      undo: list[Shard]) -> None:
-        """The speculative step stands: drop what it saved once it has run. The worker slot
-        is taken only to come after the unit's earlier requests (FIFO within a job)."""
+    async def _commit(self, job: Job, rank: int, req: OptimizerStep, state: list[Shard],
+                      stepped: list[Shard]) -> None:
+        """The speculative step stands: the master and moments adopt the bytes it wrote.
+        Done holding the worker slot, after the unit's earlier requests and before its
+        next ones (FIFO within a job)."""
         await self.worker_slot.acquire(job.name)
-        self.worker_slot.release()
-        await self._drop(job, rank, undo)
+        try:
+            await job.adopt(list(zip(stepped, state[:3], strict=True)))
+        finally:
+            self.worker_slot.release()
+        for shard in state[:3]:
+            shard.optimizer_state = True
         if req.drop_grad:
-            await self._drop_grad(job, rank, grad)
+            await self._drop_grad(job, rank, state[3])
 
     @staticmethod
     async def _drop(job: Job, rank: int, shards: list[Shard]) -> None:
@@ -289,7 +304,7 @@ class OptimizerService:
         ids = [shard.shard_id for shard in shards.all]
         job.steps_holding += 1  # its batch pins, then leases, until _finish released them
         try:
-            placed = job.acquire_for_step(rank, ids, leases, shards.written_whole(req.undo))
+            placed = job.acquire_for_step(rank, ids, leases, shards.written_whole)
             if not isinstance(placed, Placed):
                 await placed  # the tier had to read some state back from swap first
         except BaseException:
@@ -304,7 +319,7 @@ class OptimizerService:
         def on_kernel_end(done: asyncio.Future[None]) -> None:
             ok = not done.cancelled() and done.exception() is None
             try:
-                self._finish(job, rank, shards, leases, ok, started, req.undo)
+                self._finish(job, rank, shards, leases, ok, started)
             except BaseException as exc:  # handed to the awaiting step
                 outcome.set_exception(exc)
                 return
@@ -319,17 +334,15 @@ class OptimizerService:
         return outcome
 
     def _finish(self, job: Job, rank: int, shards: StepShards, leases: dict[Shard, Lease],
-                ok: bool, started: float, undo: str) -> None:
-        for shard in shards.state[:3]:  # master and moments (scheduler.untraced_next_use)
+                ok: bool, started: float) -> None:
+        for shard in [*shards.state[:3], *shards.next]:  # scheduler.untraced_next_use
             shard.optimizer_state = True  # before the release re-keys them for eviction
         job.steps_holding -= 1  # before the releases wake make_room (tier.note_room)
-        # The gradient is consumed, not changed; saved state is written only by "keep";
-        # the rest is dirty only if the kernel ran.
-        unchanged = {shards.state[3], *(shards.undo if undo != "keep" else ())}
+        changed = shards.changed  # dirty only if the kernel ran
         for shard in shards.all:
             if (rank, shard.shard_id) not in job.table.shards:
                 raise UnknownShardError(f"{shard.shard_id!r} vanished during the step")
-            job.release(rank, [shard.shard_id], ok and shard not in unchanged, leases)
+            job.release(rank, [shard.shard_id], ok and shard in changed, leases)
         self.steps.add(("ok" if ok else "error",))
         if ok:
             self.step_seconds.observe(time.perf_counter() - started)
@@ -347,23 +360,20 @@ class OptimizerService:
         """On the worker thread (torch is imported here, off the event loop)."""
         from offloadd.compute import adam
 
-        master, exp_avg, exp_avg_sq, grad = (self._tensor(job, shard) for shard in shards.state)
+        state = [self._tensor(job, shard) for shard in shards.state]
         param = self._tensor(job, shards.param) if shards.param is not None else None
-        saved = tuple(self._tensor(job, shard) for shard in shards.undo)
-        if req.undo == "revert":  # the saved state back, no step
-            for target, source in zip((master, exp_avg, exp_avg_sq), saved, strict=True):
-                target.copy_(source)
+        if req.undo == "revert":  # no step: the parameter of the master as it stands
             if param is not None:  # rounded as the kernel rounds it (to nearest even)
-                param.copy_(master)
+                param.copy_(state[0])
             return
+        stepped = [self._tensor(job, shard) for shard in shards.next]
         adam.adam_step(
-            master, exp_avg, exp_avg_sq, grad,
+            *(stepped or state[:3]), state[3],
             step=req.step, lr=req.lr, beta1=req.beta1, beta2=req.beta2, eps=req.eps,
             weight_decay=req.weight_decay, decoupled_weight_decay=req.decoupled_weight_decay,
             grad_scale=req.grad_scale, param_out=param,
             num_threads=self.num_threads, rounding_seed=rounding_seed(rank, req.unit),
-            save_to=saved if req.undo == "keep" else None,  # type: ignore[arg-type]
-            restore_from=saved if req.undo == "redo" else None,  # type: ignore[arg-type]
+            source=tuple(state[:3]) if stepped else None,  # type: ignore[arg-type]
         )
 
     def families(self) -> list[Metric]:

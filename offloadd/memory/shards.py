@@ -293,6 +293,28 @@ class ShardTable:
         shard.offset = None
         self.note_changed(shard)
 
+    def hand_over(self, source: Shard, target: Shard) -> None:
+        """``target`` takes ``source``'s arena range as a new version of its bytes, dirty (a
+        speculative step's commit: the state adopts the copy the step wrote); the range
+        ``target`` held, if any, is freed and ``source`` is left without one. Neither may be
+        leased, pinned or in IO; ``source`` must be in the arena and whole."""
+        for shard in (source, target):
+            assert not shard.leased and not shard.pins and shard.io is None, shard.shard_id
+        assert source.offset is not None and source.in_arena and not source.torn
+        assert source.arena_nbytes == target.arena_nbytes
+        if target.offset is not None:
+            self.unplace(target)
+        offset = source.offset
+        self.placed_at[offset] = target
+        self.placed_ending_at[offset + source.arena_nbytes] = target
+        source.offset, target.offset = None, offset
+        source.residency = Residency.NVME  # placed nowhere, as a shard not made resident yet
+        target.residency = Residency.ARENA_DIRTY
+        target.version += 1
+        target.torn = target.unread = False
+        self.note_changed(source)
+        self.note_changed(target)
+
     def remove(self, shard: Shard) -> None:
         if shard.offset is not None:
             self.unplace(shard)

@@ -24,6 +24,7 @@ from offloadd.errors import (
     LimitExceededError,
     NoSwapError,
     OverBudgetError,
+    TornShardError,
     UnknownShardError,
 )
 from offloadd.memory.arena import Arena, align_up
@@ -442,6 +443,41 @@ class Job:
                 leased)
         self._remove(shards)
 
+    async def adopt(self, pairs: list[tuple[Shard, Shard]]) -> None:
+        """Each ``(source, target)``: the target takes the source's bytes without a copy
+        (``ShardTable.hand_over``) and the source is dropped. A speculative optimizer step's
+        commit: the state adopts the copy the step wrote. IO in flight on any of them ends
+        first; a source swapped out meanwhile is read back."""
+        shards = [shard for pair in pairs for shard in pair]
+        sources = [source for source, _target in pairs]
+        while True:
+            _check_unleased(shards)
+            busy = [shard.io for shard in shards if shard.io is not None]
+            if busy:
+                await asyncio.wait([asyncio.shield(io) for io in busy])
+            elif any(shard.pins for shard in shards):
+                await asyncio.sleep(0.001)  # a batch is settling these; it unpins promptly
+            elif any(not source.in_arena for source in sources):
+                placed = self._serve([s for s in sources if not s.in_arena], None, None,
+                                     traced=False)
+                if not isinstance(placed, Placed):
+                    await placed
+            else:
+                break  # no await from here on: nothing can lease or move them meanwhile
+        gone = [s.shard_id for s in shards if self.table.shards.get((s.rank, s.shard_id)) is not s]
+        if gone:
+            raise UnknownShardError(f"shard(s) {gone} were dropped before the commit", gone)
+        torn = [source.shard_id for source in sources if source.torn]
+        if torn:
+            raise TornShardError(f"{torn} were torn (their writer failed): nothing to adopt",
+                                 torn)
+        for source, target in pairs:
+            self.table.hand_over(source, target)
+        self._remove(sources)
+        if self.tier is not None:
+            self.tier.note_dirty(self.table, sum(target.arena_nbytes for _s, target in pairs))
+            self.tier.note_room()
+
     def _remove(self, shards: list[Shard]) -> None:
         for shard in dict.fromkeys(shards):
             if self.tier is not None:
@@ -521,6 +557,13 @@ class Job:
             "swap_reserved_nbytes": swap_reserved,
             "sessions": self.num_sessions,
         }
+
+
+def _check_unleased(shards: list[Shard]) -> None:
+    leased = [shard.shard_id for shard in shards if shard.leased]
+    if leased:
+        raise LeaseConflictError(f"shard(s) {leased[:8]} are leased; release them first",
+                                 leased)
 
 
 def _ready(shards: list[Shard], mode: str | None) -> bool:

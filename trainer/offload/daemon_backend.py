@@ -46,11 +46,13 @@ from trainer.offload.daemon_copies import (
     open_daemon_copies,
     report_rank_copies,
 )
-from trainer.offload.daemon_steps import DaemonStepQueue, step_nbytes, undo_sizes
+from trainer.offload.daemon_steps import DaemonStepQueue, state_sizes, step_nbytes
 
 SHARD_KINDS = (*STATE_KINDS, "grad", "param")
-UNDO_KINDS = tuple(f"undo.{kind}" for kind in STATE_KINDS)
-"""Where the daemon saves a speculative step's master and moments (allocated per step)."""
+NEXT_KINDS = tuple(f"next.{kind}" for kind in STATE_KINDS)
+"""Where a speculative step writes the master and moments it steps to (the daemon's
+``offloadd.compute.optimizer.NEXT_SUFFIXES``), until it is committed or not (allocated per
+step)."""
 UNDO_ARENA_SLACK_FRACTION = 8
 """Undo data leaves 1/8 of the rank's arena share free."""
 
@@ -372,22 +374,23 @@ class DaemonBackend(StateBackend):
         return True
 
     def undo_nbytes(self, unit: int) -> int:
-        return sum(undo_sizes(self._specs[unit].part_numel, self.moment_format))
+        return sum(state_sizes(self._specs[unit].part_numel, self.moment_format))
 
     @property
     def undo_budget_nbytes(self) -> int:  # type: ignore[override]
         """The rank's share of the arena beyond its registered state and a slack. None
-        where the state does not fit (NVMe with a smaller cache): undo copies would then
-        push state out to disk, or be written there themselves."""
+        where the state does not fit (NVMe with a smaller cache): the speculative steps'
+        second copies would then push state out to disk, or be written there themselves."""
         slack = self._arena_share_nbytes // UNDO_ARENA_SLACK_FRACTION
         return max(0, self._arena_share_nbytes - self._state_nbytes - slack)
 
     def prepare_undo(self, unit: int) -> bool:
-        """Allocate ``u{N}.undo.*``; a full arena or a limit means no speculation."""
+        """Allocate ``u{N}.next.*`` for the step to write out of place (the state stays
+        as it was, so the step can be undone); a full arena or a limit means no speculation."""
         moment_tag = SHARD_DTYPES[self.moment_format]
         try:
-            self.client.alloc(self._ids(unit, *UNDO_KINDS),
-                              undo_sizes(self._specs[unit].part_numel, self.moment_format),
+            self.client.alloc(self._ids(unit, *NEXT_KINDS),
+                              state_sizes(self._specs[unit].part_numel, self.moment_format),
                               ["float32", moment_tag, moment_tag])
         except (OverBudgetError, LimitExceededError):
             return False

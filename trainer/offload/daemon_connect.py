@@ -28,7 +28,7 @@ from trainer.device import copy_engine
 from trainer.device.compute import resolve_device
 from trainer.dist.collectives import Collectives, node_key
 from trainer.offload.daemon_backend import DaemonBackend
-from trainer.offload.daemon_steps import undo_sizes
+from trainer.offload.daemon_steps import state_sizes
 
 MIB = 1 << 20
 DEVICE_COPIES_ENV = "OFFLOADD_DEVICE_COPIES"
@@ -79,7 +79,7 @@ def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Co
     if config.zero_optimization.offload_optimizer.device == "nvme":
         wanted = max(64 * MIB, min(wanted, available_memory_nbytes() // 2))
     elif speculates(config):
-        # Room for speculative steps' undo copies (master and moments), where DRAM has it.
+        # Room for speculative steps' second copy of the master and moments, where DRAM has it.
         undo_nbytes = undo_rank_nbytes(model, config, collectives.world_size)
         undo_nbytes *= _node_world_size(collectives)
         spare = available_memory_nbytes() * 3 // 4 - wanted
@@ -95,9 +95,10 @@ def speculates(config: EngineConfig) -> bool:
 
 
 def undo_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) -> int:
-    """Bytes of one rank's undo copies when every unit's step is speculative."""
+    """Bytes of one rank's second copies of the master and moments when every unit's step
+    is speculative (``u{N}.next.*``)."""
     part = _trainable_part_numel(model, config, world_size)
-    return sum(undo_sizes(part, config.zero_optimization.offload_optimizer.moment_format))
+    return sum(state_sizes(part, config.zero_optimization.offload_optimizer.moment_format))
 
 
 def available_memory_nbytes() -> int:

@@ -127,15 +127,16 @@ class DaemonStepQueue:
         return _TimedHandle(send(), clock)
 
 
-def undo_sizes(numel: int, moment_format: MomentFormat) -> list[int]:
-    """Bytes of a unit's fp32 master and its two moments: what a speculative step saves."""
+def state_sizes(numel: int, moment_format: MomentFormat) -> list[int]:
+    """Bytes of a unit's fp32 master and its two moments: what a speculative step writes
+    beside the state (``u{N}.next.*``)."""
     return [4 * numel, *[moment_nbytes(moment_format, numel)] * 2]
 
 
 def step_nbytes(spec: UnitSpec, moment_format: MomentFormat) -> int:
     """Arena bytes one step of the unit leases: master, moments, grad and param."""
     numel = spec.part_numel
-    return (sum(undo_sizes(numel, moment_format))
+    return (sum(state_sizes(numel, moment_format))
             + numel * (spec.grad_dtype.itemsize + spec.param_dtype.itemsize))
 
 

@@ -2,7 +2,9 @@
 //
 // One pass reads master, exp_avg, exp_avg_sq and grad and writes master,
 // exp_avg, exp_avg_sq and (optionally) a low-precision copy of the updated
-// master.  The arithmetic follows torch.optim.Adam/AdamW (see StepScalars).
+// master.  The state is read through the `*_in` pointers: equal to the
+// written ones for an in-place step, another copy for an out-of-place one (a
+// speculative step keeps the state it read, so it can be taken back).  The arithmetic follows torch.optim.Adam/AdamW (see StepScalars).
 // Compact moments (bf16, 8-bit block-wise; compact.h) are decoded to fp32,
 // updated with the same arithmetic and encoded again in the same pass.
 #pragma once
@@ -42,6 +44,13 @@ struct Buffers {
   GradDtype grad_dtype;
   void* param_out;  // nullptr when out_dtype == kNone
   OutDtype out_dtype;
+  const float* master_in;  // where the state is read: master etc. in place
+  const float* exp_avg_in;
+  const float* exp_avg_sq_in;
+
+  // Out of place: the written state is not read again this pass, so full vectors
+  // go out as streaming stores (no read-for-ownership of the destination lines).
+  bool out_of_place() const { return master_in != master; }
 };
 
 // How exp_avg / exp_avg_sq are stored when they are not fp32 (offloadd/formats.py).
@@ -54,6 +63,10 @@ struct CompactMoments {
   float* exp_avg_scales;       // blockwise8: one absmax per kBlockElements elements
   float* exp_avg_sq_scales;
   uint32_t rounding_key;       // bf16: key of this step's stochastic rounding
+  const void* exp_avg_in;      // where the moments are read (the above in place)
+  const void* exp_avg_sq_in;
+  const float* exp_avg_scales_in;
+  const float* exp_avg_sq_scales_in;
 };
 
 // Updates elements [begin, end).  Each kernel computes an element the same

@@ -3,12 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <stdexcept>
-
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 
 #include "../thread_pool.h"
 
@@ -62,65 +57,6 @@ const KernelInfo& find_info(const std::string& name) {
   throw std::invalid_argument("unknown kernel '" + name + "'");
 }
 
-// Elements saved (or restored) and then updated at a time within a task: the slice's
-// state (~48 KiB at fp32) is still in L1/L2 when the kernel reads it.  A multiple of
-// the blockwise8 block and of every SIMD width.
-constexpr size_t kUndoSliceElements = size_t(1) << 12;
-
-// The saved copy is not read again this step: streaming stores skip reading each
-// destination line first and keep it out of the cache the kernel needs.
-void copy_streaming(char* destination, const char* source, size_t nbytes) {
-#if defined(__SSE2__)
-  size_t head = (16 - reinterpret_cast<uintptr_t>(destination) % 16) % 16;
-  head = std::min(head, nbytes);
-  std::memcpy(destination, source, head);
-  size_t done = head;
-  for (; done + 16 <= nbytes; done += 16) {
-    const __m128i value = _mm_loadu_si128(reinterpret_cast<const __m128i*>(source + done));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(destination + done), value);
-  }
-  std::memcpy(destination + done, source + done, nbytes - done);
-#else
-  std::memcpy(destination, source, nbytes);
-#endif
-}
-
-// Saves or restores the undo copy of elements [begin, end).  Slices begin on a whole
-// block, so a stream of per-block units (blockwise8 scales) is split between them
-// without overlap: only the final slice ends mid-block, and it covers that block.
-void copy_undo(const Undo& undo, size_t begin, size_t end) {
-  for (int index = 0; index < undo.count; ++index) {
-    const UndoStream& stream = undo.streams[index];
-    const size_t first = begin / stream.unit_elements;
-    const size_t last = (end + stream.unit_elements - 1) / stream.unit_elements;
-    const size_t offset = first * stream.unit_bytes;
-    const size_t nbytes = (last - first) * stream.unit_bytes;
-    if (undo.restore) {  // the kernel rewrites these lines next: plain stores
-      std::memcpy(stream.state + offset, stream.undo + offset, nbytes);
-    } else {
-      copy_streaming(stream.undo + offset, stream.state + offset, nbytes);
-    }
-  }
-}
-
-// One task: the kernel over [begin, end), each slice saved or restored just before.
-template <class Update>
-void run_task(const Undo* undo, size_t begin, size_t end, const Update& update) {
-  if (undo == nullptr) {
-    update(begin, end);
-    return;
-  }
-  for (size_t slice = begin; slice < end; slice += kUndoSliceElements) {
-    const size_t slice_end = std::min(end, slice + kUndoSliceElements);
-    copy_undo(*undo, slice, slice_end);
-    update(slice, slice_end);
-  }
-#if defined(__SSE2__)
-  // Streaming stores are weakly ordered: visible before the pool reports the task done.
-  if (!undo->restore) _mm_sfence();
-#endif
-}
-
 }  // namespace
 
 StepScalars make_step_scalars(int64_t step, double lr, double beta1, double beta2, double eps,
@@ -156,25 +92,22 @@ CompactKernelFn find_compact_kernel(const std::string& name) {
 }
 
 void run_step(KernelFn kernel, const StepScalars& scalars, const Buffers& buffers, size_t numel,
-              int num_threads, const Undo* undo) {
+              int num_threads) {
   if (num_threads <= 0) num_threads = available_cpus();
   const size_t num_tasks = (numel + kTaskElements - 1) / kTaskElements;
   ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](size_t task) {
     const size_t begin = task * kTaskElements;
-    run_task(undo, begin, std::min(numel, begin + kTaskElements),
-             [&](size_t from, size_t to) { kernel(scalars, buffers, from, to); });
+    kernel(scalars, buffers, begin, std::min(numel, begin + kTaskElements));
   });
 }
 
 void run_compact_step(CompactKernelFn kernel, const StepScalars& scalars, const Buffers& buffers,
-                      const CompactMoments& moments, size_t numel, int num_threads,
-                      const Undo* undo) {
+                      const CompactMoments& moments, size_t numel, int num_threads) {
   if (num_threads <= 0) num_threads = available_cpus();
   const size_t num_tasks = (numel + kTaskElements - 1) / kTaskElements;
   ThreadPool::instance().parallel_for(num_tasks, num_threads, [&](size_t task) {
     const size_t begin = task * kTaskElements;
-    run_task(undo, begin, std::min(numel, begin + kTaskElements),
-             [&](size_t from, size_t to) { kernel(scalars, buffers, moments, from, to); });
+    kernel(scalars, buffers, moments, begin, std::min(numel, begin + kTaskElements));
   });
 }
 

@@ -37,11 +37,11 @@ struct ScalarKernel {
   static void run(const StepScalars& s, const Buffers& b, size_t begin, size_t end) {
     for (size_t i = begin; i < end; ++i) {
       float grad = load_grad<kGrad>(b.grad, i) * s.grad_scale;
-      float param = b.master[i] * s.decay_factor;
+      float param = b.master_in[i] * s.decay_factor;
       if constexpr (kL2) grad = grad + s.l2_weight_decay * param;
-      float exp_avg = b.exp_avg[i];
+      float exp_avg = b.exp_avg_in[i];
       exp_avg = exp_avg + s.one_minus_beta1 * (grad - exp_avg);
-      const float exp_avg_sq = b.exp_avg_sq[i] * s.beta2 + s.one_minus_beta2 * grad * grad;
+      const float exp_avg_sq = b.exp_avg_sq_in[i] * s.beta2 + s.one_minus_beta2 * grad * grad;
       const float denom = std::sqrt(exp_avg_sq) / s.bias_correction2_sqrt + s.eps;
       param = param + s.neg_step_size * (exp_avg / denom);
       b.master[i] = param;

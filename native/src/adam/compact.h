@@ -134,6 +134,9 @@ struct Streams {
   void* param_out;
   void* exp_avg;     // uint16 bf16 bits or uint8 codes
   void* exp_avg_sq;
+  const float* master_in;  // where the state is read (the streams above in place)
+  const void* exp_avg_in;
+  const void* exp_avg_sq_in;
 
   static constexpr size_t grad_bytes() { return kGrad == GradDtype::kFloat32 ? 4 : 2; }
   static constexpr size_t out_bytes() {
@@ -154,7 +157,10 @@ inline Streams<kGrad, kOut> offset(const Streams<kGrad, kOut>& s, size_t i, size
           s.param_out == nullptr ? nullptr
                                  : static_cast<unsigned char*>(s.param_out) + i * S::out_bytes(),
           static_cast<unsigned char*>(s.exp_avg) + i * moment_bytes,
-          static_cast<unsigned char*>(s.exp_avg_sq) + i * moment_bytes};
+          static_cast<unsigned char*>(s.exp_avg_sq) + i * moment_bytes,
+          s.master_in + i,
+          static_cast<const unsigned char*>(s.exp_avg_in) + i * moment_bytes,
+          static_cast<const unsigned char*>(s.exp_avg_sq_in) + i * moment_bytes};
 }
 
 // Runs `body(staged streams)` on zero-padded copies of the first n (< capacity)
@@ -167,11 +173,13 @@ inline void staged(const Streams<kGrad, kOut>& s, size_t n, Body body) {
   alignas(64) float out[kCapacity] = {};
   alignas(64) unsigned char exp_avg[kCapacity * kMomentBytes] = {};
   alignas(64) unsigned char exp_avg_sq[kCapacity * kMomentBytes] = {};
-  copy_bytes(master, s.master, n * 4);
+  copy_bytes(master, s.master_in, n * 4);
   copy_bytes(grad, s.grad, n * S::grad_bytes());
-  copy_bytes(exp_avg, s.exp_avg, n * kMomentBytes);
-  copy_bytes(exp_avg_sq, s.exp_avg_sq, n * kMomentBytes);
-  const S local{master, grad, kOut == OutDtype::kNone ? nullptr : out, exp_avg, exp_avg_sq};
+  copy_bytes(exp_avg, s.exp_avg_in, n * kMomentBytes);
+  copy_bytes(exp_avg_sq, s.exp_avg_sq_in, n * kMomentBytes);
+  const S local{master,  grad,       kOut == OutDtype::kNone ? nullptr : out,
+                exp_avg, exp_avg_sq, master,
+                exp_avg, exp_avg_sq};
   body(local);
   copy_bytes(s.master, master, n * 4);
   if (S::out_bytes() != 0) copy_bytes(s.param_out, out, n * S::out_bytes());
@@ -189,10 +197,10 @@ inline void bf16_vector(const Coefficients<V>& c, const Streams<kGrad, kOut>& s,
   using I = typename V::I;
   auto* exp_avg_bits = static_cast<uint16_t*>(s.exp_avg);
   auto* exp_avg_sq_bits = static_cast<uint16_t*>(s.exp_avg_sq);
-  F exp_avg = bf16_load<V>(exp_avg_bits);
-  F exp_avg_sq = bf16_load<V>(exp_avg_sq_bits);
+  F exp_avg = bf16_load<V>(static_cast<const uint16_t*>(s.exp_avg_in));
+  F exp_avg_sq = bf16_load<V>(static_cast<const uint16_t*>(s.exp_avg_sq_in));
   const F param = adam_math<V, kL2>(c, V::template load_grad<kGrad>(s.grad, 0),
-                                    V::loadf(s.master), exp_avg, exp_avg_sq);
+                                    V::loadf(s.master_in), exp_avg, exp_avg_sq);
   V::storef(s.master, param);
   V::template store_out<kOut>(s.param_out, 0, param);
   const I random = hash32<V>(V::xori(V::addi(V::seti(index), V::iota()), V::seti(key)));
@@ -217,25 +225,35 @@ void run_bf16(const StepScalars& scalars, const Streams<kGrad, kOut>& all, uint3
 
 // ------------------------------------------------------------------ blockwise8 moments
 
+// A block's scales: read from the state's `*_in`, written to the new state's.
+struct BlockScales {
+  float exp_avg_in, exp_avg_sq_in;
+  float& exp_avg;
+  float& exp_avg_sq;
+};
+
 // One whole block (kBlockElements elements of `s`; a short last block runs staged,
 // its padding all zeros, which leave the absmax alone).
 template <class V, GradDtype kGrad, OutDtype kOut, bool kL2>
 void blockwise8_block(const Coefficients<V>& c, const Streams<kGrad, kOut>& s,
-                      float& exp_avg_scale, float& exp_avg_sq_scale) {
+                      const BlockScales& scales) {
   using F = typename V::F;
   alignas(64) float exp_avg_new[kBlockElements];
   alignas(64) float exp_avg_sq_new[kBlockElements];
   auto* exp_avg_codes = static_cast<uint8_t*>(s.exp_avg);
   auto* exp_avg_sq_codes = static_cast<uint8_t*>(s.exp_avg_sq);
-  const F exp_avg_old_scale = V::setf(exp_avg_scale);
-  const F exp_avg_sq_old_scale = V::setf(exp_avg_sq_scale);
+  const auto* exp_avg_codes_in = static_cast<const uint8_t*>(s.exp_avg_in);
+  const auto* exp_avg_sq_codes_in = static_cast<const uint8_t*>(s.exp_avg_sq_in);
+  const F exp_avg_old_scale = V::setf(scales.exp_avg_in);
+  const F exp_avg_sq_old_scale = V::setf(scales.exp_avg_sq_in);
   F exp_avg_max = V::setf(0.0f), exp_avg_sq_max = V::setf(0.0f);
   for (size_t j = 0; j < kBlockElements; j += V::kLanes) {
-    F exp_avg = V::mul(decode_code<V, true>(V::load_u8(exp_avg_codes + j)), exp_avg_old_scale);
-    F exp_avg_sq =
-        V::mul(decode_code<V, false>(V::load_u8(exp_avg_sq_codes + j)), exp_avg_sq_old_scale);
+    F exp_avg =
+        V::mul(decode_code<V, true>(V::load_u8(exp_avg_codes_in + j)), exp_avg_old_scale);
+    F exp_avg_sq = V::mul(decode_code<V, false>(V::load_u8(exp_avg_sq_codes_in + j)),
+                          exp_avg_sq_old_scale);
     const F param = adam_math<V, kL2>(c, V::template load_grad<kGrad>(s.grad, j),
-                                      V::loadf(s.master + j), exp_avg, exp_avg_sq);
+                                      V::loadf(s.master_in + j), exp_avg, exp_avg_sq);
     V::storef(s.master + j, param);
     V::template store_out<kOut>(s.param_out, j, param);
     V::storef(exp_avg_new + j, exp_avg);
@@ -243,8 +261,8 @@ void blockwise8_block(const Coefficients<V>& c, const Streams<kGrad, kOut>& s,
     exp_avg_max = V::maxf(exp_avg_max, V::absf(exp_avg));
     exp_avg_sq_max = V::maxf(exp_avg_sq_max, exp_avg_sq);
   }
-  exp_avg_scale = V::hmax(exp_avg_max);
-  exp_avg_sq_scale = V::hmax(exp_avg_sq_max);
+  const float exp_avg_scale = scales.exp_avg = V::hmax(exp_avg_max);
+  const float exp_avg_sq_scale = scales.exp_avg_sq = V::hmax(exp_avg_sq_max);
   // An all-zero block keeps scale 0 and divides by 1, so its codes are zero too.
   const F exp_avg_divisor = V::setf(exp_avg_scale == 0.0f ? 1.0f : exp_avg_scale);
   const F exp_avg_sq_divisor = V::setf(exp_avg_sq_scale == 0.0f ? 1.0f : exp_avg_sq_scale);
@@ -259,18 +277,18 @@ void blockwise8_block(const Coefficients<V>& c, const Streams<kGrad, kOut>& s,
 // [begin, end) must start on a block boundary (tasks are whole blocks but the last).
 template <class V, GradDtype kGrad, OutDtype kOut, bool kL2>
 void run_blockwise8(const StepScalars& scalars, const Streams<kGrad, kOut>& all,
-                    float* exp_avg_scales, float* exp_avg_sq_scales, size_t begin, size_t end) {
+                    const CompactMoments& m, size_t begin, size_t end) {
   const Coefficients<V> c(scalars);
   for (size_t i = begin; i < end; i += kBlockElements) {
     const size_t block = i / kBlockElements;
+    const BlockScales scales{m.exp_avg_scales_in[block], m.exp_avg_sq_scales_in[block],
+                             m.exp_avg_scales[block], m.exp_avg_sq_scales[block]};
     const Streams<kGrad, kOut> here = offset(all, i, 1);
     if (i + kBlockElements <= end) {
-      blockwise8_block<V, kGrad, kOut, kL2>(c, here, exp_avg_scales[block],
-                                            exp_avg_sq_scales[block]);
+      blockwise8_block<V, kGrad, kOut, kL2>(c, here, scales);
     } else {
       staged<kBlockElements, 1>(here, end - i, [&](const Streams<kGrad, kOut>& local) {
-        blockwise8_block<V, kGrad, kOut, kL2>(c, local, exp_avg_scales[block],
-                                              exp_avg_sq_scales[block]);
+        blockwise8_block<V, kGrad, kOut, kL2>(c, local, scales);
       });
     }
   }
@@ -281,12 +299,13 @@ void run_blockwise8(const StepScalars& scalars, const Streams<kGrad, kOut>& all,
 template <class V, GradDtype kGrad, OutDtype kOut, bool kL2>
 void run_format(const StepScalars& s, const Buffers& b, const CompactMoments& m, size_t begin,
                 size_t end) {
-  const Streams<kGrad, kOut> all{b.master, b.grad, b.param_out, m.exp_avg, m.exp_avg_sq};
+  const Streams<kGrad, kOut> all{b.master,    b.grad,       b.param_out,
+                                 m.exp_avg,   m.exp_avg_sq, b.master_in,
+                                 m.exp_avg_in, m.exp_avg_sq_in};
   if (m.format == MomentFormat::kBFloat16) {
     run_bf16<V, kGrad, kOut, kL2>(s, all, m.rounding_key, begin, end);
   } else {
-    run_blockwise8<V, kGrad, kOut, kL2>(s, all, m.exp_avg_scales, m.exp_avg_sq_scales, begin,
-                                         end);
+    run_blockwise8<V, kGrad, kOut, kL2>(s, all, m, begin, end);
   }
 }
 
