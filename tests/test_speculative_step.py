@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import base_config, make_batch, make_model, run_ranks
-from test_nvme_recovery import stopped_cleanly
+from test_nvme_recovery import kill_daemon, stopped_cleanly
 
 from offloadd.compute import adam
 from offloadd.errors import InvalidRequestError, UnknownShardError
@@ -319,13 +319,21 @@ def test_a_commit_adopts_what_the_swap_tier_moved_since_the_step(tmp_path: Path)
     """A 16 MiB arena swapping to disk: between the kept step and its commit, 14 MiB of
     other shards leased at once push the unit's state and its stepped copy (dirty) out
     to swap. The commit reads the copy back and hands it over; the adopted bytes are
-    what later evictions write back and reads return, and what a flush makes durable."""
-    daemon = PrivateDaemon.start(tmp_path / "run", arena_size=16 << 20,
-                                 swap_dirs=[str(tmp_path / "nvme0")],
-                                 extra_args=["--arena-hugepages", "off"])
-    with stopped_cleanly(daemon), OffloadClient.connect(
-            daemon.socket_path, job="adopt", arena_nbytes=16 << 20, timeout_s=60) as client:
-        state = _unit_state(1 << 18)  # 1 MiB a shard
+    what later evictions write back and reads return, and what a flush makes durable
+    through a kill -9 and ``--recover``."""
+
+    def start(name: str, *extra: str) -> PrivateDaemon:
+        return PrivateDaemon.start(tmp_path / name, arena_size=16 << 20,
+                                   swap_dirs=[str(tmp_path / "nvme0")],
+                                   extra_args=["--arena-hugepages", "off", *extra])
+
+    def connect(daemon: PrivateDaemon) -> OffloadClient:
+        return OffloadClient.connect(daemon.socket_path, job="adopt", arena_nbytes=16 << 20,
+                                     timeout_s=60)
+
+    state, stepped = _unit_state(1 << 18), None  # 1 MiB a shard
+    first = start("run1")
+    with connect(first) as client:
         _load(client, state)
         _step(client, "keep")
         filler = bytes(range(256)) * (1 << 12)  # 1 MiB
@@ -341,6 +349,9 @@ def test_a_commit_adopts_what_the_swap_tier_moved_since_the_step(tmp_path: Path)
             assert client.get(f"filler{index}") == filler
         _assert_state(_read(client), stepped)
     assert swapped.get("nvme", 0) > 0, swapped
+    kill_daemon(first)
+    with stopped_cleanly(start("run2", "--recover")) as second, connect(second) as client:
+        _assert_state(_read(client), stepped)
 
 
 def test_undo_parts_with_missing_or_mismatched_next_shards_are_refused(connect) -> None:
