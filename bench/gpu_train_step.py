@@ -35,6 +35,7 @@ Last line: JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -470,10 +471,12 @@ CONTENDERS: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {
 def main() -> None:
     args = _parse()
     if args.contender is not None:  # a child: one contender, its JSON on the last line
-        swap_dir = os.path.join(args.swap_dir or tempfile.mkdtemp(prefix="offloadd-gpu-swap-"),
-                                args.contender)
-        os.makedirs(swap_dir, exist_ok=True)
-        print(json.dumps(CONTENDERS[args.contender](args, swap_dir)))
+        with contextlib.ExitStack() as cleanup:  # a swap dir of its own is removed after
+            root = args.swap_dir or cleanup.enter_context(
+                tempfile.TemporaryDirectory(prefix="offloadd-gpu-swap-"))
+            swap_dir = os.path.join(root, args.contender)
+            os.makedirs(swap_dir, exist_ok=True)
+            print(json.dumps(CONTENDERS[args.contender](args, swap_dir)))
         return
     notes: list[str] = []
     head = {"bench": "gpu_train_step", "device": args.device,
