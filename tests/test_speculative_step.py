@@ -364,6 +364,10 @@ def test_undo_parts_with_missing_or_mismatched_next_shards_are_refused(connect) 
                  ["float32", "float32", "bfloat16"])
     with pytest.raises(InvalidRequestError, match=r"u\.next\.exp_avg_sq"):
         _step(client, "keep")
+    client.drop([f"u.next.{kind}" for kind in KINDS[:3]])
+    client.alloc([f"u.next.{kind}" for kind in KINDS[:3]], [NUMEL * 4] * 3, ["float32"] * 3)
+    with pytest.raises(InvalidRequestError, match="never written"):  # no kept step before
+        _step(client, "commit")
     _assert_state(_read_state_only(client), state)  # nothing ran
     _step(client, "none")  # the connection and the daemon still serve
     _assert_state(_read_state_only(client), {k: v for k, v in _stepped(state, 1.0).items()

@@ -258,6 +258,11 @@ class OptimizerService:
         next ones (FIFO within a job)."""
         await self.worker_slot.acquire(job.name)
         try:
+            unwritten = [shard.shard_id for shard in stepped if shard.version == 0]
+            if unwritten:  # allocated, but no kept step (nor anything else) wrote them
+                raise InvalidRequestError(
+                    f"commit of unit {req.unit!r}: {unwritten} were never written; send "
+                    "the speculative step (undo='keep') before its commit")
             await job.adopt(list(zip(stepped, state[:3], strict=True)))
         finally:
             self.worker_slot.release()
