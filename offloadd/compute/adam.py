@@ -100,14 +100,14 @@ def adam_step(
     """
     _check_state(master, exp_avg, exp_avg_sq, grad, param_out)
     _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay, grad_scale, num_threads)
-    source = _check_source((master, exp_avg, exp_avg_sq), source)
+    read_from = _check_source((master, exp_avg, exp_avg_sq), source)
     kernel = _choose_kernel(use_native, use_kernel)
     if master.numel() == 0:
         return
-    if kernel == "torch" and source is not None:  # the same step, after a copy
-        for state, copy in zip((master, exp_avg, exp_avg_sq), source, strict=True):
+    if kernel == "torch" and read_from is not None:  # the same step, after a copy
+        for state, copy in zip((master, exp_avg, exp_avg_sq), read_from, strict=True):
             state.copy_(copy)
-        source = None
+        read_from = None
     hyper: dict[str, Any] = dict(
         step=step,
         lr=lr,
@@ -125,12 +125,12 @@ def adam_step(
             _torch_compact_step(master, exp_avg, exp_avg_sq, grad, param_out, key, **hyper)
         else:
             _native_compact_step(master, exp_avg, exp_avg_sq, grad, param_out, key, kernel,
-                                 num_threads, source, **hyper)
+                                 num_threads, read_from, **hyper)
     elif kernel == "torch":
         _torch_step(master, exp_avg, exp_avg_sq, grad, param_out, **hyper)
     else:
-        _native_step(master, exp_avg, exp_avg_sq, grad, param_out, kernel, num_threads, source,
-                     **hyper)
+        _native_step(master, exp_avg, exp_avg_sq, grad, param_out, kernel, num_threads,
+                     read_from, **hyper)
 
 
 def _check_source(state: tuple[torch.Tensor, ...], source: Any

@@ -372,13 +372,14 @@ class OptimizerService:
                 param.copy_(state[0])
             return
         stepped = [self._tensor(job, shard) for shard in shards.next]
+        master, exp_avg, exp_avg_sq = stepped or state[:3]  # written: out of place or not
         adam.adam_step(
-            *(stepped or state[:3]), state[3],
+            master, exp_avg, exp_avg_sq, state[3],
             step=req.step, lr=req.lr, beta1=req.beta1, beta2=req.beta2, eps=req.eps,
             weight_decay=req.weight_decay, decoupled_weight_decay=req.decoupled_weight_decay,
             grad_scale=req.grad_scale, param_out=param,
             num_threads=self.num_threads, rounding_seed=rounding_seed(rank, req.unit),
-            source=tuple(state[:3]) if stepped else None,  # type: ignore[arg-type]
+            source=(state[0], state[1], state[2]) if stepped else None,
         )
 
     def families(self) -> list[Metric]:
