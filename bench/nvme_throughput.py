@@ -90,7 +90,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--no-deepspeed", action="store_true", help="skip DeepSpeed's aio")
     parser.add_argument("--unstaged", action="store_true",
                         help="also run the daemon with its bounce staging off (an A/B)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.arena_mib * MIB < args.window * DEFAULTS.chunk_size:
+        parser.error(f"--arena-mib {args.arena_mib} cannot hold --window {args.window} chunks "
+                     f"of {DEFAULTS.chunk_size // MIB} MiB leased at once: raise --arena-mib "
+                     "or lower --window")
+    return args
 
 
 # -- offloadd ----------------------------------------------------------------------------
