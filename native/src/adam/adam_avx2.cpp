@@ -172,6 +172,16 @@ struct Avx2Lanes {
                      _mm_packus_epi32(_mm256_castsi256_si128(value),
                                       _mm256_extracti128_si256(value, 1)));
   }
+  // Streaming stores (compact.h, out of place): destinations aligned to the vector's bytes.
+  // 8 codes are one 64-bit store: written plainly.
+  static void streamf(float* destination, F value) { _mm256_stream_ps(destination, value); }
+  static void stream_u8(uint8_t* destination, I value) { store_u8(destination, value); }
+  static void stream_u16(uint16_t* destination, I value) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(destination),
+                     _mm_packus_epi32(_mm256_castsi256_si128(value),
+                                      _mm256_extracti128_si256(value, 1)));
+  }
+  static void fence() { _mm_sfence(); }
 
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F sub(F a, F b) { return _mm256_sub_ps(a, b); }

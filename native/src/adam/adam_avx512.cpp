@@ -171,6 +171,15 @@ struct Avx512Lanes {
   static void store_u16(uint16_t* destination, I value) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(destination), _mm512_cvtepi32_epi16(value));
   }
+  // Streaming stores (compact.h, out of place): destinations aligned to the vector's bytes.
+  static void streamf(float* destination, F value) { _mm512_stream_ps(destination, value); }
+  static void stream_u8(uint8_t* destination, I value) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(destination), _mm512_cvtepi32_epi8(value));
+  }
+  static void stream_u16(uint16_t* destination, I value) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(destination), _mm512_cvtepi32_epi16(value));
+  }
+  static void fence() { _mm_sfence(); }
 
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F sub(F a, F b) { return _mm512_sub_ps(a, b); }

@@ -72,6 +72,11 @@ struct ScalarLanes {
   static void store_u8(uint8_t* destination, I value) { *destination = uint8_t(value); }
   static I load_u16(const uint16_t* source) { return *source; }
   static void store_u16(uint16_t* destination, I value) { *destination = uint16_t(value); }
+  // No streaming stores one lane at a time (compact.h): plain ones.
+  static void streamf(float* destination, F value) { storef(destination, value); }
+  static void stream_u8(uint8_t* destination, I value) { store_u8(destination, value); }
+  static void stream_u16(uint16_t* destination, I value) { store_u16(destination, value); }
+  static void fence() {}
 
   static F add(F a, F b) { return a + b; }
   static F sub(F a, F b) { return a - b; }

@@ -187,12 +187,54 @@ inline void staged(const Streams<kGrad, kOut>& s, size_t n, Body body) {
   copy_bytes(s.exp_avg_sq, exp_avg_sq, n * kMomentBytes);
 }
 
+// ------------------------------------------------------------------ streaming stores
+
+// Out of place, the written state is not read again this pass: full vectors go out as
+// streaming stores (no read-for-ownership of the destination lines) where every
+// destination of the task starts aligned to its vector's bytes; V::fence() at the end.
+template <class V>
+inline bool can_stream(const void* master, const void* exp_avg, const void* exp_avg_sq,
+                       size_t moment_bytes) {
+  const auto aligned = [](const void* address, size_t nbytes) {
+    return reinterpret_cast<uintptr_t>(address) % nbytes == 0;
+  };
+  return aligned(master, V::kLanes * 4) && aligned(exp_avg, V::kLanes * moment_bytes) &&
+         aligned(exp_avg_sq, V::kLanes * moment_bytes);
+}
+
+template <class V>
+inline void put_f(float* destination, typename V::F value, bool stream) {
+  if (stream) {
+    V::streamf(destination, value);
+  } else {
+    V::storef(destination, value);
+  }
+}
+
+template <class V>
+inline void put_u16(uint16_t* destination, typename V::I value, bool stream) {
+  if (stream) {
+    V::stream_u16(destination, value);
+  } else {
+    V::store_u16(destination, value);
+  }
+}
+
+template <class V>
+inline void put_u8(uint8_t* destination, typename V::I value, bool stream) {
+  if (stream) {
+    V::stream_u8(destination, value);
+  } else {
+    V::store_u8(destination, value);
+  }
+}
+
 // ------------------------------------------------------------------ bf16 moments
 
 // Elements [0, V::kLanes) of `s`; `index` numbers element 0 for the rounding bits.
 template <class V, GradDtype kGrad, OutDtype kOut, bool kL2>
 inline void bf16_vector(const Coefficients<V>& c, const Streams<kGrad, kOut>& s, uint32_t index,
-                        uint32_t key) {
+                        uint32_t key, bool stream) {
   using F = typename V::F;
   using I = typename V::I;
   auto* exp_avg_bits = static_cast<uint16_t*>(s.exp_avg);
@@ -201,26 +243,32 @@ inline void bf16_vector(const Coefficients<V>& c, const Streams<kGrad, kOut>& s,
   F exp_avg_sq = bf16_load<V>(static_cast<const uint16_t*>(s.exp_avg_sq_in));
   const F param = adam_math<V, kL2>(c, V::template load_grad<kGrad>(s.grad, 0),
                                     V::loadf(s.master_in), exp_avg, exp_avg_sq);
-  V::storef(s.master, param);
+  put_f<V>(s.master, param, stream);
   V::template store_out<kOut>(s.param_out, 0, param);
   const I random = hash32<V>(V::xori(V::addi(V::seti(index), V::iota()), V::seti(key)));
-  V::store_u16(exp_avg_bits, bf16_stochastic<V>(exp_avg, V::andi(random, V::seti(0xFFFFu))));
-  V::store_u16(exp_avg_sq_bits, bf16_stochastic<V>(exp_avg_sq, V::template srl<16>(random)));
+  put_u16<V>(exp_avg_bits, bf16_stochastic<V>(exp_avg, V::andi(random, V::seti(0xFFFFu))),
+             stream);
+  put_u16<V>(exp_avg_sq_bits, bf16_stochastic<V>(exp_avg_sq, V::template srl<16>(random)),
+             stream);
 }
 
 template <class V, GradDtype kGrad, OutDtype kOut, bool kL2>
 void run_bf16(const StepScalars& scalars, const Streams<kGrad, kOut>& all, uint32_t key,
               size_t begin, size_t end) {
   const Coefficients<V> c(scalars);
+  const Streams<kGrad, kOut> first = offset(all, begin, 2);
+  const bool stream = all.master != all.master_in &&
+                      can_stream<V>(first.master, first.exp_avg, first.exp_avg_sq, 2);
   size_t i = begin;
   for (; i + V::kLanes <= end; i += V::kLanes) {
-    bf16_vector<V, kGrad, kOut, kL2>(c, offset(all, i, 2), uint32_t(i), key);
+    bf16_vector<V, kGrad, kOut, kL2>(c, offset(all, i, 2), uint32_t(i), key, stream);
   }
   if (i < end) {
     staged<V::kLanes, 2>(offset(all, i, 2), end - i, [&](const Streams<kGrad, kOut>& local) {
-      bf16_vector<V, kGrad, kOut, kL2>(c, local, uint32_t(i), key);
+      bf16_vector<V, kGrad, kOut, kL2>(c, local, uint32_t(i), key, false);
     });
   }
+  if (stream) V::fence();
 }
 
 // ------------------------------------------------------------------ blockwise8 moments
@@ -236,7 +284,7 @@ struct BlockScales {
 // its padding all zeros, which leave the absmax alone).
 template <class V, GradDtype kGrad, OutDtype kOut, bool kL2>
 void blockwise8_block(const Coefficients<V>& c, const Streams<kGrad, kOut>& s,
-                      const BlockScales& scales) {
+                      const BlockScales& scales, bool stream) {
   using F = typename V::F;
   alignas(64) float exp_avg_new[kBlockElements];
   alignas(64) float exp_avg_sq_new[kBlockElements];
@@ -254,7 +302,7 @@ void blockwise8_block(const Coefficients<V>& c, const Streams<kGrad, kOut>& s,
                           exp_avg_sq_old_scale);
     const F param = adam_math<V, kL2>(c, V::template load_grad<kGrad>(s.grad, j),
                                       V::loadf(s.master_in + j), exp_avg, exp_avg_sq);
-    V::storef(s.master + j, param);
+    put_f<V>(s.master + j, param, stream);
     V::template store_out<kOut>(s.param_out, j, param);
     V::storef(exp_avg_new + j, exp_avg);
     V::storef(exp_avg_sq_new + j, exp_avg_sq);
@@ -267,10 +315,11 @@ void blockwise8_block(const Coefficients<V>& c, const Streams<kGrad, kOut>& s,
   const F exp_avg_divisor = V::setf(exp_avg_scale == 0.0f ? 1.0f : exp_avg_scale);
   const F exp_avg_sq_divisor = V::setf(exp_avg_sq_scale == 0.0f ? 1.0f : exp_avg_sq_scale);
   for (size_t j = 0; j < kBlockElements; j += V::kLanes) {
-    V::store_u8(exp_avg_codes + j,
-                encode_code<V, true>(V::div(V::loadf(exp_avg_new + j), exp_avg_divisor)));
-    V::store_u8(exp_avg_sq_codes + j,
-                encode_code<V, false>(V::div(V::loadf(exp_avg_sq_new + j), exp_avg_sq_divisor)));
+    put_u8<V>(exp_avg_codes + j,
+              encode_code<V, true>(V::div(V::loadf(exp_avg_new + j), exp_avg_divisor)), stream);
+    put_u8<V>(exp_avg_sq_codes + j,
+              encode_code<V, false>(V::div(V::loadf(exp_avg_sq_new + j), exp_avg_sq_divisor)),
+              stream);
   }
 }
 
@@ -279,19 +328,23 @@ template <class V, GradDtype kGrad, OutDtype kOut, bool kL2>
 void run_blockwise8(const StepScalars& scalars, const Streams<kGrad, kOut>& all,
                     const CompactMoments& m, size_t begin, size_t end) {
   const Coefficients<V> c(scalars);
+  const Streams<kGrad, kOut> first = offset(all, begin, 1);
+  const bool stream = all.master != all.master_in &&
+                      can_stream<V>(first.master, first.exp_avg, first.exp_avg_sq, 1);
   for (size_t i = begin; i < end; i += kBlockElements) {
     const size_t block = i / kBlockElements;
     const BlockScales scales{m.exp_avg_scales_in[block], m.exp_avg_sq_scales_in[block],
                              m.exp_avg_scales[block], m.exp_avg_sq_scales[block]};
     const Streams<kGrad, kOut> here = offset(all, i, 1);
     if (i + kBlockElements <= end) {
-      blockwise8_block<V, kGrad, kOut, kL2>(c, here, scales);
+      blockwise8_block<V, kGrad, kOut, kL2>(c, here, scales, stream);
     } else {
       staged<kBlockElements, 1>(here, end - i, [&](const Streams<kGrad, kOut>& local) {
-        blockwise8_block<V, kGrad, kOut, kL2>(c, local, scales);
+        blockwise8_block<V, kGrad, kOut, kL2>(c, local, scales, false);
       });
     }
   }
+  if (stream) V::fence();
 }
 
 // ------------------------------------------------------------------ dispatch
