@@ -27,7 +27,9 @@ cores from whichever contender runs next.
 
 ``speculative_step_time_factor`` is the mixed step run out of place (a speculative
 optimizer step's: it reads the state from one copy and writes the next into another,
-which its commit adopts) over the plain in-place mixed step.
+which its commit adopts) over the plain in-place mixed step;
+``speculative_step_time_factor_bf16_moments`` the same with bf16 moments (the
+``mixed_bf16`` path: 24 B/param touched).
 
 The last line printed is one JSON object; ratios are peer time / our time
 (>1 means offloadd is faster).
@@ -47,7 +49,8 @@ import torch
 from offloadd.compute import adam
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
-BYTES_PER_PARAM = {"fp32": 4 * 6 + 4, "mixed": 4 * 6 + 2 + 2, "triad": 3 * 4}
+BYTES_PER_PARAM = {"fp32": 4 * 6 + 4, "mixed": 4 * 6 + 2 + 2, "mixed_bf16": 4 * 2 + 2 * 4 + 2 + 2,
+                   "triad": 3 * 4}
 BLOCK_PAUSE_S = 0.2
 
 
@@ -74,16 +77,20 @@ class Problem:
 
 
 def ours(problem: Problem, mixed: bool, threads: int | None,
-         speculative: bool = False) -> Callable[[], None]:
+         speculative: bool = False, moments: torch.dtype = torch.float32
+         ) -> Callable[[], None]:
     """``speculative``: each step reads the state from one copy and writes it into the
-    other, as the daemon's speculative steps do (a commit adopts the written copy)."""
+    other, as the daemon's speculative steps do (a commit adopts the written copy).
+    ``moments``: fp32 or bf16 (stochastically rounded) moments."""
     master = problem.master.clone()
-    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    exp_avg = torch.zeros(master.numel(), dtype=moments)
+    exp_avg_sq = torch.zeros(master.numel(), dtype=moments)
     grad = problem.grad_bf16 if mixed else problem.grad32
     param_out = problem.param_bf16 if mixed else None
     copies = [(master, exp_avg, exp_avg_sq)]
     if speculative:
-        copies.append(tuple(torch.empty_like(master) for _ in range(3)))
+        copies.append((torch.empty_like(master), torch.empty_like(exp_avg),
+                       torch.empty_like(exp_avg_sq)))
     step = 0
 
     def run() -> None:
@@ -163,6 +170,9 @@ def build_contenders(
         "ours_fp32": ("fp32", ours(problem, False, threads)),
         "ours_mixed": ("mixed", ours(problem, True, threads)),
         "ours_mixed_speculative": ("mixed", ours(problem, True, threads, speculative=True)),
+        "ours_mixed_bf16": ("mixed_bf16", ours(problem, True, threads, moments=torch.bfloat16)),
+        "ours_mixed_bf16_speculative": ("mixed_bf16", ours(
+            problem, True, threads, speculative=True, moments=torch.bfloat16)),
         "torch_foreach_fp32": ("fp32", torch_optimizer(problem, False, foreach=True)),
         "stream_triad": ("triad", stream_triad(problem.master.numel(), threads)),
     }
@@ -238,6 +248,8 @@ def report(
             result[f"ratio_vs_{peer}"] = round(seconds[peer] / seconds[mine], 3)
     result["speculative_step_time_factor"] = round(
         seconds["ours_mixed_speculative"] / seconds["ours_mixed"], 3)
+    result["speculative_step_time_factor_bf16_moments"] = round(
+        seconds["ours_mixed_bf16_speculative"] / seconds["ours_mixed_bf16"], 3)
     result["stream_triad_gb_per_s"] = round(gbps["stream_triad"], 2)
     for path in ("fp32", "mixed"):
         result[f"ratio_vs_stream_triad_{path}"] = round(
