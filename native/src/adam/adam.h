@@ -47,10 +47,6 @@ struct Buffers {
   const float* master_in;  // where the state is read: master etc. in place
   const float* exp_avg_in;
   const float* exp_avg_sq_in;
-
-  // Out of place: the written state is not read again this pass, so full vectors
-  // go out as streaming stores (no read-for-ownership of the destination lines).
-  bool out_of_place() const { return master_in != master; }
 };
 
 // How exp_avg / exp_avg_sq are stored when they are not fp32 (offloadd/formats.py).

@@ -72,69 +72,8 @@ inline void copy_bytes(void* dst, const void* src, size_t nbytes) {
   for (size_t k = 0; k < nbytes; ++k) d[k] = s[k];
 }
 
-struct Avx2Kernel {
-  template <GradDtype kGrad, OutDtype kOut, bool kL2>
-  static inline void update(const Coefficients& c, const Buffers& b, size_t i,
-                            bool stream_state = false) {
-    __m256 grad = _mm256_mul_ps(load_grad<kGrad>(b.grad, i), c.grad_scale);
-    __m256 param = _mm256_mul_ps(_mm256_loadu_ps(b.master_in + i), c.decay_factor);
-    if constexpr (kL2) grad = _mm256_fmadd_ps(c.l2_weight_decay, param, grad);
-    __m256 exp_avg = _mm256_loadu_ps(b.exp_avg_in + i);
-    exp_avg = _mm256_fmadd_ps(c.one_minus_beta1, _mm256_sub_ps(grad, exp_avg), exp_avg);
-    __m256 exp_avg_sq = _mm256_mul_ps(_mm256_loadu_ps(b.exp_avg_sq_in + i), c.beta2);
-    exp_avg_sq = _mm256_fmadd_ps(_mm256_mul_ps(c.one_minus_beta2, grad), grad, exp_avg_sq);
-    const __m256 denom = _mm256_add_ps(
-        _mm256_div_ps(_mm256_sqrt_ps(exp_avg_sq), c.bias_correction2_sqrt), c.eps);
-    param = _mm256_fmadd_ps(c.neg_step_size, _mm256_div_ps(exp_avg, denom), param);
-    if (stream_state) {  // out of place, 32-byte aligned (see run)
-      _mm256_stream_ps(b.master + i, param);
-      _mm256_stream_ps(b.exp_avg + i, exp_avg);
-      _mm256_stream_ps(b.exp_avg_sq + i, exp_avg_sq);
-    } else {
-      _mm256_storeu_ps(b.master + i, param);
-      _mm256_storeu_ps(b.exp_avg + i, exp_avg);
-      _mm256_storeu_ps(b.exp_avg_sq + i, exp_avg_sq);
-    }
-    store_out<kOut>(b.param_out, i, param);
-  }
-
-  // Stages elements [i, end) (fewer than kLanes) through zero-padded buffers.
-  template <GradDtype kGrad, OutDtype kOut, bool kL2>
-  static void update_tail(const Coefficients& c, const Buffers& b, size_t i, size_t end) {
-    float master[kLanes] = {}, exp_avg[kLanes] = {}, exp_avg_sq[kLanes] = {};
-    float grad[kLanes] = {}, out[kLanes] = {};  // float-sized slots also hold 16-bit values
-    const size_t n = end - i;
-    const size_t gsize = grad_bytes(b.grad_dtype), osize = out_bytes(b.out_dtype);
-    copy_bytes(master, b.master_in + i, n * 4);
-    copy_bytes(exp_avg, b.exp_avg_in + i, n * 4);
-    copy_bytes(exp_avg_sq, b.exp_avg_sq_in + i, n * 4);
-    copy_bytes(grad, static_cast<const unsigned char*>(b.grad) + i * gsize, n * gsize);
-    const Buffers staged{master, exp_avg, exp_avg_sq, grad,      b.grad_dtype,
-                         out,    b.out_dtype, master,  exp_avg, exp_avg_sq};
-    update<kGrad, kOut, kL2>(c, staged, 0);
-    copy_bytes(b.master + i, master, n * 4);
-    copy_bytes(b.exp_avg + i, exp_avg, n * 4);
-    copy_bytes(b.exp_avg_sq + i, exp_avg_sq, n * 4);
-    if (osize != 0) copy_bytes(static_cast<unsigned char*>(b.param_out) + i * osize, out, n * osize);
-  }
-
-  template <GradDtype kGrad, OutDtype kOut, bool kL2>
-  static void run(const StepScalars& s, const Buffers& b, size_t begin, size_t end) {
-    const Coefficients c = broadcast(s);
-    const uintptr_t any_low_bits = reinterpret_cast<uintptr_t>(b.master + begin) |
-                                   reinterpret_cast<uintptr_t>(b.exp_avg + begin) |
-                                   reinterpret_cast<uintptr_t>(b.exp_avg_sq + begin);
-    // Streaming stores skip the read-for-ownership of lines this pass never reads.
-    const bool stream_state = b.out_of_place() && any_low_bits % 32 == 0;
-    size_t i = begin;
-    for (; i + kLanes <= end; i += kLanes) update<kGrad, kOut, kL2>(c, b, i, stream_state);
-    if (i < end) update_tail<kGrad, kOut, kL2>(c, b, i, end);
-    // Non-temporal stores are weakly ordered: visible before the pool reports the task.
-    if (stream_state) _mm_sfence();
-  }
-};
-
-// 8-lane vectors for compact.h: the same arithmetic as Avx2Kernel (fused where it is).
+// 8-lane vectors for compact.h: the same arithmetic as Avx2Kernel below (fused where it
+// is).
 struct Avx2Lanes {
   using F = __m256;
   using I = __m256i;
@@ -214,6 +153,66 @@ struct Avx2Lanes {
   static M lt(I a, I b) { return _mm256_cmpgt_epi32(b, a); }
   static M eq(I a, I b) { return _mm256_cmpeq_epi32(a, b); }
   static I select(M mask, I a, I b) { return _mm256_blendv_epi8(b, a, mask); }
+};
+
+struct Avx2Kernel {
+  template <GradDtype kGrad, OutDtype kOut, bool kL2>
+  static inline void update(const Coefficients& c, const Buffers& b, size_t i,
+                            bool stream_state = false) {
+    __m256 grad = _mm256_mul_ps(load_grad<kGrad>(b.grad, i), c.grad_scale);
+    __m256 param = _mm256_mul_ps(_mm256_loadu_ps(b.master_in + i), c.decay_factor);
+    if constexpr (kL2) grad = _mm256_fmadd_ps(c.l2_weight_decay, param, grad);
+    __m256 exp_avg = _mm256_loadu_ps(b.exp_avg_in + i);
+    exp_avg = _mm256_fmadd_ps(c.one_minus_beta1, _mm256_sub_ps(grad, exp_avg), exp_avg);
+    __m256 exp_avg_sq = _mm256_mul_ps(_mm256_loadu_ps(b.exp_avg_sq_in + i), c.beta2);
+    exp_avg_sq = _mm256_fmadd_ps(_mm256_mul_ps(c.one_minus_beta2, grad), grad, exp_avg_sq);
+    const __m256 denom = _mm256_add_ps(
+        _mm256_div_ps(_mm256_sqrt_ps(exp_avg_sq), c.bias_correction2_sqrt), c.eps);
+    param = _mm256_fmadd_ps(c.neg_step_size, _mm256_div_ps(exp_avg, denom), param);
+    if (stream_state) {  // out of place, 32-byte aligned (see run)
+      _mm256_stream_ps(b.master + i, param);
+      _mm256_stream_ps(b.exp_avg + i, exp_avg);
+      _mm256_stream_ps(b.exp_avg_sq + i, exp_avg_sq);
+    } else {
+      _mm256_storeu_ps(b.master + i, param);
+      _mm256_storeu_ps(b.exp_avg + i, exp_avg);
+      _mm256_storeu_ps(b.exp_avg_sq + i, exp_avg_sq);
+    }
+    store_out<kOut>(b.param_out, i, param);
+  }
+
+  // Stages elements [i, end) (fewer than kLanes) through zero-padded buffers.
+  template <GradDtype kGrad, OutDtype kOut, bool kL2>
+  static void update_tail(const Coefficients& c, const Buffers& b, size_t i, size_t end) {
+    float master[kLanes] = {}, exp_avg[kLanes] = {}, exp_avg_sq[kLanes] = {};
+    float grad[kLanes] = {}, out[kLanes] = {};  // float-sized slots also hold 16-bit values
+    const size_t n = end - i;
+    const size_t gsize = grad_bytes(b.grad_dtype), osize = out_bytes(b.out_dtype);
+    copy_bytes(master, b.master_in + i, n * 4);
+    copy_bytes(exp_avg, b.exp_avg_in + i, n * 4);
+    copy_bytes(exp_avg_sq, b.exp_avg_sq_in + i, n * 4);
+    copy_bytes(grad, static_cast<const unsigned char*>(b.grad) + i * gsize, n * gsize);
+    const Buffers staged{master, exp_avg, exp_avg_sq, grad,      b.grad_dtype,
+                         out,    b.out_dtype, master,  exp_avg, exp_avg_sq};
+    update<kGrad, kOut, kL2>(c, staged, 0);
+    copy_bytes(b.master + i, master, n * 4);
+    copy_bytes(b.exp_avg + i, exp_avg, n * 4);
+    copy_bytes(b.exp_avg_sq + i, exp_avg_sq, n * 4);
+    if (osize != 0) copy_bytes(static_cast<unsigned char*>(b.param_out) + i * osize, out, n * osize);
+  }
+
+  template <GradDtype kGrad, OutDtype kOut, bool kL2>
+  static void run(const StepScalars& s, const Buffers& b, size_t begin, size_t end) {
+    const Coefficients c = broadcast(s);
+    // Streaming stores skip the read-for-ownership of lines this pass never reads.
+    const bool stream_state = compact::can_stream<Avx2Lanes>(
+        b.master + begin, b.master_in + begin, b.exp_avg + begin, b.exp_avg_sq + begin, 4);
+    size_t i = begin;
+    for (; i + kLanes <= end; i += kLanes) update<kGrad, kOut, kL2>(c, b, i, stream_state);
+    if (i < end) update_tail<kGrad, kOut, kL2>(c, b, i, end);
+    // Non-temporal stores are weakly ordered: visible before the pool reports the task.
+    if (stream_state) _mm_sfence();
+  }
 };
 
 }  // namespace

@@ -81,66 +81,8 @@ inline void store_out(void* out, size_t i, __m512 value, __mmask16 mask, bool st
   }
 }
 
-// The written state's vectors at `begin` (and so at every later full vector) are
-// 64-byte aligned, as streaming stores need.
-inline bool aligned_state(const Buffers& b, size_t begin) {
-  const uintptr_t any_low_bits = reinterpret_cast<uintptr_t>(b.master + begin) |
-                                 reinterpret_cast<uintptr_t>(b.exp_avg + begin) |
-                                 reinterpret_cast<uintptr_t>(b.exp_avg_sq + begin);
-  return any_low_bits % 64 == 0;
-}
-
-struct Avx512Kernel {
-  // Masked-off lanes load zeros and are never stored, so they cannot fault or leak.
-  template <GradDtype kGrad, OutDtype kOut, bool kL2>
-  static inline void update(const Coefficients& c, const Buffers& b, size_t i, __mmask16 mask,
-                            bool stream_out, bool stream_state) {
-    __m512 grad = _mm512_mul_ps(load_grad<kGrad>(b.grad, i, mask), c.grad_scale);
-    __m512 param = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, b.master_in + i), c.decay_factor);
-    if constexpr (kL2) grad = _mm512_fmadd_ps(c.l2_weight_decay, param, grad);
-    __m512 exp_avg = _mm512_maskz_loadu_ps(mask, b.exp_avg_in + i);
-    exp_avg = _mm512_fmadd_ps(c.one_minus_beta1, _mm512_sub_ps(grad, exp_avg), exp_avg);
-    __m512 exp_avg_sq = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, b.exp_avg_sq_in + i), c.beta2);
-    exp_avg_sq = _mm512_fmadd_ps(_mm512_mul_ps(c.one_minus_beta2, grad), grad, exp_avg_sq);
-    const __m512 denom = _mm512_add_ps(
-        _mm512_div_ps(_mm512_sqrt_ps(exp_avg_sq), c.bias_correction2_sqrt), c.eps);
-    param = _mm512_fmadd_ps(c.neg_step_size, _mm512_div_ps(exp_avg, denom), param);
-    if (stream_state) {
-      _mm512_stream_ps(b.master + i, param);
-      _mm512_stream_ps(b.exp_avg + i, exp_avg);
-      _mm512_stream_ps(b.exp_avg_sq + i, exp_avg_sq);
-    } else {
-      _mm512_mask_storeu_ps(b.master + i, mask, param);
-      _mm512_mask_storeu_ps(b.exp_avg + i, mask, exp_avg);
-      _mm512_mask_storeu_ps(b.exp_avg_sq + i, mask, exp_avg_sq);
-    }
-    store_out<kOut>(b.param_out, i, param, mask, stream_out);
-  }
-
-  template <GradDtype kGrad, OutDtype kOut, bool kL2>
-  static void run(const StepScalars& s, const Buffers& b, size_t begin, size_t end) {
-    const Coefficients c = broadcast(s);
-    // Each step advances the destination by exactly one vector, so
-    // alignment at `begin` holds for the whole loop.
-    const uintptr_t out_address =
-        reinterpret_cast<uintptr_t>(b.param_out) + begin * out_element_bytes<kOut>();
-    const bool stream_out =
-        kOut != OutDtype::kNone && out_address % (16 * out_element_bytes<kOut>()) == 0;
-    const bool stream_state = b.out_of_place() && aligned_state(b, begin);
-    size_t i = begin;
-    for (; i + 16 <= end; i += 16) {
-      update<kGrad, kOut, kL2>(c, b, i, __mmask16(0xFFFF), stream_out, stream_state);
-    }
-    if (i < end) {
-      update<kGrad, kOut, kL2>(c, b, i, __mmask16((1u << (end - i)) - 1u), false, false);
-    }
-    // Non-temporal stores are weakly ordered: make them visible before the
-    // pool reports this task done.
-    if (stream_out || stream_state) _mm_sfence();
-  }
-};
-
-// 16-lane vectors for compact.h: the same arithmetic as Avx512Kernel (fused where it is).
+// 16-lane vectors for compact.h: the same arithmetic as Avx512Kernel below (fused where
+// it is).
 struct Avx512Lanes {
   using F = __m512;
   using I = __m512i;
@@ -207,6 +149,58 @@ struct Avx512Lanes {
   static M lt(I a, I b) { return _mm512_cmplt_epi32_mask(a, b); }
   static M eq(I a, I b) { return _mm512_cmpeq_epi32_mask(a, b); }
   static I select(M mask, I a, I b) { return _mm512_mask_blend_epi32(mask, b, a); }
+};
+
+// The fp32 kernel; streams its state's stores out of place (compact::can_stream).
+struct Avx512Kernel {
+  // Masked-off lanes load zeros and are never stored, so they cannot fault or leak.
+  template <GradDtype kGrad, OutDtype kOut, bool kL2>
+  static inline void update(const Coefficients& c, const Buffers& b, size_t i, __mmask16 mask,
+                            bool stream_out, bool stream_state) {
+    __m512 grad = _mm512_mul_ps(load_grad<kGrad>(b.grad, i, mask), c.grad_scale);
+    __m512 param = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, b.master_in + i), c.decay_factor);
+    if constexpr (kL2) grad = _mm512_fmadd_ps(c.l2_weight_decay, param, grad);
+    __m512 exp_avg = _mm512_maskz_loadu_ps(mask, b.exp_avg_in + i);
+    exp_avg = _mm512_fmadd_ps(c.one_minus_beta1, _mm512_sub_ps(grad, exp_avg), exp_avg);
+    __m512 exp_avg_sq = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, b.exp_avg_sq_in + i), c.beta2);
+    exp_avg_sq = _mm512_fmadd_ps(_mm512_mul_ps(c.one_minus_beta2, grad), grad, exp_avg_sq);
+    const __m512 denom = _mm512_add_ps(
+        _mm512_div_ps(_mm512_sqrt_ps(exp_avg_sq), c.bias_correction2_sqrt), c.eps);
+    param = _mm512_fmadd_ps(c.neg_step_size, _mm512_div_ps(exp_avg, denom), param);
+    if (stream_state) {
+      _mm512_stream_ps(b.master + i, param);
+      _mm512_stream_ps(b.exp_avg + i, exp_avg);
+      _mm512_stream_ps(b.exp_avg_sq + i, exp_avg_sq);
+    } else {
+      _mm512_mask_storeu_ps(b.master + i, mask, param);
+      _mm512_mask_storeu_ps(b.exp_avg + i, mask, exp_avg);
+      _mm512_mask_storeu_ps(b.exp_avg_sq + i, mask, exp_avg_sq);
+    }
+    store_out<kOut>(b.param_out, i, param, mask, stream_out);
+  }
+
+  template <GradDtype kGrad, OutDtype kOut, bool kL2>
+  static void run(const StepScalars& s, const Buffers& b, size_t begin, size_t end) {
+    const Coefficients c = broadcast(s);
+    // Each step advances the destination by exactly one vector, so
+    // alignment at `begin` holds for the whole loop.
+    const uintptr_t out_address =
+        reinterpret_cast<uintptr_t>(b.param_out) + begin * out_element_bytes<kOut>();
+    const bool stream_out =
+        kOut != OutDtype::kNone && out_address % (16 * out_element_bytes<kOut>()) == 0;
+    const bool stream_state = compact::can_stream<Avx512Lanes>(
+        b.master + begin, b.master_in + begin, b.exp_avg + begin, b.exp_avg_sq + begin, 4);
+    size_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+      update<kGrad, kOut, kL2>(c, b, i, __mmask16(0xFFFF), stream_out, stream_state);
+    }
+    if (i < end) {
+      update<kGrad, kOut, kL2>(c, b, i, __mmask16((1u << (end - i)) - 1u), false, false);
+    }
+    // Non-temporal stores are weakly ordered: make them visible before the
+    // pool reports this task done.
+    if (stream_out || stream_state) _mm_sfence();
+  }
 };
 
 }  // namespace

@@ -189,43 +189,30 @@ inline void staged(const Streams<kGrad, kOut>& s, size_t n, Body body) {
 
 // ------------------------------------------------------------------ streaming stores
 
-// Out of place, the written state is not read again this pass: full vectors go out as
-// streaming stores (no read-for-ownership of the destination lines) where every
-// destination of the task starts aligned to its vector's bytes; V::fence() at the end.
+// Out of place (the state read from other buffers than those written), the written
+// state is not read again this pass: a task's full vectors go out as streaming stores
+// (no read-for-ownership of the destination lines) where each written stream starts
+// the task (`master` etc. at its first element) aligned to its vector's bytes; the task
+// ends with V::fence(). Also the fp32 kernels' test, with 4-byte moments.
 template <class V>
-inline bool can_stream(const void* master, const void* exp_avg, const void* exp_avg_sq,
-                       size_t moment_bytes) {
+inline bool can_stream(const float* master, const float* master_in, const void* exp_avg,
+                       const void* exp_avg_sq, size_t moment_bytes) {
   const auto aligned = [](const void* address, size_t nbytes) {
     return reinterpret_cast<uintptr_t>(address) % nbytes == 0;
   };
-  return aligned(master, V::kLanes * 4) && aligned(exp_avg, V::kLanes * moment_bytes) &&
+  return master != master_in && aligned(master, V::kLanes * 4) &&
+         aligned(exp_avg, V::kLanes * moment_bytes) &&
          aligned(exp_avg_sq, V::kLanes * moment_bytes);
 }
 
-template <class V>
-inline void put_f(float* destination, typename V::F value, bool stream) {
+// `value` stored at `destination` with the traits' `stream_store` or plain `store`.
+template <class Destination, class Value>
+inline void put(void (*store)(Destination*, Value), void (*stream_store)(Destination*, Value),
+                Destination* destination, Value value, bool stream) {
   if (stream) {
-    V::streamf(destination, value);
+    stream_store(destination, value);
   } else {
-    V::storef(destination, value);
-  }
-}
-
-template <class V>
-inline void put_u16(uint16_t* destination, typename V::I value, bool stream) {
-  if (stream) {
-    V::stream_u16(destination, value);
-  } else {
-    V::store_u16(destination, value);
-  }
-}
-
-template <class V>
-inline void put_u8(uint8_t* destination, typename V::I value, bool stream) {
-  if (stream) {
-    V::stream_u8(destination, value);
-  } else {
-    V::store_u8(destination, value);
+    store(destination, value);
   }
 }
 
@@ -243,13 +230,13 @@ inline void bf16_vector(const Coefficients<V>& c, const Streams<kGrad, kOut>& s,
   F exp_avg_sq = bf16_load<V>(static_cast<const uint16_t*>(s.exp_avg_sq_in));
   const F param = adam_math<V, kL2>(c, V::template load_grad<kGrad>(s.grad, 0),
                                     V::loadf(s.master_in), exp_avg, exp_avg_sq);
-  put_f<V>(s.master, param, stream);
+  put(V::storef, V::streamf, s.master, param, stream);
   V::template store_out<kOut>(s.param_out, 0, param);
   const I random = hash32<V>(V::xori(V::addi(V::seti(index), V::iota()), V::seti(key)));
-  put_u16<V>(exp_avg_bits, bf16_stochastic<V>(exp_avg, V::andi(random, V::seti(0xFFFFu))),
-             stream);
-  put_u16<V>(exp_avg_sq_bits, bf16_stochastic<V>(exp_avg_sq, V::template srl<16>(random)),
-             stream);
+  put(V::store_u16, V::stream_u16, exp_avg_bits,
+      bf16_stochastic<V>(exp_avg, V::andi(random, V::seti(0xFFFFu))), stream);
+  put(V::store_u16, V::stream_u16, exp_avg_sq_bits,
+      bf16_stochastic<V>(exp_avg_sq, V::template srl<16>(random)), stream);
 }
 
 template <class V, GradDtype kGrad, OutDtype kOut, bool kL2>
@@ -257,8 +244,8 @@ void run_bf16(const StepScalars& scalars, const Streams<kGrad, kOut>& all, uint3
               size_t begin, size_t end) {
   const Coefficients<V> c(scalars);
   const Streams<kGrad, kOut> first = offset(all, begin, 2);
-  const bool stream = all.master != all.master_in &&
-                      can_stream<V>(first.master, first.exp_avg, first.exp_avg_sq, 2);
+  const bool stream =
+      can_stream<V>(first.master, first.master_in, first.exp_avg, first.exp_avg_sq, 2);
   size_t i = begin;
   for (; i + V::kLanes <= end; i += V::kLanes) {
     bf16_vector<V, kGrad, kOut, kL2>(c, offset(all, i, 2), uint32_t(i), key, stream);
@@ -302,7 +289,7 @@ void blockwise8_block(const Coefficients<V>& c, const Streams<kGrad, kOut>& s,
                           exp_avg_sq_old_scale);
     const F param = adam_math<V, kL2>(c, V::template load_grad<kGrad>(s.grad, j),
                                       V::loadf(s.master_in + j), exp_avg, exp_avg_sq);
-    put_f<V>(s.master + j, param, stream);
+    put(V::storef, V::streamf, s.master + j, param, stream);
     V::template store_out<kOut>(s.param_out, j, param);
     V::storef(exp_avg_new + j, exp_avg);
     V::storef(exp_avg_sq_new + j, exp_avg_sq);
@@ -315,11 +302,11 @@ void blockwise8_block(const Coefficients<V>& c, const Streams<kGrad, kOut>& s,
   const F exp_avg_divisor = V::setf(exp_avg_scale == 0.0f ? 1.0f : exp_avg_scale);
   const F exp_avg_sq_divisor = V::setf(exp_avg_sq_scale == 0.0f ? 1.0f : exp_avg_sq_scale);
   for (size_t j = 0; j < kBlockElements; j += V::kLanes) {
-    put_u8<V>(exp_avg_codes + j,
-              encode_code<V, true>(V::div(V::loadf(exp_avg_new + j), exp_avg_divisor)), stream);
-    put_u8<V>(exp_avg_sq_codes + j,
-              encode_code<V, false>(V::div(V::loadf(exp_avg_sq_new + j), exp_avg_sq_divisor)),
-              stream);
+    put(V::store_u8, V::stream_u8, exp_avg_codes + j,
+        encode_code<V, true>(V::div(V::loadf(exp_avg_new + j), exp_avg_divisor)), stream);
+    put(V::store_u8, V::stream_u8, exp_avg_sq_codes + j,
+        encode_code<V, false>(V::div(V::loadf(exp_avg_sq_new + j), exp_avg_sq_divisor)),
+        stream);
   }
 }
 
@@ -329,8 +316,8 @@ void run_blockwise8(const StepScalars& scalars, const Streams<kGrad, kOut>& all,
                     const CompactMoments& m, size_t begin, size_t end) {
   const Coefficients<V> c(scalars);
   const Streams<kGrad, kOut> first = offset(all, begin, 1);
-  const bool stream = all.master != all.master_in &&
-                      can_stream<V>(first.master, first.exp_avg, first.exp_avg_sq, 1);
+  const bool stream =
+      can_stream<V>(first.master, first.master_in, first.exp_avg, first.exp_avg_sq, 1);
   for (size_t i = begin; i < end; i += kBlockElements) {
     const size_t block = i / kBlockElements;
     const BlockScales scales{m.exp_avg_scales_in[block], m.exp_avg_sq_scales_in[block],
