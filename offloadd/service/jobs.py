@@ -427,15 +427,9 @@ class Job:
         return None
 
     async def _drop_after_io(self, rank: int, ids: list[str]) -> None:
-        while True:
-            shards = self.table.lookup(rank, ids)
-            busy = [s.io for s in shards if s.io is not None]
-            if busy:
-                await asyncio.wait([asyncio.shield(f) for f in busy])
-            elif any(s.pins for s in shards):
-                await asyncio.sleep(0.001)  # a batch is settling these; it unpins promptly
-            else:
-                break
+        shards = self.table.lookup(rank, ids)
+        while await _waited_out_io(shards):
+            shards = self.table.lookup(rank, ids)  # a shard may be dropped meanwhile
         leased = [s.shard_id for s in shards if s.leased]
         if leased:
             raise LeaseConflictError(
@@ -452,18 +446,14 @@ class Job:
         sources = [source for source, _target in pairs]
         while True:
             _check_unleased(shards)
-            busy = [shard.io for shard in shards if shard.io is not None]
-            if busy:
-                await asyncio.wait([asyncio.shield(io) for io in busy])
-            elif any(shard.pins for shard in shards):
-                await asyncio.sleep(0.001)  # a batch is settling these; it unpins promptly
-            elif any(not source.in_arena for source in sources):
-                placed = self._serve([s for s in sources if not s.in_arena], None, None,
-                                     traced=False)
-                if not isinstance(placed, Placed):
-                    await placed
-            else:
+            if await _waited_out_io(shards):
+                continue
+            swapped_out = [source for source in sources if not source.in_arena]
+            if not swapped_out:
                 break  # no await from here on: nothing can lease or move them meanwhile
+            placed = self._serve(swapped_out, None, None, traced=False)
+            if not isinstance(placed, Placed):
+                await placed
         gone = [s.shard_id for s in shards if self.table.shards.get((s.rank, s.shard_id)) is not s]
         if gone:
             raise UnknownShardError(f"shard(s) {gone} were dropped before the commit", gone)
@@ -557,6 +547,19 @@ class Job:
             "swap_reserved_nbytes": swap_reserved,
             "sessions": self.num_sessions,
         }
+
+
+async def _waited_out_io(shards: list[Shard]) -> bool:
+    """Wait once for the IO in flight on ``shards``, or for a batch settling them to unpin
+    them; False at once when neither holds them."""
+    busy = [shard.io for shard in shards if shard.io is not None]
+    if busy:
+        await asyncio.wait([asyncio.shield(io) for io in busy])
+    elif any(shard.pins for shard in shards):
+        await asyncio.sleep(0.001)  # a batch is settling these; it unpins promptly
+    else:
+        return False
+    return True
 
 
 def _check_unleased(shards: list[Shard]) -> None:
