@@ -333,22 +333,26 @@ def test_a_commit_adopts_what_the_swap_tier_moved_since_the_step(tmp_path: Path)
 
     state, stepped = _unit_state(1 << 18), None  # 1 MiB a shard
     first = start("run1")
-    with connect(first) as client:
-        _load(client, state)
-        _step(client, "keep")
-        filler = bytes(range(256)) * (1 << 12)  # 1 MiB
-        for index in range(40):
-            client.put(f"filler{index}", filler)
-        with client.acquire_many([f"filler{index}" for index in range(14)], "r"):
-            swapped = client.stats()["residency"]
-        _step(client, "commit")
-        stepped = _stepped(state, 1.0)
-        _assert_state(_read(client), stepped)
-        client.flush("after-commit")
-        for index in range(40):  # out again: what is read back is what was written back
-            assert client.get(f"filler{index}") == filler
-        _assert_state(_read(client), stepped)
-    assert swapped.get("nvme", 0) > 0, swapped
+    try:
+        with connect(first) as client:
+            _load(client, state)
+            _step(client, "keep")
+            filler = bytes(range(256)) * (1 << 12)  # 1 MiB
+            for index in range(40):
+                client.put(f"filler{index}", filler)
+            with client.acquire_many([f"filler{index}" for index in range(14)], "r"):
+                swapped = client.stats()["residency"]
+            _step(client, "commit")
+            stepped = _stepped(state, 1.0)
+            _assert_state(_read(client), stepped)
+            client.flush("after-commit")
+            for index in range(40):  # out again: what is read back is what was written back
+                assert client.get(f"filler{index}") == filler
+            _assert_state(_read(client), stepped)
+        assert swapped.get("nvme", 0) > 0, swapped
+    except BaseException:  # a failure before the kill leaves no daemon behind
+        first.stop()
+        raise
     kill_daemon(first)
     with stopped_cleanly(start("run2", "--recover")) as second, connect(second) as client:
         _assert_state(_read(client), stepped)
