@@ -25,6 +25,7 @@ is not caught; gradients that reach Python (``param.grad``) are device tensors.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from collections.abc import Iterator
@@ -32,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from trainer.device import twin_memory
 
 TWIN_DEVICE_ENV = "OFFLOADD_TWIN_DEVICE"
 TWIN_DEVICE_MODES = ("host", "strict")
@@ -84,22 +87,84 @@ def install() -> None:
             return
         from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-        _setup_privateuseone_for_python_backend(rename=TWIN_TYPE)
+        _setup_privateuseone_for_python_backend(rename=TWIN_TYPE, backend_module=_module())
         _library = torch.library.Library("aten", "IMPL")
         _library.impl("empty.memory_format", _empty, "PrivateUse1")
         _library.impl("empty_strided", _empty_strided, "PrivateUse1")
         TWIN = torch.device(TWIN_TYPE, 0)
+        twin_memory.install()
+        _compare_checkpoints_on_host()
         _installed = True
+
+
+def _compare_checkpoints_on_host() -> None:
+    """Activation checkpointing compares each recomputed saved tensor with the forward's
+    (shape, dtype, device). Its recompute hook detaches what autograd saves inside a
+    kernel, where the twin's dispatch is off, so recomputed tensors read as host tensors:
+    a twin device and the host compare equal there (shape and dtype are still checked)."""
+    from torch.utils import checkpoint
+
+    default = checkpoint._DEFAULT_DETERMINISM_MODE
+    extract = checkpoint._allowed_determinism_checks_to_fns[default]
+
+    def metadata(tensor: torch.Tensor) -> Any:
+        found = extract(tensor)
+        if isinstance(found, dict) and getattr(found.get("device"), "type", None) == TWIN_TYPE:
+            found["device"] = torch.device("cpu")
+        return found
+
+    checkpoint._allowed_determinism_checks_to_fns[default] = metadata
+
+
+def _module() -> Any:
+    """``torch.twin``: what torch asks a device's module (activation checkpointing asks
+    for autocast's dtypes and the RNG state; benches for the memory figures)."""
+    from torch.utils.backend_registration import _DummyBackendModule
+
+    class TwinModule(_DummyBackendModule):
+        memory_allocated = staticmethod(twin_memory.memory_allocated)
+        max_memory_allocated = staticmethod(twin_memory.max_memory_allocated)
+        reset_peak_memory_stats = staticmethod(twin_memory.reset_peak_memory_stats)
+        mem_get_info = staticmethod(twin_memory.mem_get_info)
+
+        @staticmethod
+        def get_amp_supported_dtype() -> list[torch.dtype]:
+            return [torch.float16, torch.bfloat16, torch.float32]
+
+        @staticmethod
+        def device(index: Any) -> contextlib.AbstractContextManager[None]:
+            return contextlib.nullcontext()  # one device
+
+        # The twin's kernels draw from the host's generator (its state is the CPU's).
+        get_rng_state = staticmethod(torch.get_rng_state)
+        set_rng_state = staticmethod(torch.set_rng_state)
+
+    return TwinModule()
 
 
 def _empty(size: Any, dtype: Any = None, layout: Any = None, device: Any = None,
            pin_memory: Any = None, memory_format: Any = None) -> torch.Tensor:
-    return torch.empty(size, dtype=dtype).as_subclass(DeviceTensor)
+    return _device(torch.empty(size, dtype=dtype))
 
 
 def _empty_strided(size: Any, stride: Any, dtype: Any = None, layout: Any = None,
                    device: Any = None, pin_memory: Any = None) -> torch.Tensor:
-    return torch.empty_strided(size, stride, dtype=dtype).as_subclass(DeviceTensor)
+    return _device(torch.empty_strided(size, stride, dtype=dtype))
+
+
+def _device(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (a kernel's fresh result) as device memory, counted against the twin's
+    capacity.
+
+    Hazard: the tensor object itself changes type, where ``as_subclass`` would make an
+    alias. An alias is a view of the fresh tensor, and a view keeps its base's storage
+    after ``param.data = ...`` points it elsewhere: every parameter ZeRO-3 released
+    would have kept its bytes, which CUDA frees."""
+    twin_memory.memory().track(tensor)
+    if type(tensor) is torch.Tensor:
+        tensor.__class__ = DeviceTensor
+        return tensor
+    return tensor if isinstance(tensor, DeviceTensor) else tensor.as_subclass(DeviceTensor)
 
 
 # ---------------------------------------------------------------------------
@@ -145,12 +210,10 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor:
 
 def _wrap(value: Any, args: tuple[Any, ...]) -> Any:
     if isinstance(value, torch.Tensor):
-        if isinstance(value, DeviceTensor):
-            return value
         for arg in args:  # an in-place op returns its (host or device) self unchanged
             if arg is value:
                 return value
-        return value.as_subclass(DeviceTensor)
+        return _device(value)
     if isinstance(value, tuple | list):
         return type(value)(_wrap(item, args) for item in value)
     return value
@@ -227,7 +290,7 @@ def _get_grad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         value = func(*args, **kwargs)
     if value is None or isinstance(value, DeviceTensor) or not isinstance(args[0], DeviceTensor):
         return value
-    return value.as_subclass(DeviceTensor)
+    return _device(value)
 
 
 def _backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -309,10 +372,17 @@ def adopt_module(module: nn.Module) -> None:
     for param in module.parameters():
         if type(param) is nn.Parameter and not param.is_meta:
             param.__class__ = DeviceParameter
+            twin_memory.memory().track(param)
+            if param.requires_grad:  # autograd makes .grad in C++: count it once it lands
+                param.register_post_accumulate_grad_hook(_count_grad)
     for owner in module.modules():
         for name, buffer in owner._buffers.items():
             if buffer is not None and type(buffer) is torch.Tensor and not buffer.is_meta:
-                owner._buffers[name] = buffer.as_subclass(DeviceTensor)
+                owner._buffers[name] = _device(buffer)
+
+
+def _count_grad(param: torch.Tensor) -> None:
+    param.grad  # noqa: B018 (reading it through the twin counts its storage)
 
 
 def check_collective(device: torch.device, *tensors: torch.Tensor) -> None:

@@ -28,6 +28,7 @@ from offloadd.errors import LimitExceededError, OverBudgetError
 from offloadd.formats import SHARD_DTYPES, MomentFormat
 from offloadd.protocol import StepUndo
 from trainer.client import OffloadError
+from trainer.device import twin_memory
 from trainer.device.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue, host_address
 from trainer.dist.collectives import Collectives
 from trainer.lease_debug import check_view
@@ -600,7 +601,7 @@ def _nothing() -> None:
 DEVICE_SUM_ROOM_FRACTION = 4
 """Running gradient sums may take 1/4 of the device memory free when the backend starts."""
 TWIN_DEVICE_NBYTES = 1 << 30
-"""What the twin's "device" counts as free memory."""
+"""What the twin's "device" counts as free memory when no capacity was set for it."""
 
 
 def _device_sum_room(copies: CopyEngine) -> int:
@@ -608,8 +609,11 @@ def _device_sum_room(copies: CopyEngine) -> int:
         return 0
     if copies.device.type == "cuda":
         free_nbytes, _ = torch.cuda.mem_get_info(copies.device)
-        return free_nbytes // DEVICE_SUM_ROOM_FRACTION
-    return TWIN_DEVICE_NBYTES // DEVICE_SUM_ROOM_FRACTION
+    elif copies.device.type == "twin" and twin_memory.memory().capacity_nbytes is not None:
+        free_nbytes, _ = twin_memory.mem_get_info()
+    else:
+        free_nbytes = TWIN_DEVICE_NBYTES
+    return free_nbytes // DEVICE_SUM_ROOM_FRACTION
 
 
 def _dtype_tag(dtype: torch.dtype) -> str:
