@@ -238,10 +238,16 @@ class Engine(nn.Module):
         self._forward_depth -= 1
         self.prefetch.record_end(unit)
         # Within the reuse distance the unit stays gathered for its backward (DeepSpeed's
-        # stage3_max_reuse_distance); an unknown distance (first pass) frees it.
+        # stage3_max_reuse_distance); an unknown distance (first pass) frees it. A kept
+        # unit stays live while everything gathered before its backward comes and goes:
+        # both must fit stage3_max_live_parameters, or a GPU sized by it runs out of
+        # memory (keeping the first units, whose backward comes last, would hold them
+        # through the whole backward).
+        zero = self.config.zero_optimization
         distance = self.prefetch.reuse_distance(unit)
         keep = (torch.is_grad_enabled() and self.module.training and distance is not None
-                and distance <= self.config.zero_optimization.stage3_max_reuse_distance)
+                and distance <= zero.stage3_max_reuse_distance
+                and distance + unit.padded_numel <= zero.stage3_max_live_parameters)
         if not keep:
             self.placement.release(unit)
 
