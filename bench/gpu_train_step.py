@@ -57,6 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trainer
 from trainer.demo.train import TinyGPT
+from trainer.device import twin, twin_memory
+from trainer.device.compute import resolve_device
 
 
 def _offload(device: str, swap_dir: str) -> dict:
@@ -202,31 +204,55 @@ class Recomputed(nn.Module):
         return checkpoint(self.block, hidden, use_reentrant=False)
 
 
-def _model(args: argparse.Namespace) -> TinyGPT:
+def _model(args: argparse.Namespace,
+           partitioned: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
+           ) -> TinyGPT:
+    """The GPT; ``partitioned``: the engine's ``zero.Init`` context to build it in, under
+    ``--zero-init`` (no whole copy of the model ever exists: the big case's way)."""
     width, depth, heads = (int(part) for part in args.gpt.split(","))
     torch.manual_seed(0)
-    model = TinyGPT(vocab=args.vocab, width=width, depth=depth, heads=heads,
-                    max_len=args.seq_len)
+    building = partitioned() if args.zero_init and partitioned else contextlib.nullcontext()
+    with building:
+        model = TinyGPT(vocab=args.vocab, width=width, depth=depth, heads=heads,
+                        max_len=args.seq_len)
     if args.activation_checkpointing:
         model.blocks = nn.ModuleList(Recomputed(block) for block in model.blocks)
     return model
 
 
+def _plain_device(args: argparse.Namespace) -> torch.device:
+    """Where the no-offload ceiling computes: the GPU, or on ``--device cpu`` what the
+    engine would pick (the strict twin's ``twin:0`` when ``OFFLOADD_COPY_ENGINE=twin`` and
+    ``OFFLOADD_TWIN_DEVICE=strict``, so its device memory is counted and capped alike)."""
+    return torch.device("cuda") if args.device == "cuda" else resolve_device("cpu").device
+
+
 def _peaks(device: torch.device) -> dict[str, int | None]:
-    """Peak device memory allocated and this process's plus its children's (the private
-    daemon, once it has exited) peak resident bytes."""
+    """Peak device memory allocated (the strict twin counts its own) and this process's
+    plus its children's (the private daemon, once it has exited) peak resident bytes."""
     rss = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
            + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss) * 1024
-    gpu = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return {"peak_device_bytes": gpu, "peak_host_rss_bytes": rss}
+    peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+            else twin_memory.max_memory_allocated() if device.type == "twin" else None)
+    return {"peak_device_bytes": peak, "peak_host_rss_bytes": rss}
+
+
+def _device_bytes(args: argparse.Namespace) -> int:
+    """The device memory the big case is sized against (0: none known)."""
+    if args.device == "cuda":
+        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() \
+            else 0
+    if _plain_device(args).type == "twin":
+        return twin_memory.capacity_from_env() or 0
+    return 0
 
 
 def run_ours(args: argparse.Namespace, swap_dir: str, *,
              speculative: bool = True) -> dict[str, Any]:
     """Ours; ``speculative`` False: every optimizer step waits for the global norm."""
-    model = _model(args)
-    num_params = sum(param.numel() for param in model.parameters())
     config = _config(swap_dir, args)
+    model = _model(args, lambda: trainer.zero.Init(config=config))
+    num_params = sum(param.numel() for param in model.parameters())
     # Ours only: DeepSpeed refuses a ratio below 1 with NVMe and keeps the full offload.
     config["zero_optimization"]["offload_optimizer"]["ratio"] = args.offload_ratio
     config["zero_optimization"]["offload_optimizer"]["speculative_step"] = speculative
@@ -272,7 +298,7 @@ def run_deepspeed(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
     for ours_only in ("offloadd", "device", "units"):
         config.pop(ours_only)
     config["steps_per_print"] = 10**9
-    model = _model(args)
+    model = _model(args, lambda: deepspeed.zero.Init(config_dict_or_path=config))
     num_params = sum(param.numel() for param in model.parameters())
     engine, _, _, _ = deepspeed.initialize(model=model, config=config, model_parameters=None)
     device = engine.device if isinstance(engine.device, torch.device) \
@@ -288,11 +314,15 @@ def run_plain(args: argparse.Namespace, _swap_dir: str) -> dict[str, Any]:
     """The ceiling: the same model, batches and loop in plain torch with everything on the
     device (fp32 params, bf16 autocast, fused AdamW where the device has it, the same
     clipping). An out-of-memory is a result: ``{"oom": ...}``."""
-    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    device = _plain_device(args)
+    # CPU autocast casts the twin's ops too: its device tensors are host tensors underneath
+    autocast_type = "cpu" if device.type == "twin" else device.type
     model = _model(args)
     num_params = sum(param.numel() for param in model.parameters())
     try:
         model = model.to(device)
+        if device.type == "twin":
+            twin.adopt_module(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
                                       fused=device.type == "cuda")
 
@@ -300,7 +330,7 @@ def run_plain(args: argparse.Namespace, _swap_dir: str) -> dict[str, Any]:
             for micro in range(args.grad_accum):
                 batch = _batch(step * args.grad_accum + micro, args.vocab, args.micro_batch,
                                args.seq_len, device)
-                with torch.autocast(device.type, dtype=torch.bfloat16):
+                with torch.autocast(autocast_type, dtype=torch.bfloat16):
                     loss = model(batch)
                 (loss / args.grad_accum).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -354,6 +384,9 @@ def _parse() -> argparse.Namespace:
                              "--gpt auto picks)")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's activations in backward")
+    parser.add_argument("--zero-init", action="store_true",
+                        help="build the model under zero.Init (ours: trainer.zero.Init, "
+                             "DeepSpeed: deepspeed.zero.Init); --gpt auto implies it")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--swap-dir", default=None)
@@ -374,8 +407,8 @@ def _parse() -> argparse.Namespace:
                         help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.gpt == "auto":
-        device_bytes = (torch.cuda.get_device_properties(0).total_memory
-                        if args.device == "cuda" and torch.cuda.is_available() else 0)
+        args.zero_init = True
+        device_bytes = _device_bytes(args)
         host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         args.gpt, picked, _ = size_big(device_bytes, host_bytes, args.target_params,
                                        args.vocab, args.big_width)
@@ -486,8 +519,11 @@ def main() -> None:
                      "state_dtype": args.state_dtype},
             "offload_ratio": args.offload_ratio,
             "activation_checkpointing": args.activation_checkpointing,
+            "zero_init": args.zero_init,
+            "device_capacity_bytes": _device_bytes(args) or None,
             "flops": "6 x params x tokens + 12 x depth x width x seq x tokens (model FLOPs)"}
-    fixed = ["--gpt", args.gpt, "--state-dtype", args.state_dtype]
+    fixed = ["--gpt", args.gpt, "--state-dtype", args.state_dtype,
+             *(["--zero-init"] if args.zero_init else [])]
     if args.sweep is None:
         results = _run_contenders(args, fixed, notes)
         ours = results["ours"]

@@ -72,3 +72,30 @@ def test_cpu_big_case_with_recomputation_and_the_ceiling(tmp_path: Path) -> None
     assert result["speculated_units"] > 0
     assert result["ratio_vs_waiting_for_norm"] == pytest.approx(
         result["waiting_for_norm_step_s_median"] / result["step_s_median"], abs=1e-3)
+
+
+def test_cpu_big_case_outgrows_the_capped_twin_device(tmp_path: Path) -> None:
+    """On the strict twin with a device capacity (``OFFLOADD_TWIN_MEMORY``), ``--gpt auto``
+    sizes the model at twice what the device holds without offload: the ceiling (plain
+    torch) runs out of device memory, as on a GPU, while ours trains within the capacity,
+    built under zero.Init."""
+    capacity = 2 << 20
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OFFLOADD_COPY_ENGINE": "twin",
+           "OFFLOADD_TWIN_DEVICE": "strict", "OFFLOADD_TWIN_MEMORY": str(capacity),
+           "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--gpt", "auto",
+               "--target-params", "1000", "--big-width", "64", "--vocab", "512",
+               "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--steps", "2",
+               "--warmup", "1", "--activation-checkpointing", "--offload-param", "cpu",
+               "--offload-optimizer", "cpu", "--contenders", "ours,none",
+               "--swap-dir", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["zero_init"] and result["device_capacity_bytes"] == capacity
+    # twice the device's no-offload capacity at 16 B/param
+    assert result["num_params"] >= 0.95 * 2 * capacity / gpu_train_step.DEVICE_BYTES_PER_PARAM
+    assert 0 < result["peak_device_bytes"] <= capacity
+    assert "OFFLOADD_TWIN_MEMORY" in result["no_offload_oom"]
+    assert result["ratio_vs_no_offload"] is None
