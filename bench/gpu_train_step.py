@@ -317,10 +317,13 @@ def run_plain(args: argparse.Namespace, _swap_dir: str) -> dict[str, Any]:
     device = _plain_device(args)
     # CPU autocast casts the twin's ops too: its device tensors are host tensors underneath
     autocast_type = "cpu" if device.type == "twin" else device.type
-    model = _model(args)
-    num_params = sum(param.numel() for param in model.parameters())
+    num_params = None  # unknown when the build itself runs out of memory
     try:
-        model = model.to(device)
+        # Built on the device, as a user checking whether it fits would: no host copy of
+        # a model that may be larger than the host's memory, and an early OOM if it is.
+        with torch.device(device):
+            model = _model(args)
+        num_params = sum(param.numel() for param in model.parameters())
         if device.type == "twin":
             twin.adopt_module(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
