@@ -301,3 +301,58 @@ def test_a_ratio_is_read_without_the_ignored_key_warning() -> None:
             warnings.simplefilter("error")
             parsed = parse_config(config)
         assert parsed.zero_optimization.offload_optimizer.ratio == 0.4
+
+
+def test_a_split_past_the_device_memory_names_the_ratio_that_fits() -> None:
+    from trainer.offload.split import check_device_room, device_state_nbytes, device_units
+
+    specs = _specs([100, 1000, 1000, 1000])
+    per_element = 16 + 4  # fp32 master, moments and grad; fp32 parameters (_specs)
+    assert device_state_nbytes(specs[1]) == 1000 * per_element
+    device = torch.device("cuda", 0)
+    chosen = device_units(specs, 0.0)
+    check_device_room(specs, chosen, 0.0, None, device)  # the host: unbounded
+    check_device_room(specs, chosen, 0.0, 3100 * per_element, device)  # exactly fits
+    with pytest.raises(ValueError, match=r"offload_optimizer\.ratio=0\.0 keeps .* cuda:0") as error:
+        check_device_room(specs, chosen, 0.0, 2000 * per_element, device)
+    suggested = float(str(error.value).split("at least ")[1].split(" ")[0])
+    assert suggested == pytest.approx(0.68)  # within half the free memory: 1 - 1000/3100
+    fitting = device_units(specs, suggested)
+    check_device_room(specs, fitting, suggested, 2000 * per_element, device)
+    assert fitting == {0}
+
+
+def _init_split(rank: int, world: int, ratio: float) -> str:
+    import trainer
+
+    with shared_daemon(rank) as socket_path:
+        model = make_model(0)
+        try:
+            engine, _, _, _ = trainer.initialize(
+                model=model, model_parameters=model.parameters(),
+                config=_with_daemon(_config(3, ratio), socket_path, f"room{ratio}"))
+        except ValueError as error:
+            return str(error)
+        try:
+            _train(engine, rank, range(2))
+            return f"trained, device units {sorted(engine.backend.device_units)}"
+        finally:
+            engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("strict_device_twin")
+def test_a_split_past_the_capped_twin_is_refused_on_every_rank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a twin with 28 KiB of device memory, all of TinyNet's optimizer state on the
+    device (ratio 0.0: 1239 elements x 20 B per rank, beside the model) does not fit:
+    every rank's initialize names the ratio that does, and that ratio trains. (A state
+    that fits the free memory but leaves too little for the step is not refused: it runs
+    out of memory in the step, as on a GPU.)"""
+    monkeypatch.setenv("OFFLOADD_TWIN_MEMORY", str(28 << 10))
+    refused = run_ranks(_init_split, WORLD, 0.0)
+    assert all("offload_optimizer.ratio=0.0" in message for message in refused), refused
+    suggested = float(refused[0].split("at least ")[1].split(" ")[0])
+    assert 0.0 < suggested < 1.0
+    trained = run_ranks(_init_split, WORLD, suggested)
+    assert trained[0] == trained[1] and trained[0].startswith("trained"), trained

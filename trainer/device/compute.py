@@ -18,8 +18,9 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from trainer.device import twin_memory
 from trainer.device.copy_engine import COPY_ENGINE_ENV, CopyEngineUnavailableError, require_cuda
-from trainer.device.twin import TWIN_DEVICE_ENV, twin_device, twin_device_mode
+from trainer.device.twin import TWIN_DEVICE_ENV, TWIN_TYPE, twin_device, twin_device_mode
 
 log = logging.getLogger("trainer.device")
 
@@ -68,6 +69,16 @@ def _cpu_compute(reason: str) -> ComputeDevice:
         return ComputeDevice(device=twin_device(), dist_backend="gloo",
                              reason=f"{reason}; strict device twin ({TWIN_DEVICE_ENV}=strict)")
     return ComputeDevice(device=torch.device("cpu"), dist_backend="gloo", reason=reason)
+
+
+def free_memory_nbytes(device: torch.device) -> int | None:
+    """Bytes free on a compute device of bounded memory: a GPU (``mem_get_info``) or the
+    strict twin given a capacity (``OFFLOADD_TWIN_MEMORY``); None for the host."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    if device.type == TWIN_TYPE and twin_memory.memory().capacity_nbytes is not None:
+        return twin_memory.mem_get_info()[0]
+    return None
 
 
 def activate(compute: ComputeDevice) -> None:

@@ -28,7 +28,7 @@ from offloadd.errors import LimitExceededError, OverBudgetError
 from offloadd.formats import SHARD_DTYPES, MomentFormat
 from offloadd.protocol import StepUndo
 from trainer.client import OffloadError
-from trainer.device import twin_memory
+from trainer.device.compute import free_memory_nbytes
 from trainer.device.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue, host_address
 from trainer.dist.collectives import Collectives
 from trainer.lease_debug import check_view
@@ -607,13 +607,8 @@ TWIN_DEVICE_NBYTES = 1 << 30
 def _device_sum_room(copies: CopyEngine) -> int:
     if copies.zero_copy:
         return 0
-    if copies.device.type == "cuda":
-        free_nbytes, _ = torch.cuda.mem_get_info(copies.device)
-    elif copies.device.type == "twin" and twin_memory.memory().capacity_nbytes is not None:
-        free_nbytes, _ = twin_memory.mem_get_info()
-    else:
-        free_nbytes = TWIN_DEVICE_NBYTES
-    return free_nbytes // DEVICE_SUM_ROOM_FRACTION
+    free_nbytes = free_memory_nbytes(copies.device)
+    return (TWIN_DEVICE_NBYTES if free_nbytes is None else free_nbytes) // DEVICE_SUM_ROOM_FRACTION
 
 
 def _dtype_tag(dtype: torch.dtype) -> str:

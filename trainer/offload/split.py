@@ -18,11 +18,13 @@ the same one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from trainer.device.compute import free_memory_nbytes
 from trainer.offload.backend import (
     STATE_KINDS,
     AdamHyper,
@@ -53,6 +55,31 @@ def device_units(specs: list[UnitSpec], ratio: float) -> frozenset[int]:
     return frozenset(chosen)
 
 
+def device_state_nbytes(spec: UnitSpec) -> int:
+    """A device unit's state: the fp32 tensors and its parameters in the training dtype."""
+    param_itemsize = torch.empty(0, dtype=spec.param_dtype).element_size()
+    return spec.part_numel * (4 * DEVICE_STATE_TENSORS + param_itemsize)
+
+
+def check_device_room(specs: list[UnitSpec], chosen: frozenset[int], ratio: float,
+                      free_nbytes: int | None, device: torch.device) -> None:
+    """Refuse, naming the ratio that fits, a split whose device state alone exceeds the
+    device's free memory (None: unbounded, as the host): a GPU would fail on it with an
+    out-of-memory deep inside ``initialize``."""
+    needed = sum(device_state_nbytes(spec) for spec in specs if spec.index in chosen)
+    if free_nbytes is None or needed <= free_nbytes:
+        return
+    total = sum(device_state_nbytes(spec) for spec in specs if spec.trainable)
+    # The suggestion keeps the state within half the free memory: the other half is for
+    # the activations and gathered parameters, which no one knows before a step ran.
+    fitting = math.ceil(100 * (1.0 - free_nbytes / 2 / total)) / 100
+    raise ValueError(
+        f"zero_optimization.offload_optimizer.ratio={ratio} keeps {needed / 2**20:.3f} MiB "
+        f"of optimizer state on {device}, which has {free_nbytes / 2**20:.3f} MiB free: "
+        f"set the ratio to at least {min(1.0, fitting)} (the fraction offloaded; 1.0 "
+        "offloads all of it), which keeps it within half the free memory")
+
+
 def _compute_marker(device: torch.device) -> Any:
     """An event after the work queued so far on the current (compute) stream; None off
     CUDA, where every op but the copy engine's copies runs at issue."""
@@ -76,6 +103,7 @@ class SplitBackend(StateBackend):
         self.device_units: frozenset[int] = frozenset()
         """Indices of the units held by ``on_device`` (decided in ``plan``)."""
         self._planned = False
+        self._planned_specs: list[UnitSpec] = []
         self._specs: dict[int, UnitSpec] = {}
         self._device: torch.device | None = None
         """The compute device (where the device units' masters were registered)."""
@@ -110,6 +138,7 @@ class SplitBackend(StateBackend):
     def plan(self, specs: list[UnitSpec]) -> None:
         self.device_units = device_units(specs, self.ratio)
         self._planned = True
+        self._planned_specs = specs
         self.on_device.plan([spec for spec in specs if spec.index in self.device_units])
         self.offloaded.plan([spec for spec in specs if spec.index not in self.device_units])
 
@@ -117,6 +146,9 @@ class SplitBackend(StateBackend):
         assert self._planned, "the engine plans every unit before registering one"
         self._specs[spec.index] = spec
         if spec.index in self.device_units:
+            if self._device is None:
+                check_device_room(self._planned_specs, self.device_units, self.ratio,
+                                  free_memory_nbytes(master.device), master.device)
             self._device = master.device
             self._stale[spec.index] = None
         self._owner(spec.index).register(spec, master)
