@@ -10,7 +10,9 @@ engine, for a smoke run without a GPU).
 
 Reported: tokens/s (median step); on CUDA, from one profiled step, the SM busy fraction
 (union of kernel intervals / wall; memcpy and memset are not compute), the seconds the H2D
-and D2H copy engines were busy, and the daemon's Adam seconds per step, each separately.
+and D2H copy engines were busy, and the daemon's Adam seconds per step, each separately;
+the bytes the rank's copy engine moved each way in that step (``h2d_bytes_per_step``,
+``d2h_bytes_per_step``: over PCIe on a GPU with rank copies); peak device and host memory.
 ``--grad-accum``, ``--micro-batch`` and ``--offload-param none`` give the large-batch
 configuration (optimizer offloaded, >= 64k tokens per step) next to the 2k-token stress case.
 When ``import deepspeed``
@@ -262,16 +264,19 @@ def run_ours(args: argparse.Namespace, swap_dir: str, *,
 
     try:
         step_s = _timed(one_step, device, args.warmup, args.steps)
-        before = engine.offload_stats().get("optimizer", {})
+        before = engine.offload_stats()
         profiled = _profile(lambda: one_step(args.warmup + args.steps))
         stats = engine.offload_stats()
-        adam = {key: stats.get("optimizer", {}).get(key, 0) - before.get(key, 0)
-                for key in ("steps", "step_s")}
+        adam = {key: stats.get("optimizer", {}).get(key, 0)
+                - before.get("optimizer", {}).get(key, 0) for key in ("steps", "step_s")}
+        # the rank's copy engine, one step (the daemon's own copies are not in it)
+        pcie = {f"{way}_bytes_per_step": stats.get(f"rank_{way}_nbytes", 0)
+                - before.get(f"rank_{way}_nbytes", 0) for way in ("h2d", "d2h")}
     finally:
         engine.close()
     return {"device": str(device), "num_params": num_params, "step_s": step_s, **_peaks(device),
             "world_size": engine.collectives.world_size, **profiled,
-            "adam_s": adam["step_s"], "adam_unit_steps": adam["steps"],
+            "adam_s": adam["step_s"], "adam_unit_steps": adam["steps"], **pcie,
             "speculated_units": stats.get("speculated_units"),
             "reverted_units": stats.get("reverted_units"),
             "copy_engine": stats.get("rank_copy_engine"),
@@ -475,6 +480,8 @@ def _summary(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> di
                                    if kernel_s else None),
         "sm_busy_fraction": ours.get("sm_busy_fraction"),
         "h2d_busy_s": ours.get("h2d_busy_s"), "d2h_busy_s": ours.get("d2h_busy_s"),
+        "h2d_bytes_per_step": ours.get("h2d_bytes_per_step"),
+        "d2h_bytes_per_step": ours.get("d2h_bytes_per_step"),
         "profiled_step_s": ours.get("profiled_step_s"),
         "peak_device_bytes": ours.get("peak_device_bytes"),
         "peak_host_rss_bytes": ours.get("peak_host_rss_bytes"),

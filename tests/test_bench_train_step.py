@@ -99,3 +99,7 @@ def test_cpu_big_case_outgrows_the_capped_twin_device(tmp_path: Path) -> None:
     assert 0 < result["peak_device_bytes"] <= capacity
     assert "OFFLOADD_TWIN_MEMORY" in result["no_offload_oom"]
     assert result["ratio_vs_no_offload"] is None
+    # bf16 parameters: each micro-batch's forward needs every one on the device, and every
+    # gradient leaves it at least once a step
+    assert result["h2d_bytes_per_step"] >= 2 * 2 * result["num_params"]
+    assert result["d2h_bytes_per_step"] >= 2 * result["num_params"]

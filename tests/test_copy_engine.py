@@ -206,3 +206,22 @@ def test_the_timed_twin_copies_at_its_bandwidth_and_counts_waits() -> None:
             TwinCopyEngine(gbps=0.0)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("kind", ["inline", "twin"])
+def test_engines_count_the_bytes_each_way(kind: str) -> None:
+    engine = InlineCopyEngine() if kind == "inline" else TwinCopyEngine(max_delay_s=0.0)
+    try:
+        sizes = [(7, torch.float32), (1023, torch.bfloat16), (16, torch.uint8)]
+        for numel, dtype in sizes:
+            host = torch.arange(numel).to(dtype)
+            device = engine.empty(numel, dtype)
+            engine.wait_on_compute(engine.h2d(device, host))
+            back = torch.empty_like(host)
+            engine.d2h(back, device).synchronize()
+            assert torch.equal(back, host)
+        expected = sum(numel * torch.empty(0, dtype=dtype).element_size()
+                       for numel, dtype in sizes)
+        assert (engine.h2d_nbytes, engine.d2h_nbytes) == (expected, expected)
+    finally:
+        engine.close()

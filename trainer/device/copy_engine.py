@@ -83,6 +83,10 @@ class CopyEngine(abc.ABC):
 
     kind: str
     device: torch.device
+    h2d_nbytes = 0
+    """Bytes the engine's H2D copies moved so far (a plain counter, read by stats)."""
+    d2h_nbytes = 0
+    """Bytes the engine's D2H copies moved so far."""
 
     @property
     def zero_copy(self) -> bool:
@@ -148,6 +152,10 @@ class CopyEngine(abc.ABC):
 # inline
 
 
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 class _DoneEvent:
     def query(self) -> bool:
         return True
@@ -173,10 +181,12 @@ class InlineCopyEngine(CopyEngine):
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
         dst.copy_(src)
+        self.h2d_nbytes += _nbytes(src)
         return _DONE
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
         dst.copy_(src)
+        self.d2h_nbytes += _nbytes(src)
         return _DONE
 
     def wait_on_compute(self, event: CopyEvent) -> None:
@@ -326,10 +336,12 @@ class TwinCopyEngine(CopyEngine):
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
         check_copy(self.device, dst, src, direction="h2d")
+        self.h2d_nbytes += _nbytes(src)
         return self._issue(dst, src, guard)
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
         check_copy(self.device, dst, src, direction="d2h")
+        self.d2h_nbytes += _nbytes(src)
         return self._issue(dst, src, guard)
 
     def wait_on_compute(self, event: CopyEvent) -> None:
@@ -507,9 +519,11 @@ class CudaCopyEngine(CopyEngine):
         return event
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        self.h2d_nbytes += _nbytes(src)
         return self._copy_on(self.h2d_stream, dst, src)
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
+        self.d2h_nbytes += _nbytes(src)
         return self._copy_on(self.d2h_stream, dst, src)
 
     def wait_on_compute(self, event: CopyEvent) -> None:

@@ -530,6 +530,8 @@ class DaemonBackend(StateBackend):
     def stats(self) -> dict[str, Any]:
         rank_side = {"rank_moved_nbytes": self.moved_nbytes, "rank_wait_s": self.wait_s,
                      "rank_copy_engine": self.copies.kind,
+                     "rank_h2d_nbytes": self.copies.h2d_nbytes,
+                     "rank_d2h_nbytes": self.copies.d2h_nbytes,
                      "rank_releases_deferred": self.releases.deferred,
                      "rank_deferred_steps": self.steps.deferred_steps,
                      "rank_arena_pinned": self.arena_pinned,
