@@ -3,8 +3,9 @@
 The twin's device memory is capped (``OFFLOADD_TWIN_MEMORY``) at a third of the model's
 fp32 training state. Plain torch on that device fails with ``torch.OutOfMemoryError``,
 as it would on a GPU of that size. Two gloo ranks build an HF GPT-2 under ``trainer.zero.Init``,
-offload parameters and optimizer to the daemon, recompute activations (HF's gradient
-checkpointing), stay under the cap, and end where plain torch AdamW on the host ends.
+(or on the host: stage 3 moves it over unit by unit), offload parameters and optimizer
+to the daemon, recompute activations (HF's gradient checkpointing), stay under the cap,
+and end where plain torch AdamW on the host ends.
 """
 
 from __future__ import annotations
@@ -56,11 +57,12 @@ def engine_config(socket_path: str, swap_dir: str, tier: str) -> dict[str, Any]:
             "offloadd": {"socket": socket_path, "job": f"big-{tier}", "arena_size": 32 << 20}}
 
 
-def train_rank(rank: int, world: int, tier: str) -> dict[str, Any]:
+def train_rank(rank: int, world: int, tier: str, build: str) -> dict[str, Any]:
     swap_dir = tempfile.mkdtemp(prefix="offloadd-swap-")
     with shared_daemon(rank, swap_dir) as socket_path:
         config = engine_config(socket_path, swap_dir, tier)
-        with trainer.zero.Init(config_dict_or_path=config):
+        with trainer.zero.Init(config_dict_or_path=config, enabled=build == "zero_init"):
+            torch.manual_seed(0)  # the same host-built model on both ranks
             model = transformers.GPT2LMHeadModel(gpt2_config())
         model.gradient_checkpointing_enable({"use_reentrant": False})
         engine, _, _, _ = trainer.initialize(model=model, config=config)
@@ -98,11 +100,14 @@ def test_plain_torch_does_not_fit_the_capped_device(monkeypatch: pytest.MonkeyPa
         optimizer.step()
 
 
-@pytest.mark.parametrize("tier", ["cpu", "nvme"])
+@pytest.mark.parametrize("tier, build", [("cpu", "zero_init"), ("nvme", "zero_init"),
+                                         ("cpu", "host")])
 def test_a_model_larger_than_the_device_trains_like_plain_torch(
-        monkeypatch: pytest.MonkeyPatch, tier: str) -> None:
+        monkeypatch: pytest.MonkeyPatch, tier: str, build: str) -> None:
+    """``build`` "host": the model built whole on the host, without zero.Init (a plain
+    ``from_pretrained``): stage 3 moves it to the device unit by unit."""
     monkeypatch.setenv(twin_memory.TWIN_MEMORY_ENV, str(CAPACITY))
-    results = run_ranks(train_rank, 2, tier)
+    results = run_ranks(train_rank, 2, tier, build)
     for result in results:
         assert result["device"] == "twin:0" and result["capacity"] == CAPACITY
         assert 0 < result["peak"] <= CAPACITY

@@ -363,16 +363,21 @@ class DeviceParameter(DeviceTensor, nn.Parameter):
     """A module parameter in the twin's device memory (``adopt_module`` makes them)."""
 
 
-def adopt_module(module: nn.Module) -> None:
+def adopt_module(module: nn.Module, *, count_params: bool = True) -> None:
     """After ``module.to(twin)``: its parameters and buffers become device tensors in place.
 
     ``Module.to`` sets ``param.data``, which keeps each Parameter object (tied weights and
     the caller's references stay valid) and so its host Python type; this gives each one
-    the device type without a copy."""
+    the device type without a copy. ``count_params`` False: the parameters' bytes are
+    still on the host (stage 3 copies each unit to the device and then points the
+    parameters there; ``param.data = ...`` of a host parameter never reaches the twin's
+    dispatch, so they take the device type now), so they are not counted as device
+    memory."""
     for param in module.parameters():
         if type(param) is nn.Parameter and not param.is_meta:
             param.__class__ = DeviceParameter
-            twin_memory.memory().track(param)
+            if count_params:
+                twin_memory.memory().track(param)
             if param.requires_grad:  # autograd makes .grad in C++: count it once it lands
                 param.register_post_accumulate_grad_hook(_count_grad)
     for owner in module.modules():

@@ -51,25 +51,29 @@ from trainer.zero.stages import PrefetchPlanner, ReducedGrad, Sharded, build_sta
 from trainer.zero.trace import GatherTrace
 
 
-def _move_model(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+def _move_model(model: nn.Module, device: torch.device, dtype: torch.dtype, *,
+                sharded: bool) -> None:
     """The training dtype everywhere, and the compute device for every real tensor.
 
     Parameters built under ``zero.Init`` are still on ``meta`` (no data to copy); each
-    gets its storage on ``device`` when its unit is materialised.
+    gets its storage on ``device`` when its unit is materialised. ``sharded`` (stage 3):
+    host parameters stay where they are, each unit's copied to the device as its flat
+    partitions are built, so the whole model is never on the device at once (DeepSpeed
+    moves it there first: a model larger than the GPU needs its zero.Init).
     """
     model.to(dtype=dtype)
-    if any(param.is_meta for param in model.parameters()):
+    if sharded or any(param.is_meta for param in model.parameters()):
         for module in model.modules():
             for param in module.parameters(recurse=False):
-                if not param.is_meta:
+                if not param.is_meta and not sharded:
                     param.data = param.data.to(device)
             for name, buffer in module.named_buffers(recurse=False):
                 if not buffer.is_meta:
                     module._buffers[name] = buffer.to(device)
     else:
         model.to(device=device)
-    if device.type == "twin":  # the strict twin: parameters and buffers become device tensors
-        adopt_module(model)
+    if device.type == "twin":  # the strict twin: what is on it becomes device tensors
+        adopt_module(model, count_params=not sharded)
 
 
 class StateIO(Protocol):
@@ -119,11 +123,12 @@ class Engine(nn.Module):
         ``_prefetch_after``)."""
         stage = config.zero_optimization.stage
         num_parts = collectives.world_size if stage >= 1 else 1
-        _move_model(model, collectives.device, self.precision.dtype)
+        _move_model(model, collectives.device, self.precision.dtype, sharded=stage == 3)
         groups = param_groups or resolve_param_groups(model, None, config.optimizer)
         self.units = build_units(model, config.units, num_parts=num_parts,
                                  part_index=collectives.rank if num_parts > 1 else 0,
-                                 group_of=groups.group_of, include_frozen=stage == 3)
+                                 group_of=groups.group_of, include_frozen=stage == 3,
+                                 device=collectives.device)
         trainable = [unit for unit in self.units if unit.trainable]
         zero = config.zero_optimization
         self.placement, self.reducer = build_stage(

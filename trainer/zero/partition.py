@@ -62,6 +62,8 @@ class Unit:
     """The parameter group (``trainer.zero.groups``); None: frozen parameters, no optimizer."""
     flat: torch.Tensor | None = field(default=None, repr=False)
     """Full flat parameters in the training dtype, when materialised."""
+    compute_device: torch.device | None = None
+    """Where the full parameters and gradients live; None: where the parameters are."""
 
     @property
     def trainable(self) -> bool:
@@ -73,8 +75,9 @@ class Unit:
 
     @property
     def device(self) -> torch.device:
-        """The compute device the unit's parameters live on."""
-        return self.slots[0].param.device
+        """The compute device the unit's full parameters live on (stage 3 builds them
+        there from a model still on the host)."""
+        return self.compute_device or self.slots[0].param.device
 
     def part_slice(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's partition of a flat tensor of ``padded_numel`` elements."""
@@ -84,7 +87,7 @@ class Unit:
     def flatten_params(self, dtype: torch.dtype) -> torch.Tensor:
         """A new padded flat copy of the current parameter values."""
         flat = torch.zeros(self.padded_numel, dtype=dtype, device=self.device)
-        for slot in self.slots:
+        for slot in self.slots:  # host parameters are copied to the device here
             flat.narrow(0, slot.offset, slot.numel).copy_(slot.param.detach().reshape(-1))
         return flat
 
@@ -224,19 +227,23 @@ def _walk(module: nn.Module, prefix: str, unit_index: int, unit_of_module: dict[
 
 def build_units(model: nn.Module, config: UnitsConfig, *, num_parts: int, part_index: int,
                 group_of: dict[int, int] | None = None,
-                include_frozen: bool = False) -> list[Unit]:
+                include_frozen: bool = False,
+                device: torch.device | None = None) -> list[Unit]:
     """Split ``model`` into units with partition geometry; empty units are dropped.
 
     ``group_of`` maps parameter ids to parameter groups (absent: group 0); a module's
     parameters become one unit per group, frozen ones (``include_frozen``) last.
+    ``device``: the units' compute device (None: where their parameters are).
     """
     unit_modules = find_unit_modules(model, config)
     owned = assign_params(model, unit_modules, include_frozen=include_frozen)
     units: list[Unit] = []
     for (name, module), params in zip(unit_modules, owned, strict=True):
         for group, group_params in _split_by_group(params, group_of or {}):
-            units.append(_make_unit(len(units), name, module, group_params, num_parts,
-                                    part_index, group))
+            unit = _make_unit(len(units), name, module, group_params, num_parts, part_index,
+                              group)
+            unit.compute_device = device
+            units.append(unit)
     if not any(unit.trainable for unit in units):
         raise ValueError("the model has no trainable parameters (requires_grad=True); "
                          "nothing to optimise")
