@@ -29,7 +29,7 @@ cores from whichever contender runs next.
 optimizer step's: it reads the state from one copy and writes the next into another,
 which its commit adopts) over the plain in-place mixed step;
 ``speculative_step_time_factor_bf16_moments`` the same with bf16 moments (the
-``mixed_bf16`` path: 24 B/param touched).
+``mixed_bf16`` path: 24 B/param touched), ``_8bit_moments`` with blockwise8 moments.
 
 The last line printed is one JSON object; ratios are peer time / our time
 (>1 means offloadd is faster).
@@ -46,11 +46,12 @@ from typing import Any
 
 import torch
 
+from offloadd import moment_codec
 from offloadd.compute import adam
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 BYTES_PER_PARAM = {"fp32": 4 * 6 + 4, "mixed": 4 * 6 + 2 + 2, "mixed_bf16": 4 * 2 + 2 * 4 + 2 + 2,
-                   "triad": 3 * 4}
+                   "mixed_8bit": 4 * 2 + 2 * 2 * (1 + 4 / 256) + 2 + 2, "triad": 3 * 4}
 BLOCK_PAUSE_S = 0.2
 
 
@@ -81,10 +82,11 @@ def ours(problem: Problem, mixed: bool, threads: int | None,
          ) -> Callable[[], None]:
     """``speculative``: each step reads the state from one copy and writes it into the
     other, as the daemon's speculative steps do (a commit adopts the written copy).
-    ``moments``: fp32 or bf16 (stochastically rounded) moments."""
+    ``moments``: fp32, bf16 (stochastically rounded) or uint8 (blockwise8) moments."""
     master = problem.master.clone()
-    exp_avg = torch.zeros(master.numel(), dtype=moments)
-    exp_avg_sq = torch.zeros(master.numel(), dtype=moments)
+    fmt = moment_codec.format_of(moments)
+    exp_avg = moment_codec.encode(torch.zeros(master.numel()), fmt, signed=True)
+    exp_avg_sq = moment_codec.encode(torch.zeros(master.numel()), fmt, signed=False)
     grad = problem.grad_bf16 if mixed else problem.grad32
     param_out = problem.param_bf16 if mixed else None
     copies = [(master, exp_avg, exp_avg_sq)]
@@ -173,6 +175,9 @@ def build_contenders(
         "ours_mixed_bf16": ("mixed_bf16", ours(problem, True, threads, moments=torch.bfloat16)),
         "ours_mixed_bf16_speculative": ("mixed_bf16", ours(
             problem, True, threads, speculative=True, moments=torch.bfloat16)),
+        "ours_mixed_8bit": ("mixed_8bit", ours(problem, True, threads, moments=torch.uint8)),
+        "ours_mixed_8bit_speculative": ("mixed_8bit", ours(
+            problem, True, threads, speculative=True, moments=torch.uint8)),
         "torch_foreach_fp32": ("fp32", torch_optimizer(problem, False, foreach=True)),
         "stream_triad": ("triad", stream_triad(problem.master.numel(), threads)),
     }
@@ -250,6 +255,8 @@ def report(
         seconds["ours_mixed_speculative"] / seconds["ours_mixed"], 3)
     result["speculative_step_time_factor_bf16_moments"] = round(
         seconds["ours_mixed_bf16_speculative"] / seconds["ours_mixed_bf16"], 3)
+    result["speculative_step_time_factor_8bit_moments"] = round(
+        seconds["ours_mixed_8bit_speculative"] / seconds["ours_mixed_8bit"], 3)
     result["stream_triad_gb_per_s"] = round(gbps["stream_triad"], 2)
     for path in ("fp32", "mixed"):
         result[f"ratio_vs_stream_triad_{path}"] = round(
