@@ -23,6 +23,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -106,9 +107,23 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     finally:
         for proc in procs:
             proc.join(timeout=10)
-            if proc.is_alive():
+            if proc.is_alive():  # stuck (a peer failed): its daemon must not outlive it
+                orphans = _descendants(proc.pid)
                 proc.kill()
+                for pid in orphans:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
     return [collected[rank] for rank in range(world_size)]
+
+
+def _descendants(pid: int | None) -> list[int]:
+    """The processes ``pid`` started (a rank's private daemon), children first."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*") if pid is not None else ():
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                found += [int(child), *_descendants(int(child))]
+    return found
 
 
 def _collect(results: Any, world_size: int, timeout_s: float,
@@ -413,6 +428,8 @@ def shared_daemon(rank: int, swap_dir: str | None = None, *, arena_size: int = 5
             dist.broadcast_object_list(box, src=0)
         yield box[0]
     finally:
-        dist.barrier()
-        if daemon is not None:
-            daemon.stop()
+        try:
+            dist.barrier()  # raises when a peer died: the daemon is stopped all the same
+        finally:
+            if daemon is not None:
+                daemon.stop()
