@@ -44,19 +44,26 @@ def test_size_big_takes_the_smallest_moment_format_the_host_holds() -> None:
     assert width == 5120 and heads == 40 and depth >= 1
 
 
-def test_cpu_big_case_with_recomputation_and_the_ceiling(tmp_path: Path) -> None:
+def _run_big_case(tmp_path: Path, target_params: int, extra_env: dict[str, str],
+                  *extra_args: str) -> dict:
+    """``--gpt auto`` at a CPU size on the twin copy engine (params + optimizer offloaded
+    to DRAM, recomputation, 2 x 2 micro-batches of 32 tokens); its JSON line."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OFFLOADD_COPY_ENGINE": "twin",
-           "OMP_NUM_THREADS": "1"}
+           "OMP_NUM_THREADS": "1", **extra_env}
     command = [sys.executable, str(SCRIPT), "--device", "cpu", "--gpt", "auto",
-               "--target-params", "300000", "--big-width", "64", "--vocab", "512",
+               "--target-params", str(target_params), "--big-width", "64", "--vocab", "512",
                "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--steps", "2",
-               "--warmup", "1", "--activation-checkpointing", "--state-dtype", "bf16",
-               "--offload-param", "cpu", "--offload-optimizer", "cpu",
-               "--contenders", "ours,ours-wait,none", "--swap-dir", str(tmp_path)]
+               "--warmup", "1", "--activation-checkpointing", "--offload-param", "cpu",
+               "--offload-optimizer", "cpu", "--swap-dir", str(tmp_path), *extra_args]
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300,
                           check=False)
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_cpu_big_case_with_recomputation_and_the_ceiling(tmp_path: Path) -> None:
+    result = _run_big_case(tmp_path, 300000, {}, "--state-dtype", "bf16",
+                           "--contenders", "ours,ours-wait,none")
     width, depth, heads = (int(part) for part in result["gpt"].split(","))
     assert (width, heads) == (64, 1) and depth == round((300000 - 512 * 64) / (12 * 64 * 64))
     assert result["tier"]["state_dtype"] == "bf16" and result["activation_checkpointing"]
@@ -80,19 +87,9 @@ def test_cpu_big_case_outgrows_the_capped_twin_device(tmp_path: Path) -> None:
     torch) runs out of device memory, as on a GPU, while ours trains within the capacity,
     built under zero.Init."""
     capacity = 2 << 20
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OFFLOADD_COPY_ENGINE": "twin",
-           "OFFLOADD_TWIN_DEVICE": "strict", "OFFLOADD_TWIN_MEMORY": str(capacity),
-           "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(SCRIPT), "--device", "cpu", "--gpt", "auto",
-               "--target-params", "1000", "--big-width", "64", "--vocab", "512",
-               "--seq-len", "32", "--micro-batch", "2", "--grad-accum", "2", "--steps", "2",
-               "--warmup", "1", "--activation-checkpointing", "--offload-param", "cpu",
-               "--offload-optimizer", "cpu", "--contenders", "ours,none",
-               "--swap-dir", str(tmp_path)]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = _run_big_case(tmp_path, 1000, {"OFFLOADD_TWIN_DEVICE": "strict",
+                                            "OFFLOADD_TWIN_MEMORY": str(capacity)},
+                           "--contenders", "ours,none")
     assert result["zero_init"] and result["device_capacity_bytes"] == capacity
     # twice the device's no-offload capacity at 16 B/param
     assert result["num_params"] >= 0.95 * 2 * capacity / gpu_train_step.DEVICE_BYTES_PER_PARAM
