@@ -23,15 +23,14 @@ fragmentation) on top. The figures are a floor of what a GPU would need.
 from __future__ import annotations
 
 import os
-import re
 import threading
 from typing import Any
 
 import torch
 
+from offloadd.config import parse_size
+
 TWIN_MEMORY_ENV = "OFFLOADD_TWIN_MEMORY"
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SWEEP_MIN_RECORDS = 256
 """Dead records are swept once there are this many more records than live storages."""
 
@@ -41,12 +40,8 @@ class TwinOutOfMemoryError(torch.OutOfMemoryError):
 
 
 def parse_nbytes(text: str, *, knob: str = TWIN_MEMORY_ENV) -> int:
-    """``"512MiB"`` -> 536870912; plain digits are bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"{knob}={text!r}: expected a size such as 536870912, 512MiB or 8GiB")
-    nbytes = int(float(match.group(1)) * _UNITS[unit])
+    """``"512MiB"`` -> 536870912 (the daemon's size spelling); plain digits are bytes."""
+    nbytes = parse_size(text, knob=knob)
     if nbytes <= 0:
         raise ValueError(f"{knob}={text!r}: the twin's device memory must be > 0 bytes")
     return nbytes
@@ -77,8 +72,6 @@ class TwinMemory:
         self._upper_nbytes = 0
         """Sum of the counted bytes: >= the live bytes (frees are found by ``_settle``)."""
         self._live_records = 0
-        self._newest = 0
-        """Bytes of the storage being tracked (for the refusal's message)."""
         self._lock = threading.Lock()
 
     def track(self, tensor: torch.Tensor) -> None:
@@ -97,9 +90,8 @@ class TwinMemory:
             nbytes = storage.nbytes()
             self._records[key] = [int(storage._weak_ref()), nbytes]  # type: ignore[call-overload]
             self._upper_nbytes += nbytes
-            self._newest = nbytes
             try:
-                self._bound(0)
+                self._bound(0, nbytes)
             except TwinOutOfMemoryError:
                 self._forget(key)
                 raise
@@ -112,7 +104,8 @@ class TwinMemory:
             record = self._records.get(key)
             if record is None or torch.UntypedStorage._expired(record[0]):
                 return resize(storage, nbytes)
-            self._bound(max(0, nbytes - storage.nbytes()))
+            grown = max(0, nbytes - storage.nbytes())
+            self._bound(grown, grown)
             result = resize(storage, nbytes)
             self._upper_nbytes += nbytes - record[1]
             record[1] = nbytes
@@ -127,18 +120,17 @@ class TwinMemory:
         with self._lock:
             self.peak_nbytes = self._settle()
 
-    def _bound(self, requested: int) -> None:
-        """Before ``requested`` more bytes are counted (a growing resize; 0: they already
-        are): settle when the upper bound crosses the peak or the capacity, and refuse
-        past the capacity."""
-        upper = self._upper_nbytes + requested
+    def _bound(self, pending: int, tried: int) -> None:
+        """Before ``pending`` more bytes are counted (a growing resize; 0: they already
+        are, a new storage of ``tried`` bytes): settle when the upper bound crosses the
+        peak or the capacity, and refuse past the capacity."""
+        upper = self._upper_nbytes + pending
         over_capacity = self.capacity_nbytes is not None and upper > self.capacity_nbytes
         sweep_due = len(self._records) > 2 * self._live_records + _SWEEP_MIN_RECORDS
         if not (over_capacity or sweep_due or upper > self.peak_nbytes):
             return
-        live = self._settle() + requested
+        live = self._settle() + pending
         if self.capacity_nbytes is not None and live > self.capacity_nbytes:
-            tried = requested or self._newest
             raise TwinOutOfMemoryError(
                 f"twin out of memory. Tried to allocate {_human(tried)}. The twin device has a "
                 f"total capacity of {_human(self.capacity_nbytes)} ({TWIN_MEMORY_ENV}), of "

@@ -57,8 +57,7 @@ def device_units(specs: list[UnitSpec], ratio: float) -> frozenset[int]:
 
 def device_state_nbytes(spec: UnitSpec) -> int:
     """A device unit's state: the fp32 tensors and its parameters in the training dtype."""
-    param_itemsize = torch.empty(0, dtype=spec.param_dtype).element_size()
-    return spec.part_numel * (4 * DEVICE_STATE_TENSORS + param_itemsize)
+    return spec.part_numel * (4 * DEVICE_STATE_TENSORS + spec.param_dtype.itemsize)
 
 
 def check_device_room(specs: list[UnitSpec], chosen: frozenset[int], ratio: float,
