@@ -160,7 +160,7 @@ def test_activation_checkpointing_recomputes_on_the_twin(memory: twin_memory.Twi
 
 
 @pytest.mark.parametrize("text, nbytes", [("4096", 4096), ("512MiB", 512 << 20),
-                                          ("1.5GiB", 3 << 29), ("2gb", 2 << 30)])
+                                          ("1.5GiB", 3 << 29), ("2gb", 2 * 10**9)])
 def test_capacity_parses_sizes(text: str, nbytes: int) -> None:
     assert twin_memory.parse_nbytes(text) == nbytes
 

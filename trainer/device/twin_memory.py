@@ -23,14 +23,15 @@ fragmentation) on top. The figures are a floor of what a GPU would need.
 from __future__ import annotations
 
 import os
+import re
 import threading
 from typing import Any
 
 import torch
 
-from offloadd.config import parse_size
-
 TWIN_MEMORY_ENV = "OFFLOADD_TWIN_MEMORY"
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _SWEEP_MIN_RECORDS = 256
 """Dead records are swept once there are this many more records than live storages."""
 
@@ -40,8 +41,13 @@ class TwinOutOfMemoryError(torch.OutOfMemoryError):
 
 
 def parse_nbytes(text: str, *, knob: str = TWIN_MEMORY_ENV) -> int:
-    """``"512MiB"`` -> 536870912 (the daemon's size spelling); plain digits are bytes."""
-    nbytes = parse_size(text, knob=knob)
+    """``"512MiB"`` -> 536870912; plain digits are bytes. (Not ``offloadd.config``'s
+    ``parse_size``: the client side imports only the daemon's protocol and errors.)"""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{knob}={text!r}: expected a size such as 536870912, 512MiB or 8GiB")
+    nbytes = int(float(match.group(1)) * _UNITS[unit])
     if nbytes <= 0:
         raise ValueError(f"{knob}={text!r}: the twin's device memory must be > 0 bytes")
     return nbytes
