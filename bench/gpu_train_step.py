@@ -58,18 +58,22 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trainer
+from trainer.config import STATE_DTYPE_FORMATS
 from trainer.demo.train import TinyGPT
 from trainer.device import twin, twin_memory
 from trainer.device.compute import resolve_device
+from trainer.offload.daemon_connect import trainable_nbytes
 
 
 def _offload(device: str, swap_dir: str) -> dict:
     return {"device": device, "nvme_path": swap_dir} if device == "nvme" else {"device": device}
 
 
-HOST_BYTES_PER_PARAM = {"fp32": 16, "bf16": 12, "8bit": 10.03}
-"""Host bytes a parameter needs with params and optimizer offloaded: the bf16 param in the
-arena (2), its reduced grad (2), the fp32 master (4) and both moments (8 / 4 / 2.03)."""
+HOST_BYTES_PER_PARAM = {name: trainable_nbytes(10**9, STATE_DTYPE_FORMATS[name], 2) / 10**9
+                        for name in ("fp32", "bf16", "8bit")}
+"""Daemon bytes a parameter needs with params and optimizer offloaded in bf16 training, as
+the engine sizes the arena: the fp32 master and grad (8), the bf16 param (2) and both moments
+(8 / 4 / 2.03): 18, 14 and 12.03."""
 DEVICE_BYTES_PER_PARAM = 16
 """What no-offload mixed-precision training keeps on the GPU per parameter: fp32 param,
 fp32 grad and two fp32 moments (activations and the bf16 copies come on top)."""
@@ -79,8 +83,9 @@ def size_big(device_bytes: int, host_bytes: int, target_params: float, vocab: in
              width: int) -> tuple[str, str, int]:
     """The big case's ``--gpt`` and ``state_dtype``: at least ``target_params`` and twice
     what fits the device without offload, in the smallest moment format the host holds
-    (3/4 of its memory); if none holds the target, the largest model the host holds in
-    8-bit moments. Returns ``(gpt, state_dtype, num_params_estimate)``."""
+    (3/4 of its memory: the arena's slack, the ranks and the page cache take the rest); if
+    none holds the target, the largest model the host holds in 8-bit moments. Returns
+    ``(gpt, state_dtype, num_params_estimate)``."""
     wanted = max(target_params, 2 * device_bytes / DEVICE_BYTES_PER_PARAM)
     budget = 0.75 * host_bytes
     fitting = [name for name, nbytes in HOST_BYTES_PER_PARAM.items()
@@ -302,6 +307,8 @@ def run_deepspeed(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
     config = _config(swap_dir, args)
     for ours_only in ("offloadd", "device", "units"):
         config.pop(ours_only)
+    # DeepSpeed has no compact moments: its optimizer state stays fp32
+    config["zero_optimization"]["offload_optimizer"].pop("state_dtype")
     config["steps_per_print"] = 10**9
     model = _model(args, lambda: deepspeed.zero.Init(config_dict_or_path=config))
     num_params = sum(param.numel() for param in model.parameters())

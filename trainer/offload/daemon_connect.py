@@ -20,12 +20,13 @@ from typing import Any
 
 from torch import nn
 
-from offloadd.formats import moment_nbytes
+from offloadd.formats import MomentFormat, moment_nbytes
 from offloadd.ops.embedded import PrivateDaemon, make_scratch_dir
 from trainer.client import OffloadClient, OffloadError
 from trainer.config import EngineConfig
 from trainer.device import copy_engine
 from trainer.device.compute import resolve_device
+from trainer.dist.agreement import agree
 from trainer.dist.collectives import Collectives, node_key
 from trainer.offload.daemon_backend import DaemonBackend
 from trainer.offload.daemon_steps import state_sizes
@@ -49,9 +50,25 @@ def estimate_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int
     if config.zero_optimization.stage == 3:
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     part = _trainable_part_numel(model, config, world_size)
-    moments_nbytes = 2 * moment_nbytes(config.zero_optimization.offload_optimizer.moment_format,
-                                       part)
-    return part * (8 + itemsize) + moments_nbytes + -(-frozen // parts) * itemsize
+    return (trainable_nbytes(part, config.zero_optimization.offload_optimizer.moment_format,
+                             itemsize)
+            + -(-frozen // parts) * itemsize)
+
+
+def trainable_nbytes(numel: int, moment_format: MomentFormat, param_itemsize: int) -> int:
+    """Daemon bytes of ``numel`` trainable elements: fp32 master and grad (8), the param
+    copy in the training dtype and both moments (8-bit moments: 12.03 B per element in
+    bf16 training; fp32 moments: 18)."""
+    return numel * (8 + param_itemsize) + 2 * moment_nbytes(moment_format, numel)
+
+
+def arena_with_slack(node_nbytes: int, available_nbytes: int) -> int:
+    """The arena a node's working set of ``node_nbytes`` asks for: a quarter over it plus
+    32 MiB (room for the allocator's fragmentation), the quarter cut down to what leaves a
+    tenth of the node's available DRAM free. The slack is no need: uncut, a model filling
+    3/4 of a node got an arena past its DRAM and the OOM killer took the daemon."""
+    wanted = node_nbytes + node_nbytes // 4 + 32 * MIB
+    return max(node_nbytes + 32 * MIB, min(wanted, available_nbytes * 9 // 10))
 
 
 def _trainable_part_numel(model: nn.Module, config: EngineConfig, world_size: int) -> int:
@@ -75,16 +92,32 @@ def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Co
     """
     node_nbytes = estimate_rank_nbytes(model, config, collectives.world_size)
     node_nbytes *= _node_world_size(collectives)
-    wanted = node_nbytes + node_nbytes // 4 + 32 * MIB
+    available = int(collectives.node_leader_value(available_memory_nbytes()))
     if config.zero_optimization.offload_optimizer.device == "nvme":
-        wanted = max(64 * MIB, min(wanted, available_memory_nbytes() // 2))
-    elif speculates(config):
+        wanted = max(64 * MIB, min(node_nbytes + node_nbytes // 4 + 32 * MIB, available // 2))
+    else:
+        with agree(collectives, "sizing the DRAM arena"):
+            _check_dram(node_nbytes, available)
+        wanted = arena_with_slack(node_nbytes, available)
+    if config.zero_optimization.offload_optimizer.device != "nvme" and speculates(config):
         # Room for speculative steps' second copy of the master and moments, where DRAM has it.
         undo_nbytes = undo_rank_nbytes(model, config, collectives.world_size)
         undo_nbytes *= _node_world_size(collectives)
-        spare = available_memory_nbytes() * 3 // 4 - wanted
+        spare = available * 3 // 4 - wanted
         wanted += max(0, min(undo_nbytes, spare))
-    return int(collectives.node_leader_value(-(-wanted // (2 * MIB)) * 2 * MIB))
+    return -(-wanted // (2 * MIB)) * 2 * MIB
+
+
+def _check_dram(node_nbytes: int, available_nbytes: int) -> None:
+    """Refuse a DRAM-tier working set past the node's available memory: the daemon would
+    be killed by the OOM killer mid-run, its ranks left with a closed socket."""
+    if node_nbytes + 32 * MIB > available_nbytes:
+        raise ValueError(
+            f"the offloaded training state of this node's ranks needs {node_nbytes / 1e9:.1f} "
+            f"GB of DRAM and {available_nbytes / 1e9:.1f} GB are available: set "
+            "zero_optimization.offload_optimizer.device to \"nvme\" (with nvme_path), a "
+            "smaller offload_optimizer.state_dtype (\"bf16\", \"8bit\"), or spread the job "
+            "over more nodes")
 
 
 def speculates(config: EngineConfig) -> bool:
