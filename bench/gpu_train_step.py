@@ -269,8 +269,12 @@ def run_ours(args: argparse.Namespace, swap_dir: str, *,
 
     try:
         step_s = _timed(one_step, device, args.warmup, args.steps)
+        # Optimizer steps still in flight (deferred or speculative) are waited for on both
+        # sides of the profiled step, so its counters hold its own Adam, all of it.
+        engine.backend.wait_steps()
         before = engine.offload_stats()
         profiled = _profile(lambda: one_step(args.warmup + args.steps))
+        engine.backend.wait_steps()
         stats = engine.offload_stats()
         adam = {key: stats.get("optimizer", {}).get(key, 0)
                 - before.get("optimizer", {}).get(key, 0) for key in ("steps", "step_s")}

@@ -225,6 +225,8 @@ class MetricsHandler(BaseHTTPRequestHandler):
             self.send_error(404, "only /metrics is served here")
             return
         body = generate_latest(self.registry)
+        if not self.server.reply_ready(self.request):
+            return  # cut while the registry was collected
         self.send_response(200)
         self.send_header("Content-Type", CONTENT_TYPE_LATEST)
         self.send_header("Content-Length", str(len(body)))
@@ -341,6 +343,12 @@ class BoundedMetricsServer(ThreadingHTTPServer):
             connection.deadline = time.monotonic() + self.request_timeout_s
             return True
 
+    def reply_ready(self, request: Any) -> bool:
+        """The reply's body is made: its writing gets a deadline of its own, so a daemon
+        slow to collect (a loaded node) does not eat the time a client has to read it.
+        False when the connection was cut meanwhile."""
+        return self.request_read(request)
+
     def service_actions(self) -> None:
         """Cut every connection past its deadline (run by serve_forever each poll)."""
         now = time.monotonic()
@@ -366,15 +374,20 @@ class BoundedMetricsServer(ThreadingHTTPServer):
             log.exception("event=metrics_request_failed client=%s", client_address)
 
     def _take_a_reading_slot(self) -> bool:
-        """Evict the oldest connection still sending its request and wait for its slot."""
+        """Evict the oldest connection still sending its request and wait for its slot;
+        with none to evict, wait for the slot of one already cut (expired or evicted: its
+        thread is on its way out). Without that wait, a scrape that came just after the
+        idle connections were cut was refused while their threads wound down."""
         with self._lock:
             oldest = next((item for item in self._open.items()
                            if item[1].reading and not item[1].cut
                            and not _head_waiting(item[0])), None)
             if oldest is None:
-                return False
-            sock, connection = oldest
-            connection.cut = True
-            self.evicted += 1
-            _cut(sock)
+                if not any(connection.cut for connection in self._open.values()):
+                    return False
+            else:
+                sock, connection = oldest
+                connection.cut = True
+                self.evicted += 1
+                _cut(sock)
         return self.slots.acquire(timeout=self.eviction_grace_s)

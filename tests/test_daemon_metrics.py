@@ -118,6 +118,25 @@ def closed_by_peer(sock: socket.socket) -> bool:
         return True
 
 
+def test_a_scrape_just_after_idle_connections_were_cut_is_served(tmp_path: Path) -> None:
+    """Every slot held by a connection that never sends its request; once the daemon has
+    cut them (the client sees the close), a scrape at once is served, not refused while
+    the cut connections' threads wind down. Many rounds: the window is short."""
+    from conftest import start_daemon
+
+    config = tmp_path / "offloadd.toml"
+    config.write_text("max_metrics_connections = 2\nmetrics_idle_timeout_s = 0.2\n")
+    with start_daemon(tmp_path / "d", arena_size="32MiB",
+                      extra_args=["--config", str(config)]) as daemon:
+        host, port = daemon.metrics_addr.rsplit(":", 1)
+        for _ in range(25):
+            idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(2)]
+            assert all(closed_by_peer(sock) for sock in idle)
+            assert value(scrape(daemon), "offloadd_arena_budget_bytes") == 32 << 20
+            for sock in idle:
+                sock.close()
+
+
 def test_idle_metrics_connections_are_bounded_and_time_out(tmp_path: Path) -> None:
     """40 TCP connections to /metrics that never send a request: at most
     max_metrics_connections of them get a thread, the rest are closed at once, and the
