@@ -61,6 +61,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="rounds over all contenders")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per block")
     parser.add_argument("--threads", type=int, default=None, help="threads (default: all CPUs)")
+    parser.add_argument("--no-deepspeed", action="store_true",
+                        help="leave DeepSpeedCPUAdam out (its JIT op build takes ~80 s on a "
+                             "fresh machine: bench/gpu_check.sh's short window)")
     return parser.parse_args()
 
 
@@ -165,7 +168,7 @@ def deepspeed_cpuadam(problem: Problem) -> Callable[[], None]:
 
 
 def build_contenders(
-    problem: Problem, threads: int | None, notes: list[str]
+    problem: Problem, threads: int | None, notes: list[str], *, deepspeed: bool = True
 ) -> dict[str, tuple[str, Callable[[], None]]]:
     """name -> (path, one-step callable); peers that cannot run here get a note."""
     contenders: dict[str, tuple[str, Callable[[], None]]] = {
@@ -188,6 +191,9 @@ def build_contenders(
         contenders["torch_fused_mixed"] = ("mixed", torch_optimizer(problem, True, fused=True))
     except (RuntimeError, ValueError) as exc:
         notes.append(f"torch fused AdamW unavailable on CPU: {exc}")
+    if not deepspeed:
+        notes.append("DeepSpeedCPUAdam skipped (--no-deepspeed)")
+        return contenders
     try:
         contenders["deepspeed_cpuadam_fp32"] = ("fp32", deepspeed_cpuadam(problem))
     except Exception as exc:  # ImportError, or its JIT op build failing
@@ -270,7 +276,8 @@ def main() -> None:
     args = parse_args()
     notes: list[str] = []
     problem = Problem(args.numel)
-    contenders = build_contenders(problem, args.threads, notes)
+    contenders = build_contenders(problem, args.threads, notes,
+                                  deepspeed=not args.no_deepspeed)
     seconds = measure(contenders, args.rounds, args.repeats)
     print(json.dumps(report(args, contenders, seconds, notes)))
 

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
 # Every GPU check in one command (one `device` call in a session with a GPU), in priority
 # order, each under its own limit and all under a global budget (GPU_CHECK_BUDGET_S, 480 s:
-# a 15-minute device window with its start and one rerun). Steps:
+# a 15-minute device window with its start and one rerun). What does not fit is skipped and
+# says so; GPU_CHECK_ONLY picks steps for a later window. Steps (limits from the first whole
+# run, 2026-11-27: installing ~20 s, pytest 24 s, path 6 s, big 202 s, large 60-80 s):
 #   pytest   pytest -m gpu                   (CUDA copy engine, pinned arena, ZeRO-3 on cuda)
 #   path     bench/gpu_path.py               (H2D/D2H GB/s vs pinned cudaMemcpyAsync)
-#   large    1B GPT, optimizer in DRAM, params resident, 64k tokens per step: ours, the
-#            no-offload ceiling (plain torch, fused AdamW) and DeepSpeed ZeRO-3 + CPUAdam
+#   big      the largest model the box allows (--gpt auto: 8.3B on a 128 GiB host), params
+#            and optimizer offloaded, 8-bit moments, activation recomputation, 32k tokens
+#            per step in 4 micro-batches of 16; the ceiling beside it (an OOM is a result)
+#   large    1B GPT, optimizer in DRAM, params resident, 64k tokens per step: ours and the
+#            no-offload ceiling (plain torch, fused AdamW)
+#   stream   bench/cpu_adam.py: our Adam's GB/s against a STREAM triad on the same cores
+#            (without DeepSpeedCPUAdam, whose JIT build alone outlasts the step)
 #   sweep    the same model from 2k to 64k tokens per step, ours and the ceiling: step time
 #            against max(GPU kernel time, CPU Adam time), the crossover batch
-#   stream   bench/cpu_adam.py: our Adam's GB/s against a STREAM triad on the same cores
-#   big      the largest model the box allows (--gpt auto: >= 10B on an 80 GB GPU), params
-#            and optimizer offloaded, compact moments where the host needs them, activation
-#            recomputation, 32k tokens per step; the ceiling beside it (an OOM is a result)
+#   ds       the large case beside DeepSpeed ZeRO-3 + CPUAdam (its ops JIT-build, ~80 s)
 #   spec     the large case, ours beside ours waiting for the global norm (speculative
 #            steps off): ratio_vs_waiting_for_norm
 #   twin     the large case with Twin-Flow (offload_optimizer.ratio GPU_CHECK_TWIN_RATIO,
@@ -40,7 +44,7 @@ out=${OUT:-/tmp}/gpu_check
 mkdir -p "$out"
 install_log="$out/install.log"
 budget=${GPU_CHECK_BUDGET_S:-480}
-only=${GPU_CHECK_ONLY:-pytest path large sweep stream big spec twin daemon dsnvme}
+only=${GPU_CHECK_ONLY:-pytest path big large stream sweep ds spec twin daemon dsnvme}
 export PYTHONUNBUFFERED=1
 {
   nvidia-smi -L || echo "nvidia-smi failed"
@@ -105,24 +109,26 @@ except ValueError: print(json.dumps({"step": sys.argv[1], "failed": line[-300:]}
   fi
 }
 gpt=${GPU_CHECK_GPT:-2048,20,16}
-step pytest 120 python -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py
-step path 40 python bench/gpu_path.py
+step pytest 60 python -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py
+step path 30 python bench/gpu_path.py
+step big 230 python bench/gpu_train_step.py --device cuda --gpt auto \
+  --offload-param cpu --offload-optimizer cpu --activation-checkpointing \
+  --micro-batch "${GPU_CHECK_BIG_MICRO_BATCH:-16}" --grad-accum "${GPU_CHECK_BIG_ACCUM:-4}" \
+  --steps 1 --warmup 1 --contenders ours,none ${GPU_CHECK_BIG_ARGS:-}
 # The large-batch case: optimizer offloaded to DRAM, params resident, 64k tokens per step.
-step large 110 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
-  --offload-param none --offload-optimizer cpu --micro-batch 16 --grad-accum 8 \
+large=(--device cuda --gpt "$gpt" --offload-param none --offload-optimizer cpu
+       --micro-batch 16 --grad-accum 8)
+step large 90 python bench/gpu_train_step.py "${large[@]}" --contenders ours,none \
   --steps "${GPU_CHECK_LARGE_STEPS:-2}" --warmup 1 ${GPU_CHECK_LARGE_ARGS:-}
-step sweep 70 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
+step stream 45 python bench/cpu_adam.py --numel 100000000 --rounds 2 --repeats 3 --no-deepspeed
+step sweep 120 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
   --offload-param none --offload-optimizer cpu --micro-batch 4 --contenders ours,none \
-  --sweep "${GPU_CHECK_SWEEP:-2048,8192,32768,65536}" --steps 2 --warmup 1
-step stream 25 python bench/cpu_adam.py --numel 200000000 --rounds 2 --repeats 3
-step big 120 python bench/gpu_train_step.py --device cuda --gpt auto \
-  --offload-param cpu --offload-optimizer cpu --activation-checkpointing --micro-batch 8 \
-  --grad-accum 8 --steps 1 --warmup 1 --contenders ours,none ${GPU_CHECK_BIG_ARGS:-}
-step spec 60 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
-  --offload-param none --offload-optimizer cpu --micro-batch 16 --grad-accum 8 \
-  --contenders ours,ours-wait --steps 2 --warmup 1
-step twin 45 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
-  --offload-param none --offload-optimizer cpu --micro-batch 16 --grad-accum 8 \
+  --sweep "${GPU_CHECK_SWEEP:-2048,16384,65536}" --steps 2 --warmup 1
+step ds 150 python bench/gpu_train_step.py "${large[@]}" --contenders ours,deepspeed \
+  --steps 2 --warmup 1
+step spec 60 python bench/gpu_train_step.py "${large[@]}" --contenders ours,ours-wait \
+  --steps 2 --warmup 1
+step twin 45 python bench/gpu_train_step.py "${large[@]}" \
   --offload-ratio "${GPU_CHECK_TWIN_RATIO:-0.8}" --contenders ours --steps 2 --warmup 1
 step daemon 40 python bench/gpu_train_step.py --device cuda --device-copies daemon \
   --gpt "${GPU_CHECK_DAEMON_GPT:-1024,8,16}" --steps "${GPU_CHECK_STEPS:-3}" --contenders ours
