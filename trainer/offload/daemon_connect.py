@@ -65,7 +65,7 @@ def trainable_nbytes(numel: int, moment_format: MomentFormat, param_itemsize: in
 def arena_with_slack(node_nbytes: int, available_nbytes: int) -> int:
     """The arena a node's working set of ``node_nbytes`` asks for: a quarter over it plus
     32 MiB (room for the allocator's fragmentation), the quarter cut down to what leaves a
-    tenth of the node's available DRAM free. The slack is no need: uncut, a model filling
+    tenth of the node's available DRAM free. The slack is not needed: uncut, a model filling
     3/4 of a node got an arena past its DRAM and the OOM killer took the daemon."""
     wanted = node_nbytes + node_nbytes // 4 + 32 * MIB
     return max(node_nbytes + 32 * MIB, min(wanted, available_nbytes * 9 // 10))
