@@ -152,10 +152,6 @@ class CopyEngine(abc.ABC):
 # inline
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 class _DoneEvent:
     def query(self) -> bool:
         return True
@@ -181,12 +177,12 @@ class InlineCopyEngine(CopyEngine):
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
         dst.copy_(src)
-        self.h2d_nbytes += _nbytes(src)
+        self.h2d_nbytes += src.nbytes
         return _DONE
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
         dst.copy_(src)
-        self.d2h_nbytes += _nbytes(src)
+        self.d2h_nbytes += src.nbytes
         return _DONE
 
     def wait_on_compute(self, event: CopyEvent) -> None:
@@ -336,12 +332,12 @@ class TwinCopyEngine(CopyEngine):
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
         check_copy(self.device, dst, src, direction="h2d")
-        self.h2d_nbytes += _nbytes(src)
+        self.h2d_nbytes += src.nbytes
         return self._issue(dst, src, guard)
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
         check_copy(self.device, dst, src, direction="d2h")
-        self.d2h_nbytes += _nbytes(src)
+        self.d2h_nbytes += src.nbytes
         return self._issue(dst, src, guard)
 
     def wait_on_compute(self, event: CopyEvent) -> None:
@@ -519,11 +515,11 @@ class CudaCopyEngine(CopyEngine):
         return event
 
     def h2d(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
-        self.h2d_nbytes += _nbytes(src)
+        self.h2d_nbytes += src.nbytes
         return self._copy_on(self.h2d_stream, dst, src)
 
     def d2h(self, dst: torch.Tensor, src: torch.Tensor, *, guard: Guard | None = None) -> CopyEvent:
-        self.d2h_nbytes += _nbytes(src)
+        self.d2h_nbytes += src.nbytes
         return self._copy_on(self.d2h_stream, dst, src)
 
     def wait_on_compute(self, event: CopyEvent) -> None:

@@ -93,18 +93,18 @@ def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Co
     node_nbytes = estimate_rank_nbytes(model, config, collectives.world_size)
     node_nbytes *= _node_world_size(collectives)
     available = int(collectives.node_leader_value(available_memory_nbytes()))
+    wanted = arena_with_slack(node_nbytes, available)
     if config.zero_optimization.offload_optimizer.device == "nvme":
-        wanted = max(64 * MIB, min(node_nbytes + node_nbytes // 4 + 32 * MIB, available // 2))
+        wanted = max(64 * MIB, min(wanted, available // 2))
     else:
         with agree(collectives, "sizing the DRAM arena"):
             _check_dram(node_nbytes, available)
-        wanted = arena_with_slack(node_nbytes, available)
-    if config.zero_optimization.offload_optimizer.device != "nvme" and speculates(config):
-        # Room for speculative steps' second copy of the master and moments, where DRAM has it.
-        undo_nbytes = undo_rank_nbytes(model, config, collectives.world_size)
-        undo_nbytes *= _node_world_size(collectives)
-        spare = available * 3 // 4 - wanted
-        wanted += max(0, min(undo_nbytes, spare))
+        if speculates(config):
+            # Room for speculative steps' second copy of the master and moments, where DRAM
+            # has it.
+            undo_nbytes = undo_rank_nbytes(model, config, collectives.world_size)
+            undo_nbytes *= _node_world_size(collectives)
+            wanted += max(0, min(undo_nbytes, available * 3 // 4 - wanted))
     return -(-wanted // (2 * MIB)) * 2 * MIB
 
 
