@@ -152,8 +152,14 @@ class Engine(nn.Module):
         self._in_backward = False
         """Forward hooks firing now are activation-checkpoint recomputes."""
         self.reduce_order = ReduceOrder(trainable)
+        largest = max((unit.padded_numel for unit in self.units), default=0)
+        self._hold_limit_numel = max(0, zero.stage3_max_live_parameters
+                                     - self.prefetch.budget_numel - 2 * largest)
+        """Units are held gathered past their backward while everything gathered fits this
+        many elements: ``stage3_max_live_parameters`` less room for the next backward's
+        and forward's prefetch and the unit in use."""
         self.hooks = UnitHooks(self.units, on_grads_ready=self._on_grads_ready,
-                               on_frozen_backward_done=self.placement.release)
+                               on_frozen_backward_done=self._hold_or_release)
         self.trace: GatherTrace | None = None
         if isinstance(self.placement, Sharded):
             self.trace = GatherTrace(collectives, self.units)
@@ -234,6 +240,7 @@ class Engine(nn.Module):
             return
         self.prefetch.record(unit, first_of_pass=self._forward_depth == 0)
         self._forward_depth += 1
+        self.placement.take(unit)
         self.placement.gather(unit)
         self._prefetch_after(unit, backward=False)
 
@@ -273,7 +280,7 @@ class Engine(nn.Module):
         """
         upcoming = self.prefetch.following(unit, backward=backward)
         if upcoming:
-            skip = self._backward_done if backward else ()
+            skip = self._backward_done if backward else self.placement.held
             self.placement.prefetch(upcoming, self.prefetch.budget_numel, skip)
             source = getattr(self.placement, "source", None)
             if source is not None:
@@ -307,7 +314,7 @@ class Engine(nn.Module):
         self.hooks.finish_backward()
         for unit in self.units:
             if not unit.trainable:  # inputs that needed no grad: no post-backward signal
-                self.placement.release(unit)
+                self._hold_or_release(unit)
         assert self.reduce_order.complete
         self._drain_reductions(block=True)
         return loss
@@ -315,9 +322,19 @@ class Engine(nn.Module):
     def _on_grads_ready(self, unit: Unit) -> None:
         flat_grad = unit.flatten_grads(self.precision.dtype)
         self._backward_done.add(unit.index)
-        self.placement.release(unit)
+        self._hold_or_release(unit)
         for due_unit, due_grad in self.reduce_order.ready(unit, flat_grad):
             self._reduce(due_unit, due_grad)
+
+    def _hold_or_release(self, unit: Unit) -> None:
+        """After its backward, a unit's full parameters stay gathered for the next forward
+        when they will still be current then: a frozen unit's never change, and a
+        trainable unit's change only at the optimizer step, after the window's last
+        micro-batch. Held within ``_hold_limit_numel`` (``FullParams.hold``)."""
+        if unit.trainable and self.is_gradient_accumulation_boundary():
+            self.placement.release(unit)
+        else:
+            self.placement.hold(unit, self._hold_limit_numel)
 
     def _reduce(self, unit: Unit, flat_grad: torch.Tensor) -> None:
         overlap = self.config.zero_optimization.overlap_comm
@@ -353,7 +370,8 @@ class Engine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             applied = self.optimizer.step()
             for unit in self.units:
-                self.placement.after_step(unit)
+                if unit.trainable:  # a frozen unit's partition is never stepped
+                    self.placement.after_step(unit)
             if applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.global_steps += 1

@@ -95,6 +95,9 @@ class FullParams:
         self.live_numel = 0
         self.num_gathers = 0
         self.num_prefetched = 0
+        self._held: dict[int, int] = {}
+        """Units kept gathered past their backward (``hold``), oldest first, and their
+        elements."""
 
     def adopt(self, unit: Unit) -> None:
         unit.release_params()
@@ -138,12 +141,43 @@ class FullParams:
         buffer = self._buffers[unit.index]
         if buffer.state is GatherState.GATHERING:
             self._finish(buffer)
+        self._held.pop(unit.index, None)
         if buffer.state is GatherState.READY:
             unit.release_params()
             self.copies.hand_back(buffer.flat)
             buffer.storage.resize_(0)
             buffer.state = GatherState.FREE
             self.live_numel -= unit.padded_numel
+
+    @property
+    def held(self) -> Container[int]:
+        """Indices of the units kept gathered past their backward (see ``hold``)."""
+        return self._held.keys()
+
+    def hold(self, unit: Unit, limit_numel: int) -> None:
+        """Leave ``unit``'s gathered parameters in place past its backward for the next
+        forward, while everything gathered stays within ``limit_numel`` elements; free it
+        otherwise.
+
+        A unit's partition only changes at the optimizer step (which frees its full
+        parameters first), so the next micro-batch of an accumulation window, or any later
+        step for a frozen unit, can use the same values without gathering them again.
+        Backward runs the forward's order in reverse, so the unit held last is the first
+        the next forward needs: older held units are freed first to make room."""
+        buffer = self._buffers[unit.index]
+        if buffer.state is GatherState.FREE:
+            return
+        self._held.pop(unit.index, None)
+        while self.live_numel > limit_numel and self._held:
+            self.free(self._buffers[next(iter(self._held))].unit)
+        if self.live_numel > limit_numel:
+            self.free(unit)
+            return
+        self._held[unit.index] = unit.padded_numel
+
+    def take(self, unit: Unit) -> None:
+        """The forward uses ``unit`` again: it is no longer held, only gathered."""
+        self._held.pop(unit.index, None)
 
     def free_all(self) -> None:
         for buffer in self._buffers.values():

@@ -16,7 +16,9 @@ parameters live in ``trainer.zero.gather.FullParams``: all-gathered asynchronous
 ahead of use in forward order (reverse order in backward) by
 ``PrefetchPlanner``'s recorded trace, kept from forward to backward when the
 unit's reuse distance allows it (``stage3_max_reuse_distance``), and freed
-after the unit's gradients are reduced.
+after the unit's gradients are reduced, unless the next forward can use them
+unchanged: within an accumulation window (and for frozen units, always) they
+are held while ``stage3_max_live_parameters`` has room (``FullParams.hold``).
 """
 
 from __future__ import annotations
@@ -131,6 +133,18 @@ class Placement(abc.ABC):
     def release(self, unit: Unit) -> None:  # noqa: B027 - replicated params are always there
         """Drop the unit's full parameters."""
 
+    def hold(self, unit: Unit, limit_numel: int) -> None:  # noqa: B027 - always there
+        """Keep the unit's full parameters past its backward while everything gathered
+        fits ``limit_numel`` elements, else drop them (``FullParams.hold``)."""
+
+    def take(self, unit: Unit) -> None:  # noqa: B027 - replicated params are always there
+        """A forward uses the unit again: it is no longer held."""
+
+    @property
+    def held(self) -> Container[int]:
+        """Indices of the units held past their backward."""
+        return ()
+
     def prefetch(self, upcoming: Iterable[Unit], budget_numel: int,  # noqa: B027
                  skip: Container[int] = ()) -> None:
         """Start gathering ``upcoming`` units ahead of use, except those whose index is in
@@ -186,6 +200,16 @@ class Sharded(Placement):
 
     def release(self, unit: Unit) -> None:
         self.full.free(unit)
+
+    def hold(self, unit: Unit, limit_numel: int) -> None:
+        self.full.hold(unit, limit_numel)
+
+    def take(self, unit: Unit) -> None:
+        self.full.take(unit)
+
+    @property
+    def held(self) -> Container[int]:
+        return self.full.held
 
     def after_step(self, unit: Unit) -> None:
         self.full.free(unit)  # gathered before this step: stale now
