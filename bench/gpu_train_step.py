@@ -98,6 +98,20 @@ def size_big(device_bytes: int, host_bytes: int, target_params: float, vocab: in
     return f"{width},{depth},{heads}", state_dtype, vocab * width + 12 * width * width * depth
 
 
+DEEPSPEED_MAX_LIVE_PARAMS = 10**9
+"""DeepSpeed's default ``stage3_max_live_parameters`` (ours too)."""
+
+
+def max_live_params(device_bytes: int) -> int:
+    """``--max-live-params auto``: the parameters whose bf16 copies fill 3/10 of the
+    device (the running gradient sums may take half of what is free, activations the
+    rest); DeepSpeed's default where the device's size is not known. Units gathered
+    within it stay on the device from one micro-batch to the next (``FullParams.hold``):
+    on the 8.35B case an H100 holds all 16.7 GB of them and gathers each unit once per
+    step instead of ~1.85 times per micro-batch."""
+    return device_bytes * 3 // 20 if device_bytes else DEEPSPEED_MAX_LIVE_PARAMS
+
+
 def model_flops_per_token(num_params: int, depth: int, width: int, seq_len: int) -> int:
     """Training FLOPs per token: 6 x params (forward 2, backward 4) plus attention's scores
     and values (2 x 2 x seq x width per layer forward, x3 with backward), causal masking
@@ -119,6 +133,7 @@ def _config(swap_dir: str, args: argparse.Namespace) -> dict:
             "offload_optimizer": {**_offload(args.offload_optimizer, swap_dir),
                                   "state_dtype": args.state_dtype},
             "offload_param": _offload(args.offload_param, swap_dir),
+            "stage3_max_live_parameters": args.max_live_params,
         },
         "units": {"module_classes": ["GPTBlock"]},
     }
@@ -273,9 +288,15 @@ def run_ours(args: argparse.Namespace, swap_dir: str, *,
         # sides of the profiled step, so its counters hold its own Adam, all of it.
         engine.backend.wait_steps()
         before = engine.offload_stats()
+        full = getattr(engine.placement, "full", None)
+        gathers = full.num_gathers if full is not None else 0
         profiled = _profile(lambda: one_step(args.warmup + args.steps))
         engine.backend.wait_steps()
         stats = engine.offload_stats()
+        # Stage 3: how many times the profiled step gathered each unit on average (1 when
+        # every unit is held from one micro-batch to the next: see FullParams.hold).
+        gathers_per_unit = ((full.num_gathers - gathers) / len(engine.units)
+                            if full is not None else None)
         adam = {key: stats.get("optimizer", {}).get(key, 0)
                 - before.get("optimizer", {}).get(key, 0) for key in ("steps", "step_s")}
         # the rank's copy engine, one step (the daemon's own copies are not in it)
@@ -286,6 +307,7 @@ def run_ours(args: argparse.Namespace, swap_dir: str, *,
     return {"device": str(device), "num_params": num_params, "step_s": step_s, **_peaks(device),
             "world_size": engine.collectives.world_size, **profiled,
             "adam_s": adam["step_s"], "adam_unit_steps": adam["steps"], **pcie,
+            "gathers_per_unit_per_step": gathers_per_unit,
             "speculated_units": stats.get("speculated_units"),
             "reverted_units": stats.get("reverted_units"),
             "copy_engine": stats.get("rank_copy_engine"),
@@ -406,6 +428,10 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--zero-init", action="store_true",
                         help="build the model under zero.Init (ours: trainer.zero.Init, "
                              "DeepSpeed: deepspeed.zero.Init); --gpt auto implies it")
+    parser.add_argument("--max-live-params", default="auto",
+                        help="stage3_max_live_parameters of both contenders: a number, or "
+                             "'auto': 3/10 of the device's memory in bf16 parameters "
+                             "(max_live_params)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--swap-dir", default=None)
@@ -433,6 +459,8 @@ def _parse() -> argparse.Namespace:
                                        args.vocab, args.big_width)
         args.state_dtype = args.state_dtype or picked
     args.state_dtype = args.state_dtype or "fp32"
+    args.max_live_params = (max_live_params(_device_bytes(args))
+                            if args.max_live_params == "auto" else int(float(args.max_live_params)))
     return args
 
 
@@ -493,6 +521,7 @@ def _summary(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> di
         "h2d_busy_s": ours.get("h2d_busy_s"), "d2h_busy_s": ours.get("d2h_busy_s"),
         "h2d_bytes_per_step": ours.get("h2d_bytes_per_step"),
         "d2h_bytes_per_step": ours.get("d2h_bytes_per_step"),
+        "gathers_per_unit_per_step": ours.get("gathers_per_unit_per_step"),
         "profiled_step_s": ours.get("profiled_step_s"),
         "peak_device_bytes": ours.get("peak_device_bytes"),
         "peak_host_rss_bytes": ours.get("peak_host_rss_bytes"),
@@ -540,7 +569,7 @@ def main() -> None:
                      "state_dtype": args.state_dtype},
             "offload_ratio": args.offload_ratio,
             "activation_checkpointing": args.activation_checkpointing,
-            "zero_init": args.zero_init,
+            "zero_init": args.zero_init, "max_live_params": args.max_live_params,
             "device_capacity_bytes": _device_bytes(args) or None,
             "flops": "6 x params x tokens + 12 x depth x width x seq x tokens (model FLOPs)"}
     fixed = ["--gpt", args.gpt, "--state-dtype", args.state_dtype,

@@ -97,13 +97,12 @@ def test_a_budget_for_some_units_holds_those_the_next_forward_needs_first() -> N
     root, *blocks = probe.units  # forward: root (spanning), blocks 0..2; backward reversed
     probe.close()
     block = blocks[0].padded_numel
-    # Room for exactly the root and one block beyond the reserve (prefetch bucket and two
-    # of the largest unit): the backward ends with block 0 then the root, which the next
-    # forward needs first; blocks 1 and 2, finished earlier, are not held.
+    # Room for exactly the root and one block beyond the reserve (two of the largest
+    # unit): the backward ends with block 0 then the root, which the next forward needs
+    # first; blocks 1 and 2, finished earlier, are not held.
     room = root.padded_numel + block
-    max_live = room + block + 2 * block
-    engine, _, _, _ = trainer.initialize(
-        model=make_model(), config=_config(max_live, stage3_prefetch_bucket_size=block))
+    max_live = room + 2 * block
+    engine, _, _, _ = trainer.initialize(model=make_model(), config=_config(max_live))
     try:
         full = engine.placement.full
         gathers = full.num_gathers

@@ -153,11 +153,10 @@ class Engine(nn.Module):
         """Forward hooks firing now are activation-checkpoint recomputes."""
         self.reduce_order = ReduceOrder(trainable)
         largest = max((unit.padded_numel for unit in self.units), default=0)
-        self._hold_limit_numel = max(0, zero.stage3_max_live_parameters
-                                     - self.prefetch.budget_numel - 2 * largest)
+        self._hold_limit_numel = max(0, zero.stage3_max_live_parameters - 2 * largest)
         """Units are held gathered past their backward while everything gathered fits this
-        many elements: ``stage3_max_live_parameters`` less room for the next backward's
-        and forward's prefetch and the unit in use."""
+        many elements: ``stage3_max_live_parameters`` less room for the unit in use and
+        the next one (prefetch always reaches one unit ahead)."""
         self.hooks = UnitHooks(self.units, on_grads_ready=self._on_grads_ready,
                                on_frozen_backward_done=self._hold_or_release)
         self.trace: GatherTrace | None = None
@@ -251,15 +250,17 @@ class Engine(nn.Module):
         self.prefetch.record_end(unit)
         # Within the reuse distance the unit stays gathered for its backward (DeepSpeed's
         # stage3_max_reuse_distance); an unknown distance (first pass) frees it. A kept
-        # unit stays live while everything gathered before its backward comes and goes:
-        # both must fit stage3_max_live_parameters, or a GPU sized by it runs out of
-        # memory (keeping the first units, whose backward comes last, would hold them
-        # through the whole backward).
+        # unit stays live while the units gathered before its backward come and go: the
+        # unit and all of those must fit stage3_max_live_parameters, or a GPU sized by it
+        # runs out of memory (keeping the first units, whose backward comes last, would
+        # hold them through the whole backward). The distance counts each of those units
+        # twice (its forward and its backward use); in memory each is one buffer, live
+        # once at most, so half the distance bounds them.
         zero = self.config.zero_optimization
         distance = self.prefetch.reuse_distance(unit)
         keep = (torch.is_grad_enabled() and self.module.training and distance is not None
                 and distance <= zero.stage3_max_reuse_distance
-                and distance + unit.padded_numel <= zero.stage3_max_live_parameters)
+                and distance // 2 + unit.padded_numel <= zero.stage3_max_live_parameters)
         if not keep:
             self.placement.release(unit)
 
