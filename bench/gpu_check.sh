@@ -6,9 +6,10 @@
 # run, 2026-11-27: installing ~20 s, pytest 24 s, path 6 s, big 202 s, large 60-80 s):
 #   pytest   pytest -m gpu                   (CUDA copy engine, pinned arena, ZeRO-3 on cuda)
 #   path     bench/gpu_path.py               (H2D/D2H GB/s vs pinned cudaMemcpyAsync)
-#   big      the largest model the box allows (--gpt auto: 8.3B on a 128 GiB host), params
-#            and optimizer offloaded, 8-bit moments, activation recomputation, 32k tokens
-#            per step in 4 micro-batches of 16; the ceiling beside it (an OOM is a result)
+#   big      the largest model the box allows (--gpt auto: 10.2B on a 128 GiB host, its
+#            gradients summed in bf16), params and optimizer offloaded, 8-bit moments,
+#            activation recomputation, 32k tokens per step in 4 micro-batches of 16; the
+#            ceiling beside it (an OOM is a result)
 #   large    1B GPT, optimizer in DRAM, params resident, 64k tokens per step: ours and the
 #            no-offload ceiling (plain torch, fused AdamW)
 #   stream   bench/cpu_adam.py: our Adam's GB/s against a STREAM triad on the same cores

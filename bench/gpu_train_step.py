@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import resource
 import statistics
@@ -69,33 +70,46 @@ def _offload(device: str, swap_dir: str) -> dict:
     return {"device": device, "nvme_path": swap_dir} if device == "nvme" else {"device": device}
 
 
-HOST_BYTES_PER_PARAM = {name: trainable_nbytes(10**9, STATE_DTYPE_FORMATS[name], 2) / 10**9
-                        for name in ("fp32", "bf16", "8bit")}
-"""Daemon bytes a parameter needs with params and optimizer offloaded in bf16 training, as
-the engine sizes the arena: the fp32 master and grad (8), the bf16 param (2) and both moments
-(8 / 4 / 2.03): 18, 14 and 12.03."""
+GRAD_ITEMSIZES = {"fp32": 4, "bf16": 2}
+"""Bytes of one gradient element by ``data_types.grad_accum_dtype``."""
+
+
+def host_bytes_per_param(state_dtype: str, grad_accum_dtype: str) -> float:
+    """Daemon bytes a parameter needs with params and optimizer offloaded in bf16 training
+    and gradient accumulation, as the engine sizes the arena (``trainable_nbytes``): the
+    fp32 master (4), the gradient (4, or 2 accumulated in bf16), the bf16 param (2) and
+    both moments (8 / 4 / 2.03): 18, 14, 12.03, or with bf16 sums 16, 12, 10.03."""
+    return trainable_nbytes(10**9, STATE_DTYPE_FORMATS[state_dtype], 2,
+                            grad_itemsize=GRAD_ITEMSIZES[grad_accum_dtype]) / 10**9
+
+
+STATE_DTYPES = ("fp32", "bf16", "8bit")
+"""``offload_optimizer.state_dtype`` choices, largest moments first."""
 DEVICE_BYTES_PER_PARAM = 16
 """What no-offload mixed-precision training keeps on the GPU per parameter: fp32 param,
 fp32 grad and two fp32 moments (activations and the bf16 copies come on top)."""
 
 
 def size_big(device_bytes: int, host_bytes: int, target_params: float, vocab: int,
-             width: int) -> tuple[str, str, int]:
+             width: int, *, grad_accum_dtype: str) -> tuple[str, str, int]:
     """The big case's ``--gpt`` and ``state_dtype``: at least ``target_params`` and twice
     what fits the device without offload, in the smallest moment format the host holds
-    (3/4 of its memory: the arena's slack, the ranks and the page cache take the rest); if
-    none holds the target, the largest model the host holds in 8-bit moments. Returns
-    ``(gpt, state_dtype, num_params_estimate)``."""
+    (3/4 of its memory: the arena's slack, the ranks and the page cache take the rest) with
+    gradients accumulated in ``grad_accum_dtype``; if none holds the target, the largest
+    model the host holds in 8-bit moments. The depth is the least that reaches the target,
+    or the most the host holds where that is less. Returns ``(gpt, state_dtype,
+    num_params_estimate)``."""
     wanted = max(target_params, 2 * device_bytes / DEVICE_BYTES_PER_PARAM)
     budget = 0.75 * host_bytes
-    fitting = [name for name, nbytes in HOST_BYTES_PER_PARAM.items()
-               if wanted * nbytes <= budget]
+    per_param = {name: host_bytes_per_param(name, grad_accum_dtype) for name in STATE_DTYPES}
+    fitting = [name for name in STATE_DTYPES if wanted * per_param[name] <= budget]
     state_dtype = fitting[0] if fitting else "8bit"
-    if not fitting:
-        wanted = budget / HOST_BYTES_PER_PARAM["8bit"]
+    layer_numel, embedding_numel = 12 * width * width, vocab * width
+    reaching = math.ceil((wanted - embedding_numel) / layer_numel)
+    held = math.floor((budget / per_param[state_dtype] - embedding_numel) / layer_numel)
+    depth = max(1, min(reaching, held))
     heads = max(1, width // 128)
-    depth = max(1, round((wanted - vocab * width) / (12 * width * width)))
-    return f"{width},{depth},{heads}", state_dtype, vocab * width + 12 * width * width * depth
+    return f"{width},{depth},{heads}", state_dtype, embedding_numel + layer_numel * depth
 
 
 DEEPSPEED_MAX_LIVE_PARAMS = 10**9
@@ -126,6 +140,8 @@ def _config(swap_dir: str, args: argparse.Namespace) -> dict:
         "gradient_accumulation_steps": args.grad_accum,
         "gradient_clipping": 1.0,
         "bf16": {"enabled": True},
+        **({"data_types": {"grad_accum_dtype": args.grad_accum_dtype}}
+           if args.grad_accum_dtype else {}),
         "device": args.device,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": {
@@ -311,6 +327,7 @@ def run_ours(args: argparse.Namespace, swap_dir: str, *,
             "speculated_units": stats.get("speculated_units"),
             "reverted_units": stats.get("reverted_units"),
             "copy_engine": stats.get("rank_copy_engine"),
+            "grad_dtype": str(engine.grad_dtype).removeprefix("torch."),
             "arena_pinned": stats.get("rank_arena_pinned"),
             "device_copies": stats.get("rank_device_copies"),
             "device_copies_fallback": stats.get("rank_device_copies_reason") or None}
@@ -423,6 +440,10 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--state-dtype", choices=["fp32", "bf16", "8bit"], default=None,
                         help="offload_optimizer.state_dtype (ours; default fp32, or what "
                              "--gpt auto picks)")
+    parser.add_argument("--grad-accum-dtype", choices=["fp32", "bf16"], default=None,
+                        help="data_types.grad_accum_dtype of both contenders (DeepSpeed's key); "
+                             "unset: each engine's default (ours fp32, DeepSpeed the model's "
+                             "bf16), --gpt auto: bf16")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's activations in backward")
     parser.add_argument("--zero-init", action="store_true",
@@ -455,8 +476,10 @@ def _parse() -> argparse.Namespace:
         args.zero_init = True
         device_bytes = _device_bytes(args)
         host_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        args.grad_accum_dtype = args.grad_accum_dtype or "bf16"
         args.gpt, picked, _ = size_big(device_bytes, host_bytes, args.target_params,
-                                       args.vocab, args.big_width)
+                                       args.vocab, args.big_width,
+                                       grad_accum_dtype=args.grad_accum_dtype)
         args.state_dtype = args.state_dtype or picked
     args.state_dtype = args.state_dtype or "fp32"
     args.max_live_params = (max_live_params(_device_bytes(args))
@@ -566,20 +589,23 @@ def main() -> None:
             "gpu": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
             "gpt": args.gpt, "seq_len": args.seq_len, "micro_batch": args.micro_batch,
             "tier": {"param": args.offload_param, "optimizer": args.offload_optimizer,
-                     "state_dtype": args.state_dtype},
+                     "state_dtype": args.state_dtype,
+                     "grad_accum_dtype": args.grad_accum_dtype},
             "offload_ratio": args.offload_ratio,
             "activation_checkpointing": args.activation_checkpointing,
             "zero_init": args.zero_init, "max_live_params": args.max_live_params,
             "device_capacity_bytes": _device_bytes(args) or None,
             "flops": "6 x params x tokens + 12 x depth x width x seq x tokens (model FLOPs)"}
     fixed = ["--gpt", args.gpt, "--state-dtype", args.state_dtype,
-             *(["--zero-init"] if args.zero_init else [])]
+             *(["--zero-init"] if args.zero_init else []),
+             *(["--grad-accum-dtype", args.grad_accum_dtype] if args.grad_accum_dtype else [])]
     if args.sweep is None:
         results = _run_contenders(args, fixed, notes)
         ours = results["ours"]
         print(json.dumps({**head, "num_params": ours["num_params"],
                           "world_size": ours["world_size"], **_summary(args, results),
                           "copy_engine": ours["copy_engine"],
+                          "grad_dtype": ours["grad_dtype"],
                           "arena_pinned": ours["arena_pinned"],
                           "device_copies": ours["device_copies"],
                           "device_copies_fallback": ours["device_copies_fallback"],

@@ -24,7 +24,7 @@ from trainer.offload.daemon_connect import (
 )
 
 
-def _config(device: str, state_dtype: str = "8bit") -> object:
+def _config(device: str, state_dtype: str = "8bit", **top: object) -> object:
     section = {"device": device, "state_dtype": state_dtype}
     if device == "nvme":
         section["nvme_path"] = "/tmp"
@@ -32,7 +32,7 @@ def _config(device: str, state_dtype: str = "8bit") -> object:
         "train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
         "gradient_clipping": 0.0,
         "zero_optimization": {"stage": 3, "offload_optimizer": section,
-                              "offload_param": {"device": "cpu"}},
+                              "offload_param": {"device": "cpu"}}, **top,
     })
 
 
@@ -55,22 +55,36 @@ def test_the_slack_never_leaves_less_than_a_tenth_of_dram_free(working: int, ava
 
 
 def test_the_estimate_counts_the_daemons_bytes_per_parameter() -> None:
+    """The gradient is counted in the dtype the engine keeps it in: bf16 where the bf16
+    reduce-scatter is taken once per step (no accumulation) or ``grad_accum_dtype`` asks
+    for bf16 sums, fp32 where micro-batches are summed in fp32."""
     numel = 1 << 20
-    config = _config("cpu")
-    # fp32 master and grad, the bf16 param, two blockwise-8 moments: 12.03 B/param
-    wanted = numel * (4 + 4 + 2) + 2 * moment_nbytes("blockwise8", numel)
-    assert estimate_rank_nbytes(_meta_model(numel), config, 1) == wanted
-    assert 12.0 < wanted / numel < 12.1
+    model = _meta_model(numel)
+    moments = 2 * moment_nbytes("blockwise8", numel)
+    # fp32 master, the gradient, the bf16 param, two blockwise-8 moments
+    with_bf16_grad = numel * (4 + 2 + 2) + moments  # 10.03 B/param
+    with_fp32_grad = numel * (4 + 4 + 2) + moments  # 12.03 B/param
+    assert 10.0 < with_bf16_grad / numel < 10.1 and 12.0 < with_fp32_grad / numel < 12.1
+    assert estimate_rank_nbytes(model, _config("cpu"), 1) == with_bf16_grad
+    summed = {"gradient_accumulation_steps": 4}
+    assert estimate_rank_nbytes(model, _config("cpu", **summed), 1) == with_fp32_grad
+    in_bf16 = {**summed, "data_types": {"grad_accum_dtype": "bf16"}}
+    assert estimate_rank_nbytes(model, _config("cpu", **in_bf16), 1) == with_bf16_grad
 
 
 def test_a_dram_working_set_past_the_nodes_memory_is_refused_naming_the_knobs() -> None:
     available = available_memory_nbytes()
-    too_big = _meta_model(available // 12 + (1 << 30))  # > available at 12.03 B/param
+    too_big = _meta_model(available // 10 + (1 << 30))  # > available at 10.03 B/param
     with pytest.raises(ValueError) as refused:
         default_arena_nbytes(too_big, _config("cpu"), Collectives())
     message = str(refused.value)
     assert "offload_optimizer.device" in message and '"nvme"' in message
     assert "state_dtype" in message and "available" in message
+    # The gradient is already bf16 here; summed in fp32 it could be, and the refusal says so.
+    assert "grad_accum_dtype" not in message
+    with pytest.raises(ValueError, match=r'data_types\.grad_accum_dtype "bf16"'):
+        default_arena_nbytes(too_big, _config("cpu", gradient_accumulation_steps=2),
+                             Collectives())
     # On the NVMe tier the arena is a cache: the same model gets at most half of DRAM.
     arena = default_arena_nbytes(too_big, _config("nvme"), Collectives())
     assert 64 * MIB <= arena <= available // 2 + 2 * MIB
@@ -84,7 +98,7 @@ def test_a_working_set_that_fits_gets_its_arena_with_the_slack_cut_to_dram() -> 
     arena = default_arena_nbytes(small, _config("cpu"), collectives)
     assert arena >= working + working // 4 + 32 * MIB  # the whole quarter: DRAM has it
     # 85% of DRAM: the working set fits, a quarter more would not, the slack is cut
-    near = _meta_model(int(available * 0.85) // 12)
+    near = _meta_model(int(available * 0.85) // 10)  # 10.03 B/param
     working = estimate_rank_nbytes(near, _config("cpu"), 1)
     arena = default_arena_nbytes(near, _config("cpu"), collectives)
     noise = available // 100  # MemAvailable moves between the test's read and the engine's

@@ -6,6 +6,7 @@ steps off), and the figures it prints agree with each other."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -28,28 +29,43 @@ pytestmark = pytest.mark.slow
 def test_size_big_takes_the_smallest_moment_format_the_host_holds() -> None:
     gib = 1 << 30
     # The bytes per parameter are the engine's own arena estimate for bf16 training.
-    assert gpu_train_step.HOST_BYTES_PER_PARAM["8bit"] == pytest.approx(
-        trainable_nbytes(10**6, "blockwise8", 2) / 10**6, rel=1e-5)
-    # A 512 GiB host holds 10B (twice 80 GB at 16 B/param) with fp32 moments (18 B/param).
-    _, state_dtype, params = gpu_train_step.size_big(80 * 10**9, 512 * gib, 10e9, 32000, 5120)
-    assert state_dtype == "fp32" and abs(params - 10e9) / 10e9 < 0.05
-    # The workplace's GPU box: 10B needs 120 GB even in 8-bit moments (12.03 B/param) and
-    # 3/4 of 128 GiB is 103 GB: the largest model it holds, still past the GPU's 80 GB at 16
-    # B/param, and the arena the engine asks for (with its slack) within the host.
-    gpt, state_dtype, params = gpt_train = gpu_train_step.size_big(
-        80 * 10**9, 128 * gib, 10e9, 32000, 5120)
-    assert state_dtype == "8bit", gpt_train
-    working_set = params * gpu_train_step.HOST_BYTES_PER_PARAM["8bit"]
-    assert 0.9 < working_set / (0.75 * 128 * gib) < 1.05
+    per_param = gpu_train_step.host_bytes_per_param
+    assert per_param("8bit", "fp32") == pytest.approx(
+        trainable_nbytes(10**6, "blockwise8", 2, grad_itemsize=4) / 10**6, rel=1e-5)
+    assert per_param("8bit", "bf16") == pytest.approx(
+        trainable_nbytes(10**6, "blockwise8", 2, grad_itemsize=2) / 10**6, rel=1e-5)
+    assert 10.0 < per_param("8bit", "bf16") < 10.1 < 12.0 < per_param("8bit", "fp32") < 12.1
+
+    def size(device: float, host: float, grad_accum_dtype: str = "bf16"
+             ) -> tuple[str, str, int]:
+        return gpu_train_step.size_big(int(device), int(host), 10e9, 32000, 5120,
+                                       grad_accum_dtype=grad_accum_dtype)
+
+    # A 512 GiB host holds 10B (twice 80 GB at 16 B/param) with fp32 moments (16 B/param
+    # with bf16 sums), at least the target, within a layer.
+    _, state_dtype, params = size(80e9, 512 * gib)
+    assert state_dtype == "fp32" and 10e9 <= params < 10e9 + 12 * 5120**2
+    # The workplace's GPU box: 3/4 of 128 GiB is 103 GB. With gradients summed in bf16, 10B
+    # in 8-bit moments (10.03 B/param) fits it: the target, past the GPU's 80 GB at 16
+    # B/param, with the arena the engine asks for (with its slack) within the host.
+    gpt, state_dtype, params = gpt_train = size(80e9, 128 * gib)
+    assert state_dtype == "8bit" and params >= 10e9, gpt_train
+    working_set = params * per_param("8bit", "bf16")
+    assert working_set <= 0.75 * 128 * gib
     assert params * gpu_train_step.DEVICE_BYTES_PER_PARAM > 1.5 * 80 * 10**9
     assert arena_with_slack(int(working_set), 120 * 10**9) < 128 * gib
+    # Summed in fp32 (12.03 B/param), the same box holds less than 10B: the largest model
+    # it holds, within a layer of its 3/4.
+    _, state_dtype, params = size(80e9, 128 * gib, "fp32")
+    assert state_dtype == "8bit" and params < 10e9
+    assert 0.95 < params * per_param("8bit", "fp32") / (0.75 * 128 * gib) <= 1
     # A host too small for the target: the largest model it holds in 8-bit moments.
-    _, state_dtype, params = gpu_train_step.size_big(80 * 10**9, 64 * gib, 10e9, 32000, 5120)
+    _, state_dtype, params = size(80e9, 64 * gib)
     assert state_dtype == "8bit"
-    assert 0.9 < params * gpu_train_step.HOST_BYTES_PER_PARAM["8bit"] / (0.75 * 64 * gib) < 1.05
+    assert 0.9 < params * per_param("8bit", "bf16") / (0.75 * 64 * gib) <= 1
     # A bigger GPU asks for twice its capacity.
-    _, _, params = gpu_train_step.size_big(141 * 10**9, 1024 * gib, 10e9, 32000, 5120)
-    assert params >= 0.95 * 2 * 141e9 / gpu_train_step.DEVICE_BYTES_PER_PARAM
+    _, _, params = size(141e9, 1024 * gib)
+    assert params >= 2 * 141e9 / gpu_train_step.DEVICE_BYTES_PER_PARAM
     width, depth, heads = (int(part) for part in gpt.split(","))
     assert width == 5120 and heads == 40 and depth >= 1
 
@@ -75,8 +91,12 @@ def test_cpu_big_case_with_recomputation_and_the_ceiling(tmp_path: Path) -> None
     result = _run_big_case(tmp_path, 300000, {}, "--state-dtype", "bf16",
                            "--contenders", "ours,ours-wait,none")
     width, depth, heads = (int(part) for part in result["gpt"].split(","))
-    assert (width, heads) == (64, 1) and depth == round((300000 - 512 * 64) / (12 * 64 * 64))
+    # the least depth that reaches the target
+    assert (width, heads) == (64, 1)
+    assert depth == math.ceil((300000 - 512 * 64) / (12 * 64 * 64))
     assert result["tier"]["state_dtype"] == "bf16" and result["activation_checkpointing"]
+    # the big case sums gradients in bf16 (data_types.grad_accum_dtype), as sized
+    assert result["tier"]["grad_accum_dtype"] == "bf16" and result["grad_dtype"] == "bfloat16"
     assert result["tokens_per_step"] == 2 * 32 * 2
     assert result["step_s_median"] == statistics.median(result["step_s"])
     per_token = gpu_train_step.model_flops_per_token(result["num_params"], depth, width, 32)

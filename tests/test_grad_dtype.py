@@ -5,7 +5,8 @@ so an fp32 shard would hold no more information, only twice the bytes (and twice
 D2H on a GPU). The check: the same 2-rank bf16 stage-3 run with the gradient shards in
 bf16 and with them widened to fp32 (the layout before) ends in bit-identical weights,
 while the daemon's gradient shards are half the size. With accumulation the sum stays
-in fp32.
+in fp32, unless ``data_types.grad_accum_dtype`` asks for bf16 sums
+(tests/test_grad_accum_dtype.py).
 """
 
 from __future__ import annotations

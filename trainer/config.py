@@ -7,7 +7,9 @@ docstrings give meaning and unit. Parsing is strict:
 - unknown keys raise ``ValueError`` listing each one with a did-you-mean;
 - renamed DeepSpeed keys raise ``ValueError`` naming the new key;
 - DeepSpeed keys that mean nothing here (``IGNORED_KEYS``) are accepted and
-  reported once with a ``UserWarning`` so nobody believes they took effect.
+  reported once with a ``UserWarning`` so nobody believes they took effect;
+- a section's ``SPELLINGS`` accept DeepSpeed's other names of a value ("bfloat16"
+  for "bf16"), its ``REFUSED`` name DeepSpeed values refused here and why.
 
 Our own sections are ``offloadd`` (daemon connection) and ``units`` (how the
 model is split into flat-parameter units).
@@ -267,6 +269,35 @@ class Fp16Config:
         _check(self.min_loss_scale > 0, "fp16.min_loss_scale", self.min_loss_scale, "> 0")
 
 
+GradAccumDtype = Literal["fp32", "bf16"]
+"""``data_types.grad_accum_dtype`` (DeepSpeed's names; its "fp16" is refused here)."""
+
+DTYPE_SPELLINGS: dict[str, str] = {
+    "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+    "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "float16": "fp16", "half": "fp16", "torch.float16": "fp16"}
+"""DeepSpeed's other names of a dtype (its ``DtypeEnum``), by the short name they mean."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class DataTypesConfig:
+    """The ``data_types`` section: the dtype gradients are accumulated in."""
+
+    SPELLINGS: ClassVar[dict[str, dict[str, str]]] = {"grad_accum_dtype": DTYPE_SPELLINGS}
+    """Per field, the other spellings DeepSpeed accepts for a value and the value they mean."""
+    REFUSED: ClassVar[dict[str, dict[str, str]]] = {"grad_accum_dtype": {
+        "fp16": "the daemon's Adam kernel takes no fp16 gradient, so fp16 training "
+                "accumulates in fp32: remove the key or set it to 'fp32' ('bf16' needs "
+                "bf16.enabled)"}}
+    """Per field, DeepSpeed values refused here and why (what to set instead)."""
+    grad_accum_dtype: GradAccumDtype = "fp32"
+    """Dtype micro-batch gradients are summed in until the optimizer step (2 or 4 B per
+    element of each rank's gradient partition): "fp32", exact sums; "bf16" (needs
+    bf16.enabled), each sum rounded to bf16 wherever it runs, as DeepSpeed's bf16
+    accumulation, and 2 B less per parameter in the arena (``grad_dtype_name``). Unset:
+    fp32 (DeepSpeed's unset means the model's dtype)."""
+
+
 @dataclass(kw_only=True, frozen=True)
 class OffloadDeviceConfig:
     """``zero_optimization.offload_optimizer`` / ``offload_param``."""
@@ -475,6 +506,8 @@ class EngineConfig:
     """Daemon connection."""
     units: UnitsConfig = field(default_factory=UnitsConfig)
     """Unit (flat parameter) construction."""
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
+    """The dtype gradients are accumulated in."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Compute device: auto = cuda:LOCAL_RANK with NCCL when CUDA is available, else cpu."""
 
@@ -483,6 +516,10 @@ class EngineConfig:
                ">= 0 (0 disables)")
         _check(not (self.bf16.enabled and self.fp16.enabled), "bf16.enabled", True,
                "false when fp16.enabled is true (pick one training dtype)")
+        _check(self.data_types.grad_accum_dtype != "bf16" or self.bf16.enabled,
+               "data_types.grad_accum_dtype", "bf16",
+               "'fp32' unless bf16.enabled is true (bf16 accumulation sums the gradients of "
+               "bf16 training: set bf16.enabled, or remove the key)")
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
                     "gradient_accumulation_steps"):
             value = getattr(self, key)
@@ -494,6 +531,20 @@ class EngineConfig:
         if self.bf16.enabled:
             return "bfloat16"
         return "float16" if self.fp16.enabled else "float32"
+
+    def grad_dtype_name(self, gradient_accumulation_steps: int
+                        ) -> Literal["float32", "bfloat16"]:
+        """Dtype tag of the reduced gradient partition, kept and summed in it until the
+        optimizer step (the daemon's ``u{N}.grad``, the device sums, stages 0-1's local sum
+        and all-reduce): bf16 when ``data_types.grad_accum_dtype`` asks, or where it is a
+        bf16 reduce-scatter taken once per step (stages 2-3 without accumulation: fp32
+        would hold no more). Else fp32 (the daemon's Adam takes no fp16 gradient)."""
+        if self.data_types.grad_accum_dtype == "bf16":
+            return "bfloat16"
+        if (self.bf16.enabled and gradient_accumulation_steps == 1
+                and self.zero_optimization.stage >= 2):
+            return "bfloat16"
+        return "float32"
 
     def batch_sizes(self, world_size: int) -> BatchSizes:
         """Derive the missing batch keys like DeepSpeed and check consistency."""
@@ -600,6 +651,7 @@ def _flatten_typed_section(section: dict[str, Any], name: str) -> dict[str, Any]
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     data = dict(data)
     _reject_renamed_and_drop_ignored(data, prefix)
+    _respell(cls, data, prefix)
     _drop_auto(cls, data, prefix)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -609,6 +661,23 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     kwargs = {key: _coerce(hints[key], value, _key_path(prefix, key))
               for key, value in data.items()}
     return cls(**kwargs)
+
+
+def _respell(cls: type, data: dict[str, Any], prefix: str) -> None:
+    """Values a section accepts under DeepSpeed's other spellings (its ``SPELLINGS``,
+    "bfloat16" for "bf16") become the spelling its field's ``Literal`` names; DeepSpeed
+    values it refuses (its ``REFUSED``) raise ``ValueError`` saying why."""
+    refused: dict[str, dict[str, str]] = getattr(cls, "REFUSED", {})
+    for key, spellings in getattr(cls, "SPELLINGS", {}).items():
+        value = data.get(key)
+        if not isinstance(value, str):
+            continue
+        canonical = spellings.get(value, value)
+        reason = refused.get(key, {}).get(canonical)
+        if reason is not None:
+            raise ValueError(f"config key {_key_path(prefix, key)}={value!r} is invalid: "
+                             f"{reason}")
+        data[key] = canonical
 
 
 def _key_path(prefix: str, key: str) -> str:

@@ -7,7 +7,8 @@ Per unit N it holds this rank's partition of:
 - ``u{N}.exp_avg``    Adam first moment (fp32; in the daemon optionally bf16 or 8-bit,
                       ``offload_optimizer.state_dtype``, see offloadd.formats)
 - ``u{N}.exp_avg_sq`` Adam second moment (likewise)
-- ``u{N}.grad``       reduced gradient (fp32, or bf16 where the reduction rounded to it)
+- ``u{N}.grad``       reduced gradient (fp32, or bf16 where the reduction rounded to it
+                      or ``data_types.grad_accum_dtype`` asks for bf16 sums)
 - ``u{N}.param``      the master cast to the training dtype (what ranks gather)
 
 Two implementations:
@@ -57,8 +58,9 @@ class UnitSpec:
     trainable: bool = True
     """False: frozen parameters (stage 3): only the ``param`` shard, no optimizer state."""
     grad_dtype: torch.dtype = torch.float32
-    """Dtype the reduced gradient partition is kept in until the optimizer step: the
-    training dtype where the reduction already rounded to it (``Engine._grad_dtype``)."""
+    """Dtype the reduced gradient partition is kept and summed in until the optimizer
+    step (``EngineConfig.grad_dtype_name``): bf16 where the reduction already rounded to
+    it or the config accumulates in bf16, else fp32."""
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -229,12 +231,15 @@ class _UnitState:
         self.master = master.detach().to(torch.float32, copy=True)
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
-        self.grad = torch.zeros_like(self.master)
+        self.grad = torch.zeros_like(self.master, dtype=spec.grad_dtype)
+        """The reduced gradient, summed over the window in ``spec.grad_dtype``."""
         self.undo: tuple[torch.Tensor, ...] | None = None
         """Master and moments before an undoable step, until it is committed or reverted."""
 
     def step(self, redo: StepRedo, *, keep_grad: bool) -> None:
         grad = self.grad
+        if grad.dtype != torch.float32:  # Adam runs in fp32; a new tensor, scaled in place
+            grad, keep_grad = grad.float(), False
         if redo.grad_scale != 1.0:
             grad = grad * redo.grad_scale if keep_grad else grad.mul_(redo.grad_scale)
         adam_update(self.master, grad, self.exp_avg, self.exp_avg_sq, step=redo.step,

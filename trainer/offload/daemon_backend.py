@@ -114,7 +114,7 @@ class DaemonBackend(StateBackend):
         self._device_sums: dict[int, torch.Tensor] = {}
         """Running gradient sums of open accumulation windows, on the compute device."""
         self.device_sum_room_nbytes = _device_sum_room(self.copies)
-        """Device memory the running sums may take (a quarter of what is free at start)."""
+        """Device memory the running sums may take (half of what is free at start)."""
         self.moved_nbytes = 0
         """Bytes this rank copied into or out of arena leases."""
         self.wait_s = 0.0
@@ -300,11 +300,13 @@ class DaemonBackend(StateBackend):
 
     def _sum_on_device(self, unit: int, grad: torch.Tensor, *, first: bool,
                        last: bool) -> tuple[torch.Tensor, bool] | None:
-        """Gradient accumulation on the compute device: the window's running fp32 sum stays
+        """Gradient accumulation on the compute device: the window's running sum stays
         there and crosses to the arena once, at the window's last micro-batch, instead of
         a D2H + H2D + add per micro-batch. Returns what to write then (and whether it is
         the whole window: ``first``); None while the window goes on. Sums beyond
-        ``device_sum_room_nbytes`` take the per-micro-batch path."""
+        ``device_sum_room_nbytes`` take the per-micro-batch path. A sum is kept in the
+        unit's ``grad_dtype`` (fp32, or bf16 with ``data_types.grad_accum_dtype`` bf16,
+        where it takes half the room), rounded as the arena's sum would be."""
         held = self._device_sums.pop(unit, None)
         if held is not None and not first:
             held.add_(grad)
@@ -314,10 +316,11 @@ class DaemonBackend(StateBackend):
             return None
         # A held sum met by first=True is a window that ended without its last micro-batch:
         # it was popped above and is dropped.
+        grad_dtype = self._specs[unit].grad_dtype
         held_nbytes = sum(total.nbytes for total in self._device_sums.values())
-        if last or held_nbytes + grad.numel() * 4 > self.device_sum_room_nbytes:
+        if last or held_nbytes + grad.numel() * grad_dtype.itemsize > self.device_sum_room_nbytes:
             return grad, first
-        self._device_sums[unit] = grad.to(torch.float32, copy=True)
+        self._device_sums[unit] = grad.to(grad_dtype, copy=True)
         return None
 
     def accumulate_grad(self, unit: int, grad: torch.Tensor, *, first: bool,

@@ -40,26 +40,34 @@ def _node_world_size(collectives: Collectives) -> int:
     return nodes.count(node_key())
 
 
+DTYPE_ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of each training and gradient dtype tag."""
+
+
 def estimate_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) -> int:
-    """Bytes of daemon shards one rank needs (fp32 master and grad, the moments in their
-    ``state_dtype``, the param copy, and the param copy of frozen parameters under
-    stage 3)."""
+    """Bytes of daemon shards one rank needs (the fp32 master, the gradient in the dtype
+    the engine keeps it in, the moments in their ``state_dtype``, the param copy, and the
+    param copy of frozen parameters under stage 3)."""
     parts = world_size if config.zero_optimization.stage >= 1 else 1
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype_name]
+    itemsize = DTYPE_ITEMSIZES[config.dtype_name]
+    accumulation = config.batch_sizes(world_size).gradient_accumulation_steps
+    grad_itemsize = DTYPE_ITEMSIZES[config.grad_dtype_name(accumulation)]
     frozen = 0  # stage 3 keeps frozen parameters' partitions in the daemon too (no state)
     if config.zero_optimization.stage == 3:
         frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
     part = _trainable_part_numel(model, config, world_size)
     return (trainable_nbytes(part, config.zero_optimization.offload_optimizer.moment_format,
-                             itemsize)
+                             itemsize, grad_itemsize=grad_itemsize)
             + -(-frozen // parts) * itemsize)
 
 
-def trainable_nbytes(numel: int, moment_format: MomentFormat, param_itemsize: int) -> int:
-    """Daemon bytes of ``numel`` trainable elements: fp32 master and grad (8), the param
-    copy in the training dtype and both moments (8-bit moments: 12.03 B per element in
-    bf16 training; fp32 moments: 18)."""
-    return numel * (8 + param_itemsize) + 2 * moment_nbytes(moment_format, numel)
+def trainable_nbytes(numel: int, moment_format: MomentFormat, param_itemsize: int, *,
+                     grad_itemsize: int) -> int:
+    """Daemon bytes of ``numel`` trainable elements: the fp32 master (4), the gradient
+    (``grad_itemsize``), the param copy in the training dtype and both moments. In bf16
+    training with 8-bit moments: 12.03 B per element with an fp32 gradient, 10.03 with a
+    bf16 one (``data_types.grad_accum_dtype`` bf16); fp32 moments: 18 and 16."""
+    return numel * (4 + grad_itemsize + param_itemsize) + 2 * moment_nbytes(moment_format, numel)
 
 
 def arena_with_slack(node_nbytes: int, available_nbytes: int) -> int:
@@ -98,7 +106,7 @@ def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Co
         wanted = max(64 * MIB, min(wanted, available // 2))
     else:
         with agree(collectives, "sizing the DRAM arena"):
-            _check_dram(node_nbytes, available)
+            _check_dram(node_nbytes, available, config, collectives.world_size)
         if speculates(config):
             # Room for speculative steps' second copy of the master and moments, where DRAM
             # has it.
@@ -108,16 +116,22 @@ def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Co
     return -(-wanted // (2 * MIB)) * 2 * MIB
 
 
-def _check_dram(node_nbytes: int, available_nbytes: int) -> None:
+def _check_dram(node_nbytes: int, available_nbytes: int, config: EngineConfig,
+                world_size: int) -> None:
     """Refuse a DRAM-tier working set past the node's available memory: the daemon would
     be killed by the OOM killer mid-run, its ranks left with a closed socket."""
-    if node_nbytes + 32 * MIB > available_nbytes:
-        raise ValueError(
-            f"the offloaded training state of this node's ranks needs {node_nbytes / 1e9:.1f} "
-            f"GB of DRAM and {available_nbytes / 1e9:.1f} GB are available: set "
-            "zero_optimization.offload_optimizer.device to \"nvme\" (with nvme_path), a "
-            "smaller offload_optimizer.state_dtype (\"bf16\", \"8bit\"), or spread the job "
-            "over more nodes")
+    if node_nbytes + 32 * MIB <= available_nbytes:
+        return
+    accumulation = config.batch_sizes(world_size).gradient_accumulation_steps
+    bf16_sums = ""
+    if config.bf16.enabled and config.grad_dtype_name(accumulation) == "float32":
+        bf16_sums = ", data_types.grad_accum_dtype \"bf16\" (2 B less per parameter)"
+    raise ValueError(
+        f"the offloaded training state of this node's ranks needs {node_nbytes / 1e9:.1f} "
+        f"GB of DRAM and {available_nbytes / 1e9:.1f} GB are available: set "
+        "zero_optimization.offload_optimizer.device to \"nvme\" (with nvme_path), a "
+        f"smaller offload_optimizer.state_dtype (\"bf16\", \"8bit\"){bf16_sums}, or spread "
+        "the job over more nodes")
 
 
 def speculates(config: EngineConfig) -> bool:

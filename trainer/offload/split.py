@@ -37,8 +37,9 @@ from trainer.offload.backend import (
 if TYPE_CHECKING:
     from trainer.offload.backend import StepRedo
 
-DEVICE_STATE_TENSORS = len(STATE_KINDS) + 1
-"""fp32 tensors a device unit keeps per partition element: master, both moments, grad."""
+FP32_STATE_TENSORS = len(STATE_KINDS)
+"""fp32 tensors a device unit keeps per partition element: master and both moments (its
+gradient is kept in the unit's ``grad_dtype``)."""
 
 
 def device_units(specs: list[UnitSpec], ratio: float) -> frozenset[int]:
@@ -56,8 +57,14 @@ def device_units(specs: list[UnitSpec], ratio: float) -> frozenset[int]:
 
 
 def device_state_nbytes(spec: UnitSpec) -> int:
-    """A device unit's state: the fp32 tensors and its parameters in the training dtype."""
-    return spec.part_numel * (4 * DEVICE_STATE_TENSORS + spec.param_dtype.itemsize)
+    """A device unit's state: the optimizer's tensors and its parameters in the training
+    dtype."""
+    return optimizer_state_nbytes(spec) + spec.part_numel * spec.param_dtype.itemsize
+
+
+def optimizer_state_nbytes(spec: UnitSpec) -> int:
+    """A device unit's optimizer state: the fp32 master and moments and its gradient."""
+    return spec.part_numel * (4 * FP32_STATE_TENSORS + spec.grad_dtype.itemsize)
 
 
 def check_device_room(specs: list[UnitSpec], chosen: frozenset[int], ratio: float,
@@ -257,11 +264,10 @@ class SplitBackend(StateBackend):
 
     def stats(self) -> dict[str, Any]:
         """The daemon side's counters, plus how much stays on the device."""
-        device_numel = sum(self._specs[unit].part_numel for unit in self.device_units
-                           if unit in self._specs)
+        device_nbytes = sum(optimizer_state_nbytes(self._specs[unit])
+                            for unit in self.device_units if unit in self._specs)
         return {**self.offloaded.stats(), **self.on_device.stats(),
-                "device_units": len(self.device_units),
-                "device_state_nbytes": device_numel * DEVICE_STATE_TENSORS * 4}
+                "device_units": len(self.device_units), "device_state_nbytes": device_nbytes}
 
     def close(self) -> None:
         self._params.clear()

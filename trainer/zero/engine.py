@@ -44,7 +44,7 @@ from trainer.zero.init import (
 )
 from trainer.zero.optimizer import ZeroOptimizer
 from trainer.zero.partition import Unit, build_units
-from trainer.zero.precision import Precision
+from trainer.zero.precision import DTYPES, Precision
 from trainer.zero.reduce_order import ReduceOrder
 from trainer.zero.scheduler import LRSchedule, build_scheduler
 from trainer.zero.stages import PrefetchPlanner, ReducedGrad, Sharded, build_stage
@@ -131,8 +131,10 @@ class Engine(nn.Module):
                                  device=collectives.device)
         trainable = [unit for unit in self.units if unit.trainable]
         zero = config.zero_optimization
+        self.grad_dtype = self._grad_dtype()
+        """Dtype of the reduced gradient partitions and of every sum of them."""
         self.placement, self.reducer = build_stage(
-            stage, collectives, self.precision.dtype, backend,
+            stage, collectives, self.precision.dtype, backend, grad_dtype=self.grad_dtype,
             offload_params=zero.offload_param.device != "none",
             max_live_numel=zero.stage3_max_live_parameters,
             reduce_collectives=collectives.separate_group() if stage == 3 else None)
@@ -179,7 +181,7 @@ class Engine(nn.Module):
         self._broadcast_untracked_state()
         specs = [UnitSpec(index=unit.index, part_numel=unit.part_numel,
                           param_dtype=self.precision.dtype, trainable=unit.trainable,
-                          grad_dtype=self._grad_dtype()) for unit in self.units]
+                          grad_dtype=self.grad_dtype) for unit in self.units]
         self.backend.plan(specs)
         for unit, spec in zip(self.units, specs, strict=True):
             materialise_unit(self.module, unit, self.collectives, pretrained)
@@ -195,15 +197,9 @@ class Engine(nn.Module):
         release_kept_values()
 
     def _grad_dtype(self) -> torch.dtype:
-        """bf16 where the gradient partition is a bf16 reduce-scatter taken once per step
-        (stages 2-3 without accumulation): fp32 would hold no more information. Stages
-        0-1 reduce in fp32, accumulation sums micro-batches (kept exact in fp32), and the
-        optimizer kernel takes no fp16 gradient."""
-        single = self.batch.gradient_accumulation_steps == 1
-        if (self.precision.dtype == torch.bfloat16 and single
-                and self.config.zero_optimization.stage >= 2):
-            return torch.bfloat16
-        return torch.float32
+        """The config's gradient dtype (``EngineConfig.grad_dtype_name``) at this run's
+        accumulation."""
+        return DTYPES[self.config.grad_dtype_name(self.batch.gradient_accumulation_steps)]
 
     def _broadcast_untracked_state(self) -> None:
         """Buffers and frozen parameters outside units are replicated as-is from rank 0."""

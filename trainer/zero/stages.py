@@ -221,7 +221,8 @@ class Sharded(Placement):
 
 
 class ReducedGrad:
-    """A unit's gradient reduction in flight; ``wait()`` gives the fp32 partition."""
+    """A unit's gradient reduction in flight; ``wait()`` gives this rank's reduced
+    partition (in the reducer's dtype)."""
 
     def __init__(self, pending: Pending, finish: Callable[[], torch.Tensor]) -> None:
         self._pending = pending
@@ -255,19 +256,26 @@ class Reducer(abc.ABC):
 
 
 class AllReduceReducer(Reducer):
-    """Stages 0-1: accumulate full gradients locally, all-reduce once at the boundary."""
+    """Stages 0-1: accumulate full gradients locally, all-reduce once at the boundary.
+
+    The local sum and the all-reduce run in ``sum_dtype``: fp32, or bf16 when the config
+    accumulates in bf16 (``data_types.grad_accum_dtype``): then the full gradient held on
+    the device between micro-batches takes half the room, and the all-reduce rounds to
+    bf16 as stages 2-3's reduce-scatter (and DeepSpeed's bf16 reduction) does."""
 
     accumulates_partitions = False
 
-    def __init__(self, collectives: Collectives) -> None:
+    def __init__(self, collectives: Collectives, sum_dtype: torch.dtype = torch.float32
+                 ) -> None:
         super().__init__(collectives)
+        self.sum_dtype = sum_dtype
         self._local: dict[int, torch.Tensor] = {}
 
     def reduce(self, unit: Unit, flat_grad: torch.Tensor, *, boundary: bool,
                async_op: bool) -> ReducedGrad | None:
         total = self._local.pop(unit.index, None)
         if total is None:
-            total = flat_grad.to(torch.float32, copy=True)
+            total = flat_grad.to(self.sum_dtype, copy=True)
         else:
             total.add_(flat_grad)
         if not boundary:
@@ -292,12 +300,15 @@ class ReduceScatterReducer(Reducer):
 
 def build_stage(stage: int, collectives: Collectives, dtype: torch.dtype,
                 backend: StateBackend, *, offload_params: bool, max_live_numel: int,
-                reduce_collectives: Collectives | None = None) -> tuple[Placement, Reducer]:
+                reduce_collectives: Collectives | None = None,
+                grad_dtype: torch.dtype = torch.float32) -> tuple[Placement, Reducer]:
     """The placement and reducer of a ZeRO stage (the reducer on ``reduce_collectives``
-    when given: see ``Collectives.separate_group``)."""
+    when given: see ``Collectives.separate_group``). ``grad_dtype``: the dtype the
+    reduced gradient is kept in (``Engine.grad_dtype``); stages 0-1 sum in it, stages 2-3
+    reduce-scatter in the training dtype and the backend sums in it."""
     reducing = reduce_collectives or collectives
     reducer: Reducer = (ReduceScatterReducer(reducing) if stage >= 2
-                        else AllReduceReducer(reducing))
+                        else AllReduceReducer(reducing, grad_dtype))
     if stage < 3:
         return Replicated(collectives, dtype, backend), reducer
     source = (OffloadedPartitions(backend, dtype) if offload_params
