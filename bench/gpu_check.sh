@@ -9,7 +9,8 @@
 #   big      the largest model the box allows (--gpt auto: 10.2B on a 128 GiB host, its
 #            gradients summed in bf16), params and optimizer offloaded, 8-bit moments,
 #            activation recomputation, 32k tokens per step in 4 micro-batches of 16; the
-#            ceiling beside it (an OOM is a result)
+#            ceiling and DeepSpeed beside it, each killed past GPU_CHECK_BIG_PEER_TIMEOUT_S
+#            (90 s; an OOM or a time-out is a result: deepspeed_failure says which)
 #   large    1B GPT, optimizer in DRAM, params resident, 64k tokens per step: ours and the
 #            no-offload ceiling (plain torch, fused AdamW)
 #   stream   bench/cpu_adam.py: our Adam's GB/s against a STREAM triad on the same cores
@@ -112,10 +113,11 @@ except ValueError: print(json.dumps({"step": sys.argv[1], "failed": line[-300:]}
 gpt=${GPU_CHECK_GPT:-2048,20,16}
 step pytest 60 python -m pytest -q -m gpu -p no:cacheprovider -rs tests/test_gpu.py
 step path 30 python bench/gpu_path.py
-step big 230 python bench/gpu_train_step.py --device cuda --gpt auto \
+step big 300 python bench/gpu_train_step.py --device cuda --gpt auto \
   --offload-param cpu --offload-optimizer cpu --activation-checkpointing \
   --micro-batch "${GPU_CHECK_BIG_MICRO_BATCH:-16}" --grad-accum "${GPU_CHECK_BIG_ACCUM:-4}" \
-  --steps 1 --warmup 1 --contenders ours,none ${GPU_CHECK_BIG_ARGS:-}
+  --steps 1 --warmup 1 --contenders ours,none,deepspeed \
+  --peer-timeout "${GPU_CHECK_BIG_PEER_TIMEOUT_S:-90}" ${GPU_CHECK_BIG_ARGS:-}
 # The large-batch case: optimizer offloaded to DRAM, params resident, 64k tokens per step.
 large=(--device cuda --gpt "$gpt" --offload-param none --offload-optimizer cpu
        --micro-batch 16 --grad-accum 8)

@@ -43,6 +43,7 @@ import json
 import math
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -404,16 +405,26 @@ def run_plain(args: argparse.Namespace, _swap_dir: str) -> dict[str, Any]:
             "world_size": 1, **profiled, **_peaks(device)}
 
 
-def _child(contender: str, overrides: list[str] | None = None
+def _child(contender: str, overrides: list[str] | None = None, timeout_s: float | None = None
            ) -> tuple[dict[str, Any] | None, str]:
     """Run one contender in a child process (``overrides``: arguments that replace the
-    command line's); its last stdout line is its JSON."""
+    command line's); its last stdout line is its JSON. Past ``timeout_s`` the child and
+    everything it started (a JIT build, a private daemon) are killed: a time-out is a
+    result, said as one."""
     argv = [sys.executable, __file__, *sys.argv[1:], *(overrides or []),
             "--contender", contender]
-    result = subprocess.run(argv, capture_output=True, text=True, check=False)
-    lines = result.stdout.strip().splitlines()
-    if result.returncode != 0 or not lines:
-        return None, f"{contender} failed (rc {result.returncode}): {result.stderr[-600:]}"
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as child:
+        try:
+            stdout, stderr = child.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.communicate()
+            return None, f"{contender} timed out after {timeout_s:g} s (--peer-timeout)"
+    lines = stdout.strip().splitlines()
+    if child.returncode != 0 or not lines:
+        oom = " (out of memory)" if "out of memory" in stderr.lower() else ""
+        return None, f"{contender} failed{oom} (rc {child.returncode}): {stderr[-600:]}"
     return json.loads(lines[-1]), ""
 
 
@@ -468,6 +479,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--sweep", default=None,
                         help="TOKENS,TOKENS,...: tokens per step to sweep (grad-accum scales); "
                              "ours and none at each, the crossover reported")
+    parser.add_argument("--peer-timeout", type=float, default=None,
+                        help="seconds a peer (deepspeed, none) may take before it is killed; "
+                             "the time-out is reported as its result (deepspeed_failure)")
     parser.add_argument("--port", type=int, default=29533, help="DeepSpeed's rendezvous port")
     parser.add_argument("--contender", choices=list(CONTENDERS), default=None,
                         help=argparse.SUPPRESS)
@@ -505,6 +519,7 @@ def _run_contenders(args: argparse.Namespace, overrides: list[str], notes: list[
     (ours failing ends the run)."""
     wanted = [name.strip() for name in args.contenders.split(",") if name.strip()]
     results: dict[str, dict[str, Any]] = {}
+    failures = results.setdefault("failed", {})
     for name in wanted:
         if name == "deepspeed" and args.no_deepspeed:
             notes.append("DeepSpeed skipped (--no-deepspeed)")
@@ -512,11 +527,14 @@ def _run_contenders(args: argparse.Namespace, overrides: list[str], notes: list[
         if name == "deepspeed" and importlib.util.find_spec("deepspeed") is None:
             notes.append("deepspeed not importable here (pip install deepspeed): no ratio")
             continue
-        result, failure = _child(name, overrides)
+        result, failure = _child(name, overrides,
+                                 None if name.startswith("ours") else args.peer_timeout)
         if result is None and name == "ours":
             raise SystemExit(failure)
         if result is None:
             notes.append(f"{name}: {failure}")
+            if name == "deepspeed":
+                failures["deepspeed"] = failure.splitlines()[0][:300]
         else:
             results[name] = result
     return results
@@ -524,6 +542,7 @@ def _run_contenders(args: argparse.Namespace, overrides: list[str], notes: list[
 
 def _summary(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     ours, peer, plain = results["ours"], results.get("deepspeed"), results.get("none")
+    peer_failure = results.get("failed", {}).get("deepspeed")
     waiting = results.get("ours-wait")
     tokens = _tokens(args, ours["world_size"])
     median_s = statistics.median(ours["step_s"])
@@ -553,6 +572,7 @@ def _summary(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> di
         "deepspeed_tokens_per_s": tokens / peer_s if peer_s else None,
         "deepspeed_sm_busy_fraction": peer.get("sm_busy_fraction") if peer else None,
         "ratio_vs_deepspeed": round(peer_s / median_s, 3) if peer_s else None,
+        "deepspeed_failure": peer_failure,
         "no_offload_step_s_median": plain_s,
         "no_offload_oom": plain.get("oom") if plain else None,
         "no_offload_model_tflops": _tflops(args, plain, tokens) if plain else None,

@@ -134,3 +134,17 @@ def test_cpu_big_case_outgrows_the_capped_twin_device(tmp_path: Path) -> None:
     # the capacity) are not gathered again: fewer than one gather per unit per micro-batch.
     assert result["max_live_params"] == capacity * 3 // 20
     assert 1 <= result["gathers_per_unit_per_step"] < 2
+
+
+def test_a_peer_past_its_time_is_killed_and_reported(tmp_path: Path) -> None:
+    """``--peer-timeout``: a peer that does not finish in time (here the ceiling, given
+    less than its start-up) is killed with what it started, and the time-out is the result
+    the JSON reports, while ours' figures stand."""
+    result = _run_big_case(tmp_path, 1000, {}, "--contenders", "ours,none",
+                           "--peer-timeout", "0.5")
+    assert result["step_s_median"] > 0
+    assert result["no_offload_step_s_median"] is None and result["ratio_vs_no_offload"] is None
+    assert any(note.startswith("none: none timed out after 0.5 s") for note in result["notes"])
+    leftovers = subprocess.run(["pgrep", "-f", "--contender none"], capture_output=True,
+                               text=True, check=False)
+    assert leftovers.stdout.strip() == ""
