@@ -48,6 +48,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -217,6 +218,18 @@ def _stepper(engine: Any, args: argparse.Namespace,
     return one_step
 
 
+_STARTED = time.perf_counter()
+_WHO: list[str] = []
+"""The contender this process runs (set in a child), named on its progress lines."""
+
+
+def _progress(what: str) -> None:
+    """One line on stderr, seconds since the process started: a contender killed at a
+    limit still shows in the log how far it got (``_child`` passes its stderr through)."""
+    who = f"{_WHO[0]}: " if _WHO else ""
+    print(f"[{time.perf_counter() - _STARTED:8.1f} s] {who}{what}", file=sys.stderr, flush=True)
+
+
 def _timed(one_step: Callable[[int], None], device: torch.device, warmup: int,
            steps: int) -> list[float]:
     step_s: list[float] = []
@@ -227,8 +240,10 @@ def _timed(one_step: Callable[[int], None], device: torch.device, warmup: int,
         one_step(step)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+        took = time.perf_counter() - started
+        _progress(f"step {step} ({'warm-up' if step < warmup else 'timed'}): {took:.3f} s")
         if step >= warmup:
-            step_s.append(time.perf_counter() - started)
+            step_s.append(took)
     return step_s
 
 
@@ -292,10 +307,12 @@ def run_ours(args: argparse.Namespace, swap_dir: str, *,
     config = _config(swap_dir, args)
     model = _model(args, lambda: trainer.zero.Init(config=config))
     num_params = sum(param.numel() for param in model.parameters())
+    _progress(f"model built ({num_params / 1e9:.2f}B params)")
     # Ours only: DeepSpeed refuses a ratio below 1 with NVMe and keeps the full offload.
     config["zero_optimization"]["offload_optimizer"]["ratio"] = args.offload_ratio
     config["zero_optimization"]["offload_optimizer"]["speculative_step"] = speculative
     engine, _, _, _ = trainer.initialize(model=model, config=config)
+    _progress("initialized")
     device = engine.collectives.device
     one_step = _stepper(engine, args, device)
 
@@ -405,6 +422,13 @@ def run_plain(args: argparse.Namespace, _swap_dir: str) -> dict[str, Any]:
             "world_size": 1, **profiled, **_peaks(device)}
 
 
+def _relay(source: Any, copy: Any) -> None:
+    for line in source:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        copy.write(line)
+
+
 def _child(contender: str, overrides: list[str] | None = None, timeout_s: float | None = None
            ) -> tuple[dict[str, Any] | None, str]:
     """Run one contender in a child process (``overrides``: arguments that replace the
@@ -413,14 +437,25 @@ def _child(contender: str, overrides: list[str] | None = None, timeout_s: float 
     result, said as one."""
     argv = [sys.executable, __file__, *sys.argv[1:], *(overrides or []),
             "--contender", contender]
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as child:
+    with tempfile.TemporaryFile("w+") as stdout_file, \
+            tempfile.TemporaryFile("w+") as stderr_file:
+        child = subprocess.Popen(argv, stdout=stdout_file, stderr=subprocess.PIPE, text=True,
+                                 start_new_session=True)
+        # The child's stderr goes on to ours as it comes (progress lines), and to a file
+        # whose tail a failure note quotes.
+        relay = threading.Thread(target=_relay, args=(child.stderr, stderr_file), daemon=True)
+        relay.start()
         try:
-            stdout, stderr = child.communicate(timeout=timeout_s)
+            child.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.killpg(child.pid, signal.SIGKILL)
-            child.communicate()
+            child.wait()
             return None, f"{contender} timed out after {timeout_s:g} s (--peer-timeout)"
+        finally:
+            relay.join(timeout=10)  # a daemon outside the group may hold the pipe
+        stdout_file.seek(0)
+        stderr_file.seek(0)
+        stdout, stderr = stdout_file.read(), stderr_file.read()
     lines = stdout.strip().splitlines()
     if child.returncode != 0 or not lines:
         oom = " (out of memory)" if "out of memory" in stderr.lower() else ""
@@ -597,6 +632,7 @@ CONTENDERS: dict[str, Callable[[argparse.Namespace, str], dict[str, Any]]] = {
 def main() -> None:
     args = _parse()
     if args.contender is not None:  # a child: one contender, its JSON on the last line
+        _WHO.append(args.contender)
         with contextlib.ExitStack() as cleanup:  # a swap dir of its own is removed after
             root = args.swap_dir or cleanup.enter_context(
                 tempfile.TemporaryDirectory(prefix="offloadd-gpu-swap-"))
