@@ -157,6 +157,31 @@ def test_a_locked_arena_is_mapped_and_locked_page_for_page(
         arena.close()
 
 
+@pytest.mark.skipif(not lockable(4 << 20), reason="RLIMIT_MEMLOCK below 4 MiB")
+def test_without_mlock2_or_populate_each_chunk_is_fallocated_and_mlocked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel before 5.14 (no MADV_POPULATE_WRITE) or 4.4 (no mlock2): the old way."""
+    monkeypatch.setattr(arena_module, "BACKING_CHUNK_NBYTES", 5 * PAGE_NBYTES)
+    monkeypatch.setattr(pages, "lock_on_fault", lambda address, nbytes: None)
+    nbytes = (2 << 20) + 3 * PAGE_NBYTES
+    arena = Arena("old-kernel", nbytes, lock=True, prefault="now", prefault_threads=3)
+    try:
+        assert arena.locked and arena.backing is Backing.BACKED
+        kib = mapping_kib("self", containing(arena.address))
+        assert kib["Rss"] * 1024 == nbytes and kib["Locked"] * 1024 == nbytes
+    finally:
+        arena.close()
+    monkeypatch.undo()
+    monkeypatch.setattr(pages, "populate_write", lambda address, nbytes: False)
+    arena = Arena("no-populate", nbytes, lock=True, prefault="now", prefault_threads=3)
+    try:
+        assert arena.locked and resident_nbytes(arena.fd) == nbytes
+        kib = mapping_kib("self", containing(arena.address))
+        assert kib["Rss"] * 1024 == nbytes and kib["Locked"] * 1024 == nbytes
+    finally:
+        arena.close()
+
+
 def test_an_unlocked_arena_is_backed_by_one_thread_without_mapping_its_pages() -> None:
     arena = Arena("unlocked", 4 << 20, lock=False, prefault="now", prefault_threads=4)
     try:

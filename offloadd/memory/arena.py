@@ -7,12 +7,13 @@ process of the job.
 Backing its pages takes seconds per 10 GB even done well, so it never stands
 between a job's hello and its reply: the daemon makes the memfd at its full size
 at once and backs it on threads of its own (``prefault``), 64 MiB chunks claimed
-in address order, which is the order the allocator hands out ranges. Each chunk
-is fallocate'd, then, where the arena is locked, mapped with MADV_POPULATE_WRITE
-under an mlock2(MLOCK_ONFAULT) of the whole mapping, which locks each page as it
-is mapped (``offloadd.memory.pages``): the threads' populates run in parallel,
-where one mlock per chunk ran one page fault at a time (1.2 GB/s on a 16-core
-host, 90 s for a 110 GB arena). A page that is used before the threads reach it
+in address order, which is the order the allocator hands out ranges. Where the
+arena is locked, each chunk is faulted in with MADV_POPULATE_WRITE under an
+mlock2(MLOCK_ONFAULT) of the whole mapping, which locks each page as it arrives
+(``offloadd.memory.pages``): the threads' populates run in parallel (4-5 GB/s
+on a 16-core H200 host), where one fallocate + mlock per chunk ran one page
+fault at a time (1.2 GB/s: 90 s for a 110 GB arena). Unlocked, one thread
+fallocates. A page that is used before the threads reach it
 is backed by that first touch. That is
 safe on both page kinds: a memfd has no size limit to run into (the SIGBUS of a
 lazily backed /dev/shm comes from its tmpfs size), and a hugetlb memfd's pages
@@ -286,7 +287,7 @@ class Arena:
     page to its first touch. ``backing`` and ``backed_nbytes`` tell how far it got.
     ``prefault_threads`` threads (0: ``default_prefault_threads()``) back disjoint
     ``BACKING_CHUNK_NBYTES`` chunks, taken in address order, where the arena is locked
-    (unlocked, one thread: a chunk is then only fallocate'd, one file at a time).
+    (unlocked, one thread: a chunk is then fallocate'd, which runs one at a time per file).
 
     ``lock``: lock the pages in RAM where RLIMIT_MEMLOCK allows (``locked`` says
     whether): the whole mapping is locked on fault up front (``pages.lock_on_fault``),
@@ -324,7 +325,9 @@ class Arena:
         self._lock_each_chunk = self.locked and on_fault is None
         """No mlock2 here: each backed chunk is mlock'ed (which also maps it)."""
         self._populate = self.locked and not self._lock_each_chunk
-        """Map (and so lock) each backed chunk with MADV_POPULATE_WRITE while it works."""
+        """Back each chunk with MADV_POPULATE_WRITE (allocated, zeroed, mapped and so
+        locked), in parallel with the other threads, while the kernel has it; else
+        fallocate it (and mlock it, where locked)."""
         self.allocator = Allocator(self.nbytes)
         self._start_backing(prefault, prefault_rate, prefault_threads)
 
@@ -349,8 +352,8 @@ class Arena:
         if prefault == "lazy":
             return
         chunks = -(-self.nbytes // self._chunk)
-        # Unlocked, a chunk is only fallocate'd, which the kernel runs one at a time per
-        # file: more threads would only queue on the inode's lock.
+        # Unlocked, a chunk is fallocate'd, which the kernel runs one at a time per file:
+        # more threads would only queue on the inode's lock.
         wanted = (threads or default_prefault_threads()) if self.locked else 1
         self.backing_threads = max(1, min(wanted, chunks))
         self._backers_running = self.backing_threads
@@ -407,13 +410,13 @@ class Arena:
         return offset, nbytes
 
     def _back_range(self, offset: int, nbytes: int) -> None:
-        # fallocate leaves pages that a rank already wrote alone: it only adds missing ones.
-        # It allocates faster than faults do (~10 GB/s on one thread), and the populate
-        # that follows only maps what it made, in parallel with the other threads.
-        os.posix_fallocate(self.fd, offset, nbytes)
+        # Both ways leave pages that a rank already wrote alone: they only add missing ones.
         address = self.address + offset
-        if self._populate and not pages.populate_write(address, nbytes):
+        if self._populate:
+            if pages.populate_write(address, nbytes):
+                return
             self._populate, self._lock_each_chunk = False, True  # kernel < 5.14
+        os.posix_fallocate(self.fd, offset, nbytes)
         if self._lock_each_chunk and not pages.mlock(address, nbytes):
             self.locked = self._lock_each_chunk = False
 

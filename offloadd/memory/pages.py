@@ -1,19 +1,22 @@
 """The kernel calls that back and lock an arena's pages: mlock, mlock2, MADV_POPULATE_WRITE.
 
-Backing a page means allocating it (zeroed) in the memfd; locking it means the kernel
-may never swap it out. ``mlock`` of a range does both for the pages it finds, but only by
-faulting every page into the caller's page tables, one fault at a time under its mm's
-lock: 1.2 GB/s serial on a 16-core H200 host (bench/README.md), which put a 110 GB
-arena's backing at 90 s. The faster way splits the work:
+Backing a page means allocating it in the memfd; locking it means the kernel may never
+swap it out. ``mlock`` of a range does both for the pages it finds, but only by faulting
+every page into the caller's page tables, one fault at a time: fallocate + mlock per
+chunk backed 24 GiB at 1.2 GB/s on a 16-core H200 host (bench/README.md), which put a
+110 GB arena's backing at 90 s. The faster way splits the work:
 
 - ``lock_on_fault`` (mlock2 with MLOCK_ONFAULT, Linux 4.4) marks the whole mapping
   locked at once; each page is locked the moment it is faulted in, by anyone in this
   process;
-- ``posix_fallocate`` allocates a range's pages in the memfd (about 10 GB/s on one
-  thread; the kernel holds the inode's lock, so one file's fallocates run one at a time);
-- ``populate_write`` (MADV_POPULATE_WRITE, Linux 5.14) maps a range's pages as a write
-  fault would, without writing a byte, and runs on several threads at once over
-  disjoint ranges; under ``lock_on_fault`` the pages are locked as they are mapped.
+- ``populate_write`` (MADV_POPULATE_WRITE, Linux 5.14) faults a range in as writes
+  would (allocating and zeroing missing pages) without writing a byte, and runs on
+  several threads at once over disjoint ranges: 4-5 GB/s from 4-16 threads on that host.
+
+``posix_fallocate`` stays the way to back an unlocked arena: it allocates at ~10 GB/s
+on one thread but leaves the zeroing to each page's first fault, and the kernel runs
+one file's fallocates one at a time (fallocate then populate per chunk was no faster
+than populate alone).
 
 Every call here releases the GIL (ctypes, ``os.posix_fallocate``), so the backing
 threads run in parallel and never stall the event loop.
