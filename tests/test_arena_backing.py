@@ -6,7 +6,8 @@ daemon whose background prefault is throttled to 1 MiB/s, so a 12 GiB arena stay
 other jobs get while it is built: every hello answered, every shard readable, before
 the daemon reports the arena backed. The backing threads are checked to cover every page
 exactly once, and a locked arena to be resident and locked page for page, as the kernel
-reports it (``/proc/<pid>/smaps``), in this process and in a real daemon.
+reports it (``/proc/<pid>/smaps``), in this process and in a real daemon; and a rank about to
+pin the arena waits for a backing that progresses, not for one that crawls.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from offloadd.memory import pages
 from offloadd.memory.arena import PAGE_NBYTES, Arena, Backing
 from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
+from trainer.device.copy_engine import TwinCopyEngine
+from trainer.dist.collectives import Collectives
+from trainer.offload import daemon_backend
+from trainer.offload.daemon_backend import DaemonBackend
 
 GIB = 1 << 30
 LARGE_ARENA_NBYTES = 12 * GIB
@@ -254,6 +259,40 @@ def test_a_job_says_hello_while_another_jobs_arena_is_being_backed(
     finally:
         builder.close_job()
         builder.close()
+
+
+def test_a_rank_pins_past_a_slow_backing_without_waiting_for_it(
+        slow_backing_daemon: PrivateDaemon) -> None:
+    twin = TwinCopyEngine()
+    backend = DaemonBackend(connect(slow_backing_daemon, "pin-slow", 0, LARGE_ARENA_NBYTES,
+                                    world_size=1), collectives=Collectives(), copies=twin)
+    try:  # 1 MiB/s is far below the rate a rank waits for: it pinned while backing went on
+        assert backend.arena_pinned == "pinned"
+        assert backend.stats()["arena_backing"] == "backing"
+    finally:
+        backend.client.close_job()
+        backend.close()
+        twin.close()
+
+
+def test_a_rank_waits_for_a_backing_that_progresses_before_it_pins(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Any progress counts as fast here, so the test does not hang on this host's speed.
+    monkeypatch.setattr(daemon_backend, "PIN_WAIT_MIN_NBYTES_PER_S", 1)
+    daemon = start_daemon(tmp_path, arena_size=256 << 20,
+                          extra_args=["--arena-prefault-rate", "128MiB"])
+    twin = TwinCopyEngine()
+    backend = DaemonBackend(connect(daemon, "pin-wait", 0, 192 << 20, world_size=1),
+                            collectives=Collectives(), copies=twin)
+    try:
+        stats = backend.stats()
+        assert stats["arena_backing"] == "backed" and stats["rank_arena_pinned"] == "pinned"
+        assert stats["arena_backed_nbytes"] == 192 << 20
+    finally:
+        backend.client.close_job()
+        backend.close()
+        twin.close()
+        assert daemon.stop() == 0
 
 
 LOCKED_ARENA_NBYTES = (6 << 20) + 3 * PAGE_NBYTES

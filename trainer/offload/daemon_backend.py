@@ -56,6 +56,11 @@ NEXT_KINDS = tuple(f"next.{kind}" for kind in STATE_KINDS)
 step)."""
 UNDO_ARENA_SLACK_FRACTION = 8
 """Undo data leaves 1/8 of the rank's arena share free."""
+PIN_WAIT_WINDOW_S = 0.25
+"""How often a rank about to pin the arena reads the daemon's backing progress."""
+PIN_WAIT_MIN_NBYTES_PER_S = 1 << 30
+"""Backing progress under which the rank stops waiting and faults the rest in itself
+(its own faults reach about that: cudaHostRegister 1.7 GB/s, a populate more)."""
 
 
 class DaemonBackend(StateBackend):
@@ -87,6 +92,8 @@ class DaemonBackend(StateBackend):
         """Shard ids with a release waiting in ``releases``."""
         self.arena_pinned = "not_attempted"
         """cudaHostRegister of this rank's arena mapping: pinned | failed | not_attempted."""
+        self.arena_pin_s = 0.0
+        """Seconds pinning the arena took, the wait for the daemon's backing included."""
         self._pinned_address = 0
         self._pin_arena()
         if device_copies == "rank" and not self.copies.zero_copy:
@@ -194,12 +201,22 @@ class DaemonBackend(StateBackend):
     # -------------------------------------------------- copies through the engine
 
     def _pin_arena(self) -> None:
-        """Register the arena mapping for DMA so copies from lease views are truly async."""
+        """Register the arena mapping for DMA so copies from lease views are truly async.
+
+        Hazard, start-up time: pinning pages the daemon has not backed yet allocates them
+        from this rank's faults, racing the daemon's backing threads for the same pages.
+        On a 16-core H200 host, 32 GiB pinned that way while the daemon backed it took
+        14-18 s; waiting for the daemon's backing (7-8 s), then mapping and pinning the
+        backed pages (2 s), took 9-10 s. So the rank waits while the daemon backs fast."""
         arena = getattr(self.client, "arena", None)
         if self.copies.zero_copy or arena is None or not arena.nbytes:
             return
+        started = time.perf_counter()
+        self._await_arena_backing()
         address = host_address(arena.view)
-        if self.copies.register_host(address, arena.nbytes):
+        pinned = self.copies.register_host(address, arena.nbytes)
+        self.arena_pin_s = time.perf_counter() - started
+        if pinned:
             self.arena_pinned, self._pinned_address = "pinned", address
             return
         self.arena_pinned = "failed"
@@ -207,6 +224,21 @@ class DaemonBackend(StateBackend):
                       "(cudaHostRegister failed; raise the memlock limit: ulimit -l unlimited or "
                       "LimitMEMLOCK=infinity); copies fall back to staged, slower transfers",
                       RuntimeWarning, stacklevel=3)
+
+    def _await_arena_backing(self) -> None:
+        """Return once the daemon's backing threads are done with the arena, or back it
+        slower than ``PIN_WAIT_MIN_NBYTES_PER_S`` (a throttled or lazy prefault)."""
+        before: tuple[float, int] | None = None
+        while True:
+            stats = self.client.stats()
+            if stats.get("arena_backing") != "backing":
+                return
+            now, backed = time.monotonic(), int(stats.get("arena_backed_nbytes", 0))
+            if before is not None and \
+                    backed - before[1] < PIN_WAIT_MIN_NBYTES_PER_S * (now - before[0]):
+                return
+            before = (now, backed)
+            time.sleep(PIN_WAIT_WINDOW_S)
 
     def _unpin_arena(self) -> None:
         """Before the client unmaps the arena (unregistering unmapped memory is an error)."""
@@ -550,6 +582,7 @@ class DaemonBackend(StateBackend):
                      "rank_releases_deferred": self.releases.deferred,
                      "rank_deferred_steps": self.steps.deferred_steps,
                      "rank_arena_pinned": self.arena_pinned,
+                     "rank_arena_pin_s": self.arena_pin_s,
                      "rank_device_copies": self.device_copies_path,
                      "rank_device_copies_reason": self.device_copies_reason}
         if self._daemon_copies is not None:
