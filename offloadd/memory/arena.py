@@ -12,7 +12,7 @@ arena is locked, each chunk is faulted in with MADV_POPULATE_WRITE under an
 mlock2(MLOCK_ONFAULT) of the whole mapping, which locks each page as it arrives
 (``offloadd.memory.pages``): the threads' populates run in parallel (4-5 GB/s
 on a 16-core H200 host), where one fallocate + mlock per chunk ran one page
-fault at a time (1.2 GB/s: 90 s for a 110 GB arena). Unlocked, one thread
+fault at a time (1.2 GB/s: 95 s for a 110 GB arena). Unlocked, one thread
 fallocates. A page that is used before the threads reach it
 is backed by that first touch. That is
 safe on both page kinds: a memfd has no size limit to run into (the SIGBUS of a

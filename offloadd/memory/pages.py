@@ -4,7 +4,7 @@ Backing a page means allocating it in the memfd; locking it means the kernel may
 swap it out. ``mlock`` of a range does both for the pages it finds, but only by faulting
 every page into the caller's page tables, one fault at a time: fallocate + mlock per
 chunk backed 24 GiB at 1.2 GB/s on a 16-core H200 host (bench/README.md), which put a
-110 GB arena's backing at 90 s. The faster way splits the work:
+110 GB arena's backing at 95 s. The faster way splits the work:
 
 - ``lock_on_fault`` (mlock2 with MLOCK_ONFAULT, Linux 4.4) marks the whole mapping
   locked at once; each page is locked the moment it is faulted in, by anyone in this
