@@ -404,9 +404,12 @@ class Arena:
                 return None
             nbytes = min(self._chunk, self.nbytes - offset)
             self._claimed_nbytes += nbytes
-        if self._prefault_rate:  # chunk k starts no sooner than k chunks' worth of the rate
-            self._stop.wait(max(0.0, self._backing_started + offset / self._prefault_rate
-                                - time.monotonic()))
+        # Chunk k starts no sooner than k chunks' worth of the rate; one claimed while the
+        # arena closes is left to first touch.
+        due_s = self._backing_started + offset / self._prefault_rate if self._prefault_rate \
+            else 0.0
+        if due_s and self._stop.wait(max(0.0, due_s - time.monotonic())):
+            return None
         return offset, nbytes
 
     def _back_range(self, offset: int, nbytes: int) -> None:
