@@ -203,6 +203,9 @@ class DaemonConfig:
     arena_prefault_rate: Bytes = 0
     """Bytes per second the background prefault backs at most (0: unthrottled); keeps
     it from taking cores and DRAM bandwidth from training on small machines."""
+    arena_prefault_threads: int = 0
+    """Threads that back (and lock) a new arena's pages, each a 64 MiB chunk at a time;
+    0: one per CPU the daemon may run on, at most 8 (offloadd.memory.arena)."""
     optimizer_threads: int = 0
     """Threads for the CPU optimizer step; 0 = one per CPU it may run on."""
     optimizer_cpus: str = "off"
@@ -295,7 +298,7 @@ class DaemonConfig:
         except ValueError as error:
             raise ConfigError("optimizer_cpus", f"optimizer_cpus must be \"off\", \"auto\" "
                               f"or a CPU list: {error}") from None
-        for knob in ("hash_threads", "optimizer_threads"):
+        for knob in ("hash_threads", "optimizer_threads", "arena_prefault_threads"):
             if (getattr(self, knob) or 0) < 0:
                 raise ConfigError(knob, f"{knob} must be >= 0, got {getattr(self, knob)}")
         for knob in ("job_linger_s", "flushed_job_retention_s", "exit_when_idle_s"):

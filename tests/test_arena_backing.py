@@ -4,23 +4,34 @@ Unit tests drive ``Arena`` with each ``prefault`` mode; the integration tests st
 daemon whose background prefault is throttled to 1 MiB/s, so a 12 GiB arena stays
 "backing" for the whole test while using almost no memory, and check what ranks and
 other jobs get while it is built: every hello answered, every shard readable, before
-the daemon reports the arena backed.
+the daemon reports the arena backed. The backing threads are checked to cover every page
+exactly once, and a locked arena to be resident and locked page for page, as the kernel
+reports it (``/proc/<pid>/smaps``), in this process and in a real daemon; and a rank about to
+pin the arena waits for a backing that progresses, not for one that crawls.
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import time
 from collections.abc import Iterator
 
 import pytest
+from _smaps import containing, mapping_kib, memfd_named
 from conftest import start_daemon
 
 from offloadd.config import DaemonConfig
+from offloadd.memory import arena as arena_module
+from offloadd.memory import pages
 from offloadd.memory.arena import PAGE_NBYTES, Arena, Backing
 from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
+from trainer.device.copy_engine import TwinCopyEngine
+from trainer.dist.collectives import Collectives
+from trainer.offload import daemon_backend
+from trainer.offload.daemon_backend import DaemonBackend
 
 GIB = 1 << 30
 LARGE_ARENA_NBYTES = 12 * GIB
@@ -100,7 +111,96 @@ def test_prefault_knobs_are_checked() -> None:
         DaemonConfig(arena_prefault="eager")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="arena_prefault_rate"):
         DaemonConfig(arena_prefault_rate="fast")  # type: ignore[arg-type]
-    assert DaemonConfig(arena_prefault_rate="1MiB").arena_prefault_rate == 1 << 20
+    size = DaemonConfig(arena_prefault_rate="1MiB")  # type: ignore[arg-type]  # TOML text
+    assert size.arena_prefault_rate == 1 << 20
+
+
+def lockable(nbytes: int) -> bool:
+    """RLIMIT_MEMLOCK lets this process lock ``nbytes`` (the 8 MiB default holds what the
+    tests below lock)."""
+    return pages.mlock_allowed(nbytes)
+
+
+def test_backing_threads_cover_every_page_exactly_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    chunk = 3 * PAGE_NBYTES
+    monkeypatch.setattr(arena_module, "BACKING_CHUNK_NBYTES", chunk)
+    backed: list[tuple[int, int]] = []
+    back_range = Arena._back_range
+
+    def recording(arena: Arena, offset: int, nbytes: int) -> None:
+        backed.append((offset, nbytes))
+        back_range(arena, offset, nbytes)
+
+    monkeypatch.setattr(Arena, "_back_range", recording)
+    nbytes = 7 * chunk + 2 * PAGE_NBYTES  # 8 chunks, the last short, for 3 threads
+    arena = Arena("tiles", nbytes, lock=True, prefault="now", prefault_threads=3)
+    try:
+        assert arena.backing is Backing.BACKED and arena.backed_nbytes == nbytes
+        assert arena.backing_threads == (3 if arena.locked else 1)
+        ranges = sorted(backed)
+        assert ranges[0][0] == 0 and len(ranges) == 8
+        assert all(offset + size == after for (offset, size), (after, _) in
+                   itertools.pairwise(ranges))
+        assert sum(size for _, size in ranges) == nbytes and ranges[-1][1] == 2 * PAGE_NBYTES
+        assert resident_nbytes(arena.fd) == nbytes
+    finally:
+        arena.close()
+
+
+@pytest.mark.skipif(not lockable(4 << 20), reason="RLIMIT_MEMLOCK below 4 MiB")
+def test_a_locked_arena_is_mapped_and_locked_page_for_page(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(arena_module, "BACKING_CHUNK_NBYTES", 5 * PAGE_NBYTES)
+    nbytes = (2 << 20) + 3 * PAGE_NBYTES  # not a whole number of chunks, nor of threads
+    arena = Arena("locked-pages", nbytes, lock=True, prefault="now", prefault_threads=4)
+    try:
+        assert arena.locked and arena.backing is Backing.BACKED
+        kib = mapping_kib("self", containing(arena.address))
+        assert kib["Size"] * 1024 == nbytes
+        assert kib["Rss"] * 1024 == nbytes and kib["Locked"] * 1024 == nbytes
+    finally:
+        arena.close()
+
+
+@pytest.mark.skipif(not lockable(4 << 20), reason="RLIMIT_MEMLOCK below 4 MiB")
+def test_without_mlock2_or_populate_each_chunk_is_fallocated_and_mlocked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel before 5.14 (no MADV_POPULATE_WRITE) or 4.4 (no mlock2): the old way."""
+    monkeypatch.setattr(arena_module, "BACKING_CHUNK_NBYTES", 5 * PAGE_NBYTES)
+    monkeypatch.setattr(pages, "lock_on_fault", lambda address, nbytes: None)
+    nbytes = (2 << 20) + 3 * PAGE_NBYTES
+    arena = Arena("old-kernel", nbytes, lock=True, prefault="now", prefault_threads=3)
+    try:
+        assert arena.locked and arena.backing is Backing.BACKED
+        kib = mapping_kib("self", containing(arena.address))
+        assert kib["Rss"] * 1024 == nbytes and kib["Locked"] * 1024 == nbytes
+    finally:
+        arena.close()
+    monkeypatch.undo()
+    monkeypatch.setattr(pages, "populate_write", lambda address, nbytes: False)
+    arena = Arena("no-populate", nbytes, lock=True, prefault="now", prefault_threads=3)
+    try:
+        assert arena.locked and resident_nbytes(arena.fd) == nbytes
+        kib = mapping_kib("self", containing(arena.address))
+        assert kib["Rss"] * 1024 == nbytes and kib["Locked"] * 1024 == nbytes
+    finally:
+        arena.close()
+
+
+def test_an_unlocked_arena_is_backed_by_one_thread_without_mapping_its_pages() -> None:
+    arena = Arena("unlocked", 4 << 20, lock=False, prefault="now", prefault_threads=4)
+    try:
+        assert arena.backing_threads == 1 and resident_nbytes(arena.fd) == arena.nbytes
+        assert mapping_kib("self", containing(arena.address))["Rss"] == 0
+    finally:
+        arena.close()
+
+
+def test_prefault_threads_must_not_be_negative() -> None:
+    with pytest.raises(ValueError, match="prefault_threads must be >= 0"):
+        Arena("negative", 1 << 20, prefault_threads=-1)
+    with pytest.raises(ValueError, match="arena_prefault_threads must be >= 0"):
+        DaemonConfig(arena_prefault_threads=-1)
 
 
 # -- daemon -------------------------------------------------------------------------------
@@ -159,3 +259,65 @@ def test_a_job_says_hello_while_another_jobs_arena_is_being_backed(
     finally:
         builder.close_job()
         builder.close()
+
+
+def test_a_rank_pins_past_a_slow_backing_without_waiting_for_it(
+        slow_backing_daemon: PrivateDaemon) -> None:
+    twin = TwinCopyEngine()
+    backend = DaemonBackend(connect(slow_backing_daemon, "pin-slow", 0, LARGE_ARENA_NBYTES,
+                                    world_size=1), collectives=Collectives(), copies=twin)
+    try:  # 1 MiB/s is far below the rate a rank waits for: it pinned while backing went on
+        assert backend.arena_pinned == "pinned"
+        assert backend.stats()["arena_backing"] == "backing"
+    finally:
+        backend.client.close_job()
+        backend.close()
+        twin.close()
+
+
+def test_a_rank_waits_for_a_backing_that_progresses_before_it_pins(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Any progress counts as fast here, so the test does not hang on this host's speed.
+    monkeypatch.setattr(daemon_backend, "PIN_WAIT_MIN_NBYTES_PER_S", 1)
+    daemon = start_daemon(tmp_path, arena_size=256 << 20,
+                          extra_args=["--arena-prefault-rate", "128MiB"])
+    twin = TwinCopyEngine()
+    backend = DaemonBackend(connect(daemon, "pin-wait", 0, 192 << 20, world_size=1),
+                            collectives=Collectives(), copies=twin)
+    try:
+        stats = backend.stats()
+        assert stats["arena_backing"] == "backed" and stats["rank_arena_pinned"] == "pinned"
+        assert stats["arena_backed_nbytes"] == 192 << 20
+    finally:
+        backend.client.close_job()
+        backend.close()
+        twin.close()
+        assert daemon.stop() == 0
+
+
+LOCKED_ARENA_NBYTES = (6 << 20) + 3 * PAGE_NBYTES
+"""Under the 8 MiB RLIMIT_MEMLOCK most users get, and two chunks at the 16 MiB/s rate below
+(a chunk is a quarter of a second's worth), the second one short."""
+
+
+@pytest.mark.skipif(not lockable(LOCKED_ARENA_NBYTES), reason="RLIMIT_MEMLOCK below 7 MiB")
+def test_the_daemon_backs_and_locks_every_page_of_a_new_arena(tmp_path) -> None:
+    daemon = start_daemon(tmp_path, arena_size=16 << 20,
+                          extra_args=["--arena-prefault-threads", "3",
+                                      "--arena-prefault-rate", "16MiB"])
+    client = connect(daemon, "locked", 0, LOCKED_ARENA_NBYTES, world_size=1)
+    try:
+        wait_for(lambda: client.stats()["arena_backing"] != "backing")
+        stats = client.stats()
+        assert stats["arena_backing"] == "backed" and stats["arena_locked"] is True
+        assert stats["arena_backed_nbytes"] == LOCKED_ARENA_NBYTES
+        kib = mapping_kib(daemon.process.pid, memfd_named("offloadd:locked"))
+        assert kib["Rss"] * 1024 == LOCKED_ARENA_NBYTES == kib["Locked"] * 1024
+        with open(f"/proc/{daemon.process.pid}/status") as status:
+            locked_kib = next(int(line.split()[1]) for line in status
+                              if line.startswith("VmLck:"))
+        assert locked_kib * 1024 >= LOCKED_ARENA_NBYTES
+    finally:
+        client.close_job()
+        client.close()
+        assert daemon.stop() == 0

@@ -4,11 +4,17 @@ The region is a memfd, mlock'ed where RLIMIT_MEMLOCK allows. Ranks map the same
 fd (passed with SCM_RIGHTS), so an arena offset names the same bytes in every
 process of the job.
 
-Backing its pages (fallocate, mlock) costs 0.5-0.9 s per GiB, so it never stands
+Backing its pages takes seconds per 10 GB even done well, so it never stands
 between a job's hello and its reply: the daemon makes the memfd at its full size
-at once and backs it chunk by chunk on a thread of its own (``prefault``), in
-address order, which is the order the allocator hands out ranges. A page that
-is used before the thread reaches it is backed by that first touch. That is
+at once and backs it on threads of its own (``prefault``), 64 MiB chunks claimed
+in address order, which is the order the allocator hands out ranges. Where the
+arena is locked, each chunk is faulted in with MADV_POPULATE_WRITE under an
+mlock2(MLOCK_ONFAULT) of the whole mapping, which locks each page as it arrives
+(``offloadd.memory.pages``): the threads' populates run in parallel (4-5 GB/s
+on a 16-core H200 host), where one fallocate + mlock per chunk ran one page
+fault at a time (1.2 GB/s: 95 s for a 110 GB arena). Unlocked, one thread
+fallocates. A page that is used before the threads reach it
+is backed by that first touch. That is
 safe on both page kinds: a memfd has no size limit to run into (the SIGBUS of a
 lazily backed /dev/shm comes from its tmpfs size), and a hugetlb memfd's pages
 are reserved for its whole size by the daemon's shared mapping, so a later
@@ -29,14 +35,12 @@ segments that scattered 4 KiB shmem pages need (measured on a virtio disk: reads
 
 from __future__ import annotations
 
-import ctypes
 import enum
 import errno
 import fcntl
 import logging
 import mmap
 import os
-import resource
 import threading
 import time
 from dataclasses import dataclass
@@ -46,15 +50,17 @@ from sortedcontainers import SortedList
 
 from offloadd.config import HugePages, Prefault
 from offloadd.errors import OverBudgetError
+from offloadd.memory import pages
 
 log = logging.getLogger(__name__)
 
 PAGE_NBYTES = 4096
 HUGE_PAGE_NBYTES = 2 << 20
 BACKING_CHUNK_NBYTES = 64 << 20
-"""Bytes backed per step of the backing thread: the unit between stop checks."""
-_libc = ctypes.CDLL(None, use_errno=True)
-_mlock_warned = False
+"""Bytes one backing thread backs per step: the unit of work, and between stop checks."""
+MAX_AUTO_PREFAULT_THREADS = 8
+"""Most backing threads ``prefault_threads=0`` picks: on a 16-core H200 host populating a
+memfd stops scaling at 4-8 threads (bench/README.md)."""
 ARENA_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 """Size seals on every arena fd: a rank can neither truncate nor extend it, nor unseal it."""
 
@@ -179,31 +185,6 @@ class Allocator:
         return [Extent(offset, self._free_nbytes[offset]) for offset in self._free_offsets]
 
 
-def _mlock_allowed(nbytes: int) -> bool:
-    global _mlock_warned
-    soft, _hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    if soft != resource.RLIM_INFINITY and soft < nbytes and os.geteuid() != 0:
-        if not _mlock_warned:
-            log.warning(
-                "event=mlock_skipped reason=rlimit limit_nbytes=%d need_nbytes=%d "
-                "hint='raise LimitMEMLOCK / ulimit -l'", soft, nbytes,
-            )
-            _mlock_warned = True
-        return False
-    return True
-
-
-def _mlock(address: int, nbytes: int) -> bool:
-    global _mlock_warned
-    if _libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(nbytes)) != 0:
-        if not _mlock_warned:
-            err = ctypes.get_errno()
-            log.warning("event=mlock_failed errno=%d error=%r", err, os.strerror(err))
-            _mlock_warned = True
-        return False
-    return True
-
-
 def free_huge_pages() -> int:
     """Free 2 MiB pages in the kernel's reserved hugetlb pool (0 where there is none)."""
     try:
@@ -277,14 +258,20 @@ def buffer_address(buffer: mmap.mmap | memoryview) -> int:
         view.release()
 
 
+def default_prefault_threads() -> int:
+    """Backing threads for ``prefault_threads=0``: one per CPU this process may run on,
+    at most ``MAX_AUTO_PREFAULT_THREADS``."""
+    return max(1, min(MAX_AUTO_PREFAULT_THREADS, len(os.sched_getaffinity(0))))
+
+
 class Backing(enum.Enum):
     """How much of an arena is backed by memory (see the module docstring)."""
 
     LAZY = "lazy"  # nothing is prefaulted: each page is backed by its first touch
-    BACKING = "backing"  # the backing thread is at ``backed_nbytes``; pages past it back on touch
+    BACKING = "backing"  # the backing threads are past ``backed_nbytes``; later pages back on touch
     BACKED = "backed"  # every page is backed (and locked where allowed)
-    FAILED = "failed"  # backing stopped at ``backed_nbytes`` (``backing_error`` says why)
-    STOPPED = "stopped"  # the arena was closed before the backing thread finished
+    FAILED = "failed"  # backing stopped past ``backed_nbytes`` (``backing_error`` says why)
+    STOPPED = "stopped"  # the arena was closed before the backing threads finished
 
 
 class Arena:
@@ -295,14 +282,25 @@ class Arena:
     insists (OverBudgetError naming the sysctl otherwise), "off" never does.
 
     ``prefault``: "now" backs (and locks) every page before the constructor returns;
-    "background" returns at once and backs the pages on a thread, at most
-    ``prefault_rate`` bytes per second (0: as fast as it can); "lazy" leaves each
+    "background" returns at once and backs the pages on threads, at most
+    ``prefault_rate`` bytes per second (0: as fast as they can); "lazy" leaves each
     page to its first touch. ``backing`` and ``backed_nbytes`` tell how far it got.
+    ``prefault_threads`` threads (0: ``default_prefault_threads()``) back disjoint
+    ``BACKING_CHUNK_NBYTES`` chunks, taken in address order, where the arena is locked
+    (unlocked, one thread: a chunk is then fallocate'd, which runs one at a time per file).
+
+    ``lock``: lock the pages in RAM where RLIMIT_MEMLOCK allows (``locked`` says
+    whether): the whole mapping is locked on fault up front (``pages.lock_on_fault``),
+    so every page the backing threads map, or that the daemon touches first, is locked
+    as it arrives; on kernels without mlock2 each backed chunk is mlock'ed.
     """
 
     def __init__(self, name: str, nbytes: int, *, lock: bool = True,
                  hugepages: HugePages = "off", max_nbytes: int | None = None,
-                 prefault: Prefault = "now", prefault_rate: int = 0) -> None:
+                 prefault: Prefault = "now", prefault_rate: int = 0,
+                 prefault_threads: int = 0) -> None:
+        if prefault_threads < 0:
+            raise ValueError(f"prefault_threads must be >= 0, got {prefault_threads}")
         self.fd, self.nbytes, huge_map = _huge_memfd(name, nbytes, hugepages, max_nbytes)
         self.hugepages = huge_map is not None
         if huge_map is not None:
@@ -320,29 +318,61 @@ class Arena:
         self.name = name
         self.view = memoryview(self.map)
         self.address = buffer_address(self.map)
-        self.locked = lock and _mlock_allowed(self.nbytes)
+        self._lock_requested = lock and pages.mlock_allowed(self.nbytes)
+        on_fault = pages.lock_on_fault(self.address, self.nbytes) \
+            if self._lock_requested else False
+        self.locked = self._lock_requested and on_fault is not False
+        self._lock_each_chunk = self.locked and on_fault is None
+        """No mlock2 here: each backed chunk is mlock'ed (which also maps it)."""
+        self._populate = self.locked and not self._lock_each_chunk
+        """Back each chunk with MADV_POPULATE_WRITE (allocated, zeroed, mapped and so
+        locked), in parallel with the other threads, while the kernel has it; else
+        fallocate it (and mlock it, where locked)."""
         self.allocator = Allocator(self.nbytes)
+        self._start_backing(prefault, prefault_rate, prefault_threads)
+
+    # -- backing ------------------------------------------------------------------------
+
+    def _start_backing(self, prefault: Prefault, rate: int, threads: int) -> None:
         self.backed_nbytes = 0
+        """Every page below this offset is backed (chunks past it may be too)."""
         self.backing_error = ""
         self.backing = Backing.LAZY if prefault == "lazy" else Backing.BACKING
-        self._prefault_rate = prefault_rate
-        self._lock_requested = self.locked
+        self.backing_threads = 0
+        """Threads that backed (or are backing) this arena's pages."""
+        self._prefault_rate = rate
+        self._chunk = self._chunk_nbytes()
+        self._claimed_nbytes = 0
+        self._backed_chunks: dict[int, int] = {}
+        """Chunks backed past ``backed_nbytes``: offset -> nbytes."""
         self._backing_lock = threading.Lock()
         self._stop = threading.Event()
         self._closing = self._closed = False
-        self._backer_running = prefault == "background"
+        self._backers_running = 0
+        if prefault == "lazy":
+            return
+        chunks = -(-self.nbytes // self._chunk)
+        # Unlocked, a chunk is fallocate'd, which the kernel runs one at a time per file:
+        # more threads would only queue on the inode's lock.
+        wanted = (threads or default_prefault_threads()) if self.locked else 1
+        self.backing_threads = max(1, min(wanted, chunks))
+        self._backers_running = self.backing_threads
+        self._backing_started = time.monotonic()
+        helpers = self.backing_threads - (1 if prefault == "now" else 0)
+        started = [threading.Thread(target=self._back_chunks, daemon=True,
+                                    name=f"offloadd-arena-backing:{self.name}:{index}")
+                   for index in range(helpers)]
+        for thread in started:
+            thread.start()
         if prefault == "now":
-            self._back_all()
+            self._back_chunks()  # this thread is one of the backers
+            for thread in started:
+                thread.join()
             if self.backing is Backing.FAILED:
                 self._close_now()
                 raise OverBudgetError(
-                    f"cannot back the {self.nbytes}-byte arena of job {name!r}: "
+                    f"cannot back the {self.nbytes}-byte arena of job {self.name!r}: "
                     f"{self.backing_error}; lower arena_size")
-        elif prefault == "background":
-            threading.Thread(target=self._back_all, daemon=True,
-                             name=f"offloadd-arena-backing:{name}").start()
-
-    # -- backing ------------------------------------------------------------------------
 
     def _chunk_nbytes(self) -> int:
         unit = HUGE_PAGE_NBYTES if self.hugepages else PAGE_NBYTES
@@ -350,45 +380,81 @@ class Arena:
             return BACKING_CHUNK_NBYTES
         return max(unit, min(BACKING_CHUNK_NBYTES, align_up(self._prefault_rate // 4, unit)))
 
-    def _back_all(self) -> None:
-        """Back the pages in address order, one chunk at a time, until done or closed."""
-        chunk, started = self._chunk_nbytes(), time.monotonic()
+    def _back_chunks(self) -> None:
+        """One backing thread: claim the next chunk in address order and back it, until
+        none is left, the arena is closing or a chunk failed."""
         try:
-            while self.backed_nbytes < self.nbytes:
-                if self._closing:
-                    self.backing = Backing.STOPPED
-                    return
-                nbytes = min(chunk, self.nbytes - self.backed_nbytes)
-                self._back_range(self.backed_nbytes, nbytes)
-                self.backed_nbytes += nbytes
-                self._throttle(started)
-            self.backing = Backing.BACKED
+            while (chunk := self._claim_chunk()) is not None:
+                self._back_range(*chunk)
+                self._chunk_backed(*chunk)
         except OSError as exc:
-            self.backing, self.backing_error = Backing.FAILED, f"{exc.strerror} ({exc.errno})"
+            with self._backing_lock:
+                if self.backing is not Backing.FAILED:
+                    self.backing = Backing.FAILED
+                    self.backing_error = f"{exc.strerror} ({exc.errno})"
+        finally:
+            self._backer_done()
+
+    def _claim_chunk(self) -> tuple[int, int] | None:
+        """(offset, nbytes) of the next chunk nobody claimed, once the rate allows it;
+        None when the arena is done, closing or failed."""
+        with self._backing_lock:
+            offset = self._claimed_nbytes
+            if self._closing or self.backing is Backing.FAILED or offset >= self.nbytes:
+                return None
+            nbytes = min(self._chunk, self.nbytes - offset)
+            self._claimed_nbytes += nbytes
+        # Chunk k starts no sooner than k chunks' worth of the rate; one claimed while the
+        # arena closes is left to first touch.
+        due_s = self._backing_started + offset / self._prefault_rate if self._prefault_rate \
+            else 0.0
+        if due_s and self._stop.wait(max(0.0, due_s - time.monotonic())):
+            return None
+        return offset, nbytes
+
+    def _back_range(self, offset: int, nbytes: int) -> None:
+        # Both ways leave pages that a rank already wrote alone: they only add missing ones.
+        address = self.address + offset
+        if self._populate:
+            if pages.populate_write(address, nbytes):
+                return
+            self._populate, self._lock_each_chunk = False, True  # kernel < 5.14
+        os.posix_fallocate(self.fd, offset, nbytes)
+        if self._lock_each_chunk and not pages.mlock(address, nbytes):
+            self.locked = self._lock_each_chunk = False
+
+    def _chunk_backed(self, offset: int, nbytes: int) -> None:
+        with self._backing_lock:
+            self._backed_chunks[offset] = nbytes
+            while self.backed_nbytes in self._backed_chunks:
+                self.backed_nbytes += self._backed_chunks.pop(self.backed_nbytes)
+
+    def _backer_done(self) -> None:
+        """The last backing thread to finish settles the state (and closes a closed arena)."""
+        with self._backing_lock:
+            self._backers_running -= 1
+            if self._backers_running:
+                return
+            closing = self._closing
+            if self.backing is Backing.BACKING:
+                self.backing = Backing.BACKED if self.backed_nbytes == self.nbytes \
+                    else Backing.STOPPED
+        self._log_backing()
+        if closing:
+            self._close_now()
+
+    def _log_backing(self) -> None:
+        seconds = time.monotonic() - self._backing_started
+        if self.backing is Backing.FAILED:
             log.warning("event=arena_backing_failed job=%s backed_nbytes=%d arena_nbytes=%d "
                         "error=%r hint='pages past backed_nbytes are backed on first touch; "
                         "lower arena_size if the node is short of memory'",
                         self.name, self.backed_nbytes, self.nbytes, self.backing_error)
-        finally:
-            self._backing_done()
-
-    def _back_range(self, offset: int, nbytes: int) -> None:
-        # fallocate leaves pages that a rank already wrote alone: it only adds missing ones.
-        os.posix_fallocate(self.fd, offset, nbytes)
-        if self.locked and not _mlock(self.address + offset, nbytes):
-            self.locked = False
-
-    def _throttle(self, started: float) -> None:
-        if self._prefault_rate and self.backed_nbytes < self.nbytes:
-            self._stop.wait(max(0.0, started + self.backed_nbytes / self._prefault_rate
-                                - time.monotonic()))
-
-    def _backing_done(self) -> None:
-        with self._backing_lock:
-            self._backer_running = False
-            closing = self._closing
-        if closing:
-            self._close_now()
+        elif self.backing is Backing.BACKED:
+            log.info("event=arena_backed job=%s arena_nbytes=%d seconds=%.3f gb_per_s=%.2f "
+                     "threads=%d locked=%s hugepages=%s", self.name, self.nbytes, seconds,
+                     self.nbytes / max(seconds, 1e-9) / 1e9, self.backing_threads,
+                     self.locked, self.hugepages)
 
     # -- use ----------------------------------------------------------------------------
 
@@ -396,12 +462,12 @@ class Arena:
         return self.view[offset : offset + nbytes]
 
     def close(self) -> None:
-        """Unmap and close; a backing thread still running does it after its chunk
-        (the loop never waits for one), so the fd cannot be reused under its fallocate."""
+        """Unmap and close; backing threads still running do it after their chunk (the
+        loop never waits for one), so the fd cannot be reused under their fallocate."""
         with self._backing_lock:
             self._closing = True
             self._stop.set()
-            if self._backer_running:
+            if self._backers_running:
                 return
         self._close_now()
 
@@ -411,7 +477,7 @@ class Arena:
         self._closed = True
         self.view.release()
         if self._lock_requested:
-            _libc.munlock(ctypes.c_void_p(self.address), ctypes.c_size_t(self.nbytes))
+            pages.munlock(self.address, self.nbytes)
         try:
             self.map.close()
         except BufferError:

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "thread after it (background, the default) or on first touch")
     serve.add_argument("--arena-prefault-rate", type=_size,
                        help="bytes per second the background prefault backs at most")
+    serve.add_argument("--arena-prefault-threads", type=int,
+                       help="threads that back a new arena's pages (0: one per CPU, <= 8)")
     serve.add_argument("--recover", action="store_true", default=None,
                        help="restore jobs from the last flushed manifests in the swap dirs")
     serve.add_argument("--release-swap-at-exit", action="store_true", default=None,
@@ -86,6 +88,7 @@ def serve_config(args: argparse.Namespace) -> DaemonConfig:
         "arena_hugepages": args.arena_hugepages, "exit_when_idle_s": args.exit_when_idle_s,
         "scratch_dirs": args.scratch_dirs, "arena_prefault": args.arena_prefault,
         "arena_prefault_rate": args.arena_prefault_rate,
+        "arena_prefault_threads": args.arena_prefault_threads,
     }
     if args.config:
         return DaemonConfig.from_toml(args.config, **overrides)

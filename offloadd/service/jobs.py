@@ -615,13 +615,14 @@ class JobRegistry:
 
     def __init__(self, budget_nbytes: int, share: float, *, lock: bool = True,
                  hugepages: HugePages = "off", prefault: Prefault = "now",
-                 prefault_rate: int = 0) -> None:
+                 prefault_rate: int = 0, prefault_threads: int = 0) -> None:
         self.budget_nbytes = budget_nbytes
         self.share = share
         self.lock = lock
         self.hugepages = hugepages
         self.prefault: Prefault = prefault
         self.prefault_rate = prefault_rate
+        self.prefault_threads = prefault_threads
         self.jobs: dict[str, Job] = {}
         self.creating: dict[str, asyncio.Task[Job]] = {}
         """Arenas being made off the loop, by job name; every hello of that job awaits it."""
@@ -656,7 +657,7 @@ class JobRegistry:
                          on_created: Callable[[Job], None] | None = None) -> Job:
         """``open`` with the arena made on an executor thread.
 
-        Backing an arena takes 0.5-0.9 s per GiB; with ``prefault="background"`` it
+        Backing an arena takes seconds per 10 GB; with ``prefault="background"`` it
         happens after the hello (offloadd.memory.arena), but "now" does it here, and opening the
         job's swap tier touches files: neither may stall other jobs' requests (or the
         systemd watchdog). Its bytes stay reserved against the budget while it is made,
@@ -717,7 +718,8 @@ class JobRegistry:
         try:
             return Arena(name, nbytes, lock=self.lock, hugepages=self.hugepages,
                          max_nbytes=free, prefault=self.prefault,
-                         prefault_rate=self.prefault_rate)
+                         prefault_rate=self.prefault_rate,
+                         prefault_threads=self.prefault_threads)
         except OSError as exc:
             if exc.errno in FD_EXHAUSTED:
                 raise self._out_of_fds(name, exc) from exc

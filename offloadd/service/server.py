@@ -78,7 +78,8 @@ class Daemon:
         self.jobs = JobRegistry(config.arena_size, config.job_arena_share, lock=config.mlock,
                                 hugepages=config.arena_hugepages,
                                 prefault=config.arena_prefault,
-                                prefault_rate=config.arena_prefault_rate)
+                                prefault_rate=config.arena_prefault_rate,
+                                prefault_threads=config.arena_prefault_threads)
         self.optimizer = OptimizerService(
             config.optimizer_threads, self.cpu_plan.optimizer if self.cpu_plan else None)
         self.sessions: set[Session] = set()

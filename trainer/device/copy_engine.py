@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import torch
 
+from trainer.device import host_pages
 from trainer.device.twin import check_copy
 
 COPY_ENGINE_ENV = "OFFLOADD_COPY_ENGINE"
@@ -546,6 +547,9 @@ class CudaCopyEngine(CopyEngine):
         self.d2h_stream.synchronize()
 
     def register_host(self, address: int, nbytes: int) -> bool:
+        # cudaHostRegister faults the pages in one at a time on this thread: mapped first
+        # from several threads, an arena pins 2-2.5x faster (trainer.device.host_pages).
+        host_pages.populate(address, nbytes)
         # cudaHostRegisterPortable (1): pinned for every context, as torch's own pinning does.
         code = int(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
         if code != 0:

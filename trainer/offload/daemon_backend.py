@@ -25,7 +25,7 @@ import torch
 
 from offloadd import moment_codec
 from offloadd.errors import LimitExceededError, OverBudgetError
-from offloadd.formats import SHARD_DTYPES, MomentFormat
+from offloadd.formats import SHARD_DTYPES, MomentFormat, moment_nbytes
 from offloadd.protocol import StepUndo
 from trainer.client import OffloadError
 from trainer.device.compute import free_memory_nbytes
@@ -56,6 +56,11 @@ NEXT_KINDS = tuple(f"next.{kind}" for kind in STATE_KINDS)
 step)."""
 UNDO_ARENA_SLACK_FRACTION = 8
 """Undo data leaves 1/8 of the rank's arena share free."""
+PIN_WAIT_WINDOW_S = 0.25
+"""How often a rank about to pin the arena reads the daemon's backing progress."""
+PIN_WAIT_MIN_NBYTES_PER_S = 1 << 30
+"""Backing progress under which the rank stops waiting and faults the rest in itself
+(its own faults reach about that: cudaHostRegister 1.7 GB/s, a populate more)."""
 
 
 class DaemonBackend(StateBackend):
@@ -87,6 +92,8 @@ class DaemonBackend(StateBackend):
         """Shard ids with a release waiting in ``releases``."""
         self.arena_pinned = "not_attempted"
         """cudaHostRegister of this rank's arena mapping: pinned | failed | not_attempted."""
+        self.arena_pin_s = 0.0
+        """Seconds pinning the arena took, the wait for the daemon's backing included."""
         self._pinned_address = 0
         self._pin_arena()
         if device_copies == "rank" and not self.copies.zero_copy:
@@ -126,7 +133,10 @@ class DaemonBackend(StateBackend):
         return [f"u{unit}.{kind}" for kind in kinds]
 
     def register(self, spec: UnitSpec, master: torch.Tensor) -> None:
-        master = master.cpu()
+        """Create the unit's shards and write their first values straight into the arena
+        (no host copies on the way): the fp32 ``master`` (copied from wherever it lives),
+        zero moments and gradient, and the param copy converted on the host from the fp32
+        master, as ``master.cpu().to(param_dtype)`` would."""
         self._specs[spec.index] = spec
         self._names[spec.index] = (f"u{spec.index}", f"u{spec.index}.grad",
                                    f"u{spec.index}.param")
@@ -136,28 +146,40 @@ class DaemonBackend(StateBackend):
         if not spec.trainable:  # frozen: the parameter partition only, no optimizer state
             self.client.alloc([self._names[spec.index][2]], [param_nbytes],
                               [_dtype_tag(spec.param_dtype)])
-            self.client.put(self._names[spec.index][2], master.to(spec.param_dtype))
+            self.client.put(self._names[spec.index][2], master.cpu().to(spec.param_dtype))
             return
-        zeros = torch.zeros(spec.part_numel, dtype=torch.float32)
-        # All-zero bytes are zero moments in every format (blockwise8: zero scales and codes).
-        moment = moment_codec.empty(self.moment_format, spec.part_numel).zero_()
-        shards = dict(zip(self._ids(spec.index, *SHARD_KINDS), (
-            master, moment, moment, zeros.to(spec.grad_dtype), master.to(spec.param_dtype)),
-            strict=True))
+        layout = self._state_layout(spec)
         if self.swaps:  # made by the first gradient window: zeros would only be written out
-            del shards[self._names[spec.index][1]]
+            del layout[self._names[spec.index][1]]
             self.steps.dropped_grads.add(spec.index)
-        self.client.alloc(list(shards), [t.nbytes for t in shards.values()],
-                          [_dtype_tag(t.dtype) for t in shards.values()])
+        self.client.alloc(list(layout), [size for size, _ in layout.values()],
+                          [tag for _, tag in layout.values()])
         if not self.swaps:
-            self.client.put_many(shards)
+            with self.client.acquire_many(list(layout), "w") as leases:
+                views = {lease.shard_id: lease for lease in leases}
+                host_master = _write_shard(views[f"u{spec.index}.master"], master, spec)
+                for shard_id, lease in views.items():
+                    if not shard_id.endswith(".master"):
+                        _write_shard(lease, host_master, spec)
             return
-        # Hazard: put_many leases the unit's whole state at once. With an arena capped
-        # below the working set, two ranks registering a large unit together (GPT-2's
-        # root unit: 270 MB each against a 512 MiB arena) are refused OverBudgetError;
-        # one shard at a time, each rank leases at most one shard.
-        for shard_id, tensor in shards.items():
-            self.client.put(shard_id, tensor)
+        # Hazard: leasing the unit's whole state at once, two ranks registering a large
+        # unit together against an arena capped below the working set (GPT-2's root unit:
+        # 270 MB each against a 512 MiB arena) are refused OverBudgetError; one shard at a
+        # time, each rank leases at most one shard.
+        host_master = master.cpu()
+        for shard_id in layout:
+            with self.client.acquire(shard_id, "w") as lease:
+                _write_shard(lease, host_master, spec)
+
+    def _state_layout(self, spec: UnitSpec) -> dict[str, tuple[int, str]]:
+        """Shard id -> (bytes, dtype tag) of a trainable unit's master, moments, grad and
+        param, in ``SHARD_KINDS`` order."""
+        numel = spec.part_numel
+        moment = (moment_nbytes(self.moment_format, numel), SHARD_DTYPES[self.moment_format])
+        sizes = [(4 * numel, _dtype_tag(torch.float32)), moment, moment,
+                 (numel * spec.grad_dtype.itemsize, _dtype_tag(spec.grad_dtype)),
+                 (numel * spec.param_dtype.itemsize, _dtype_tag(spec.param_dtype))]
+        return dict(zip(self._ids(spec.index, *SHARD_KINDS), sizes, strict=True))
 
     def part_numel(self, unit: int) -> int:
         return self._specs[unit].part_numel
@@ -179,12 +201,22 @@ class DaemonBackend(StateBackend):
     # -------------------------------------------------- copies through the engine
 
     def _pin_arena(self) -> None:
-        """Register the arena mapping for DMA so copies from lease views are truly async."""
+        """Register the arena mapping for DMA so copies from lease views are truly async.
+
+        Hazard, start-up time: pinning pages the daemon has not backed yet allocates them
+        from this rank's faults, racing the daemon's backing threads for the same pages.
+        On a 16-core H200 host, 32 GiB pinned that way while the daemon backed it took
+        14-18 s; waiting for the daemon's backing (7-8 s), then mapping and pinning the
+        backed pages (2 s), took 9-10 s. So the rank waits while the daemon backs fast."""
         arena = getattr(self.client, "arena", None)
         if self.copies.zero_copy or arena is None or not arena.nbytes:
             return
+        started = time.perf_counter()
+        self._await_arena_backing()
         address = host_address(arena.view)
-        if self.copies.register_host(address, arena.nbytes):
+        pinned = self.copies.register_host(address, arena.nbytes)
+        self.arena_pin_s = time.perf_counter() - started
+        if pinned:
             self.arena_pinned, self._pinned_address = "pinned", address
             return
         self.arena_pinned = "failed"
@@ -192,6 +224,21 @@ class DaemonBackend(StateBackend):
                       "(cudaHostRegister failed; raise the memlock limit: ulimit -l unlimited or "
                       "LimitMEMLOCK=infinity); copies fall back to staged, slower transfers",
                       RuntimeWarning, stacklevel=3)
+
+    def _await_arena_backing(self) -> None:
+        """Return once the daemon's backing threads are done with the arena, or back it
+        slower than ``PIN_WAIT_MIN_NBYTES_PER_S`` (a throttled or lazy prefault)."""
+        before: tuple[float, int] | None = None
+        while True:
+            stats = self.client.stats()
+            if stats.get("arena_backing") != "backing":
+                return
+            now, backed = time.monotonic(), int(stats.get("arena_backed_nbytes", 0))
+            if before is not None and \
+                    backed - before[1] < PIN_WAIT_MIN_NBYTES_PER_S * (now - before[0]):
+                return
+            before = (now, backed)
+            time.sleep(PIN_WAIT_WINDOW_S)
 
     def _unpin_arena(self) -> None:
         """Before the client unmaps the arena (unregistering unmapped memory is an error)."""
@@ -538,6 +585,7 @@ class DaemonBackend(StateBackend):
                      "rank_releases_deferred": self.releases.deferred,
                      "rank_deferred_steps": self.steps.deferred_steps,
                      "rank_arena_pinned": self.arena_pinned,
+                     "rank_arena_pin_s": self.arena_pin_s,
                      "rank_device_copies": self.device_copies_path,
                      "rank_device_copies_reason": self.device_copies_reason}
         if self._daemon_copies is not None:
@@ -618,6 +666,20 @@ def _device_sum_room(copies: CopyEngine) -> int:
         return 0
     free_nbytes = free_memory_nbytes(copies.device)
     return (TWIN_DEVICE_NBYTES if free_nbytes is None else free_nbytes) // DEVICE_SUM_ROOM_FRACTION
+
+
+def _write_shard(lease: Any, source: torch.Tensor, spec: UnitSpec) -> torch.Tensor:
+    """A freshly registered shard's first bytes, written in place through torch (its
+    copies and fills run on all intra-op threads): the master is ``source`` (fp32, any
+    device), the param copy ``source`` (a host fp32 master) in the training dtype, the
+    moments and gradient zero bytes, which are zeros in every format (blockwise8: zero
+    scales and codes). Returns the shard as a host tensor."""
+    kind = lease.shard_id.rpartition(".")[2]
+    if kind == "master":
+        return lease.tensor(torch.float32).copy_(source)
+    if kind == "param":
+        return lease.tensor(spec.param_dtype).copy_(source)
+    return lease.tensor(torch.uint8).zero_()
 
 
 def _dtype_tag(dtype: torch.dtype) -> str:
