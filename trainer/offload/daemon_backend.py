@@ -14,6 +14,7 @@ closes, or at interpreter exit (``_close_at_exit``).
 from __future__ import annotations
 
 import atexit
+import collections
 import os
 import time
 import warnings
@@ -58,6 +59,8 @@ UNDO_ARENA_SLACK_FRACTION = 8
 """Undo data leaves 1/8 of the rank's arena share free."""
 PIN_WAIT_WINDOW_S = 0.25
 """How often a rank about to pin the arena reads the daemon's backing progress."""
+PIN_WAIT_HORIZON_S = 1.0
+"""The span over which a rank reads the daemon's backing rate (at least)."""
 PIN_WAIT_MIN_NBYTES_PER_S = 1 << 30
 """Backing progress under which the rank stops waiting and faults the rest in itself
 (its own faults reach about that: cudaHostRegister 1.7 GB/s, a populate more)."""
@@ -228,16 +231,21 @@ class DaemonBackend(StateBackend):
     def _await_arena_backing(self) -> None:
         """Return once the daemon's backing threads are done with the arena, or back it
         slower than ``PIN_WAIT_MIN_NBYTES_PER_S`` (a throttled or lazy prefault)."""
-        before: tuple[float, int] | None = None
+        # The rate is read over the last PIN_WAIT_HORIZON_S, not one poll's window: the
+        # backed prefix moves a chunk at a time, and on a loaded host one window can see no
+        # chunk complete while the backing goes on.
+        samples: collections.deque[tuple[float, int]] = collections.deque()
         while True:
             stats = self.client.stats()
             if stats.get("arena_backing") != "backing":
                 return
             now, backed = time.monotonic(), int(stats.get("arena_backed_nbytes", 0))
-            if before is not None and \
-                    backed - before[1] < PIN_WAIT_MIN_NBYTES_PER_S * (now - before[0]):
+            while len(samples) > 1 and now - samples[1][0] >= PIN_WAIT_HORIZON_S:
+                samples.popleft()
+            if samples and now - samples[0][0] >= PIN_WAIT_HORIZON_S and \
+                    backed - samples[0][1] < PIN_WAIT_MIN_NBYTES_PER_S * (now - samples[0][0]):
                 return
-            before = (now, backed)
+            samples.append((now, backed))
             time.sleep(PIN_WAIT_WINDOW_S)
 
     def _unpin_arena(self) -> None:
