@@ -61,7 +61,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import trainer
-from trainer.config import STATE_DTYPE_FORMATS
+from trainer.config import STATE_DTYPE_FORMATS, ZeroConfig
 from trainer.demo.train import TinyGPT
 from trainer.device import twin, twin_memory
 from trainer.device.compute import resolve_device
@@ -114,18 +114,14 @@ def size_big(device_bytes: int, host_bytes: int, target_params: float, vocab: in
     return f"{width},{depth},{heads}", state_dtype, embedding_numel + layer_numel * depth
 
 
-DEEPSPEED_MAX_LIVE_PARAMS = 10**9
-"""DeepSpeed's default ``stage3_max_live_parameters`` (ours too)."""
-
-
 def max_live_params(device_bytes: int) -> int:
     """``--max-live-params auto``: the parameters whose bf16 copies fill 3/10 of the
     device (the running gradient sums may take half of what is free, activations the
-    rest); DeepSpeed's default where the device's size is not known. Units gathered
-    within it stay on the device from one micro-batch to the next (``FullParams.hold``):
-    on the 8.35B case an H100 holds all 16.7 GB of them and gathers each unit once per
-    step instead of ~1.85 times per micro-batch."""
-    return device_bytes * 3 // 20 if device_bytes else DEEPSPEED_MAX_LIVE_PARAMS
+    rest); the engine's default (DeepSpeed's, 1e9) where the device's size is not known.
+    Units gathered within it stay on the device from one micro-batch to the next
+    (``FullParams.hold``): on the 8.35B case an H100 holds all 16.7 GB of them and gathers
+    each unit once per step instead of ~1.85 times per micro-batch."""
+    return device_bytes * 3 // 20 if device_bytes else ZeroConfig().stage3_max_live_parameters
 
 
 def model_flops_per_token(num_params: int, depth: int, width: int, seq_len: int) -> int:
@@ -554,7 +550,6 @@ def _run_contenders(args: argparse.Namespace, overrides: list[str], notes: list[
     (ours failing ends the run)."""
     wanted = [name.strip() for name in args.contenders.split(",") if name.strip()]
     results: dict[str, dict[str, Any]] = {}
-    failures = results.setdefault("failed", {})
     for name in wanted:
         if name == "deepspeed" and args.no_deepspeed:
             notes.append("DeepSpeed skipped (--no-deepspeed)")
@@ -568,8 +563,8 @@ def _run_contenders(args: argparse.Namespace, overrides: list[str], notes: list[
             raise SystemExit(failure)
         if result is None:
             notes.append(f"{name}: {failure}")
-            if name == "deepspeed":
-                failures["deepspeed"] = failure.splitlines()[0][:300]
+            if name == "deepspeed":  # an OOM or a time-out is its result, as the ceiling's
+                results[name] = {"failure": failure.splitlines()[0][:300]}
         else:
             results[name] = result
     return results
@@ -577,12 +572,11 @@ def _run_contenders(args: argparse.Namespace, overrides: list[str], notes: list[
 
 def _summary(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     ours, peer, plain = results["ours"], results.get("deepspeed"), results.get("none")
-    peer_failure = results.get("failed", {}).get("deepspeed")
     waiting = results.get("ours-wait")
     tokens = _tokens(args, ours["world_size"])
     median_s = statistics.median(ours["step_s"])
     waiting_s = statistics.median(waiting["step_s"]) if waiting else None
-    peer_s = statistics.median(peer["step_s"]) if peer else None
+    peer_s = statistics.median(peer["step_s"]) if peer and "step_s" in peer else None
     plain_s = statistics.median(plain["step_s"]) if plain and "step_s" in plain else None
     kernel_s = (ours["sm_busy_fraction"] * ours["profiled_step_s"]
                 if ours.get("sm_busy_fraction") and ours.get("profiled_step_s") else None)
@@ -602,12 +596,12 @@ def _summary(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> di
         "profiled_step_s": ours.get("profiled_step_s"),
         "peak_device_bytes": ours.get("peak_device_bytes"),
         "peak_host_rss_bytes": ours.get("peak_host_rss_bytes"),
-        "deepspeed_step_s": peer["step_s"] if peer else None,
+        "deepspeed_step_s": peer.get("step_s") if peer else None,
         "deepspeed_step_s_median": peer_s,
         "deepspeed_tokens_per_s": tokens / peer_s if peer_s else None,
         "deepspeed_sm_busy_fraction": peer.get("sm_busy_fraction") if peer else None,
         "ratio_vs_deepspeed": round(peer_s / median_s, 3) if peer_s else None,
-        "deepspeed_failure": peer_failure,
+        "deepspeed_failure": peer.get("failure") if peer else None,
         "no_offload_step_s_median": plain_s,
         "no_offload_oom": plain.get("oom") if plain else None,
         "no_offload_model_tflops": _tflops(args, plain, tokens) if plain else None,
