@@ -95,9 +95,9 @@ class FullParams:
         self.live_numel = 0
         self.num_gathers = 0
         self.num_prefetched = 0
-        self._held: dict[int, int] = {}
-        """Units kept gathered past their backward (``hold``), oldest first, and their
-        elements."""
+        self._held: dict[int, None] = {}
+        """Indices of the units kept gathered past their backward (``hold``), oldest first
+        (a dict as an ordered set)."""
 
     def adopt(self, unit: Unit) -> None:
         unit.release_params()
@@ -173,7 +173,7 @@ class FullParams:
         if self.live_numel > limit_numel:
             self.free(unit)
             return
-        self._held[unit.index] = unit.padded_numel
+        self._held[unit.index] = None
 
     def take(self, unit: Unit) -> None:
         """The forward uses ``unit`` again: it is no longer held, only gathered."""
