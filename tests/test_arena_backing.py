@@ -152,14 +152,7 @@ def test_a_locked_arena_is_mapped_and_locked_page_for_page(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(arena_module, "BACKING_CHUNK_NBYTES", 5 * PAGE_NBYTES)
     nbytes = (2 << 20) + 3 * PAGE_NBYTES  # not a whole number of chunks, nor of threads
-    arena = Arena("locked-pages", nbytes, lock=True, prefault="now", prefault_threads=4)
-    try:
-        assert arena.locked and arena.backing is Backing.BACKED
-        kib = mapping_kib("self", containing(arena.address))
-        assert kib["Size"] * 1024 == nbytes
-        assert kib["Rss"] * 1024 == nbytes and kib["Locked"] * 1024 == nbytes
-    finally:
-        arena.close()
+    _assert_backed_and_locked_page_for_page("locked-pages", nbytes, threads=4)
 
 
 @pytest.mark.skipif(not lockable(4 << 20), reason="RLIMIT_MEMLOCK below 4 MiB")
@@ -169,19 +162,22 @@ def test_without_mlock2_or_populate_each_chunk_is_fallocated_and_mlocked(
     monkeypatch.setattr(arena_module, "BACKING_CHUNK_NBYTES", 5 * PAGE_NBYTES)
     monkeypatch.setattr(pages, "lock_on_fault", lambda address, nbytes: None)
     nbytes = (2 << 20) + 3 * PAGE_NBYTES
-    arena = Arena("old-kernel", nbytes, lock=True, prefault="now", prefault_threads=3)
+    _assert_backed_and_locked_page_for_page("old-kernel", nbytes, threads=3)
+    monkeypatch.undo()
+    monkeypatch.setattr(arena_module, "BACKING_CHUNK_NBYTES", 5 * PAGE_NBYTES)
+    monkeypatch.setattr(pages, "populate_write", lambda address, nbytes: False)
+    _assert_backed_and_locked_page_for_page("no-populate", nbytes, threads=3)
+
+
+def _assert_backed_and_locked_page_for_page(name: str, nbytes: int, *, threads: int) -> None:
+    """A locked arena of ``nbytes`` backed now by ``threads`` threads: every page of its
+    memfd is resident, and every page of its mapping here is mapped and locked."""
+    arena = Arena(name, nbytes, lock=True, prefault="now", prefault_threads=threads)
     try:
         assert arena.locked and arena.backing is Backing.BACKED
+        assert resident_nbytes(arena.fd) == nbytes
         kib = mapping_kib("self", containing(arena.address))
-        assert kib["Rss"] * 1024 == nbytes and kib["Locked"] * 1024 == nbytes
-    finally:
-        arena.close()
-    monkeypatch.undo()
-    monkeypatch.setattr(pages, "populate_write", lambda address, nbytes: False)
-    arena = Arena("no-populate", nbytes, lock=True, prefault="now", prefault_threads=3)
-    try:
-        assert arena.locked and resident_nbytes(arena.fd) == nbytes
-        kib = mapping_kib("self", containing(arena.address))
+        assert kib["Size"] * 1024 == nbytes
         assert kib["Rss"] * 1024 == nbytes and kib["Locked"] * 1024 == nbytes
     finally:
         arena.close()
