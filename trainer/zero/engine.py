@@ -131,9 +131,8 @@ class Engine(nn.Module):
                                  device=collectives.device)
         trainable = [unit for unit in self.units if unit.trainable]
         zero = config.zero_optimization
-        self.grad_dtype = DTYPES[config.grad_dtype_name(self.batch.gradient_accumulation_steps)]
-        """Dtype of the reduced gradient partitions and of every sum of them
-        (``EngineConfig.grad_dtype_name`` at this run's accumulation)."""
+        self.grad_dtype = self._grad_dtype()
+        """Dtype of the reduced gradient partitions and of every sum of them."""
         self.placement, self.reducer = build_stage(
             stage, collectives, self.precision.dtype, backend, grad_dtype=self.grad_dtype,
             offload_params=zero.offload_param.device != "none",
@@ -196,6 +195,11 @@ class Engine(nn.Module):
                 self.placement.setup(unit, flat)
         self.state_io.forget_pending(self.module)
         release_kept_values()
+
+    def _grad_dtype(self) -> torch.dtype:
+        """The config's gradient dtype (``EngineConfig.grad_dtype_name``) at this run's
+        accumulation (tests widen it to fp32 here)."""
+        return DTYPES[self.config.grad_dtype_name(self.batch.gradient_accumulation_steps)]
 
     def _broadcast_untracked_state(self) -> None:
         """Buffers and frozen parameters outside units are replicated as-is from rank 0."""
