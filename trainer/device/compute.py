@@ -81,6 +81,35 @@ def free_memory_nbytes(device: torch.device) -> int | None:
     return None
 
 
+@dataclass(kw_only=True, frozen=True)
+class DeviceMemory:
+    """A bounded compute device's memory now, as the caching allocator counts it."""
+
+    allocated: int
+    """Bytes held by live tensors."""
+    peak: int
+    """The most ``allocated`` has been since the process started or the peak was last
+    reset (``torch.cuda.max_memory_allocated``)."""
+    capacity: int
+    """What the process's tensors could hold: its allocator's cache plus what the
+    driver has free (the twin: its capacity)."""
+
+
+def device_memory(device: torch.device) -> DeviceMemory | None:
+    """``DeviceMemory`` of a GPU or of the strict twin given a capacity; None for the
+    host, whose memory no device budget is kept for."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return DeviceMemory(allocated=torch.cuda.memory_allocated(device),
+                            peak=torch.cuda.max_memory_allocated(device),
+                            capacity=torch.cuda.memory_reserved(device) + int(free))
+    capacity = twin_memory.memory().capacity_nbytes
+    if device.type == TWIN_TYPE and capacity is not None:
+        return DeviceMemory(allocated=twin_memory.memory_allocated(),
+                            peak=twin_memory.max_memory_allocated(), capacity=capacity)
+    return None
+
+
 def activate(compute: ComputeDevice) -> None:
     """Make ``compute`` the current device (NCCL maps a rank to its GPU through it)."""
     if compute.device.type == "cuda":

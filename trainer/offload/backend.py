@@ -177,6 +177,9 @@ class StateBackend(abc.ABC):
     def begin_step(self) -> None:  # noqa: B027 - optional hint
         """A micro-step's forward starts (the daemon learns access order per step)."""
 
+    def end_window(self) -> None:  # noqa: B027 - optional hint
+        """An accumulation window ended: its optimizer step was issued."""
+
     @abc.abstractmethod
     def get_state(self, unit: int) -> dict[str, torch.Tensor]:
         """Copies of the unit's master (fp32), exp_avg and exp_avg_sq (as stored: fp32,

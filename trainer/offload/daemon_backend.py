@@ -29,7 +29,6 @@ from offloadd.errors import LimitExceededError, OverBudgetError
 from offloadd.formats import SHARD_DTYPES, MomentFormat, moment_nbytes
 from offloadd.protocol import StepUndo
 from trainer.client import OffloadError
-from trainer.device.compute import free_memory_nbytes
 from trainer.device.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue, host_address
 from trainer.dist.collectives import Collectives
 from trainer.lease_debug import check_view
@@ -49,6 +48,7 @@ from trainer.offload.daemon_copies import (
     report_rank_copies,
 )
 from trainer.offload.daemon_steps import DaemonStepQueue, state_sizes, step_nbytes
+from trainer.offload.sum_room import SumRoom
 
 SHARD_KINDS = (*STATE_KINDS, "grad", "param")
 NEXT_KINDS = tuple(f"next.{kind}" for kind in STATE_KINDS)
@@ -123,13 +123,25 @@ class DaemonBackend(StateBackend):
         """Units with a speculative step not committed or reverted yet, and its arguments."""
         self._device_sums: dict[int, torch.Tensor] = {}
         """Running gradient sums of open accumulation windows, on the compute device."""
-        self.device_sum_room_nbytes = _device_sum_room(self.copies)
-        """Device memory the running sums may take (half of what is free at start)."""
+        self.sum_room = SumRoom(self.copies.device, zero_copy=self.copies.zero_copy)
+        """Device memory the running sums may take (``trainer.offload.sum_room``)."""
         self.moved_nbytes = 0
         """Bytes this rank copied into or out of arena leases."""
         self.wait_s = 0.0
         """Seconds this rank spent blocked on the daemon (leases, step completion)."""
         _OPEN_BACKENDS.add(self)
+
+    @property
+    def device_sum_room_nbytes(self) -> int:
+        """Bytes of running sums this rank may keep on the compute device now."""
+        return self.sum_room.nbytes
+
+    @device_sum_room_nbytes.setter
+    def device_sum_room_nbytes(self, nbytes: int) -> None:
+        self.sum_room.nbytes = nbytes
+
+    def end_window(self) -> None:
+        self.sum_room.window_done()
 
     @staticmethod
     def _ids(unit: int, *kinds: str) -> list[str]:
@@ -359,7 +371,7 @@ class DaemonBackend(StateBackend):
         there and crosses to the arena once, at the window's last micro-batch, instead of
         a D2H + H2D + add per micro-batch. Returns what to write then (and whether it is
         the whole window: ``first``); None while the window goes on. Sums beyond
-        ``device_sum_room_nbytes`` take the per-micro-batch path. A sum is kept in the
+        ``sum_room`` take the per-micro-batch path. A sum is kept in the
         unit's ``grad_dtype`` (fp32, or bf16 with ``data_types.grad_accum_dtype`` bf16,
         where it takes half the room), rounded as the arena's sum would be."""
         held = self._device_sums.pop(unit, None)
@@ -370,10 +382,12 @@ class DaemonBackend(StateBackend):
             self._device_sums[unit] = held
             return None
         # A held sum met by first=True is a window that ended without its last micro-batch:
-        # it was popped above and is dropped.
+        # it was popped above and is dropped. A sum starts only with its window: one begun
+        # later would lack the micro-batches the arena summed before it.
         grad_dtype = self._specs[unit].grad_dtype
         held_nbytes = sum(total.nbytes for total in self._device_sums.values())
-        if last or held_nbytes + grad.numel() * grad_dtype.itemsize > self.device_sum_room_nbytes:
+        if (last or not first
+                or held_nbytes + grad.numel() * grad_dtype.itemsize > self.sum_room.nbytes):
             return grad, first
         self._device_sums[unit] = grad.to(grad_dtype, copy=True)
         return None
@@ -657,23 +671,6 @@ atexit.register(_close_at_exit)
 
 def _nothing() -> None:
     return None
-
-
-DEVICE_SUM_ROOM_FRACTION = 2
-"""Running gradient sums may take 1/2 of the device memory free when the backend starts.
-A unit whose sum does not fit crosses PCIe twice per micro-batch (its fp32 sum read back
-and written again). At 1/4, the 8.35B big case on an 80 GB H100 kept 59% of its sums on
-the GPU (19.8 GB) and the rest cost 0.7 of its 2.56 parameter-sized H2D transfers per
-micro-batch, with 52 GB of the GPU never used (peak 27.7 GB)."""
-TWIN_DEVICE_NBYTES = 1 << 30
-"""What the twin's "device" counts as free memory when no capacity was set for it."""
-
-
-def _device_sum_room(copies: CopyEngine) -> int:
-    if copies.zero_copy:
-        return 0
-    free_nbytes = free_memory_nbytes(copies.device)
-    return (TWIN_DEVICE_NBYTES if free_nbytes is None else free_nbytes) // DEVICE_SUM_ROOM_FRACTION
 
 
 def _write_shard(lease: Any, source: torch.Tensor, spec: UnitSpec) -> torch.Tensor:

@@ -209,6 +209,9 @@ class SplitBackend(StateBackend):
     def begin_step(self) -> None:
         self.offloaded.begin_step()
 
+    def end_window(self) -> None:
+        self.offloaded.end_window()
+
     # -------------------------------------------------------------- parameters
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:

@@ -371,6 +371,7 @@ class Engine(nn.Module):
                     self.placement.after_step(unit)
             if applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
+            self.backend.end_window()
             self.global_steps += 1
             self.global_samples += self.batch.train_batch_size
         self.micro_steps += 1
