@@ -287,6 +287,10 @@ def _peaks(device: torch.device) -> dict[str, int | None]:
     return {"peak_device_bytes": peak, "peak_host_rss_bytes": rss}
 
 
+def _ratio(text: str) -> float | str:
+    return text if text == "auto" else float(text)
+
+
 def _device_bytes(args: argparse.Namespace) -> int:
     """The device memory the big case is sized against (0: none known)."""
     if args.device == "cuda":
@@ -344,7 +348,10 @@ def run_ours(args: argparse.Namespace, swap_dir: str, *,
             "grad_dtype": str(engine.grad_dtype).removeprefix("torch."),
             "arena_pinned": stats.get("rank_arena_pinned"),
             "device_copies": stats.get("rank_device_copies"),
-            "device_copies_fallback": stats.get("rank_device_copies_reason") or None}
+            "device_copies_fallback": stats.get("rank_device_copies_reason") or None,
+            # Twin-Flow: units whose optimizer state stays on the device (ratio < 1, auto)
+            "device_units": stats.get("device_units", 0),
+            "device_state_bytes": stats.get("device_state_nbytes", 0)}
 
 
 def run_deepspeed(args: argparse.Namespace, swap_dir: str) -> dict[str, Any]:
@@ -476,9 +483,10 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--offload-param", choices=["nvme", "cpu", "none"], default="nvme")
     parser.add_argument("--offload-optimizer", choices=["nvme", "cpu"], default="nvme",
                         help="the tier of both contenders (DeepSpeed runs the same config)")
-    parser.add_argument("--offload-ratio", type=float, default=1.0,
+    parser.add_argument("--offload-ratio", type=_ratio, default=1.0,
                         help="offload_optimizer.ratio (ours): the fraction of the optimizer "
-                             "state offloaded, the rest stepped on the device (Twin-Flow)")
+                             "state offloaded, the rest stepped on the device (Twin-Flow); "
+                             "auto: what the device memory left after the first step holds")
     parser.add_argument("--state-dtype", choices=["fp32", "bf16", "8bit"], default=None,
                         help="offload_optimizer.state_dtype (ours; default fp32, or what "
                              "--gpt auto picks)")
@@ -659,6 +667,8 @@ def main() -> None:
                           "arena_pinned": ours["arena_pinned"],
                           "device_copies": ours["device_copies"],
                           "device_copies_fallback": ours["device_copies_fallback"],
+                          "device_units": ours["device_units"],
+                          "device_state_bytes": ours["device_state_bytes"],
                           "notes": notes}))
         return
     points = []

@@ -95,7 +95,8 @@ def _build_backend(config: EngineConfig, collectives: Collectives,
     ratio = config.zero_optimization.offload_optimizer.ratio
     if ratio == 1.0:
         return daemon
-    return SplitBackend(daemon, ratio=ratio)  # Twin-Flow: the rest stays on the device
+    # Twin-Flow: the rest stays on the device
+    return SplitBackend(daemon, ratio=ratio, collectives=collectives)
 
 
 def _build_loader(data: Dataset[Any], engine: Engine, collate_fn: Any) -> DataLoader[Any]:

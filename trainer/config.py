@@ -323,11 +323,12 @@ class OffloadOptimizerConfig(OffloadDeviceConfig):
     master stays fp32): "fp32" (4 B each, exactly torch's AdamW), "bf16" (2 B, stochastic
     rounding), "8bit" (~1.016 B: 8-bit codes with one fp32 absmax per 256 elements, as
     bitsandbytes' 8-bit Adam). Moment bytes per parameter: 8 / 4 / 2.03."""
-    ratio: float = 1.0
+    ratio: float | Literal["auto"] = 1.0
     """Fraction of the trainable elements whose optimizer state is offloaded, in [0, 1]
     (DeepSpeed's ZeRO-Offload++ Twin-Flow); the rest, the first units of the forward, keep
-    state and Adam on the compute device (``trainer.offload.split``). Unused with device
-    none, where nothing is offloaded (DeepSpeed reads it only with an offload device)."""
+    state and Adam on the compute device (``trainer.offload.split``). "auto": as many first
+    units as the device memory the first accumulation window left free holds. Unused with
+    device none (DeepSpeed reads it only with an offload device)."""
     speculative_step: bool = True
     """With gradient clipping or fp16 overflow checks, start each unit's daemon step as soon
     as its gradient is reduced, before the global norm is known, and undo it exactly on the
@@ -338,8 +339,10 @@ class OffloadOptimizerConfig(OffloadDeviceConfig):
     set, it decides ``speculative_step``."""
 
     def __post_init__(self) -> None:
-        _check(not isinstance(self.ratio, bool) and 0.0 <= self.ratio <= 1.0,
-               "zero_optimization.offload_optimizer.ratio", self.ratio, "a number in [0, 1]")
+        _check(self.ratio == "auto" or (not isinstance(self.ratio, bool)
+                                        and 0.0 <= self.ratio <= 1.0),
+               "zero_optimization.offload_optimizer.ratio", self.ratio,
+               'a number in [0, 1] or "auto"')
         if self.super_offload is not None:
             object.__setattr__(self, "speculative_step", self.super_offload)
 
@@ -730,6 +733,11 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
         options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
         if value is None:
             return None
+        words = [word for arg in options if typing.get_origin(arg) is Literal
+                 for word in typing.get_args(arg)]
+        if words and isinstance(value, str):  # float | Literal["auto"]
+            _check(value in words, key, value, f"a number or {' or '.join(map(repr, words))}")
+            return value
         return _coerce(options[0], value, key)
     if dataclasses.is_dataclass(hint):
         if not isinstance(value, dict):
@@ -752,6 +760,9 @@ def _drop_auto(cls: type, data: dict[str, Any], prefix: str) -> None:
     hints = typing.get_type_hints(cls)
     for key in [key for key, value in data.items() if value == "auto" and key in hints]:
         dotted = _key_path(prefix, key)
+        own = (hints[key], *typing.get_args(hints[key]))
+        if any("auto" in typing.get_args(hint) for hint in own):
+            continue  # "auto" is one of the key's own values (device, offload ratio)
         if type(None) in typing.get_args(hints[key]) or dotted in AUTO_DEFAULT_KEYS:
             del data[key]
             continue

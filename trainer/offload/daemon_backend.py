@@ -143,6 +143,28 @@ class DaemonBackend(StateBackend):
     def end_window(self) -> None:
         self.sum_room.window_done()
 
+    def lend_device_room(self) -> int:
+        """Measured device memory the running sums of every unit here leave over, handed
+        out (``SumRoom.lend``): 0 before the first window was measured, or on the host."""
+        return self.sum_room.lend(sum(spec.part_numel * spec.grad_dtype.itemsize
+                                      for spec in self._specs.values() if spec.trainable))
+
+    def hand_over(self, unit: int) -> dict[str, torch.Tensor]:
+        """The unit's state (``get_state``), and the unit is no longer here: its shards
+        are dropped from the arena (and swap). Every step in flight is waited for first."""
+        self.wait_steps()
+        assert unit not in self._undoable and unit not in self._device_sums
+        state = self.get_state(unit)
+        spec = self._specs.pop(unit)
+        ids = self._ids(unit, *SHARD_KINDS)
+        if unit in self.steps.dropped_grads:
+            self.steps.dropped_grads.discard(unit)
+            ids.remove(self._names[unit][1])
+        del self._names[unit]
+        self.client.drop(ids)
+        self._state_nbytes -= step_nbytes(spec, self.moment_format)
+        return state
+
     @staticmethod
     def _ids(unit: int, *kinds: str) -> list[str]:
         return [f"u{unit}.{kind}" for kind in kinds]

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -35,7 +35,9 @@ from trainer.offload.backend import (
 )
 
 if TYPE_CHECKING:
+    from trainer.dist.collectives import Collectives
     from trainer.offload.backend import StepRedo
+    from trainer.offload.daemon_backend import DaemonBackend
 
 FP32_STATE_TENSORS = len(STATE_KINDS)
 """fp32 tensors a device unit keeps per partition element: master and both moments (its
@@ -67,7 +69,7 @@ def optimizer_state_nbytes(spec: UnitSpec) -> int:
     return spec.part_numel * (4 * FP32_STATE_TENSORS + spec.grad_dtype.itemsize)
 
 
-def check_device_room(specs: list[UnitSpec], chosen: frozenset[int], ratio: float,
+def check_device_room(specs: list[UnitSpec], chosen: frozenset[int], ratio: float | str,
                       free_nbytes: int | None, device: torch.device) -> None:
     """Refuse, naming the ratio that fits, a split whose device state alone exceeds the
     device's free memory (None: unbounded, as the host): a GPU would fail on it with an
@@ -99,13 +101,20 @@ def _compute_marker(device: torch.device) -> Any:
 class SplitBackend(StateBackend):
     """Device units in an ``InProcessBackend``, the others in ``offloaded`` (the daemon's)."""
 
-    def __init__(self, offloaded: StateBackend, *, ratio: float,
-                 on_device: StateBackend | None = None) -> None:
+    def __init__(self, offloaded: DaemonBackend, *, ratio: float | Literal["auto"],
+                 on_device: StateBackend | None = None,
+                 collectives: Collectives | None = None) -> None:
         self.offloaded = offloaded
         """The daemon backend: frozen units and the offloaded ``ratio`` of the state."""
         self.on_device = on_device or InProcessBackend()
         """The device units' state, as torch tensors on the compute device."""
         self.ratio = ratio
+        """"auto": every unit starts offloaded; after the first accumulation window the
+        first units that fit the device memory it left free move to the device
+        (``_take_device_room``)."""
+        self._collectives = collectives
+        """Where the ranks agree on the room for "auto" (None: one rank)."""
+        self._auto_pending = ratio == "auto"
         self.device_units: frozenset[int] = frozenset()
         """Indices of the units held by ``on_device`` (decided in ``plan``)."""
         self._planned = False
@@ -142,7 +151,8 @@ class SplitBackend(StateBackend):
     # ------------------------------------------------------------------ setup
 
     def plan(self, specs: list[UnitSpec]) -> None:
-        self.device_units = device_units(specs, self.ratio)
+        self.device_units = (frozenset() if self.ratio == "auto"
+                             else device_units(specs, self.ratio))
         self._planned = True
         self._planned_specs = specs
         self.on_device.plan([spec for spec in specs if spec.index in self.device_units])
@@ -211,6 +221,36 @@ class SplitBackend(StateBackend):
 
     def end_window(self) -> None:
         self.offloaded.end_window()
+        if self._auto_pending:
+            self._auto_pending = False
+            self._take_device_room()
+
+    def _take_device_room(self) -> None:
+        """``ratio: "auto"``: the device memory the first window left free beyond the
+        running sums' room (the smallest on any rank, so every rank makes the same
+        split) takes the first trainable units' state, in forward order, as a ratio
+        would; each unit's state moves over as it is, after its step finished."""
+        lent = room = self.offloaded.lend_device_room()
+        if self._collectives is not None and self._collectives.world_size > 1:
+            room = min(self._collectives.all_gather_object(lent))
+        taken = 0
+        for spec in sorted(self._planned_specs, key=lambda spec: spec.index):
+            if not spec.trainable:
+                continue
+            if taken + device_state_nbytes(spec) > room:
+                break
+            taken += device_state_nbytes(spec)
+            self._move_to_device(spec)
+        self.offloaded.device_sum_room_nbytes += lent - taken  # the rest: the sums' again
+
+    def _move_to_device(self, spec: UnitSpec) -> None:
+        state = self.offloaded.hand_over(spec.index)
+        device = self.copies.device
+        self.on_device.register(spec, state["master"].to(device))
+        self.on_device.set_state(spec.index, state)
+        self.device_units = self.device_units | {spec.index}
+        self._device = device
+        self._stale[spec.index] = None
 
     # -------------------------------------------------------------- parameters
 

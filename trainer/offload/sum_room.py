@@ -70,3 +70,13 @@ class SumRoom:
         if overshoot > self._overshoot:
             self.nbytes = max(0, self.nbytes - (overshoot - self._overshoot))
             self._overshoot = overshoot
+
+    def lend(self, sums_nbytes: int) -> int:
+        """Give the room beyond ``sums_nbytes`` (what every sum of a window takes) to
+        another use (Twin-Flow's device units, ``ratio: "auto"``); the bytes lent. Only
+        a measured room is lent: a fixed share of an unbounded device is no measure."""
+        if not self._measured:
+            return 0
+        spare = max(0, self.nbytes - sums_nbytes)
+        self.nbytes -= spare
+        return spare
