@@ -21,7 +21,8 @@
 #   spec     the large case, ours beside ours waiting for the global norm (speculative
 #            steps off): ratio_vs_waiting_for_norm
 #   twin     the large case with Twin-Flow (offload_optimizer.ratio GPU_CHECK_TWIN_RATIO,
-#            0.8: the first fifth of the optimizer steps on the GPU), ours only
+#            "auto": after the warm-up step, the first units the GPU's measured room
+#            holds step on the GPU), ours only
 #   daemon   --device-copies daemon on a smaller GPT (GPU_CHECK_DAEMON_GPT)
 #   dsnvme   DeepSpeed ZeRO-Infinity (params + optimizer on NVMe) beside ours, with a limit
 # Each step's limit: GPU_CHECK_LIMIT_<STEP>_S, else its default below, never past what the
@@ -132,7 +133,7 @@ step ds 150 python bench/gpu_train_step.py "${large[@]}" --contenders ours,deeps
 step spec 60 python bench/gpu_train_step.py "${large[@]}" --contenders ours,ours-wait \
   --steps 2 --warmup 1
 step twin 45 python bench/gpu_train_step.py "${large[@]}" \
-  --offload-ratio "${GPU_CHECK_TWIN_RATIO:-0.8}" --contenders ours --steps 2 --warmup 1
+  --offload-ratio "${GPU_CHECK_TWIN_RATIO:-auto}" --contenders ours --steps 2 --warmup 1
 step daemon 40 python bench/gpu_train_step.py --device cuda --device-copies daemon \
   --gpt "${GPU_CHECK_DAEMON_GPT:-1024,8,16}" --steps "${GPU_CHECK_STEPS:-3}" --contenders ours
 step dsnvme 60 python bench/gpu_train_step.py --device cuda --gpt "${GPU_CHECK_DSNVME_GPT:-1024,8,16}" \
