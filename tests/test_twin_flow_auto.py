@@ -132,6 +132,50 @@ def test_auto_on_an_unbounded_device_offloads_everything(
     _assert_trains_as_torch(by_rank)
 
 
+def _split_in_process(monkeypatch: pytest.MonkeyPatch, accumulation: int,
+                      capacity: int) -> dict[str, Any]:
+    """One rank, one window: the split, then the sums' room and the other units' sums."""
+    import gc
+
+    import trainer
+    from trainer.device.twin import twin_device
+
+    monkeypatch.setenv("OFFLOADD_COPY_ENGINE", "twin")
+    twin_device()
+    gc.collect()
+    monkeypatch.setattr(twin_memory.memory(), "capacity_nbytes",
+                        twin_memory.memory_allocated() + capacity)
+    twin_memory.reset_peak_memory_stats()
+    config = base_config(gradient_accumulation_steps=accumulation, zero_optimization={
+        "stage": 3, "offload_param": {"device": "cpu"},
+        "offload_optimizer": {"device": "cpu", "ratio": "auto"}})
+    engine, _, _, _ = trainer.initialize(model=make_model(0), config=config)
+    try:
+        for micro in range(accumulation):
+            batch = make_batch(0, micro, 0, engine.train_micro_batch_size_per_gpu())
+            engine.backward(engine(*(t.to(engine.collectives.device) for t in batch)))
+            engine.step()  # the first window's end: the split
+        return {"device_units": sorted(engine.backend.device_units),
+                "room": engine.backend.offloaded.device_sum_room_nbytes,
+                "sums": sum(4 * unit.part_numel for unit in engine.units
+                            if unit.index not in engine.backend.device_units)}
+    finally:
+        engine.close()
+
+
+@pytest.mark.usefixtures("strict_device_twin")
+def test_without_accumulation_the_sums_room_goes_to_the_device_units(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With one micro-batch per window no running sum is ever kept, so the sums' share of
+    the measured room goes to the device units too: in 38 KB, the root unit and a block
+    (15 KB of state each block) where accumulation keeps every other unit's sum's room
+    and moves the root alone."""
+    alone = _split_in_process(monkeypatch, 1, 38_000)
+    accumulated = _split_in_process(monkeypatch, 2, 38_000)
+    assert accumulated["device_units"] == [0] and alone["device_units"] == [0, 1]
+    assert accumulated["room"] >= accumulated["sums"], "every offloaded unit's sum fits"
+
+
 def test_auto_is_a_ratio_and_other_words_are_not() -> None:
     section = {"device": "cpu", "ratio": "auto"}
     config = parse_config({"train_micro_batch_size_per_gpu": 1,

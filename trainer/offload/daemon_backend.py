@@ -125,6 +125,8 @@ class DaemonBackend(StateBackend):
         """Running gradient sums of open accumulation windows, on the compute device."""
         self.sum_room = SumRoom(self.copies.device, zero_copy=self.copies.zero_copy)
         """Device memory the running sums may take (``trainer.offload.sum_room``)."""
+        self._windows_accumulate = False
+        """A window of more than one micro-batch was seen: running sums need room."""
         self.moved_nbytes = 0
         """Bytes this rank copied into or out of arena leases."""
         self.wait_s = 0.0
@@ -146,8 +148,9 @@ class DaemonBackend(StateBackend):
     def lend_device_room(self) -> int:
         """Measured device memory the running sums of every unit here leave over, handed
         out (``SumRoom.lend``): 0 before the first window was measured, or on the host."""
-        return self.sum_room.lend(sum(spec.part_numel * spec.grad_dtype.itemsize
-                                      for spec in self._specs.values() if spec.trainable))
+        sums = sum(spec.part_numel * spec.grad_dtype.itemsize
+                   for spec in self._specs.values() if spec.trainable)
+        return self.sum_room.lend(sums if self._windows_accumulate else 0)
 
     def hand_over(self, unit: int) -> dict[str, torch.Tensor]:
         """The unit's state (``get_state``), and the unit is no longer here: its shards
@@ -396,6 +399,7 @@ class DaemonBackend(StateBackend):
         ``sum_room`` take the per-micro-batch path. A sum is kept in the
         unit's ``grad_dtype`` (fp32, or bf16 with ``data_types.grad_accum_dtype`` bf16,
         where it takes half the room), rounded as the arena's sum would be."""
+        self._windows_accumulate |= not last
         held = self._device_sums.pop(unit, None)
         if held is not None and not first:
             held.add_(grad)
