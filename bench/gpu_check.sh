@@ -13,6 +13,9 @@
 #            (90 s; an OOM or a time-out is a result: deepspeed_failure says which)
 #   large    1B GPT, optimizer in DRAM, params resident, 64k tokens per step: ours and the
 #            no-offload ceiling (plain torch, fused AdamW)
+#   twin     the large case with Twin-Flow (offload_optimizer.ratio GPU_CHECK_TWIN_RATIO,
+#            "auto": after the warm-up step, the first units the GPU's measured room
+#            holds step on the GPU), beside the ceiling: ratio_vs_no_offload with it
 #   stream   bench/cpu_adam.py: our Adam's GB/s against a STREAM triad on the same cores
 #            (without DeepSpeedCPUAdam, whose JIT build alone outlasts the step)
 #   sweep    the same model from 2k to 64k tokens per step, ours and the ceiling: step time
@@ -20,9 +23,6 @@
 #   ds       the large case beside DeepSpeed ZeRO-3 + CPUAdam (its ops JIT-build, ~80 s)
 #   spec     the large case, ours beside ours waiting for the global norm (speculative
 #            steps off): ratio_vs_waiting_for_norm
-#   twin     the large case with Twin-Flow (offload_optimizer.ratio GPU_CHECK_TWIN_RATIO,
-#            "auto": after the warm-up step, the first units the GPU's measured room
-#            holds step on the GPU), ours only
 #   daemon   --device-copies daemon on a smaller GPT (GPU_CHECK_DAEMON_GPT)
 #   dsnvme   DeepSpeed ZeRO-Infinity (params + optimizer on NVMe) beside ours, with a limit
 # Each step's limit: GPU_CHECK_LIMIT_<STEP>_S, else its default below, never past what the
@@ -47,7 +47,7 @@ out=${OUT:-/tmp}/gpu_check
 mkdir -p "$out"
 install_log="$out/install.log"
 budget=${GPU_CHECK_BUDGET_S:-480}
-only=${GPU_CHECK_ONLY:-pytest path big large stream sweep ds spec twin daemon dsnvme}
+only=${GPU_CHECK_ONLY:-pytest path big large twin stream sweep ds spec daemon dsnvme}
 export PYTHONUNBUFFERED=1
 {
   nvidia-smi -L || echo "nvidia-smi failed"
@@ -124,6 +124,8 @@ large=(--device cuda --gpt "$gpt" --offload-param none --offload-optimizer cpu
        --micro-batch 16 --grad-accum 8)
 step large 90 python bench/gpu_train_step.py "${large[@]}" --contenders ours,none \
   --steps "${GPU_CHECK_LARGE_STEPS:-2}" --warmup 1 ${GPU_CHECK_LARGE_ARGS:-}
+step twin 75 python bench/gpu_train_step.py "${large[@]}" \
+  --offload-ratio "${GPU_CHECK_TWIN_RATIO:-auto}" --contenders ours,none --steps 2 --warmup 1
 step stream 45 python bench/cpu_adam.py --numel 100000000 --rounds 2 --repeats 3 --no-deepspeed
 step sweep 120 python bench/gpu_train_step.py --device cuda --gpt "$gpt" \
   --offload-param none --offload-optimizer cpu --micro-batch 4 --contenders ours,none \
@@ -132,8 +134,6 @@ step ds 150 python bench/gpu_train_step.py "${large[@]}" --contenders ours,deeps
   --steps 2 --warmup 1
 step spec 60 python bench/gpu_train_step.py "${large[@]}" --contenders ours,ours-wait \
   --steps 2 --warmup 1
-step twin 45 python bench/gpu_train_step.py "${large[@]}" \
-  --offload-ratio "${GPU_CHECK_TWIN_RATIO:-auto}" --contenders ours --steps 2 --warmup 1
 step daemon 40 python bench/gpu_train_step.py --device cuda --device-copies daemon \
   --gpt "${GPU_CHECK_DAEMON_GPT:-1024,8,16}" --steps "${GPU_CHECK_STEPS:-3}" --contenders ours
 step dsnvme 60 python bench/gpu_train_step.py --device cuda --gpt "${GPU_CHECK_DSNVME_GPT:-1024,8,16}" \
