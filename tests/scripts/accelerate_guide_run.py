@@ -82,4 +82,4 @@ if int(os.environ.get("RANK", "0")) == 0:
         "losses": losses,
         "warnings": [f"{item.category.__name__}: {item.message}" for item in raised]}))
 accelerator.end_training()
-leave_group(skip_teardown=args.mode == "ddp")
+leave_group()

@@ -93,4 +93,4 @@ if int(os.environ.get("RANK", "0")) == 0:
     torch.save({name: value.float() for name, value in state.items()}, out / "final.pt")
 accelerator.end_training()
 
-leave_group(skip_teardown=args.mode == "ddp")
+leave_group()

@@ -122,4 +122,4 @@ if int(os.environ.get("RANK", "0")) == 0:
     (out / "result.json").write_text(json.dumps({
         "losses": losses, "eval_loss": metrics["eval_loss"],
         "global_step": hf_trainer.state.global_step}))
-leave_group(skip_teardown=args.mode == "ddp")
+leave_group()

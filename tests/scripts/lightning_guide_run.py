@@ -84,4 +84,4 @@ if lightning_trainer.is_global_zero:
         "losses": module.losses,
         "warnings": [f"{item.category.__name__}: {item.message}" for item in raised
                      if "offloadd" in str(item.message) or "lr_scheduler" in str(item.message)]}))
-leave_group(skip_teardown=args.strategy == "ddp")
+leave_group()

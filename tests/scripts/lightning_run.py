@@ -108,4 +108,4 @@ lightning_trainer = pl.Trainer(
 lightning_trainer.fit(LanguageModel(), train_dataloaders=loader(1, 12),
                       val_dataloaders=loader(2, 8), ckpt_path=args.ckpt_path)
 
-leave_group(skip_teardown=args.mode == "ddp")
+leave_group()

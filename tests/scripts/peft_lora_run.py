@@ -106,4 +106,4 @@ if engine is not None:
     result["frozen_numel"] = sum(unit.numel for unit in engine.units if not unit.trainable)
 if int(os.environ.get("RANK", "0")) == 0:
     (out / "result.json").write_text(json.dumps(result, default=str))
-leave_group(skip_teardown=args.mode == "ddp")
+leave_group()
