@@ -79,6 +79,22 @@ def strict_device_twin(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OFFLOADD_TWIN_DEVICE", "strict")
 
 
+def cap_twin_device(monkeypatch: pytest.MonkeyPatch, capacity: int | None) -> None:
+    """In this process, the strict twin's device holds ``capacity`` more bytes than are
+    allocated now (None: unbounded) until the test ends, and its peak starts again from
+    here: a GPU of that size, in-process."""
+    import gc
+
+    from trainer.device import twin_memory
+    from trainer.device.twin import twin_device
+
+    twin_device()
+    gc.collect()  # an earlier engine's device tensors, if a cycle still holds them
+    monkeypatch.setattr(twin_memory.memory(), "capacity_nbytes",
+                        None if capacity is None else twin_memory.memory_allocated() + capacity)
+    twin_memory.reset_peak_memory_stats()
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateDaemon]:
     instance = start_daemon(tmp_path_factory.mktemp("offloadd"))

@@ -10,12 +10,12 @@ forward, and ends bit-identical to the run that keeps no sum on the device.
 
 from __future__ import annotations
 
-import gc
 from typing import Any
 
 import pytest
 import torch
 from _dist import base_config, make_batch, make_model
+from conftest import cap_twin_device
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -46,16 +46,6 @@ def _gpt() -> TinyGPT:
     model = TinyGPT(vocab=512, width=64, depth=21, heads=1, max_len=TOKENS)
     model.blocks = nn.ModuleList(_Recomputed(block) for block in model.blocks)
     return model
-
-
-def _capped(monkeypatch: pytest.MonkeyPatch, capacity: int | None) -> None:
-    """The twin's device holds ``capacity`` bytes from now on (None: unbounded); its peak
-    starts again from what is allocated."""
-    twin_device()
-    gc.collect()  # an earlier engine's device tensors, if a cycle still holds them
-    monkeypatch.setattr(twin_memory.memory(), "capacity_nbytes",
-                        None if capacity is None else twin_memory.memory_allocated() + capacity)
-    twin_memory.reset_peak_memory_stats()
 
 
 def _train_gpt(room: int | None) -> dict[str, Any]:
@@ -91,7 +81,7 @@ def _train_gpt(room: int | None) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_fp32_sums_fit_what_the_first_window_leaves(monkeypatch: pytest.MonkeyPatch) -> None:
-    _capped(monkeypatch, CAPACITY)
+    cap_twin_device(monkeypatch, CAPACITY)
     base = twin_memory.memory_allocated()
     measured = _train_gpt(None)
     # The first window keeps nothing on the device; the next ones keep sums, each within
@@ -104,7 +94,7 @@ def test_fp32_sums_fit_what_the_first_window_leaves(monkeypatch: pytest.MonkeyPa
     assert later[MICRO - 1] == 0, "the window's last micro-batch writes the sums out"
     assert measured["peak"] - base <= plan
 
-    _capped(monkeypatch, CAPACITY)
+    cap_twin_device(monkeypatch, CAPACITY)
     none_kept = _train_gpt(0)
     assert none_kept["losses"] == measured["losses"]
     for name, value in none_kept["state"].items():
@@ -116,7 +106,7 @@ def test_half_the_free_memory_ran_out_here(monkeypatch: pytest.MonkeyPatch) -> N
     """The case above with the old fixed room (half of what was free at the start) for
     every window: the held parameters, the sums and a micro-batch's activations do not
     fit the device together."""
-    _capped(monkeypatch, CAPACITY)
+    cap_twin_device(monkeypatch, CAPACITY)
     with pytest.raises(torch.OutOfMemoryError, match="OFFLOADD_TWIN_MEMORY"):
         _train_gpt(CAPACITY // 2)
 
@@ -124,7 +114,7 @@ def test_half_the_free_memory_ran_out_here(monkeypatch: pytest.MonkeyPatch) -> N
 def test_the_room_is_what_the_peak_leaves_and_shrinks_past_the_plan(
         monkeypatch: pytest.MonkeyPatch) -> None:
     device = twin_device()
-    _capped(monkeypatch, 1 << 20)
+    cap_twin_device(monkeypatch, 1 << 20)
     base = twin_memory.memory_allocated()
     capacity = base + (1 << 20)
     plan = capacity - capacity // HEADROOM_FRACTION
@@ -154,7 +144,7 @@ def test_the_room_is_what_the_peak_leaves_and_shrinks_past_the_plan(
 
 
 def test_an_unbounded_device_keeps_the_fixed_share(monkeypatch: pytest.MonkeyPatch) -> None:
-    _capped(monkeypatch, None)
+    cap_twin_device(monkeypatch, None)
     room = SumRoom(twin_device(), zero_copy=False)
     assert room.nbytes == TWIN_DEVICE_NBYTES // 2
     room.window_done()

@@ -23,6 +23,7 @@ from _dist import (
     run_ranks,
     shared_daemon,
 )
+from conftest import cap_twin_device
 
 from trainer.config import parse_config
 from trainer.device import twin_memory
@@ -135,17 +136,10 @@ def test_auto_on_an_unbounded_device_offloads_everything(
 def _split_in_process(monkeypatch: pytest.MonkeyPatch, accumulation: int,
                       capacity: int) -> dict[str, Any]:
     """One rank, one window: the split, then the sums' room and the other units' sums."""
-    import gc
-
     import trainer
-    from trainer.device.twin import twin_device
 
     monkeypatch.setenv("OFFLOADD_COPY_ENGINE", "twin")
-    twin_device()
-    gc.collect()
-    monkeypatch.setattr(twin_memory.memory(), "capacity_nbytes",
-                        twin_memory.memory_allocated() + capacity)
-    twin_memory.reset_peak_memory_stats()
+    cap_twin_device(monkeypatch, capacity)
     config = base_config(gradient_accumulation_steps=accumulation, zero_optimization={
         "stage": 3, "offload_param": {"device": "cpu"},
         "offload_optimizer": {"device": "cpu", "ratio": "auto"}})

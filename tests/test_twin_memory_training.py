@@ -22,6 +22,7 @@ from _dist import (
     run_ranks,
     shared_daemon,
 )
+from conftest import cap_twin_device
 
 import trainer
 from trainer.device import twin_memory
@@ -86,9 +87,7 @@ def train_rank(rank: int, world: int, tier: str, build: str) -> dict[str, Any]:
 
 
 def test_plain_torch_does_not_fit_the_capped_device(monkeypatch: pytest.MonkeyPatch) -> None:
-    twin_device()
-    memory = twin_memory.memory()
-    monkeypatch.setattr(memory, "capacity_nbytes", twin_memory.memory_allocated() + CAPACITY)
+    cap_twin_device(monkeypatch, CAPACITY)
     model = transformers.GPT2LMHeadModel(gpt2_config())
     assert 16 * sum(param.numel() for param in model.parameters()) > 3 * CAPACITY
     with pytest.raises(torch.OutOfMemoryError, match="OFFLOADD_TWIN_MEMORY"):
