@@ -148,6 +148,7 @@ def _config(swap_dir: str, args: argparse.Namespace) -> dict:
                                   "state_dtype": args.state_dtype},
             "offload_param": _offload(args.offload_param, swap_dir),
             "stage3_max_live_parameters": args.max_live_params,
+            "stage3_max_reuse_distance": args.max_reuse_distance,
         },
         "units": {"module_classes": ["GPTBlock"]},
     }
@@ -503,6 +504,12 @@ def _parse() -> argparse.Namespace:
                         help="stage3_max_live_parameters of both contenders: a number, or "
                              "'auto': 3/10 of the device's memory in bf16 parameters "
                              "(max_live_params)")
+    parser.add_argument("--max-reuse-distance", type=lambda text: int(float(text)),
+                        default=1_000_000_000,
+                        help="stage3_max_reuse_distance of both contenders (DeepSpeed's "
+                             "default 1e9 elements: a model of billions of parameters "
+                             "outruns it in all but its last units; 0 shows that on a "
+                             "small model)")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--swap-dir", default=None)
@@ -652,6 +659,7 @@ def main() -> None:
             "offload_ratio": args.offload_ratio,
             "activation_checkpointing": args.activation_checkpointing,
             "zero_init": args.zero_init, "max_live_params": args.max_live_params,
+            "max_reuse_distance": args.max_reuse_distance,
             "device_capacity_bytes": _device_bytes(args) or None,
             "flops": "6 x params x tokens + 12 x depth x width x seq x tokens (model FLOPs)"}
     fixed = ["--gpt", args.gpt, "--state-dtype", args.state_dtype,

@@ -45,6 +45,8 @@ def test_reuse_distance_counts_units_after_the_forward() -> None:
 
 
 def test_units_stay_gathered_until_their_backward_within_reuse_distance() -> None:
+    """The default budget (1e9 elements) holds the whole model: nothing is freed before
+    its backward, and the boundary's backward frees everything."""
     engine = _stage3_engine()
     try:
         for step in range(2):
@@ -60,7 +62,13 @@ def test_units_stay_gathered_until_their_backward_within_reuse_distance() -> Non
 
 
 def test_reuse_distance_zero_frees_after_forward_and_prefetches_backward() -> None:
-    engine = _stage3_engine(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=10**6)
+    probe = _stage3_engine()
+    largest = max(unit.padded_numel for unit in probe.units)
+    probe.close()
+    # A live budget of three units leaves room to hold one past its backward: too little
+    # to keep a unit from its forward on that account, so the distance alone decides.
+    engine = _stage3_engine(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=10**6,
+                            stage3_max_live_parameters=3 * largest)
     try:
         for step in range(2):
             _train_step(engine, step)

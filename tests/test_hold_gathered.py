@@ -2,12 +2,14 @@
 
 Within an accumulation window a unit's partition does not change, and a frozen unit's never
 does: gathering them again for the next micro-batch only moves the same bytes over PCIe (on
-a model larger than the GPU, most of each step's H2D). The checks, in one process with the
-real engine: each unit is gathered once per optimizer step, not once per micro-batch; the
-weights are bit-identical to a run whose live budget leaves no room to hold (every
-micro-batch gathers again) and match single-process torch AdamW; a frozen unit is gathered
-once in all; a budget with room for only some units holds the ones the next forward needs
-first and keeps everything gathered within it; a step never reads a held unit's old values.
+a model larger than the GPU, most of each step's H2D). On the same budget a unit stays
+gathered from its forward to its backward, however far apart they are. The checks, in one
+process with the real engine: each unit is gathered once per optimizer step, not once per
+micro-batch, whatever the reuse distance; the weights are bit-identical to a run whose live
+budget leaves no room to hold (every micro-batch gathers again) and match single-process
+torch AdamW; a frozen unit is gathered once in all; a budget with room for only some units
+holds the ones the next forward needs first and keeps everything gathered within it; a step
+never reads a held unit's old values.
 """
 
 from __future__ import annotations
@@ -60,15 +62,23 @@ def _train(config: dict[str, Any], *, freeze_first_block: bool = False
         engine.close()
 
 
-@pytest.mark.parametrize("offload", ["none", "cpu"])
-def test_each_unit_is_gathered_once_per_step_and_training_is_unchanged(offload: str) -> None:
-    zero = {"offload_param": {"device": offload}, "offload_optimizer": {"device": offload}}
+@pytest.mark.parametrize(("offload", "reuse_distance"),
+                         [("none", None), ("cpu", None), ("cpu", 0)])
+def test_each_unit_is_gathered_once_per_step_and_training_is_unchanged(
+        offload: str, reuse_distance: int | None) -> None:
+    """A reuse distance of 0 is what a model far deeper than the default 1e9 elements
+    looks like to every unit but the last: the live budget, not the distance, decides
+    whether a unit stays gathered from its forward to its backward."""
+    zero: dict[str, Any] = {"offload_param": {"device": offload},
+                            "offload_optimizer": {"device": offload}}
+    if reuse_distance is not None:
+        zero["stage3_max_reuse_distance"] = reuse_distance
     held, held_gathers = _train(_config(**zero))
     regathered, regathered_gathers = _train(_config(NO_ROOM, **zero))
     units = len(make_model().blocks) + 1  # the blocks and the root (inp and head)
-    # The first micro-batch frees each unit after its forward (the reuse distances are
-    # learnt in that pass) and gathers it again for its backward.
-    assert held_gathers == [2 * units] + [units] * (STEPS - 1)
+    # The first pass too: the budget holds the model, so no unit is freed after its
+    # forward while the reuse distances are learnt.
+    assert held_gathers == [units] * STEPS
     # With no room every micro-batch gathers every unit, twice for those whose backward
     # is too far from their forward.
     assert all(count >= ACCUMULATION * units for count in regathered_gathers)
@@ -81,9 +91,8 @@ def test_each_unit_is_gathered_once_per_step_and_training_is_unchanged(offload: 
 def test_a_frozen_unit_is_gathered_once_and_stays_current() -> None:
     held, gathers = _train(_config(), freeze_first_block=True)
     units = len(make_model().blocks) + 1
-    # The first step gathers every unit twice (see above); later steps every unit but
-    # the frozen one, once.
-    assert gathers == [2 * units] + [units - 1] * (STEPS - 1)
+    # The first step gathers every unit once; later steps every unit but the frozen one.
+    assert gathers == [units] + [units - 1] * (STEPS - 1)
     regathered, _ = _train(_config(NO_ROOM), freeze_first_block=True)
     for name, value in regathered.items():
         assert torch.equal(held[name], value), name
@@ -143,3 +152,35 @@ def test_a_held_unit_never_outlives_the_step_that_rewrites_it() -> None:
             engine.close()
     assert losses["held"] == losses["regathered"]
     assert losses["held"][0] != losses["held"][ACCUMULATION]  # the step changed the weights
+
+
+def test_kept_past_the_forward_within_the_live_budget_only(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """With a reuse distance that keeps nothing and a budget for some units: the first
+    units stay gathered from their forward to their backward (and are held across the
+    window), the rest are gathered again for their backward, and everything gathered
+    never exceeds ``stage3_max_live_parameters``."""
+    from trainer.zero.gather import FullParams
+
+    probe, _, _, _ = trainer.initialize(model=make_model(), config=_config())
+    root, *blocks = probe.units
+    probe.close()
+    block = blocks[0].padded_numel
+    max_live = root.padded_numel + block + 2 * block
+    peak = [0]
+    start = FullParams._start
+
+    def counting_start(self: FullParams, buffer: Any) -> None:
+        start(self, buffer)
+        peak[0] = max(peak[0], self.live_numel)
+
+    monkeypatch.setattr(FullParams, "_start", counting_start)
+    kept, kept_gathers = _train(_config(max_live, stage3_max_reuse_distance=0))
+    assert 0 < peak[0] <= max_live
+    regathered, regathered_gathers = _train(_config(NO_ROOM, stage3_max_reuse_distance=0))
+    # The root and block 0 are gathered once per step; blocks 1 and 2 twice per micro-batch
+    # at most (the last block, used again right away, may stay by its distance).
+    assert kept_gathers[-1] < regathered_gathers[-1]
+    assert kept_gathers[-1] <= 2 + 2 * ACCUMULATION * (len(blocks) - 1)
+    for name, value in regathered.items():
+        assert torch.equal(kept[name], value), name

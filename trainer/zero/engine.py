@@ -154,8 +154,9 @@ class Engine(nn.Module):
         self._in_backward = False
         """Forward hooks firing now are activation-checkpoint recomputes."""
         self.reduce_order = ReduceOrder(trainable)
-        largest = max((unit.padded_numel for unit in self.units), default=0)
-        self._hold_limit_numel = max(0, zero.stage3_max_live_parameters - 2 * largest)
+        self._largest_numel = max((unit.padded_numel for unit in self.units), default=0)
+        self._hold_limit_numel = max(0, zero.stage3_max_live_parameters
+                                     - 2 * self._largest_numel)
         """Units are held gathered past their backward while everything gathered fits this
         many elements: ``stage3_max_live_parameters`` less room for the unit in use and
         the next one (prefetch always reaches one unit ahead)."""
@@ -244,19 +245,25 @@ class Engine(nn.Module):
             return  # the recomputed ops' backward reads these parameters next; grads free them
         self._forward_depth -= 1
         self.prefetch.record_end(unit)
-        # Within the reuse distance the unit stays gathered for its backward (DeepSpeed's
-        # stage3_max_reuse_distance); an unknown distance (first pass) frees it. A kept
-        # unit stays live while the units gathered before its backward come and go: the
-        # unit and all of those must fit stage3_max_live_parameters, or a GPU sized by it
-        # runs out of memory (keeping the first units, whose backward comes last, would
-        # hold them through the whole backward). The distance counts each of those units
-        # twice (its forward and its backward use); in memory each is one buffer, live
-        # once at most, so half the distance bounds them.
+        # The unit stays gathered for its backward (no second gather then) when that fits
+        # stage3_max_live_parameters, or a GPU sized by it runs out of memory:
+        # - while everything gathered stays within the room units are held in past their
+        #   backward (``_hold_limit_numel``): the memory the backward commits to holding
+        #   anyway, so a model that fits it is gathered once per step, however deep;
+        # - or within the reuse distance (DeepSpeed's stage3_max_reuse_distance; unknown
+        #   in the first pass): the unit and the units gathered before its backward must
+        #   fit. The distance counts each of those twice (its forward and its backward
+        #   use); in memory each is one buffer, live once at most, so half the distance
+        #   bounds them.
+        # Either way the unit in use next must still fit beside what is kept.
         zero = self.config.zero_optimization
+        live = self.placement.live_numel
         distance = self.prefetch.reuse_distance(unit)
-        keep = (torch.is_grad_enabled() and self.module.training and distance is not None
-                and distance <= zero.stage3_max_reuse_distance
+        near = (distance is not None and distance <= zero.stage3_max_reuse_distance
                 and distance // 2 + unit.padded_numel <= zero.stage3_max_live_parameters)
+        keep = (torch.is_grad_enabled() and self.module.training
+                and live + self._largest_numel <= zero.stage3_max_live_parameters
+                and (live <= self._hold_limit_numel or near))
         if not keep:
             self.placement.release(unit)
 

@@ -14,8 +14,9 @@ Stage 3 keeps each rank's parameter partition either resident in the rank
 shard ``u{N}.param``, all-gathered straight from the arena lease). Full
 parameters live in ``trainer.zero.gather.FullParams``: all-gathered asynchronously
 ahead of use in forward order (reverse order in backward) by
-``PrefetchPlanner``'s recorded trace, kept from forward to backward when the
-unit's reuse distance allows it (``stage3_max_reuse_distance``), and freed
+``PrefetchPlanner``'s recorded trace, kept from forward to backward while
+``stage3_max_live_parameters`` has room or the unit's reuse distance allows it
+(``stage3_max_reuse_distance``), and freed
 after the unit's gradients are reduced, unless the next forward can use them
 unchanged: within an accumulation window (and for frozen units, always) they
 are held while ``stage3_max_live_parameters`` has room (``FullParams.hold``).
@@ -145,6 +146,12 @@ class Placement(abc.ABC):
         """Indices of the units held past their backward."""
         return ()
 
+    @property
+    def live_numel(self) -> int:
+        """Elements of full parameters gathered or being gathered (replicated: none are
+        gathered on demand)."""
+        return 0
+
     def prefetch(self, upcoming: Iterable[Unit], budget_numel: int,  # noqa: B027
                  skip: Container[int] = ()) -> None:
         """Start gathering ``upcoming`` units ahead of use, except those whose index is in
@@ -210,6 +217,10 @@ class Sharded(Placement):
     @property
     def held(self) -> Container[int]:
         return self.full.held
+
+    @property
+    def live_numel(self) -> int:
+        return self.full.live_numel
 
     def after_step(self, unit: Unit) -> None:
         self.full.free(unit)  # gathered before this step: stale now
