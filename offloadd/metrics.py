@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import os
 import socket
 import sys
 import threading
@@ -252,10 +253,19 @@ class _Connection:
 
 
 def _head_waiting(sock: socket.socket) -> bool:
-    """Whether a whole request head waits in the socket's receive queue, unread."""
+    """Whether a whole request head waits in the socket's receive queue, unread; never
+    waits for data.
+
+    The peek goes through a duplicate descriptor: ``sock`` has the handler's idle timeout,
+    and CPython polls a socket that has a timeout for data before every recv, MSG_DONTWAIT
+    or not. Peeking at ``sock`` itself waited (under the server's lock) for a stalling
+    client's next byte: every eviction took one of a slowloris' rounds, and a scrape queued
+    behind a few of them answered in a second instead of milliseconds. The duplicate has
+    no timeout of its own, so its recv is the kernel's non-blocking peek."""
     try:
-        pending = sock.recv(MAX_HEAD_PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except OSError:  # nothing there (EAGAIN), or the peer is gone
+        with socket.socket(fileno=os.dup(sock.fileno())) as peek:
+            pending = peek.recv(MAX_HEAD_PEEK, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except OSError:  # nothing there (EAGAIN), the peer is gone, or the socket is closed
         return False
     return b"\r\n\r\n" in pending
 

@@ -140,6 +140,28 @@ def test_a_scrape_is_served_while_slow_connections_hold_every_slot(
         assert attack.reconnects >= 1  # the attacker kept at it throughout
 
 
+def test_a_scrape_does_not_wait_for_a_stalled_connections_next_byte(
+        daemon: PrivateDaemon) -> None:
+    """Every slot held by connections that have gone quiet (well inside the 10 s idle
+    timeout): a scrape takes the oldest one's slot at once. Deciding whom to evict peeks at
+    each connection's unread bytes; a peek that waited for data (CPython polls a socket
+    with a timeout before any recv) waited out the quiet client, 10 s, under the server's
+    lock, so the scrape's 5 s ran out."""
+    attack = Slowloris(daemon, 16)
+    try:
+        attack.wait_until_closed(8)
+        for _ in range(3):  # the 8 holding a slot send a little more, then go quiet
+            attack.one_round()
+            time.sleep(attack.round_s)
+        for _ in range(3):
+            with urllib.request.urlopen(f"http://{daemon.metrics_addr}/metrics",
+                                        timeout=5) as reply:
+                assert b"offloadd_arena_budget_bytes" in reply.read()
+    finally:
+        for sock in attack.sockets:
+            sock.close()
+
+
 def test_a_connection_that_never_finishes_its_request_is_cut_at_the_deadline(
         tmp_path: Path) -> None:
     """A byte every 0.05 s never lets a 1 s idle timeout fire; the deadline for the whole
@@ -192,6 +214,11 @@ def test_prometheus_scrapes_succeed_during_the_attack(daemon: PrivateDaemon,
                     break
                 time.sleep(0.1)
             assert up and up[0] >= 3, f"Prometheus' scrapes failed: up summed {up}"
+            # Not one scrape was lost to the attack (each had Prometheus' 1 s timeout).
+            failed = _prometheus_query(f"http://{web}",
+                                       'count_over_time(up{job="offloadd"}[5m])'
+                                       ' - sum_over_time(up{job="offloadd"}[5m])')
+            assert float(failed[0]["value"][1]) == 0, "scrapes failed during the attack"
             budget = _prometheus_query(f"http://{web}", "offloadd_arena_budget_bytes")
             assert float(budget[0]["value"][1]) == 32 << 20
         finally:
