@@ -57,7 +57,10 @@ def make(kind: str) -> torch.nn.Module:
 def config(stage: int, device: str, reuse: bool) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": stage}
     if not reuse:  # free every unit after its forward: backward re-gathers with prefetch
-        zero.update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=1000)
+        # (a live budget of the root and two blocks of 768 elements: a block in use and
+        # one prefetched, no room to keep or hold a block past its use)
+        zero.update(stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=1000,
+                    stage3_max_live_parameters=1800)
     if device != "none":
         zero["offload_optimizer"] = {"device": device}
         if stage == 3:

@@ -184,3 +184,49 @@ def test_kept_past_the_forward_within_the_live_budget_only(monkeypatch: pytest.M
     assert kept_gathers[-1] <= 2 + 2 * ACCUMULATION * (len(blocks) - 1)
     for name, value in regathered.items():
         assert torch.equal(kept[name], value), name
+
+
+class _Recomputed(torch.nn.Module):
+    """The test model with each block's activations recomputed in backward."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.net = make_model()
+        self.use_reentrant = use_reentrant
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        hidden = self.net.inp(features)
+        for block in self.net.blocks:
+            hidden = checkpoint(block, hidden, use_reentrant=self.use_reentrant)
+        return torch.nn.functional.cross_entropy(self.net.head(hidden).float(), labels)
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False], ids=["reentrant", "non_reentrant"])
+def test_recomputed_blocks_are_gathered_once_per_step(use_reentrant: bool) -> None:
+    """Reentrant checkpointing (HF's default) runs each block's forward under no_grad; the
+    backward that follows recomputes it with the same parameters, so the blocks stay
+    gathered as they do without checkpointing (they were gathered again at every
+    micro-batch's recompute)."""
+    results = {}
+    for name, max_live in (("held", None), ("regathered", NO_ROOM)):
+        torch.manual_seed(0)
+        engine, _, _, _ = trainer.initialize(model=_Recomputed(use_reentrant),
+                                             config=_config(max_live))
+        try:
+            gathers = []
+            for step in range(STEPS):
+                before = engine.placement.full.num_gathers
+                for micro in range(ACCUMULATION):
+                    _micro_step(engine, step, micro)
+                gathers.append(engine.placement.full.num_gathers - before)
+            results[name] = (consolidate_fp32_state_dict(engine), gathers)
+        finally:
+            engine.close()
+    held, gathers = results["held"]
+    assert gathers == [len(make_model().blocks) + 1] * STEPS
+    for name, value in results["regathered"][0].items():
+        assert torch.equal(held[name], value), name
+    expected = reference_train(_config(), STEPS, world_size=1)
+    assert max_relative_error({f"net.{k}": v for k, v in expected.items()}, held) < 1e-5

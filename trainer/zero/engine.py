@@ -151,6 +151,9 @@ class Engine(nn.Module):
         self.prefetch = PrefetchPlanner(config.zero_optimization.stage3_prefetch_bucket_size,
                                         config.zero_optimization.stage3_max_live_parameters)
         self._forward_depth = 0
+        self._pass_trains = False
+        """The outermost forward running now builds a graph for a backward (see
+        ``_post_forward``)."""
         self._in_backward = False
         """Forward hooks firing now are activation-checkpoint recomputes."""
         self.reduce_order = ReduceOrder(trainable)
@@ -234,6 +237,8 @@ class Engine(nn.Module):
             self.placement.gather(unit)
             self._prefetch_after(unit, backward=True)
             return
+        if self._forward_depth == 0:
+            self._pass_trains = torch.is_grad_enabled()
         self.prefetch.record(unit, first_of_pass=self._forward_depth == 0)
         self._forward_depth += 1
         self.placement.take(unit)
@@ -245,8 +250,9 @@ class Engine(nn.Module):
             return  # the recomputed ops' backward reads these parameters next; grads free them
         self._forward_depth -= 1
         self.prefetch.record_end(unit)
-        # The unit stays gathered for its backward (no second gather then) when that fits
-        # stage3_max_live_parameters, or a GPU sized by it runs out of memory:
+        # The unit stays gathered for its backward (no second gather then) when a backward
+        # follows and keeping it fits stage3_max_live_parameters, or a GPU sized by it
+        # runs out of memory:
         # - while everything gathered stays within the room units are held in past their
         #   backward (``_hold_limit_numel``): the memory the backward commits to holding
         #   anyway, so a model that fits it is gathered once per step, however deep;
@@ -255,13 +261,16 @@ class Engine(nn.Module):
         #   fit. The distance counts each of those twice (its forward and its backward
         #   use); in memory each is one buffer, live once at most, so half the distance
         #   bounds them.
-        # Either way the unit in use next must still fit beside what is kept.
+        # Either way the unit in use next must still fit beside what is kept. Whether a
+        # backward follows is the outermost forward's grad mode: reentrant activation
+        # checkpointing (HF's default) runs its blocks under no_grad, then recomputes
+        # them in the backward with the same parameters.
         zero = self.config.zero_optimization
         live = self.placement.live_numel
         distance = self.prefetch.reuse_distance(unit)
         near = (distance is not None and distance <= zero.stage3_max_reuse_distance
                 and distance // 2 + unit.padded_numel <= zero.stage3_max_live_parameters)
-        keep = (torch.is_grad_enabled() and self.module.training
+        keep = (self._pass_trains and self.module.training
                 and live + self._largest_numel <= zero.stage3_max_live_parameters
                 and (live <= self._hold_limit_numel or near))
         if not keep:
