@@ -30,9 +30,10 @@ DAEMON_LAYERS = ("memory", "swap", "compute", "gpu", "service", "ops")
 DAEMON_ENTRY = frozenset({"offloadd.__main__"})
 RANK_SIDE_MAY_IMPORT = DAEMON_CONTRACT | {"offloadd.ops.embedded"}
 
-TRAINER_BASE = frozenset({"trainer.config", "trainer.deepspeed_features", "trainer.client",
-                          "trainer.lease_debug"})
-"""The rank side's foundation: its config schema and the daemon's client."""
+TRAINER_BASE = frozenset({"trainer.config", "trainer.config_schedulers", "trainer.config_parse",
+                          "trainer.deepspeed_features", "trainer.client", "trainer.lease_debug"})
+"""The rank side's foundation: its config schema (and the parser under it) and the daemon's
+client."""
 TRAINER_LAYERS = ("device", "dist", "offload", "zero", "state", "api", "integrations", "demo")
 """The rank side's layers, lowest first (``api`` is the module with ``initialize``)."""
 TRAINER_ENTRY = frozenset({"trainer", "trainer.hf", "trainer.lightning", "trainer.export"})

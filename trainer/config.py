@@ -13,56 +13,50 @@ docstrings give meaning and unit. Parsing is strict:
 
 Our own sections are ``offloadd`` (daemon connection) and ``units`` (how the
 model is split into flat-parameter units).
+
+The ``scheduler`` sections live in ``trainer.config_schedulers`` and the parsing machinery
+(keys, "auto", coercion) in ``trainer.config_parse``; import their public names from here.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
 import json
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, Union
+from typing import Any, ClassVar, Literal
 
 from offloadd.formats import MomentFormat
-from trainer.deepspeed_features import (
-    IGNORED_KEYS,
-    SILENT_KEYS,
-    check_type,
-    check_unsupported,
-    report_ignored,
-    turns_on,
-    unsupported_keys_under,
+from trainer.config_parse import (
+    AUTO_DEFAULT_KEYS,
+    RENAMED_KEYS,
+    build_section,
+    check_value,
+    flatten_typed_section,
+    reporting_ignored,
 )
+from trainer.config_schedulers import (
+    SCHEDULER_CONFIGS,
+    OneCycleConfig,
+    SchedulerConfig,
+    WarmupCosineLRConfig,
+    WarmupDecayLRConfig,
+    WarmupLRConfig,
+    WarmupType,
+    build_scheduler,
+)
+
+__all__ = [
+    "AUTO_DEFAULT_KEYS", "DTYPE_SPELLINGS", "RENAMED_KEYS", "SCHEDULER_CONFIGS",
+    "STATE_DTYPE_FORMATS", "BatchSizes", "Bf16Config", "DataTypesConfig", "EngineConfig",
+    "Fp16Config", "GradAccumDtype", "OffloadDevice", "OffloadDeviceConfig",
+    "OffloadOptimizerConfig", "OffloaddConfig", "OneCycleConfig", "OptimizerConfig",
+    "OptimizerType", "SchedulerConfig", "StateDtype", "UnitsConfig", "WarmupCosineLRConfig",
+    "WarmupDecayLRConfig", "WarmupLRConfig", "WarmupType", "ZeroConfig", "parse_config"]
 
 OffloadDevice = Literal["none", "cpu", "nvme"]
 StateDtype = Literal["fp32", "bf16", "8bit"]
 OptimizerType = Literal["Adam", "AdamW"]
-WarmupType = Literal["log", "linear"]
-
-# Tuning knobs whose "auto" (Hugging Face configs) takes this engine's default.
-AUTO_DEFAULT_KEYS = frozenset({
-    "zero_optimization.stage3_prefetch_bucket_size",
-    "zero_optimization.stage3_max_live_parameters",
-    "zero_optimization.stage3_max_reuse_distance",
-})
-
-# Old DeepSpeed spellings that silently did nothing in some versions: refused
-# here with the new name, so a typo'd config cannot run without its intent.
-RENAMED_KEYS: dict[str, str] = {
-    "zero_optimization.cpu_offload": "zero_optimization.offload_optimizer.device",
-    "zero_optimization.cpu_offload_params": "zero_optimization.offload_param.device",
-    "zero_optimization.cpu_offload_use_pin_memory": (
-        "zero_optimization.offload_optimizer.pin_memory"
-    ),
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": (
-        "zero_optimization.stage3_gather_16bit_weights_on_model_save"
-    ),
-    "optimizer.params.thread_count": "aio (ignored: the daemon owns IO threads)",
-    "bfloat16": "bf16",
-}
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -83,153 +77,12 @@ class OptimizerConfig:
     """True: decoupled decay (torch AdamW). False: L2 added to the gradient (torch Adam)."""
 
     def __post_init__(self) -> None:
-        _check(self.lr >= 0, "optimizer.params.lr", self.lr, ">= 0")
+        check_value(self.lr >= 0, "optimizer.params.lr", self.lr, ">= 0")
         for beta in self.betas:
-            _check(0 <= beta < 1, "optimizer.params.betas", self.betas, "each in [0, 1)")
-        _check(self.eps > 0, "optimizer.params.eps", self.eps, "> 0")
-        _check(self.weight_decay >= 0, "optimizer.params.weight_decay", self.weight_decay, ">= 0")
-
-
-@dataclass(kw_only=True, frozen=True)
-class WarmupLRConfig:
-    """``scheduler`` WarmupLR: warm up from ``warmup_min_lr`` to ``warmup_max_lr``, then hold
-    (DeepSpeed semantics; every param group gets the same rate)."""
-
-    type: ClassVar[str] = "WarmupLR"
-    warmup_min_lr: float = 0.0
-    """Learning rate at the start of warmup; >= 0."""
-    warmup_max_lr: float = 1e-3
-    """Learning rate at the end of warmup; >= warmup_min_lr."""
-    warmup_num_steps: int = 1000
-    """Optimizer steps of warmup; >= 1 (values below 2 behave as 2, like DeepSpeed)."""
-    warmup_type: WarmupType = "log"
-    """Shape of the warmup curve."""
-
-    def __post_init__(self) -> None:
-        _check(self.warmup_min_lr >= 0, "scheduler.params.warmup_min_lr", self.warmup_min_lr,
-               ">= 0")
-        _check(
-            self.warmup_max_lr >= self.warmup_min_lr,
-            "scheduler.params.warmup_max_lr",
-            self.warmup_max_lr,
-            ">= warmup_min_lr",
-        )
-        _check(self.warmup_num_steps >= 1, "scheduler.params.warmup_num_steps",
-               self.warmup_num_steps, ">= 1")
-
-
-@dataclass(kw_only=True, frozen=True)
-class WarmupDecayLRConfig(WarmupLRConfig):
-    """``scheduler`` WarmupDecayLR: WarmupLR's warmup, then linear decay to 0."""
-
-    type: ClassVar[str] = "WarmupDecayLR"
-    total_num_steps: int | None = None
-    """Optimizer steps until the rate reaches 0 (required)."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(
-            self.total_num_steps is not None and self.total_num_steps >= 1,
-            "scheduler.params.total_num_steps",
-            self.total_num_steps,
-            "an int >= 1 (required by WarmupDecayLR)",
-        )
-
-
-@dataclass(kw_only=True, frozen=True)
-class WarmupCosineLRConfig:
-    """``scheduler`` WarmupCosineLR: each param group's own lr times a ratio that warms up
-    from ``warmup_min_ratio`` to 1, then follows a cosine down to ``cos_min_ratio`` at
-    ``total_num_steps`` and stays there (DeepSpeed semantics)."""
-
-    type: ClassVar[str] = "WarmupCosineLR"
-    total_num_steps: int | None = None
-    """Optimizer steps until the ratio reaches cos_min_ratio (required); >= 1."""
-    warmup_min_ratio: float = 0.0
-    """Ratio of the group's lr at the start of warmup; in [0, 1]."""
-    warmup_num_steps: int = 1000
-    """Optimizer steps of warmup; >= 1 (values below 2 behave as 2, like DeepSpeed)."""
-    cos_min_ratio: float = 0.0001
-    """Ratio of the group's lr at the end of the cosine; in [0, 1]."""
-    warmup_type: WarmupType = "log"
-    """Shape of the warmup curve."""
-
-    def __post_init__(self) -> None:
-        _check(self.total_num_steps is not None and self.total_num_steps >= 1,
-               "scheduler.params.total_num_steps", self.total_num_steps,
-               "an int >= 1 (required by WarmupCosineLR)")
-        _check(0 <= self.warmup_min_ratio <= 1, "scheduler.params.warmup_min_ratio",
-               self.warmup_min_ratio, "[0, 1]")
-        _check(0 <= self.cos_min_ratio <= 1, "scheduler.params.cos_min_ratio",
-               self.cos_min_ratio, "[0, 1]")
-        _check(self.warmup_num_steps >= 1, "scheduler.params.warmup_num_steps",
-               self.warmup_num_steps, ">= 1")
-
-
-@dataclass(kw_only=True, frozen=True)
-class OneCycleConfig:
-    """``scheduler`` OneCycle: one triangular cycle of the rate between ``cycle_min_lr`` and
-    ``cycle_max_lr`` (and of Adam's beta1 inversely, between ``cycle_max_mom`` and
-    ``cycle_min_mom``), then an optional decay (DeepSpeed semantics; with
-    ``cycle_momentum`` beta2 is 0.99, as DeepSpeed sets it)."""
-
-    type: ClassVar[str] = "OneCycle"
-    cycle_min_lr: float | None = None
-    """Rate at the start and end of the cycle (required); >= 0."""
-    cycle_max_lr: float | None = None
-    """Rate at the peak of the cycle (required); >= 0."""
-    decay_lr_rate: float = 0.0
-    """After the cycle the rate is cycle_min_lr / (1 + decay_lr_rate * t / decay_step_size);
-    >= 0 (0: no decay)."""
-    cycle_first_step_size: int = 2000
-    """Optimizer steps of the rising half of the cycle; >= 1."""
-    cycle_second_step_size: int | None = None
-    """Optimizer steps of the falling half; unset: cycle_first_step_size; >= 1."""
-    cycle_first_stair_count: int = 0
-    """Stairs of the rising half (the rate holds flat on each); 0: continuous; >= 0."""
-    cycle_second_stair_count: int | None = None
-    """Stairs of the falling half; unset: cycle_first_stair_count; >= 0."""
-    decay_step_size: int = 0
-    """Optimizer steps per unit of post-cycle decay; 0: no decay; >= 0."""
-    cycle_momentum: bool = True
-    """Cycle Adam's beta1 inversely to the rate."""
-    cycle_min_mom: float = 0.8
-    """beta1 at the peak of the rate; in [0, 1)."""
-    cycle_max_mom: float = 0.9
-    """beta1 at the start and end of the cycle; in [0, 1)."""
-    decay_mom_rate: float = 0.0
-    """After the cycle beta1 is cycle_max_mom * (1 + decay_mom_rate * t / decay_step_size);
-    >= 0."""
-
-    def __post_init__(self) -> None:
-        for key in ("cycle_min_lr", "cycle_max_lr"):
-            value = getattr(self, key)
-            _check(value is not None and value >= 0, f"scheduler.params.{key}", value,
-                   "a number >= 0 (required by OneCycle)")
-        for key in ("decay_lr_rate", "decay_mom_rate", "cycle_first_stair_count",
-                    "decay_step_size"):
-            _check(getattr(self, key) >= 0, f"scheduler.params.{key}", getattr(self, key),
-                   ">= 0")
-        _check(self.cycle_first_step_size >= 1, "scheduler.params.cycle_first_step_size",
-               self.cycle_first_step_size, ">= 1")
-        _check(self.cycle_second_step_size is None or self.cycle_second_step_size >= 1,
-               "scheduler.params.cycle_second_step_size", self.cycle_second_step_size,
-               ">= 1 (or unset for cycle_first_step_size)")
-        _check(self.cycle_second_stair_count is None or self.cycle_second_stair_count >= 0,
-               "scheduler.params.cycle_second_stair_count", self.cycle_second_stair_count,
-               ">= 0 (or unset for cycle_first_stair_count)")
-        for key in ("cycle_min_mom", "cycle_max_mom"):
-            _check(0 <= getattr(self, key) < 1, f"scheduler.params.{key}", getattr(self, key),
-                   "[0, 1)")
-
-
-SchedulerConfig = WarmupLRConfig | WarmupCosineLRConfig | OneCycleConfig
-"""One ``scheduler`` section (WarmupDecayLRConfig is a WarmupLRConfig)."""
-
-SCHEDULER_CONFIGS: dict[str, type] = {
-    cls.type: cls for cls in (WarmupLRConfig, WarmupDecayLRConfig, WarmupCosineLRConfig,
-                              OneCycleConfig)}
-"""``scheduler.type`` -> its params' dataclass."""
+            check_value(0 <= beta < 1, "optimizer.params.betas", self.betas, "each in [0, 1)")
+        check_value(self.eps > 0, "optimizer.params.eps", self.eps, "> 0")
+        check_value(self.weight_decay >= 0, "optimizer.params.weight_decay", self.weight_decay,
+                    ">= 0")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -260,13 +113,13 @@ class Fp16Config:
     """Floor for the dynamic scale; > 0."""
 
     def __post_init__(self) -> None:
-        _check(self.loss_scale >= 0, "fp16.loss_scale", self.loss_scale, ">= 0 (0 = dynamic)")
-        _check(0 <= self.initial_scale_power <= 64, "fp16.initial_scale_power",
-               self.initial_scale_power, "[0, 64]")
-        _check(self.loss_scale_window >= 1, "fp16.loss_scale_window",
-               self.loss_scale_window, ">= 1")
-        _check(self.hysteresis >= 1, "fp16.hysteresis", self.hysteresis, ">= 1")
-        _check(self.min_loss_scale > 0, "fp16.min_loss_scale", self.min_loss_scale, "> 0")
+        check_value(self.loss_scale >= 0, "fp16.loss_scale", self.loss_scale, ">= 0 (0 = dynamic)")
+        check_value(0 <= self.initial_scale_power <= 64, "fp16.initial_scale_power",
+                    self.initial_scale_power, "[0, 64]")
+        check_value(self.loss_scale_window >= 1, "fp16.loss_scale_window",
+                    self.loss_scale_window, ">= 1")
+        check_value(self.hysteresis >= 1, "fp16.hysteresis", self.hysteresis, ">= 1")
+        check_value(self.min_loss_scale > 0, "fp16.min_loss_scale", self.min_loss_scale, "> 0")
 
 
 GradAccumDtype = Literal["fp32", "bf16"]
@@ -339,10 +192,10 @@ class OffloadOptimizerConfig(OffloadDeviceConfig):
     set, it decides ``speculative_step``."""
 
     def __post_init__(self) -> None:
-        _check(self.ratio == "auto" or (not isinstance(self.ratio, bool)
-                                        and 0.0 <= self.ratio <= 1.0),
-               "zero_optimization.offload_optimizer.ratio", self.ratio,
-               'a number in [0, 1] or "auto"')
+        check_value(self.ratio == "auto" or (not isinstance(self.ratio, bool)
+                                             and 0.0 <= self.ratio <= 1.0),
+                    "zero_optimization.offload_optimizer.ratio", self.ratio,
+                    'a number in [0, 1] or "auto"')
         if self.super_offload is not None:
             object.__setattr__(self, "speculative_step", self.super_offload)
 
@@ -374,29 +227,30 @@ class ZeroConfig:
     gathered after its forward instead of being freed and gathered again; >= 0."""
 
     def __post_init__(self) -> None:
-        _check(self.stage in (0, 1, 2, 3), "zero_optimization.stage", self.stage, "0, 1, 2 or 3")
-        _check(self.stage3_prefetch_bucket_size >= 0,
-               "zero_optimization.stage3_prefetch_bucket_size",
-               self.stage3_prefetch_bucket_size, ">= 0")
-        _check(self.stage3_max_live_parameters >= 0,
-               "zero_optimization.stage3_max_live_parameters",
-               self.stage3_max_live_parameters, ">= 0")
-        _check(self.stage3_max_reuse_distance >= 0,
-               "zero_optimization.stage3_max_reuse_distance",
-               self.stage3_max_reuse_distance, ">= 0")
+        check_value(self.stage in (0, 1, 2, 3), "zero_optimization.stage", self.stage,
+                    "0, 1, 2 or 3")
+        check_value(self.stage3_prefetch_bucket_size >= 0,
+                    "zero_optimization.stage3_prefetch_bucket_size",
+                    self.stage3_prefetch_bucket_size, ">= 0")
+        check_value(self.stage3_max_live_parameters >= 0,
+                    "zero_optimization.stage3_max_live_parameters",
+                    self.stage3_max_live_parameters, ">= 0")
+        check_value(self.stage3_max_reuse_distance >= 0,
+                    "zero_optimization.stage3_max_reuse_distance",
+                    self.stage3_max_reuse_distance, ">= 0")
         param_device = self.offload_param.device
-        _check(param_device == "none" or self.stage == 3,
-               "zero_optimization.offload_param.device", param_device,
-               "'none' unless zero_optimization.stage is 3")
-        _check(param_device == "none" or self.offload_optimizer.device != "none",
-               "zero_optimization.offload_param.device", param_device,
-               "'none' unless offload_optimizer.device is cpu or nvme too "
-               "(the daemon's optimizer step writes the offloaded parameters)")
+        check_value(param_device == "none" or self.stage == 3,
+                    "zero_optimization.offload_param.device", param_device,
+                    "'none' unless zero_optimization.stage is 3")
+        check_value(param_device == "none" or self.offload_optimizer.device != "none",
+                    "zero_optimization.offload_param.device", param_device,
+                    "'none' unless offload_optimizer.device is cpu or nvme too "
+                    "(the daemon's optimizer step writes the offloaded parameters)")
         state_dtype = self.offload_optimizer.state_dtype
-        _check(state_dtype == "fp32" or self.offload_optimizer.device != "none",
-               "zero_optimization.offload_optimizer.state_dtype", state_dtype,
-               "'fp32' unless offload_optimizer.device is cpu or nvme (compact moments "
-               "live in the daemon; the in-rank optimizer keeps torch's fp32 state)")
+        check_value(state_dtype == "fp32" or self.offload_optimizer.device != "none",
+                    "zero_optimization.offload_optimizer.state_dtype", state_dtype,
+                    "'fp32' unless offload_optimizer.device is cpu or nvme (compact moments "
+                    "live in the daemon; the in-rank optimizer keeps torch's fp32 state)")
 
     @property
     def offloaded(self) -> bool:
@@ -438,17 +292,17 @@ class OffloaddConfig:
     of use from the rank's learned access trace; 0..staging_slots-1, unset: half."""
 
     def __post_init__(self) -> None:
-        _check(self.arena_size is None or self.arena_size > 0, "offloadd.arena_size",
-               self.arena_size, "> 0 bytes")
-        _check(self.connect_timeout_s > 0, "offloadd.connect_timeout_s",
-               self.connect_timeout_s, "> 0")
-        _check(self.private_exit_grace_s > 0, "offloadd.private_exit_grace_s",
-               self.private_exit_grace_s, "> 0 seconds")
-        _check(self.staging_slots >= 2, "offloadd.staging_slots", self.staging_slots, ">= 2")
-        _check(self.staging_readahead_slots is None
-               or 0 <= self.staging_readahead_slots < self.staging_slots,
-               "offloadd.staging_readahead_slots", self.staging_readahead_slots,
-               "0..staging_slots-1 (the rank keeps a slot of its own)")
+        check_value(self.arena_size is None or self.arena_size > 0, "offloadd.arena_size",
+                    self.arena_size, "> 0 bytes")
+        check_value(self.connect_timeout_s > 0, "offloadd.connect_timeout_s",
+                    self.connect_timeout_s, "> 0")
+        check_value(self.private_exit_grace_s > 0, "offloadd.private_exit_grace_s",
+                    self.private_exit_grace_s, "> 0 seconds")
+        check_value(self.staging_slots >= 2, "offloadd.staging_slots", self.staging_slots, ">= 2")
+        check_value(self.staging_readahead_slots is None
+                    or 0 <= self.staging_readahead_slots < self.staging_slots,
+                    "offloadd.staging_readahead_slots", self.staging_readahead_slots,
+                    "0..staging_slots-1 (the rank keeps a slot of its own)")
 
     @property
     def readahead_slots(self) -> int:
@@ -470,8 +324,8 @@ class UnitsConfig:
     a ModuleList/Sequential), else size-based at 1M params."""
 
     def __post_init__(self) -> None:
-        _check(self.min_num_params is None or self.min_num_params >= 1, "units.min_num_params",
-               self.min_num_params, ">= 1 (or unset for the model's repeated blocks)")
+        check_value(self.min_num_params is None or self.min_num_params >= 1, "units.min_num_params",
+                    self.min_num_params, ">= 1 (or unset for the model's repeated blocks)")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -515,18 +369,18 @@ class EngineConfig:
     """Compute device: auto = cuda:LOCAL_RANK with NCCL when CUDA is available, else cpu."""
 
     def __post_init__(self) -> None:
-        _check(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping,
-               ">= 0 (0 disables)")
-        _check(not (self.bf16.enabled and self.fp16.enabled), "bf16.enabled", True,
-               "false when fp16.enabled is true (pick one training dtype)")
-        _check(self.data_types.grad_accum_dtype != "bf16" or self.bf16.enabled,
-               "data_types.grad_accum_dtype", "bf16",
-               "'fp32' unless bf16.enabled is true (bf16 accumulation sums the gradients of "
-               "bf16 training: set bf16.enabled, or remove the key)")
+        check_value(self.gradient_clipping >= 0, "gradient_clipping", self.gradient_clipping,
+                    ">= 0 (0 disables)")
+        check_value(not (self.bf16.enabled and self.fp16.enabled), "bf16.enabled", True,
+                    "false when fp16.enabled is true (pick one training dtype)")
+        check_value(self.data_types.grad_accum_dtype != "bf16" or self.bf16.enabled,
+                    "data_types.grad_accum_dtype", "bf16",
+                    "'fp32' unless bf16.enabled is true (bf16 accumulation sums the gradients of "
+                    "bf16 training: set bf16.enabled, or remove the key)")
         for key in ("train_batch_size", "train_micro_batch_size_per_gpu",
                     "gradient_accumulation_steps"):
             value = getattr(self, key)
-            _check(value is None or value >= 1, key, value, ">= 1")
+            check_value(value is None or value >= 1, key, value, ">= 1")
 
     @property
     def dtype_name(self) -> Literal["float32", "bfloat16", "float16"]:
@@ -583,11 +437,6 @@ def _divide(total: int, by: int, key: str, what: str) -> int:
     return total // by
 
 
-def _check(ok: bool, key: str, value: object, accepted: str) -> None:
-    if not ok:
-        raise ValueError(f"config key {key}={value!r} is invalid: accepted {accepted}")
-
-
 # ---------------------------------------------------------------------------
 # parsing
 
@@ -602,199 +451,10 @@ def parse_config(source: dict[str, Any] | str | Path | EngineConfig) -> EngineCo
     if not isinstance(source, dict):
         raise ValueError(f"config must be a dict or a JSON file path, got {type(source).__name__}")
     flat = dict(source)
-    _IGNORED_SEEN.clear()
-    try:
+    with reporting_ignored():
         if isinstance(flat.get("optimizer"), dict):
-            flat["optimizer"] = _flatten_typed_section(flat["optimizer"], "optimizer")
+            flat["optimizer"] = flatten_typed_section(flat["optimizer"], "optimizer")
         if isinstance(flat.get("scheduler"), dict):
-            flat["scheduler"] = _build_scheduler(flat["scheduler"])
-        parsed = _build(EngineConfig, flat, "")
-        report_ignored(list(_IGNORED_SEEN))
-    finally:
-        _IGNORED_SEEN.clear()
+            flat["scheduler"] = build_scheduler(flat["scheduler"])
+        parsed = build_section(EngineConfig, flat, "")
     return typing.cast(EngineConfig, parsed)
-
-
-def _build_scheduler(section: dict[str, Any]) -> SchedulerConfig:
-    """The ``scheduler`` section as the dataclass of its ``type`` (default WarmupLR)."""
-    params = _flatten_typed_section(section, "scheduler")
-    kind = params.pop("type", "WarmupLR")
-    if kind not in SCHEDULER_CONFIGS:
-        guess = difflib.get_close_matches(str(kind), list(SCHEDULER_CONFIGS), n=1)
-        hint = f" (did you mean {guess[0]}?)" if guess else ""
-        raise ValueError(f"config key scheduler.type={kind!r} is invalid{hint}: accepted "
-                         + ", ".join(map(repr, SCHEDULER_CONFIGS)))
-    cls = SCHEDULER_CONFIGS[kind]
-    own = {f.name for f in dataclasses.fields(cls)}
-    for key in params:
-        owners = [name for name, other in SCHEDULER_CONFIGS.items()
-                  if key not in own and key in {f.name for f in dataclasses.fields(other)}]
-        if owners:
-            raise ValueError(f"config key scheduler.params.{key} belongs to "
-                             f"{' / '.join(owners)}, but scheduler.type is {kind}: remove "
-                             "it or change the type")
-    return typing.cast(SchedulerConfig, _build(cls, params, "scheduler."))
-
-
-def _flatten_typed_section(section: dict[str, Any], name: str) -> dict[str, Any]:
-    unknown = set(section) - {"type", "params"}
-    if unknown:
-        raise ValueError(f"unknown keys in {name}: {sorted(unknown)} (expected type, params)")
-    check_type(name, section.get("type"))
-    params = section.get("params") or {}
-    if not isinstance(params, dict):
-        raise ValueError(f"config key {name}.params must be an object")
-    _reject_renamed_and_drop_ignored(params, f"{name}.params.")
-    flat = {key: value for key, value in params.items() if key not in ("torch_adam",)}
-    if "type" in section:
-        flat["type"] = section["type"]
-    return flat
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    data = dict(data)
-    _reject_renamed_and_drop_ignored(data, prefix)
-    _respell(cls, data, prefix)
-    _drop_auto(cls, data, prefix)
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(_unknown_message(unknown, names, prefix))
-    kwargs = {key: _coerce(hints[key], value, _key_path(prefix, key))
-              for key, value in data.items()}
-    return cls(**kwargs)
-
-
-def _respell(cls: type, data: dict[str, Any], prefix: str) -> None:
-    """Values a section accepts under DeepSpeed's other spellings (its ``SPELLINGS``,
-    "bfloat16" for "bf16") become the spelling its field's ``Literal`` names; DeepSpeed
-    values it refuses (its ``REFUSED``) raise ``ValueError`` saying why."""
-    refused: dict[str, dict[str, str]] = getattr(cls, "REFUSED", {})
-    for key, spellings in getattr(cls, "SPELLINGS", {}).items():
-        value = data.get(key)
-        if not isinstance(value, str):
-            continue
-        canonical = spellings.get(value, value)
-        reason = refused.get(key, {}).get(canonical)
-        if reason is not None:
-            raise ValueError(f"config key {_key_path(prefix, key)}={value!r} is invalid: "
-                             f"{reason}")
-        data[key] = canonical
-
-
-def _key_path(prefix: str, key: str) -> str:
-    """The dotted key as the user wrote it: the optimizer and scheduler sections are
-    parsed flattened, but their keys live under ``params``."""
-    if prefix in ("optimizer.", "scheduler.") and key != "type":
-        return f"{prefix}params.{key}"
-    return prefix + key
-
-
-_IGNORED_SEEN: list[str] = []
-"""Ignored keys that asked for something, met while the current config is parsed."""
-
-
-def _reject_renamed_and_drop_ignored(data: dict[str, Any], prefix: str) -> None:
-    check_unsupported(data, prefix)
-    for key in list(data):
-        dotted = prefix + key
-        if dotted in RENAMED_KEYS:
-            raise ValueError(f"config key {dotted} was renamed: use {RENAMED_KEYS[dotted]}")
-        if dotted in IGNORED_KEYS:
-            if dotted not in SILENT_KEYS and turns_on(data[key]) and (
-                    dotted not in _IGNORED_SEEN):
-                _IGNORED_SEEN.append(dotted)
-            del data[key]
-
-
-def _unknown_message(unknown: list[str], names: set[str], prefix: str) -> str:
-    """Each unknown key with its likely intended one: a supported key, or a DeepSpeed
-    feature offloadd lacks (so a typo of it is not mistaken for a missing feature)."""
-    unsupported = set(unsupported_keys_under(prefix))
-    parts = []
-    for key in unknown:
-        guess = difflib.get_close_matches(key, sorted(names | unsupported), n=1)
-        hint = ""
-        if guess:
-            note = (", a DeepSpeed feature offloadd does not support"
-                    if guess[0] in unsupported else "")
-            hint = f" (did you mean {_key_path(prefix, guess[0])}{note}?)"
-        parts.append(f"{_key_path(prefix, key)}{hint}")
-    where = _key_path(prefix, "").rstrip(".") or "the top level"
-    return f"unknown config keys in {where}: " + ", ".join(parts)
-
-
-def _coerce(hint: Any, value: Any, key: str) -> Any:
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return value  # a section parsed ahead (the scheduler, by its type)
-    origin = typing.get_origin(hint)
-    if origin in (Union, types.UnionType):
-        options = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        if value is None:
-            return None
-        words = [word for arg in options if typing.get_origin(arg) is Literal
-                 for word in typing.get_args(arg)]
-        if words and isinstance(value, str):  # float | Literal["auto"]
-            _check(value in words, key, value, f"a number or {' or '.join(map(repr, words))}")
-            return value
-        return _coerce(options[0], value, key)
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ValueError(f"config key {key} must be an object, got {value!r}")
-        return _build(typing.cast(type, hint), value, key + ".")
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        _check(value in choices, key, value, "one of " + ", ".join(map(repr, choices)))
-        return value
-    if origin is tuple:
-        return _coerce_tuple(hint, value, key)
-    return _coerce_scalar(hint, value, key)
-
-
-def _drop_auto(cls: type, data: dict[str, Any], prefix: str) -> None:
-    """``"auto"`` (Hugging Face's DeepSpeed configs) means "derive it": accepted, as the
-    key's default, where the default is derived here (unset batch sizes, arena size, ...)
-    or is a tuning knob (``AUTO_DEFAULT_KEYS``); elsewhere the HF Trainer fills the value
-    in from its TrainingArguments before DeepSpeed sees it, so it must be given."""
-    hints = typing.get_type_hints(cls)
-    for key in [key for key, value in data.items() if value == "auto" and key in hints]:
-        dotted = _key_path(prefix, key)
-        own = (hints[key], *typing.get_args(hints[key]))
-        if any("auto" in typing.get_args(hint) for hint in own):
-            continue  # "auto" is one of the key's own values (device, offload ratio)
-        if type(None) in typing.get_args(hints[key]) or dotted in AUTO_DEFAULT_KEYS:
-            del data[key]
-            continue
-        raise ValueError(f"config key {dotted}='auto' cannot be derived without the Hugging "
-                         "Face Trainer (it fills 'auto' in from TrainingArguments): set a "
-                         "value")
-
-
-def _coerce_tuple(hint: Any, value: Any, key: str) -> tuple[Any, ...]:
-    if not isinstance(value, (list, tuple)):
-        raise ValueError(f"config key {key} must be a list, got {value!r}")
-    args = typing.get_args(hint)
-    if len(args) == 2 and args[1] is Ellipsis:
-        return tuple(_coerce(args[0], item, key) for item in value)
-    _check(len(value) == len(args), key, value, f"a list of {len(args)} values")
-    return tuple(_coerce(arg, item, key) for arg, item in zip(args, value, strict=True))
-
-
-def _coerce_scalar(hint: Any, value: Any, key: str) -> Any:
-    if hint is bool:
-        _check(isinstance(value, bool), key, value, "true or false")
-        return value
-    if hint is int:
-        # DeepSpeed configs often spell counts as 5e8; accept integral floats.
-        integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
-        _check(integral and not isinstance(value, bool), key, value, "an integer")
-        return int(value)
-    if hint is float:
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, value,
-               "a number")
-        return float(value)
-    if hint is str:
-        _check(isinstance(value, str), key, value, "a string")
-        return value
-    raise TypeError(f"unsupported config field type {hint!r} for {key}")
