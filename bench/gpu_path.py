@@ -20,7 +20,13 @@ registered with the copy engine (``cudaHostRegister`` on CUDA), and:
   read-ahead, against the same reads staged on demand (no slots lent). Reports
   the read-ahead hit fraction after the first step (the daemon learned the
   order then) and ``ratio_vs_on_demand_readahead`` (on-demand read seconds /
-  read-ahead read seconds per step; > 1: read-ahead is faster).
+  read-ahead read seconds per step; > 1: read-ahead is faster), and
+  ``ratio_vs_on_demand_own_slots_readahead``: against on-demand staging with only the two
+  slots read-ahead leaves the rank. On CUDA a rank waits only for the daemon's reply, and
+  the copy GPU-side, so on-demand staging is already a pipeline as deep as its slots; in
+  this loop of reads with no compute between them, read-ahead has nothing to hide and
+  half the slots (the H200: 0.87x). The twin's host waits for every copy, so read-ahead
+  wins there.
 
     python bench/gpu_path.py [--sizes-mib 4,64,256] [--repeats 5] [--engine cuda|twin]
                              [--readahead-units 8] [--readahead-mib 16] [--readahead-steps 4]
@@ -120,11 +126,14 @@ def _readahead_case(socket_path: str, engine: CopyEngine, units: int, unit_nbyte
     names = [f"u{unit}.param" for unit in range(units)]
     order = [*names, *reversed(names)]
     result: dict[str, Any] = {"units": units, "unit_nbytes": unit_nbytes, "steps": steps}
-    for lent in (0, 2):
-        client = OffloadClient.connect(socket_path, job=f"gpu-path-readahead{lent}",
+    # (slots, of them lent to the daemon's read-ahead, key): on demand with the same four
+    # slots, read-ahead, and on demand with only the two slots read-ahead leaves the rank
+    for num_slots, lent, key in ((4, 0, "on_demand"), (4, 2, "readahead"),
+                                 (2, 0, "on_demand_own_slots")):
+        client = OffloadClient.connect(socket_path, job=f"gpu-path-{key}",
                                        arena_nbytes=units * unit_nbytes + 16 * MIB,
                                        timeout_s=30)
-        copies, fallback = open_daemon_copies(client, engine, num_slots=4,
+        copies, fallback = open_daemon_copies(client, engine, num_slots=num_slots,
                                               slot_nbytes=unit_nbytes, local_rank=0,
                                               arena_pinned="not_attempted",
                                               readahead_slots=lent)
@@ -151,13 +160,14 @@ def _readahead_case(socket_path: str, engine: CopyEngine, units: int, unit_nbyte
         finally:
             copies.close()
             client.close()
-        key = "readahead" if lent else "on_demand"
         result[f"{key}_step_s"] = statistics.median(seconds[1:])
         if lent:
             result["readahead_outcomes_after_step1"] = later
             result["readahead_hit_fraction"] = later["hit"] / max(1, sum(later.values()))
     result["ratio_vs_on_demand_readahead"] = (result["on_demand_step_s"]
                                               / result["readahead_step_s"])
+    result["ratio_vs_on_demand_own_slots_readahead"] = (result["on_demand_own_slots_step_s"]
+                                                        / result["readahead_step_s"])
     return result
 
 
@@ -255,6 +265,8 @@ def main() -> None:
         "device_copies_fallback": fallback or None,
         "readahead_hit_fraction": readahead.get("readahead_hit_fraction"),
         "ratio_vs_on_demand_readahead": readahead.get("ratio_vs_on_demand_readahead"),
+        "ratio_vs_on_demand_own_slots_readahead": readahead.get(
+            "ratio_vs_on_demand_own_slots_readahead"),
         "readahead": readahead,
         "note": ("twin numbers measure CPU threads (memcpy through the daemon's worker "
                  "thread), not a GPU" if kind == "twin" else None),
