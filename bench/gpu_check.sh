@@ -27,6 +27,7 @@
 #   dsnvme   DeepSpeed ZeRO-Infinity (params + optimizer on NVMe) beside ours, with a limit
 # Each step's limit: GPU_CHECK_LIMIT_<STEP>_S, else its default below, never past what the
 # budget has left; a step that would start with under 20 s left is skipped (and says so).
+# DeepSpeed's ops are JIT-built in the background from the start (ds_build.log), at nice 19.
 # Logs go to ${OUT:-/tmp}/gpu_check/*.log; every step's JSON is appended to summary.jsonl as
 # it finishes, so a kill at the device call's limit keeps what ran.
 # GPT size: GPU_CHECK_GPT=WIDTH,DEPTH,HEADS; GPU_CHECK_ONLY="pytest path ..." picks steps.
@@ -86,6 +87,22 @@ fi
 # DeepSpeed's op builder parses TORCH_CUDA_ARCH_LIST as numbers: the image's "9.0a" breaks
 # its JIT builds (async_io for ZeRO-Infinity), so its ops are built for plain sm_90.
 export TORCH_CUDA_ARCH_LIST="$(echo "${TORCH_CUDA_ARCH_LIST:-9.0}" | sed 's/\([0-9]\)a/\1/g')"
+# DeepSpeed JIT-builds its ops at first use (~80 s), which would spend its steps' limits (the
+# last window's `ds` was killed at 150 s in its build plus init): built here, in the
+# background at the lowest priority, beside the first steps; a DeepSpeed step that starts
+# before it is done waits on the build's lock and then loads what it built.
+case " $only " in *" big "*|*" ds "*|*" dsnvme "*)
+  if python -c 'import deepspeed' > /dev/null 2>&1; then
+    MAX_JOBS=${GPU_CHECK_DS_BUILD_JOBS:-6} nice -n 19 python -c '
+from deepspeed.ops.op_builder import AsyncIOBuilder, CPUAdamBuilder
+for builder in (CPUAdamBuilder(), AsyncIOBuilder()):
+    if builder.is_compatible(verbose=False):
+        builder.load(verbose=False)
+        print("built", builder.name, flush=True)
+' > "$out/ds_build.log" 2>&1 &
+    echo "gpu_check: DeepSpeed's ops building in the background (ds_build.log)" >> "$install_log"
+  fi ;;
+esac
 status=0
 step() {  # step NAME DEFAULT_LIMIT_S COMMAND...: run under its limit, log, keep its JSON
   local name=$1 default_limit=$2; shift 2
