@@ -14,7 +14,8 @@ in an order rotated from round to round (the host's drift hits all alike).
   the client, as they are after a training job's first step, and as the peers'
   buffers are allocated and filled before their timers start); then it
   registers ``arena + size`` bytes of 4 MiB shards in one ``alloc`` (as the
-  ZeRO engine does at initialize), writes them (acquire "w" / fill the lease /
+  ZeRO engine does at initialize), waits for the daemon to back its bounce slots
+  (begun at that alloc: the job now outgrows its arena), writes them (acquire "w" / fill the lease /
   release, ``--window`` in flight) into a daemon whose arena
   holds ``arena``, and flushes. Timed from the first put to the end of the
   flush; GB/s counts the bytes the daemon wrote to its swap files
@@ -131,6 +132,7 @@ async def daemon_pass(socket_path: str, args: argparse.Namespace) -> dict[str, A
         # Registered up front in one call, as the ZeRO engine registers its shards
         # at initialize(): the daemon then knows the job outgrows its arena.
         await client.alloc([f"s{i}" for i in range(total_shards)], [chunk] * total_shards)
+        await staging_backed(client)
 
         async def put(index: int) -> None:
             # One copy into the arena, as a rank filling its lease would make.
@@ -185,6 +187,18 @@ async def warm_arena(client: AsyncOffloadClient, source: bytearray, count: int) 
         async with await client.acquire(shard_id, "w") as lease:
             lease.view[:] = source
     await client.drop(ids)
+
+
+async def staging_backed(client: AsyncOffloadClient) -> None:
+    """Wait for the daemon to back its bounce slots, which it starts once a job's shards
+    outgrow its arena (``SwapSpace.stage_ahead``): a training job registers its shards
+    at initialize, seconds before its first swap-out, as the peers allocate their
+    buffers before their timers start. 30 s at most."""
+    for _ in range(600):
+        bounce = (await client.stats())["swap"].get("bounce", {})
+        if not bounce.get("prefault_running"):
+            return
+        await asyncio.sleep(0.05)
 
 
 async def check_sample(client: AsyncOffloadClient, source: bytearray, indices: list[int]) -> None:

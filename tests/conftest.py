@@ -20,6 +20,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -68,6 +69,25 @@ def start_daemon(workdir: os.PathLike[str] | str | None, *, arena_size: int | st
     if not any(arg in ("--arena-hugepages", "--config") for arg in args):
         args += ["--arena-hugepages", "off"]
     return PrivateDaemon.start(workdir, arena_size=arena_size, extra_args=args)
+
+
+def wait_bounce_backed(socket_path: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The daemon's bounce-slot stats once it is done backing the slots, which it does
+    once a job outgrows its arena (``SwapSpace.stage_ahead``: up to 128 MiB of its
+    memory, and one slot in use at a time meanwhile); asked by ``NodeStatus``, so no
+    job is opened for it."""
+    from offloadd.ops.status import query_node_status
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        swap = query_node_status(socket_path)["node"].get("swap") or {}
+        bounce: dict[str, Any] = swap.get("bounce", {})
+        if not bounce.get("prefault_running"):
+            return bounce
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the bounce slots were still being backed after "
+                                 f"{timeout_s} s: {bounce}")
+        time.sleep(0.05)
 
 
 @pytest.fixture

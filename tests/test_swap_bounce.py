@@ -9,7 +9,9 @@ a hugetlb arena's is not. Each test runs a real daemon process on real swap file
   request with SwapIOError, gives its slot back, and loses no shard's bytes;
 - chunks larger than a slot (flushed with a bigger ``chunk_size``, recovered under a
   smaller one) are read in place, and come back byte for byte;
-- a staged transfer whose caller is cancelled keeps its slot until the kernel is done.
+- a staged transfer whose caller is cancelled keeps its slot until the kernel is done;
+- the slots are backed once a job outgrows its arena, not at the first swap-out, and
+  backing them never writes a slot some IO holds.
 
 Nothing here is timed: the speed is ``bench/nvme_throughput.py``'s (``--unstaged``).
 """
@@ -22,11 +24,13 @@ import hashlib
 import os
 import random
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import wait_bounce_backed
 from test_nvme_recovery import stopped_cleanly
 
 from offloadd.config import DaemonConfig
@@ -89,9 +93,16 @@ def read_back_and_compare(client: OffloadClient, shards: dict[str, bytes]) -> No
 
 
 def swap_stats(client: OffloadClient) -> dict[str, Any]:
-    swap = client.stats()["swap"]
-    assert swap is not None
-    return swap
+    """The daemon's swap stats once it is not backing its bounce slots: a slot being
+    backed is in use, and the tests count the slots in use (the backing starts when the
+    job outgrows its arena, ``SwapSpace.stage_ahead``)."""
+    for _ in range(1200):
+        swap = client.stats()["swap"]
+        assert swap is not None
+        if not swap["bounce"].get("prefault_running"):
+            return swap
+        time.sleep(0.05)
+    raise AssertionError(f"the bounce slots were still being backed after 60 s: {swap}")
 
 
 def require_o_direct(client: OffloadClient) -> None:
@@ -207,6 +218,8 @@ def test_a_cancelled_staged_write_keeps_its_slot_until_the_kernel_is_done(
         if not space.dirs[0].direct:
             await space.close()
             pytest.skip("the swap dir's file system refuses O_DIRECT: no staging to test")
+        if space.bounce_prefault is not None:
+            await space.bounce_prefault  # its slots in use are not the write's
         engine = space.engine
         gate = asyncio.Event()
         real_submit = engine.submit
@@ -251,5 +264,63 @@ def test_a_cancelled_staged_write_keeps_its_slot_until_the_kernel_is_done(
         finally:
             engine.submit = real_submit
             await space.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
+
+
+def _anonymous_nbytes(pid: int) -> int:
+    """Private anonymous memory the process has backed (smaps_rollup's Anonymous)."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no Anonymous line in /proc/{pid}/smaps_rollup")
+
+
+def _backed_slots(root: Path, prefault: str, shards: int) -> tuple[dict[str, Any], int]:
+    """A daemon's bounce stats once a job has registered ``shards`` 4 MiB shards (four
+    fill its arena) and any backing is over, and the daemon's anonymous memory."""
+    daemon = PrivateDaemon.start(root / "run", arena_size=ARENA_NBYTES,
+                                 swap_dirs=[str(root / "nvme0")],
+                                 extra_args=["--arena-hugepages", "off",
+                                             "--arena-prefault", prefault])
+    with stopped_cleanly(daemon), connect_reserving(daemon, None) as client:
+        require_o_direct(client)
+        client.alloc([f"s{i}" for i in range(shards)], [4 * MIB] * shards)
+        bounce = wait_bounce_backed(daemon.socket_path)
+        return bounce, _anonymous_nbytes(daemon.process.pid)
+
+
+def test_the_slots_are_backed_once_a_job_outgrows_its_arena(swap_root: Path) -> None:
+    """A fresh daemon's first swap-outs used to fault the slots' huge pages in, one copy
+    at a time (up to a second on a VM). Now they are backed as soon as a job registers
+    more than its arena holds (its swap IO is then certain), not for a job that fits,
+    and left to their first use where arenas are too (``--arena-prefault lazy``)."""
+    backed, backed_anon = _backed_slots(swap_root / "a", "background", 5)
+    fits, fits_anon = _backed_slots(swap_root / "b", "background", 4)
+    lazy, _ = _backed_slots(swap_root / "c", "lazy", 5)
+    assert backed["prefaulted_slots"] == backed["slots"] and backed["in_use"] == 0
+    assert fits["prefaulted_slots"] == 0 and lazy["prefaulted_slots"] == 0
+    # the slots' memory is the daemon's, really backed: ~128 MiB more than the other's
+    assert backed_anon - fits_anon >= 0.9 * backed["slots"] * backed["slot_nbytes"]
+
+
+def test_backing_the_slots_skips_one_in_use_and_gives_every_slot_back() -> None:
+    from offloadd.swap.bounce import BouncePool
+
+    async def body() -> None:
+        pool = BouncePool(4, MIB)
+        held = pool.take(MIB)
+        assert held is not None
+        held[:] = b"\xab" * len(held)  # an IO's bytes in its slot
+        await pool.prefault(None)
+        assert pool.prefaulted == 3 and pool.in_use == 1
+        assert bytes(held) == b"\xab" * len(held)  # untouched by the backing
+        pool.give(held)
+        slots = [pool.take(MIB) for _ in range(4)]
+        assert all(slot is not None for slot in slots) and pool.in_use == 4
+        for slot in slots:
+            assert slot is not None
+            pool.give(slot)
+        pool.close()
 
     asyncio.run(asyncio.wait_for(body(), 60))

@@ -598,16 +598,26 @@ class Session(asyncio.Protocol):
     def on_alloc(self, req: p.Alloc) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
         self.admit_new_shards(self.job, req.ids)
-        return self.job.alloc(self.rank, req.ids, req.nbytes, req.dtypes)
+        placed = self.job.alloc(self.rank, req.ids, req.nbytes, req.dtypes)
+        self._stage_ahead()
+        return placed
 
     def on_acquire(self, req: p.Acquire) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
+        self._stage_ahead()
         if req.create_nbytes is not None:
             self.admit_new_shards(self.job, req.ids)
             dtypes = req.create_dtypes or ["uint8"] * len(req.ids)
             return self.job.alloc(self.rank, req.ids, req.create_nbytes, dtypes,
                                   self.leases, req.mode)
         return self.job.acquire(self.rank, req.ids, req.mode, self.leases)
+
+    def _stage_ahead(self) -> None:
+        """The job's shards may have outgrown its arena: the swap tier readies its
+        staging for the swap IO to come (``SwapSpace.stage_ahead``; a large alloc made
+        in slices is seen at the next request)."""
+        if self.daemon.swap is not None and self.job is not None:
+            self.daemon.swap.stage_ahead(self.job.table)
 
     def on_release(self, req: p.Release) -> Awaitable[None] | None:
         assert self.job is not None

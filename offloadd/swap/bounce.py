@@ -22,6 +22,7 @@ import ctypes
 import mmap
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
+from functools import partial
 from pathlib import Path
 
 import xxhash
@@ -45,13 +46,14 @@ class BouncePool:
     """``num_slots`` staging slots of ``slot_nbytes`` each (rounded up to 2 MiB), 2 MiB
     aligned, in one private anonymous mapping advised ``MADV_HUGEPAGE``.
 
-    The mapping is made on the first ``take`` and costs memory only for the slots
-    ever used; free slots are handed out last-in first-out, so a light load touches
-    few of them. ``take`` never waits: the swap space takes a slot only while it
-    holds one of the IO queue's ``io_queue_depth`` places and sizes the pool to that
-    depth, so a slot is free whenever it asks; where none is (or a chunk is larger
-    than a slot, as a manifest from a bigger ``chunk_size`` can name) the IO runs
-    in place instead, slower but the same bytes.
+    The mapping is made on the first ``take`` (or ``prefault``) and costs memory only
+    for the slots ever used; free slots are handed out last-in first-out, so a light
+    load touches few of them. ``prefault`` backs them all ahead of the first swap-out.
+    ``take`` never waits: the swap space takes a slot only while it holds one of the
+    IO queue's ``io_queue_depth`` places and sizes the pool to that depth, so a slot is
+    free whenever it asks; where none is (or a chunk is larger than a slot, as a
+    manifest from a bigger ``chunk_size`` can name) the IO runs in place instead,
+    slower but the same bytes.
     """
 
     def __init__(self, num_slots: int, slot_nbytes: int) -> None:
@@ -62,6 +64,8 @@ class BouncePool:
         self.slot_nbytes = align_up(slot_nbytes, HUGE_PAGE_NBYTES)
         self.staged_nbytes = {"read": 0, "write": 0}
         """Bytes of swap IO that went through a slot, by op (plain fields, for stats)."""
+        self.prefaulted = 0
+        """Slots ``prefault`` has backed."""
         self.direct_count = 0
         """IO requests of a 4 KiB-page arena that found no fitting slot and ran in place."""
         self._map: mmap.mmap | None = None
@@ -82,12 +86,42 @@ class BouncePool:
             self._open()
         if not self._free:
             return None
-        index = self._free.pop()
+        return self._hand_out(self._free.pop(), nbytes)
+
+    def _hand_out(self, index: int, nbytes: int) -> memoryview:
         assert self._view is not None
         start = index * self.slot_nbytes
         slot = self._view[start:start + nbytes]
         self._in_use[id(slot)] = index
         return slot
+
+    async def prefault(self, copy_pool: Executor | None) -> None:
+        """Back every free slot's pages now, one slot at a time on ``copy_pool`` (the slot
+        taken meanwhile), instead of at the first IO through it.
+
+        A slot's first touch allocates and zeroes its huge pages: on the 2-core VM that
+        took 30-65 ms a slot at times, so the first write-backs of a fresh daemon waited
+        up to a second for their copies (bench/README.md, eighth session). A slot in
+        use is skipped: its IO touches it."""
+        loop = asyncio.get_running_loop()
+        if self._view is None:
+            self._open()
+        for index in range(self.num_slots):
+            if index not in self._free:
+                continue
+            self._free.remove(index)
+            slot = self._hand_out(index, self.slot_nbytes)
+            touched = loop.run_in_executor(copy_pool, _touch, slot)
+            try:
+                await asyncio.shield(touched)
+            finally:
+                # Hazard: the thread writes the slot until its future is done; only then
+                # may the slot go back, cancelled or not.
+                if touched.done():
+                    self.give(slot)
+                else:
+                    touched.add_done_callback(partial(_give_back, self, slot))
+            self.prefaulted += 1
 
     def give(self, slot: memoryview) -> None:
         """Return a slot from ``take``; only once the kernel is done with its bytes."""
@@ -150,6 +184,14 @@ async def _copy(copy_pool: Executor | None, dst: memoryview, src: memoryview,
     if seed is None:
         return await loop.run_in_executor(copy_pool, copy_bytes, dst, src)
     return await loop.run_in_executor(copy_pool, copy_and_checksum, dst, src, hashed, seed)
+
+
+def _give_back(pool: BouncePool, slot: memoryview, _done: object) -> None:
+    pool.give(slot)
+
+
+def _touch(slot: memoryview) -> None:
+    ctypes.memset(buffer_address(slot), 0, len(slot))
 
 
 PIECE_NBYTES = 512 << 10

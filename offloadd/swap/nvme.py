@@ -38,7 +38,7 @@ from offloadd.errors import (
     SwapIOError,
 )
 from offloadd.memory.arena import Allocator, align_up
-from offloadd.memory.shards import Chunk
+from offloadd.memory.shards import Chunk, ShardTable
 from offloadd.metrics import JOB_LABEL, Counters, Histogram, gauge, histogram_family
 from offloadd.swap.bounce import BouncePool, transparent_huge_pages
 from offloadd.swap.ioengine import IOEngineError, VolatileCacheEngine, open_engine
@@ -261,6 +261,8 @@ class SwapSpace:
         self.bounce: BouncePool | None = None
         """Staging slots for O_DIRECT IO of 4 KiB-page arenas (``offloadd.swap.bounce``);
         None when ``OFFLOADD_DISABLE_SWAP_BOUNCE`` is set."""
+        self.bounce_prefault: asyncio.Future[None] | None = None
+        """The bounce slots being backed ahead of the first swap-out (``stage_ahead``)."""
         self.copy_pool: ThreadPoolExecutor | None = None
         """Where bounce copies run: the hash threads, or one or two threads of their own
         without them (a copy on the loop would stall it ~1 ms a chunk)."""
@@ -292,6 +294,21 @@ class SwapSpace:
                  [str(d.path) for d in self.dirs], getattr(self.engine, "kind", self.engine.name),
                  [d.direct for d in self.dirs], self.bounce is not None,
                  transparent_huge_pages() or "unknown")
+
+    def stage_ahead(self, table: ShardTable) -> None:
+        """Back the bounce slots in the background once a job's shards outgrow its arena
+        (its swap IO is then certain) if they will carry that IO: its arena is on 4 KiB
+        pages and a swap dir takes O_DIRECT. Not where arenas are left to their first
+        touch (``arena_prefault`` "lazy"), and once per daemon.
+
+        Left to the first swap-outs, the slots' huge pages were faulted in by their
+        copies: up to a second of a fresh daemon's first write-backs on the 2-core VM
+        (bench/README.md, eighth session)."""
+        if (self.bounce is None or self.bounce_prefault is not None
+                or self.config.arena_prefault == "lazy" or table.arena.hugepages
+                or not table.overcommitted() or not any(d.direct for d in self.dirs)):
+            return
+        self.bounce_prefault = asyncio.ensure_future(self.bounce.prefault(self.copy_pool))
 
     def job_files(self, job: str, *, recovering: bool = False) -> list[JobFile]:
         """Open (or, ``recovering``, reopen) a job's file in every swap dir.
@@ -613,7 +630,10 @@ class SwapSpace:
             return {"enabled": False}
         return {"enabled": True, "slots": pool.num_slots, "slot_nbytes": pool.slot_nbytes,
                 "in_use": pool.in_use, "read_nbytes": pool.staged_nbytes["read"],
-                "written_nbytes": pool.staged_nbytes["write"], "in_place": pool.direct_count}
+                "written_nbytes": pool.staged_nbytes["write"], "in_place": pool.direct_count,
+                "prefaulted_slots": pool.prefaulted,
+                "prefault_running": (self.bounce_prefault is not None
+                                     and not self.bounce_prefault.done())}
 
     def families(self) -> list[Any]:
         from prometheus_client.core import CounterMetricFamily
@@ -679,6 +699,8 @@ class SwapSpace:
             await tier.close()
         if self.engine is not None:
             await self.engine.aclose()
+        if self.bounce_prefault is not None:
+            await asyncio.wait([self.bounce_prefault])  # its slots go back as it ends
         if self.bounce is not None:
             self.bounce.close()
         if self.copy_pool is not None and self.copy_pool is not self.hash_pool:
