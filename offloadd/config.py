@@ -199,7 +199,9 @@ class DaemonConfig:
     arena_prefault: Prefault = "background"
     """When a new arena's pages are backed (and locked): "background" on a thread of
     its own after the hello is answered, "now" before the hello is answered (a short
-    node fails the hello instead of a rank's first touch), "lazy" on first touch."""
+    node fails the hello instead of a rank's first touch), "lazy" on first touch. Not
+    "lazy": the swap tier's bounce slots are also backed in the background once a job
+    outgrows its arena (offloadd.swap.nvme.SwapSpace.stage_ahead)."""
     arena_prefault_rate: Bytes = 0
     """Bytes per second the background prefault backs at most (0: unthrottled); keeps
     it from taking cores and DRAM bandwidth from training on small machines."""
