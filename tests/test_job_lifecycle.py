@@ -4,8 +4,8 @@ linger, and many short jobs leave the daemon's fds, mappings and memory where th
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
