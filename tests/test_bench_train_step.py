@@ -136,6 +136,23 @@ def test_cpu_big_case_outgrows_the_capped_twin_device(tmp_path: Path) -> None:
     assert 1 <= result["gathers_per_unit_per_step"] < 2
 
 
+def test_units_are_gathered_once_a_step_however_far_their_backward(tmp_path: Path) -> None:
+    """The H200's 9.92B big case gathered each unit 4.6 times a step: every unit but the
+    last few was further from its backward than DeepSpeed's default reuse distance, so it
+    was freed after its forward though ``--max-live-params auto`` held the whole model. A
+    distance of 0 makes the twin's small model look the same; with room in the live
+    budget each unit is still gathered once a step, and the H2D bytes are the bf16
+    parameters once."""
+    capacity = 8 << 20
+    result = _run_big_case(tmp_path, 1000, {"OFFLOADD_TWIN_DEVICE": "strict",
+                                            "OFFLOADD_TWIN_MEMORY": str(capacity)},
+                           "--contenders", "ours", "--max-reuse-distance", "0")
+    assert result["max_reuse_distance"] == 0
+    assert result["max_live_params"] == capacity * 3 // 20 > result["num_params"]
+    assert result["gathers_per_unit_per_step"] == 1.0
+    assert result["h2d_bytes_per_step"] == 2 * result["num_params"]
+
+
 def test_a_peer_past_its_time_is_killed_and_reported(tmp_path: Path) -> None:
     """``--peer-timeout``: a peer that does not finish in time (here the ceiling, given
     less than its start-up) is killed with what it started, and the time-out is the result
