@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.utils.checkpoint import checkpoint
 
 
 def free_port() -> int:
@@ -204,6 +205,21 @@ class TinyNet(torch.nn.Module):
 def make_model(seed: int = 0) -> TinyNet:
     torch.manual_seed(seed)
     return TinyNet()
+
+
+class CheckpointedNet(TinyNet):
+    """TinyNet whose blocks recompute their activations in backward (its parameters and
+    their names are TinyNet's)."""
+
+    def __init__(self, use_reentrant: bool) -> None:
+        super().__init__()
+        self.use_reentrant = use_reentrant
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = self.inp(features)
+        for block in self.blocks:
+            hidden = checkpoint(block, hidden, use_reentrant=self.use_reentrant)
+        return torch.nn.functional.cross_entropy(self.head(hidden).float(), labels)
 
 
 def make_batch(step: int, micro: int, rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:

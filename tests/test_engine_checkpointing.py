@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import (
+    CheckpointedNet,
     TinyNet,
     lm_adamw_reference,
     lm_engine_train,
@@ -22,7 +23,6 @@ from _dist import (
     max_relative_error,
     run_ranks,
 )
-from torch.utils.checkpoint import checkpoint
 
 import trainer
 from trainer.state.checkpoint import consolidate_fp32_state_dict
@@ -31,20 +31,6 @@ pytestmark = pytest.mark.slow
 
 STEPS = 4
 LR = 1e-2
-
-
-class CheckpointedNet(TinyNet):
-    """TinyNet whose blocks recompute their activations in backward."""
-
-    def __init__(self, use_reentrant: bool) -> None:
-        super().__init__()
-        self.use_reentrant = use_reentrant
-
-    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        hidden = self.inp(features)
-        for block in self.blocks:
-            hidden = checkpoint(block, hidden, use_reentrant=self.use_reentrant)
-        return torch.nn.functional.cross_entropy(self.head(hidden).float(), labels)
 
 
 def make(kind: str) -> torch.nn.Module:

@@ -24,14 +24,13 @@ from _dist import (
     shared_daemon,
 )
 from conftest import cap_twin_device
+from test_twin_flow import TOLERANCE
 
 from trainer.config import parse_config
 from trainer.device import twin_memory
 
 WORLD = 2
 STEPS = 5
-TOLERANCE = 1e-5
-"""What tests/test_engine_parity.py holds every offload device to against torch."""
 
 
 def _config(socket_path: str, job: str) -> dict[str, Any]:
