@@ -15,9 +15,9 @@ in an order rotated from round to round (the host's drift hits all alike).
   buffers are allocated and filled before their timers start); then it
   registers ``arena + size`` bytes of 4 MiB shards in one ``alloc`` (as the
   ZeRO engine does at initialize), waits for the daemon to back its bounce slots
-  (begun at that alloc: the job now outgrows its arena), writes them (acquire "w" / fill the lease /
-  release, ``--window`` in flight) into a daemon whose arena
-  holds ``arena``, and flushes. Timed from the first put to the end of the
+  (begun at that alloc: the job now outgrows its arena), writes them (acquire
+  "w" / fill the lease / release, ``--window`` in flight) into a daemon whose
+  arena holds ``arena``, and flushes. Timed from the first put to the end of the
   flush; GB/s counts the bytes the daemon wrote to its swap files
   (``arena + size``: everything ends on swap) over that time. Includes what no
   peer does: the client's copy of every byte into the arena (the first

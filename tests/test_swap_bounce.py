@@ -10,8 +10,8 @@ a hugetlb arena's is not. Each test runs a real daemon process on real swap file
 - chunks larger than a slot (flushed with a bigger ``chunk_size``, recovered under a
   smaller one) are read in place, and come back byte for byte;
 - a staged transfer whose caller is cancelled keeps its slot until the kernel is done;
-- the slots are backed once a job outgrows its arena, not at the first swap-out, and
-  backing them never writes a slot some IO holds.
+- the slots are backed once a job outgrows its arena (registered, or recovered so), not
+  at the first swap-out, and backing them never writes a slot some IO holds.
 
 Nothing here is timed: the speed is ``bench/nvme_throughput.py``'s (``--unstaged``).
 """
@@ -202,6 +202,8 @@ def test_chunks_larger_than_a_slot_are_read_in_place_after_a_recover(swap_root: 
         bounce = swap_stats(client)["bounce"]
         assert bounce["slot_nbytes"] == 4 * MIB
         assert bounce["in_place"] > 0 and bounce["in_use"] == 0
+        # the recovered job outgrows its arena: its slots were backed at the restart
+        assert bounce["prefaulted_slots"] == bounce["slots"]
         read_back_and_compare(client, shards)  # evicted (clean) and read in place again
 
 

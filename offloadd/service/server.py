@@ -226,6 +226,7 @@ class Daemon:
             self.auth.restore(name, owner)  # None (an older manifest): root's
             self.limits.claim_job(job, owner.uid if owner is not None else ROOT_UID)
             self.lifecycle.created(job)
+            self.swap.stage_ahead(job.table)  # its shards may already outgrow its arena
         for name, kept in self.swap.retention.jobs.items():
             self.auth.restore(name, kept.owner)
 
@@ -268,6 +269,7 @@ class Daemon:
                     self.swap.quarantine(name, first.job_dir(name), exc)
                     self.lifecycle.abandon(job)
                     raise JobQuarantinedError(self.swap.quarantined[name]) from exc
+                self.swap.stage_ahead(job.table)  # the kept shards may outgrow the arena
             self.lifecycle.created(job)
 
         nbytes = arena_nbytes or manifest["arena_nbytes"]

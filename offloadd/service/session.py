@@ -598,26 +598,35 @@ class Session(asyncio.Protocol):
     def on_alloc(self, req: p.Alloc) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
         self.admit_new_shards(self.job, req.ids)
-        placed = self.job.alloc(self.rank, req.ids, req.nbytes, req.dtypes)
-        self._stage_ahead()
-        return placed
+        return self._stage_ahead(self.job.alloc(self.rank, req.ids, req.nbytes, req.dtypes))
 
     def on_acquire(self, req: p.Acquire) -> p.Reply | Awaitable[p.Reply]:
         assert self.job is not None
-        self._stage_ahead()
         if req.create_nbytes is not None:
             self.admit_new_shards(self.job, req.ids)
             dtypes = req.create_dtypes or ["uint8"] * len(req.ids)
-            return self.job.alloc(self.rank, req.ids, req.create_nbytes, dtypes,
-                                  self.leases, req.mode)
+            return self._stage_ahead(self.job.alloc(self.rank, req.ids, req.create_nbytes,
+                                                    dtypes, self.leases, req.mode))
         return self.job.acquire(self.rank, req.ids, req.mode, self.leases)
 
-    def _stage_ahead(self) -> None:
-        """The job's shards may have outgrown its arena: the swap tier readies its
-        staging for the swap IO to come (``SwapSpace.stage_ahead``; a large alloc made
-        in slices is seen at the next request)."""
-        if self.daemon.swap is not None and self.job is not None:
-            self.daemon.swap.stage_ahead(self.job.table)
+    def _stage_ahead(self, placed: p.Reply | Awaitable[p.Reply]
+                     ) -> p.Reply | Awaitable[p.Reply]:
+        """Once ``placed`` (an alloc's reply: a large batch is made in slices, later)
+        has created its shards, they may have outgrown the job's arena: the swap tier
+        readies its staging for the swap IO to come (``SwapSpace.stage_ahead``)."""
+        swap, job = self.daemon.swap, self.job
+        if swap is None or job is None:
+            return placed
+        if isinstance(placed, p.Reply):
+            swap.stage_ahead(job.table)
+            return placed
+
+        async def then() -> p.Reply:
+            reply = await placed
+            swap.stage_ahead(job.table)
+            return reply
+
+        return then()
 
     def on_release(self, req: p.Release) -> Awaitable[None] | None:
         assert self.job is not None
