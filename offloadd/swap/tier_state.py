@@ -57,6 +57,9 @@ class TierState(ABC):
         self.background_error: OffloadError | None = None
         self.dirtied_nbytes = 0
         """Bytes released dirty since the last background write-back pass."""
+        self.capped = False
+        """The last background pass left dirty shards it would have written but for the
+        write-behind's cap: the next pass is due when the writes in flight end."""
         self.index: EvictionIndex | None = None
         """Eviction candidates in victim order, made on the first eviction (``_index``)."""
         self.in_io: set[Shard] = set()
