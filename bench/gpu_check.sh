@@ -33,14 +33,9 @@
 # GPT size: GPU_CHECK_GPT=WIDTH,DEPTH,HEADS; GPU_CHECK_ONLY="pytest path ..." picks steps.
 #
 # The device image has CUDA torch, cupy, uvloop, xxhash, nanobind, cmake, ninja and pytest but
-# no package registry. Carry the rest, fetched here where PyPI is reachable (both folders are
-# ignored by git; pass `carry: ["wheels", "debs"]` to the device call):
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 -d wheels msgspec pydantic-core==2.41.5
-#   pip download --no-deps -d wheels pytest-asyncio hjson pydantic==2.12.5 annotated-types \
-#     typing-inspection
-#   pip download --no-deps --no-binary=:all: -d wheels deepspeed==0.19.8     # sdist
-#   (mkdir -p debs && cd debs && apt-get download libaio1 libaio-dev)       # DeepSpeed's aio
+# no package registry. Carry the rest: `bash bench/gpu_deps.sh` fetches it here, where PyPI
+# and Debian are reachable, into wheels/ and debs/ (both ignored by git); then pass
+# `carry: ["wheels", "debs"]` to the device call.
 # This script installs them offline, then offloadd itself (native build) without build isolation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
