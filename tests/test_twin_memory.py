@@ -33,11 +33,13 @@ def memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[twin_memory.TwinMemory]:
     yield memory
 
 
-def _reference(held: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages behind ``held`` (views share one)."""
-    storages = {tensor.untyped_storage()._cdata: tensor.untyped_storage().nbytes()
-                for tensor in held}
-    return sum(storages.values())
+def _reference(held: list[torch.Tensor], storages: list[torch.UntypedStorage]) -> int:
+    """Bytes of the distinct storages behind ``held`` (views share one) and of ``storages``
+    (kept by reference after their tensors may have been dropped)."""
+    live = {tensor.untyped_storage()._cdata: tensor.untyped_storage().nbytes()
+            for tensor in held}
+    live.update((storage._cdata, storage.nbytes()) for storage in storages)
+    return sum(live.values())
 
 
 def _backed(tensor: torch.Tensor) -> bool:
@@ -78,7 +80,7 @@ def test_counts_and_peak_match_a_reference(memory: twin_memory.TwinMemory,
             resizable[-1].resize_(0 if action == "shrink" else numel * 4)
         del usable
         assert all(isinstance(tensor, DeviceTensor) for tensor in held)
-        expected = base + _reference(held)
+        expected = base + _reference(held, resizable)
         peak = max(peak, expected)
         assert twin_memory.memory_allocated() == expected, action
     assert twin_memory.max_memory_allocated() == peak
