@@ -131,7 +131,11 @@ def test_clipping_that_fires_on_some_steps_leaves_the_bytes_of_waiting_for_the_n
 def test_an_lr_changed_between_backward_and_step_is_applied_exactly() -> None:
     runs = _check(base_config(zero_optimization=_offload("cpu", 2), gradient_clipping=1e6),
                   change_lr=True)
-    assert all(run["reverted"] > 0 for run in runs)  # the changed LR forced a second pass
+    # The changed LR forced a second pass of what was stepped on speculation. A loaded host
+    # may find the daemon behind and wait for the norm on a rank's steps instead (the
+    # suite failed so once, 2026-11-28): the bytes above are exact either way.
+    assert any(run["speculated"] for run in runs)
+    assert all(run["reverted"] > 0 for run in runs if run["speculated"])
 
 
 def test_fp16_overflow_skips_the_step_and_reverts_what_speculation_did() -> None:
