@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from _tier_job import settle, tier_job
+from test_crash_commit import until
 
 from offloadd.memory.shards import Lease, Residency, Shard
 from offloadd.service.jobs import Job
@@ -92,8 +93,3 @@ def clean(job: Job, ids: list[str]) -> int:
     """How many of ``ids`` are in the arena and on swap alike."""
     return sum(1 for shard_id in ids
                if job.table.get(0, shard_id).residency is Residency.ARENA_CLEAN)
-
-
-async def until(condition: Callable[[], bool]) -> None:
-    while not condition():
-        await asyncio.sleep(0.001)
