@@ -1,6 +1,7 @@
-"""Multi-rank test helper: run a function on N real gloo ranks in spawned processes.
+"""Multi-rank test helper: run a function on N real gloo ranks in separate processes.
 
-``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (spawn),
+``run_ranks(fn, world_size, *args)`` starts ``world_size`` processes (forkserver, see
+``rank_context``),
 each joins a gloo process group through a TCPStore the test process serves, with the torchrun
 environment variables set (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT),
 calls ``fn(rank, world_size, *args)`` and returns the per-rank results in rank
@@ -15,6 +16,7 @@ import contextlib
 import datetime
 import faulthandler
 import io
+import multiprocessing.util
 import os
 import queue
 import signal
@@ -61,6 +63,38 @@ class RendezvousStore:
         self.port = int(self.store.port)
 
 
+PRELOADED = ["torch", "torch.distributed", "numpy"]
+"""Imported once by each test process's fork server, before any rank forks from it."""
+
+
+multiprocessing.util.get_temp_dir()
+"""Hazard: the fork server listens on a socket in multiprocessing's temp dir, made on the
+first call and kept: made here, at collection, it is not under a test's own temp dir
+(``conftest.test_tmpdir``), which goes away with that test."""
+
+
+def rank_context() -> Any:
+    """The start method for ranks: a fork server that imported torch once.
+
+    Each spawned rank imported torch itself: ~4 s of CPU per two-rank call on the 2-core
+    CI machine, where the suite makes hundreds of them. A rank forked from the server
+    starts in a fraction of a second; it is still a fresh process with its own gloo
+    group, and it imports the test's module (and offloadd, trainer) itself. The server
+    keeps the environment it started with, so each rank takes the caller's (``_adopt``).
+    """
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOADED)
+    return context
+
+
+def _adopt(environ: dict[str, str]) -> None:
+    """Take the caller's environment, as a spawned rank would have, and find the temp dir
+    from it again (the server's ``tempfile`` may hold an earlier test's)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    tempfile.tempdir = None
+
+
 def _join_group(rank: int, world_size: int, port: int, **kwargs: Any) -> None:
     """Set torchrun's variables, make stacks dumpable (SIGUSR1: see ``_collect``) and, for
     more than one rank, join the gloo group through the test process's store."""
@@ -76,7 +110,8 @@ def _join_group(rank: int, world_size: int, port: int, **kwargs: Any) -> None:
 
 
 def _rank_main(rank: int, world_size: int, port: int, fn: Callable[..., Any],
-               args: tuple[Any, ...], results: Any) -> None:
+               args: tuple[Any, ...], results: Any, environ: dict[str, str]) -> None:
+    _adopt(environ)
     try:
         _join_group(rank, world_size, port)
         results.put((rank, True, _to_bytes(fn(rank, world_size, *args))))
@@ -110,11 +145,11 @@ def _to_bytes(value: Any) -> bytes:
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
               timeout_s: float = 240.0) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; results by rank."""
-    context = mp.get_context("spawn")
+    context = rank_context()
     results = context.Queue()
     rendezvous = RendezvousStore(world_size)
-    procs = [context.Process(target=_rank_main,
-                             args=(rank, world_size, rendezvous.port, fn, args, results))
+    procs = [context.Process(target=_rank_main, args=(rank, world_size, rendezvous.port, fn,
+                                                      args, results, dict(os.environ)))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()
@@ -374,8 +409,9 @@ def max_relative_error(ours: dict[str, torch.Tensor], reference: dict[str, torch
 
 
 def _pool_main(rank: int, world_size: int, port: int, setup: Callable[..., Any],
-               inbox: Any, results: Any) -> None:
+               inbox: Any, results: Any, environ: dict[str, str]) -> None:
     """A rank that runs ``fn(rank, world_size, context, *args)`` per message until None."""
+    _adopt(environ)
     _join_group(rank, world_size, port, timeout=datetime.timedelta(seconds=90))
     context = None
     try:
@@ -405,13 +441,14 @@ class RankPool:
     """
 
     def __init__(self, world_size: int, setup: Callable[..., Any]) -> None:
-        context = mp.get_context("spawn")
+        context = rank_context()
         self.world_size = world_size
         self.results = context.Queue()
         self.inboxes = [context.Queue() for _ in range(world_size)]
         self.rendezvous = RendezvousStore(world_size)
         self.procs = [context.Process(target=_pool_main, args=(
-            rank, world_size, self.rendezvous.port, setup, self.inboxes[rank], self.results))
+            rank, world_size, self.rendezvous.port, setup, self.inboxes[rank], self.results,
+            dict(os.environ)))
             for rank in range(world_size)]
         for proc in self.procs:
             proc.start()
