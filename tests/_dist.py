@@ -405,7 +405,7 @@ def max_relative_error(ours: dict[str, torch.Tensor], reference: dict[str, torch
 
 
 # ---------------------------------------------------------------------------
-# long-lived ranks: many examples, one spawn
+# long-lived ranks: many examples, one start
 
 
 def _pool_main(rank: int, world_size: int, port: int, setup: Callable[..., Any],
@@ -431,7 +431,7 @@ def _pool_main(rank: int, world_size: int, port: int, setup: Callable[..., Any],
 
 
 class RankPool:
-    """``world_size`` gloo ranks spawned once that run one function after another.
+    """``world_size`` gloo ranks started once that run one function after another.
 
     ``setup(rank, world_size)`` runs once per rank (start a shared daemon, say) and its
     result is passed to every call as ``context`` (its ``close()``, if any, runs at the
