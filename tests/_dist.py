@@ -67,10 +67,10 @@ PRELOADED = ["torch", "torch.distributed", "numpy"]
 """Imported once by each test process's fork server, before any rank forks from it."""
 
 
+# Hazard: the fork server listens on a socket in multiprocessing's temp dir, made on the
+# first call and kept: made here, at collection, it is not under a test's own temp dir
+# (``conftest.test_tmpdir``), which goes away with that test.
 multiprocessing.util.get_temp_dir()
-"""Hazard: the fork server listens on a socket in multiprocessing's temp dir, made on the
-first call and kept: made here, at collection, it is not under a test's own temp dir
-(``conftest.test_tmpdir``), which goes away with that test."""
 
 
 def rank_context() -> Any:
