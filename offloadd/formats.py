@@ -47,8 +47,8 @@ index and a per-step key (``rounding_key``), so every kernel, any thread
 split and a resumed run round alike.
 
 This module is the formats' specification (names, sizes, layout, rounding
-key) and imports no torch, so the daemon can check shards before its first
-optimizer step loads torch; ``offloadd.moment_codec`` is the torch reference
+key) and imports no torch, so the daemon checks shards and steps them with its
+native kernels without torch; ``offloadd.moment_codec`` is the torch reference
 encoder/decoder: a native kernel's compact step (``offloadd._native``) equals
 decoding with it, that kernel's fp32 step and encoding with it, byte for byte
 (``tests/test_compact_kernels.py``).

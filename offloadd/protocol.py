@@ -51,8 +51,8 @@ DTYPES = tuple(DTYPE_ITEMSIZE)
 def torch_dtypes() -> dict[str, torch.dtype]:
     """Shard dtype tag -> torch dtype, shared by the daemon's optimizer and the client.
 
-    Imports torch on first call only: the daemon does so at its first optimizer step
-    (a swap-only daemon starts in a fraction of the time)."""
+    Imports torch on first call only: the daemon does so only where its native module is
+    not built, at its first optimizer step."""
     import torch
 
     return {tag: getattr(torch, tag) for tag in DTYPES}

@@ -86,6 +86,33 @@ def start_daemon(workdir: os.PathLike[str] | str | None, *, arena_size: int | st
     return PrivateDaemon.start(workdir, arena_size=arena_size, extra_args=args)
 
 
+HIDE_NATIVE = """
+import importlib.abc
+import sys
+
+
+class NoNative(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "offloadd._native":
+            raise ImportError("offloadd._native is hidden from this process (a test)")
+        return None
+
+
+sys.meta_path.insert(0, NoNative())
+"""
+
+
+def hide_native_module(monkeypatch: pytest.MonkeyPatch, scratch: Path) -> None:
+    """Processes started after this (a daemon, ranks) cannot import ``offloadd._native``,
+    as on an install whose native build failed: a ``sitecustomize`` in ``scratch`` on
+    their PYTHONPATH refuses it."""
+    hook = scratch / "no-native-hook"
+    hook.mkdir(parents=True, exist_ok=True)
+    (hook / "sitecustomize.py").write_text(HIDE_NATIVE)
+    inherited = os.environ.get("PYTHONPATH", "").split(":")
+    monkeypatch.setenv("PYTHONPATH", ":".join(filter(None, [str(hook), *inherited])))
+
+
 def wait_bounce_backed(socket_path: str, timeout_s: float = 60.0) -> dict[str, Any]:
     """The daemon's bounce-slot stats once it is done backing the slots, which it does
     once a job outgrows its arena (``SwapSpace.stage_ahead``: up to 128 MiB of its

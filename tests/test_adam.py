@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from offloadd.compute import adam
+from offloadd.compute import adam, native_adam
 
 NATIVE_KERNELS = adam.native_kernels()
 ALL_KERNELS = [*NATIVE_KERNELS, "torch"]
@@ -226,7 +226,7 @@ def test_grad_is_never_modified() -> None:
 
 
 def test_works_without_native_module(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(adam, "_native", None)
+    monkeypatch.setattr(native_adam, "_native", None)
     assert adam.active_kernel() == "torch"
     assert adam.native_kernels() == []
     problem = make_problem(33, seed=2)

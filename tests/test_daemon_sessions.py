@@ -20,6 +20,7 @@ from conftest import (
     call,
     error_code,
     hello,
+    hide_native_module,
     is_closed,
     raw_socket,
     read_reply,
@@ -27,6 +28,7 @@ from conftest import (
 )
 
 from offloadd import protocol as p
+from offloadd.compute import native_adam
 from offloadd.config import DaemonConfig, parse_size
 from offloadd.errors import (
     DaemonUnavailableError,
@@ -270,28 +272,37 @@ def _maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
-def test_the_daemon_loads_torch_only_once_a_job_creates_optimizer_state(tmp_path: Path) -> None:
-    """Serving shards needs no torch; a rank creating optimizer state (a step's length
-    before its first step) starts loading the Adam kernel on the worker thread, so the
-    first step does not wait for the import."""
+@pytest.mark.parametrize("native", [True, False], ids=["native", "no-native-module"])
+def test_the_daemon_loads_torch_only_to_step_without_its_native_module(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool) -> None:
+    """Serving shards needs no torch, nor do steps with the native kernels. Without the
+    native module a step needs torch: a rank creating optimizer state (a step's length
+    before its first step) starts that import on the worker thread, so the first step
+    does not wait for it."""
     import torch
 
-    with PrivateDaemon.start(tmp_path / "d", arena_size="16MiB",
-                             extra_args=["--metrics-addr", "127.0.0.1:0"]) as daemon, \
+    if native and not native_adam.kernels():
+        pytest.skip("offloadd._native is not built")
+    if not native:
+        hide_native_module(monkeypatch, tmp_path)
+    with start_daemon(tmp_path / "d", arena_size="16MiB") as daemon, \
             OffloadClient.connect(daemon.socket_path, job="lazy") as client:
         state = torch.full((64,), 2.0)
         client.put_many({f"blob{index}.data": state for index in range(4)})
         assert client.get("blob0.data") == state.numpy().tobytes()
-        assert client.stats()["adam_kernel"] in ("avx512", "avx2", "scalar", "torch")
+        kernel = client.stats()["adam_kernel"]
+        assert (kernel in ("avx512", "avx2", "scalar")) if native else kernel == "torch"
         assert not _maps_torch(daemon.process.pid)  # serving shards needs no torch
         client.put_many({f"u.{name}": state for name in ("master", "exp_avg", "exp_avg_sq",
                                                           "grad")})
-        deadline = time.monotonic() + 60
-        while not _maps_torch(daemon.process.pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert _maps_torch(daemon.process.pid)  # loaded before any step asked for it
+        if not native:
+            deadline = time.monotonic() + 60
+            while not _maps_torch(daemon.process.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _maps_torch(daemon.process.pid)  # loaded before any step asked for it
         client.optimizer_step("u", step=1, lr=0.1)
         assert client.get("u.master") != state.numpy().tobytes()
+        assert _maps_torch(daemon.process.pid) is not native
 
 
 def test_toml_config_takes_the_same_keys_as_the_flags_and_flags_win(tmp_path: Path) -> None:

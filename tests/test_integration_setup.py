@@ -5,6 +5,7 @@ were imported, and installed versions outside the tested ranges fail naming the 
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -59,6 +60,11 @@ def test_import_trainer_hf_makes_deepspeed_mean_offloadd_in_this_process() -> No
 def test_import_after_transformers_is_refused_with_the_fix() -> None:
     pytest.importorskip("accelerate", reason="the hf extra is not installed")
     result = python("import transformers.trainer\nimport trainer.hf")
+    if importlib.util.find_spec("deepspeed") is not None:
+        # A real DeepSpeed is installed (not imported): transformers already saw one
+        # present, as it will see the facade, so the late import is harmless and accepted.
+        assert result.returncode == 0, result.stderr
+        return
     assert result.returncode != 0
     assert "put `import trainer.hf` before" in result.stderr
 

@@ -9,6 +9,7 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <stdexcept>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "adam/adam_dispatch.h"
+#include "adam/convert.h"
 #include "io/backend.h"
 #include "thread_pool.h"
 
@@ -112,6 +114,24 @@ void adam_step_compact(uintptr_t master, uintptr_t grad, int grad_dtype, uintptr
   adam::run_compact_step(fn, scalars, buffers, moments, numel, num_threads);
 }
 
+// fp32 `src` rounded into `dst` of out_dtype (1 fp32, 2 bf16, 3 fp16), as
+// `dst.copy_(src)` rounds (to nearest, ties to even): a reverted step's parameter.
+void round_into(uintptr_t src, uintptr_t dst, int out_dtype, size_t numel) {
+  if (out_dtype < 1 || out_dtype > 3) throw std::invalid_argument("out_dtype must be in 1..3");
+  const float* in = reinterpret_cast<const float*>(src);
+  nb::gil_scoped_release no_gil;
+  if (out_dtype == 1) {
+    std::memmove(reinterpret_cast<void*>(dst), in, numel * sizeof(float));
+    return;
+  }
+  uint16_t* out = reinterpret_cast<uint16_t*>(dst);
+  if (out_dtype == 2) {
+    for (size_t i = 0; i < numel; ++i) out[i] = adam::bf16_from_float(in[i]);
+  } else {
+    for (size_t i = 0; i < numel; ++i) out[i] = adam::fp16_from_float(in[i]);
+  }
+}
+
 // Owns one backend; closing it waits for in-flight IO (see the backends).
 class IoEngine {
  public:
@@ -185,6 +205,9 @@ NB_MODULE(_native, m) {
         "exp_avg_sq"_a, "exp_avg_scales"_a, "exp_avg_sq_scales"_a, "rounding_key"_a, "step"_a,
         "lr"_a, "beta1"_a, "beta2"_a, "eps"_a, "weight_decay"_a, "decoupled_weight_decay"_a,
         "grad_scale"_a, "kernel"_a, "num_threads"_a, "source"_a = std::vector<uintptr_t>{});
+
+  m.def("round_into", &offloadd::round_into, "src"_a, "dst"_a, "out_dtype"_a, "numel"_a,
+        "fp32 src rounded into dst (1 fp32, 2 bf16, 3 fp16) to nearest, ties to even.");
 
   nb::class_<IoEngine>(m, "IoEngine")
       .def(nb::init<const std::string&, unsigned, unsigned>(), "kind"_a, "queue_depth"_a,

@@ -23,11 +23,7 @@ from typing import Any, Literal
 import torch
 
 from offloadd import formats, moment_codec
-
-try:
-    import offloadd._native as _native
-except ImportError:  # the package must work without its compiled part
-    _native = None
+from offloadd.compute import native_adam
 
 __all__ = ["KernelName", "active_kernel", "adam_step", "native_kernels"]
 
@@ -35,9 +31,6 @@ logger = logging.getLogger(__name__)
 
 KernelName = Literal["avx512", "avx2", "scalar", "torch"]
 
-_GRAD_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-_OUT_DTYPE_CODES = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-_MOMENT_FORMAT_CODES = {"bfloat16": 1, "blockwise8": 2}
 _TORCH_SPAN_ELEMENTS = 1 << 20
 """The torch path updates compact moments this many elements at a time (a multiple of
 the blockwise8 block), so its fp32 temporaries stay small whatever the unit's size."""
@@ -45,7 +38,7 @@ the blockwise8 block), so its fp32 temporaries stay small whatever the unit's si
 
 def native_kernels() -> list[str]:
     """Native kernels this CPU can run, best first; empty without the native module."""
-    return list(_native.adam_kernels()) if _native is not None else []
+    return native_adam.kernels()
 
 
 def active_kernel() -> KernelName:
@@ -99,7 +92,9 @@ def adam_step(
     mainly for tests.  num_threads=None uses every CPU this process may run on.
     """
     _check_state(master, exp_avg, exp_avg_sq, grad, param_out)
-    _check_hyperparameters(step, lr, beta1, beta2, eps, weight_decay, grad_scale, num_threads)
+    native_adam.check_hyperparameters(step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                      weight_decay=weight_decay, grad_scale=grad_scale,
+                                      num_threads=num_threads)
     read_from = _check_source((master, exp_avg, exp_avg_sq), source)
     kernel = _choose_kernel(use_native, use_kernel)
     if master.numel() == 0:
@@ -118,19 +113,14 @@ def adam_step(
         decoupled_weight_decay=decoupled_weight_decay,
         grad_scale=grad_scale,
     )
-    fmt = moment_codec.format_of(exp_avg.dtype)
-    if fmt != "float32":
-        key = formats.rounding_key(rounding_seed, step)
-        if kernel == "torch":
-            _torch_compact_step(master, exp_avg, exp_avg_sq, grad, param_out, key, **hyper)
-        else:
-            _native_compact_step(master, exp_avg, exp_avg_sq, grad, param_out, key, kernel,
-                                 num_threads, read_from, **hyper)
-    elif kernel == "torch":
-        _torch_step(master, exp_avg, exp_avg_sq, grad, param_out, **hyper)
-    else:
+    if kernel != "torch":
         _native_step(master, exp_avg, exp_avg_sq, grad, param_out, kernel, num_threads,
-                     read_from, **hyper)
+                     rounding_seed, read_from, **hyper)
+    elif moment_codec.format_of(exp_avg.dtype) != "float32":
+        key = formats.rounding_key(rounding_seed, step)
+        _torch_compact_step(master, exp_avg, exp_avg_sq, grad, param_out, key, **hyper)
+    else:
+        _torch_step(master, exp_avg, exp_avg_sq, grad, param_out, **hyper)
 
 
 def _check_source(state: tuple[torch.Tensor, ...], source: Any
@@ -198,30 +188,6 @@ def _check_moments(exp_avg: Any, exp_avg_sq: Any, numel: int) -> None:
                          f"and {exp_avg_sq.dtype}")
 
 
-def _check_hyperparameters(
-    step: int,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    grad_scale: float,
-    num_threads: int | None,
-) -> None:
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step must be an int >= 1 (1-based step count), got {step!r}")
-    for name, value in (("beta1", beta1), ("beta2", beta2)):
-        if not 0.0 <= value < 1.0:
-            raise ValueError(f"{name} must be in [0, 1), got {value}")
-    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
-        if not (math.isfinite(value) and value >= 0.0):
-            raise ValueError(f"{name} must be finite and >= 0, got {value}")
-    if not math.isfinite(grad_scale):
-        raise ValueError(f"grad_scale must be finite, got {grad_scale}")
-    if num_threads is not None and num_threads < 1:
-        raise ValueError(f"num_threads must be >= 1 or None (all CPUs), got {num_threads}")
-
-
 def _choose_kernel(use_native: bool | None, use_kernel: KernelName | None) -> KernelName:
     if use_kernel is not None:
         if use_kernel != "torch" and use_kernel not in native_kernels():
@@ -232,7 +198,7 @@ def _choose_kernel(use_native: bool | None, use_kernel: KernelName | None) -> Ke
         return use_kernel
     if use_native is False:
         return "torch"
-    if use_native and _native is None:
+    if use_native and not native_kernels():
         raise ValueError("use_native=True but offloadd._native is not built")
     return active_kernel()
 
@@ -245,78 +211,25 @@ def _native_step(
     param_out: torch.Tensor | None,
     kernel: str,
     num_threads: int | None,
+    rounding_seed: int,
     source: tuple[torch.Tensor, ...] | None,
     **hyper: Any,
 ) -> None:
     # Addresses are only valid while the tensors live: they are all
     # arguments of this call, so the caller keeps them alive throughout.
-    assert _native is not None
-    _native.adam_step(
-        master.data_ptr(),
-        exp_avg.data_ptr(),
-        exp_avg_sq.data_ptr(),
-        grad.data_ptr(),
-        _GRAD_DTYPE_CODES[grad.dtype],
-        0 if param_out is None else param_out.data_ptr(),
-        _OUT_DTYPE_CODES[None if param_out is None else param_out.dtype],
-        master.numel(),
-        kernel=kernel,
-        num_threads=num_threads or 0,
-        source=[copy.data_ptr() for copy in source or ()],
-        **hyper,
-    )
+    native_adam.step(
+        _flat(master), _flat(exp_avg), _flat(exp_avg_sq), _flat(grad), kernel=kernel,
+        num_threads=num_threads, rounding_seed=rounding_seed,
+        param_out=None if param_out is None else _flat(param_out),
+        source=None if source is None else (_flat(source[0]), _flat(source[1]),
+                                            _flat(source[2])),
+        **hyper)
 
 
-def _native_compact_step(
-    master: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    grad: torch.Tensor,
-    param_out: torch.Tensor | None,
-    key: int,
-    kernel: str,
-    num_threads: int | None,
-    source: tuple[torch.Tensor, ...] | None,
-    **hyper: Any,
-) -> None:
-    assert _native is not None
-    numel = master.numel()
-    fmt = moment_codec.format_of(exp_avg.dtype)
-    (exp_avg_address, exp_avg_scales), (exp_avg_sq_address, exp_avg_sq_scales) = (
-        _moment_addresses(fmt, moment, numel) for moment in (exp_avg, exp_avg_sq))
-    source_addresses = []
-    if source is not None:  # the native order: master, both codes, both scales (blockwise8)
-        source_master, *source_moments = source
-        codes_and_scales = [_moment_addresses(fmt, moment, numel) for moment in source_moments]
-        source_addresses = [source_master.data_ptr(), *(codes for codes, _ in codes_and_scales)]
-        if fmt == "blockwise8":
-            source_addresses += [scales for _, scales in codes_and_scales]
-    _native.adam_step_compact(
-        master.data_ptr(),
-        grad.data_ptr(),
-        _GRAD_DTYPE_CODES[grad.dtype],
-        0 if param_out is None else param_out.data_ptr(),
-        _OUT_DTYPE_CODES[None if param_out is None else param_out.dtype],
-        numel,
-        _MOMENT_FORMAT_CODES[fmt],
-        exp_avg_address,
-        exp_avg_sq_address,
-        exp_avg_scales,
-        exp_avg_sq_scales,
-        key,
-        kernel=kernel,
-        num_threads=num_threads or 0,
-        source=source_addresses,
-        **hyper,
-    )
-
-
-def _moment_addresses(fmt: str, moment: torch.Tensor, numel: int) -> tuple[int, int]:
-    """A compact moment's codes (bf16 bits or blockwise8 codes) and scales (0: none)."""
-    if fmt == "blockwise8":
-        scales, codes = moment_codec.split_blockwise8(moment, numel)
-        return codes.data_ptr(), scales.data_ptr()
-    return moment.data_ptr(), 0
+def _flat(tensor: torch.Tensor) -> native_adam.Flat:
+    """A contiguous CPU tensor as the native kernels take it (checked by the caller)."""
+    return native_adam.Flat(tensor.data_ptr(), str(tensor.dtype).removeprefix("torch."),
+                            tensor.nbytes)
 
 
 def _torch_compact_step(
@@ -418,6 +331,6 @@ _FUSED_AVAILABLE = hasattr(torch, "_fused_adamw_") and hasattr(torch, "_fused_ad
 logger.info(
     "cpu adam: %s",
     f"native kernel {active_kernel()} (available: {native_kernels()})"
-    if _native is not None
+    if native_kernels()
     else "offloadd._native not built, using torch ops",
 )

@@ -31,12 +31,14 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from offloadd.compute import native_adam
 from offloadd.compute.cpus import pin_this_thread
+from offloadd.compute.native_adam import MOMENT_FORMAT_OF_DTYPE
 from offloadd.errors import InvalidRequestError, LeaseConflictError, UnknownShardError
-from offloadd.formats import SHARD_DTYPES, moment_nbytes
-from offloadd.memory.arena import Arena
+from offloadd.formats import moment_nbytes
+from offloadd.memory.arena import Arena, buffer_address
 from offloadd.memory.shards import Lease, Shard, ShardTable
 from offloadd.metrics import Counters, Histogram, histogram_family
 from offloadd.protocol import DTYPE_ITEMSIZE, Placed, torch_dtypes
@@ -83,10 +85,6 @@ NEXT_SUFFIXES = ("next.master", "next.exp_avg", "next.exp_avg_sq")
 it steps to, until the rank commits it (the state adopts them) or not (they are dropped).
 The rank allocates them."""
 WARMING_SUFFIXES = (".master", ".exp_avg")
-
-
-MOMENT_FORMAT_OF_DTYPE = {dtype: fmt for fmt, dtype in SHARD_DTYPES.items()}
-"""Shard dtype tag of a moment -> its format (uint8: 8-bit block-wise)."""
 
 
 def element_count(shard: Shard) -> int:
@@ -197,14 +195,14 @@ class OptimizerService:
         """The worker, handed to waiting jobs in turn: one job's queue of 400 steps
         must not delay another job's step by 400 steps."""
         self.warming: Future[None] | None = None
-        """The kernel's import (torch and the native module, ~1 s of CPU) on the worker,
-        started when the first job creates optimizer state."""
+        """The kernel's load on the worker, started when the first job creates optimizer
+        state: torch's import (~2.5 s of CPU) where the native module is not built; with
+        it, nothing (the native kernels need no torch)."""
 
     def warm_for(self, ids: list[str]) -> None:
         """Start loading the kernel on the worker once shards of optimizer state are
         created: a rank creates them at initialisation, a step's length before its first
-        step, which would otherwise wait for the import (the second step's stall). Daemons
-        whose jobs never step never import torch."""
+        step, which would otherwise wait for the load (the second step's stall)."""
         if self.warming is None and any(shard_id.endswith(WARMING_SUFFIXES) for shard_id in ids):
             self.warming = self.executor.submit(_load_kernel)
 
@@ -353,34 +351,64 @@ class OptimizerService:
             self.step_seconds.observe(time.perf_counter() - started)
             self.elements += element_count(shards.state[0])
 
-    @staticmethod
-    def _tensor(job: Job, shard: Shard) -> torch.Tensor:
-        import torch
-
-        assert shard.offset is not None
-        view = job.arena.slice(shard.offset, shard.nbytes)
-        return torch.frombuffer(view, dtype=torch_dtypes()[shard.dtype])
-
     def _run(self, job: Job, rank: int, shards: StepShards, req: OptimizerStep) -> None:
-        """On the worker thread (torch is imported here, off the event loop)."""
-        from offloadd.compute import adam
+        """On the worker thread. The native kernels take the shards' arena spans as they
+        are, so the daemon never imports torch; without the native module the same step
+        runs as torch ops on tensors over those bytes (torch is imported here, off the
+        event loop)."""
+        # Hazard: the views keep the arena mapped (its close waits for them) while the
+        # kernel writes through the addresses taken from them.
+        views = {shard: job.arena.slice(_offset(shard), shard.nbytes) for shard in shards.all}
+        try:
+            if native_adam.kernels():
+                self._run_native(rank, shards, req, views)
+            else:
+                self._run_torch(rank, shards, req, views)
+        finally:
+            for view in views.values():
+                view.release()
 
-        state = [self._tensor(job, shard) for shard in shards.state]
-        param = self._tensor(job, shards.param) if shards.param is not None else None
+    def _run_native(self, rank: int, shards: StepShards, req: OptimizerStep,
+                    views: dict[Shard, memoryview]) -> None:
+        def flat(shard: Shard) -> native_adam.Flat:
+            return native_adam.Flat(buffer_address(views[shard]), shard.dtype, shard.nbytes)
+
+        state = [flat(shard) for shard in shards.state]
+        param = flat(shards.param) if shards.param is not None else None
         if req.undo == "revert":  # no step: the parameter of the master as it stands
             if param is not None:  # rounded as the kernel rounds it (to nearest even)
+                native_adam.round_into(state[0], param)
+            return
+        stepped = [flat(shard) for shard in shards.next]
+        master, exp_avg, exp_avg_sq = stepped or state[:3]  # written: out of place or not
+        native_adam.step(
+            master, exp_avg, exp_avg_sq, state[3], kernel=native_adam.kernels()[0],
+            num_threads=self.num_threads, rounding_seed=rounding_seed(rank, req.unit),
+            param_out=param, source=(state[0], state[1], state[2]) if stepped else None,
+            **_hyperparameters(req))
+
+    def _run_torch(self, rank: int, shards: StepShards, req: OptimizerStep,
+                   views: dict[Shard, memoryview]) -> None:
+        import torch
+
+        from offloadd.compute import adam
+
+        def tensor(shard: Shard) -> torch.Tensor:
+            return torch.frombuffer(views[shard], dtype=torch_dtypes()[shard.dtype])
+
+        state = [tensor(shard) for shard in shards.state]
+        param = tensor(shards.param) if shards.param is not None else None
+        if req.undo == "revert":
+            if param is not None:
                 param.copy_(state[0])
             return
-        stepped = [self._tensor(job, shard) for shard in shards.next]
-        master, exp_avg, exp_avg_sq = stepped or state[:3]  # written: out of place or not
+        stepped = [tensor(shard) for shard in shards.next]
+        master, exp_avg, exp_avg_sq = stepped or state[:3]
         adam.adam_step(
-            master, exp_avg, exp_avg_sq, state[3],
-            step=req.step, lr=req.lr, beta1=req.beta1, beta2=req.beta2, eps=req.eps,
-            weight_decay=req.weight_decay, decoupled_weight_decay=req.decoupled_weight_decay,
-            grad_scale=req.grad_scale, param_out=param,
+            master, exp_avg, exp_avg_sq, state[3], param_out=param, use_kernel="torch",
             num_threads=self.num_threads, rounding_seed=rounding_seed(rank, req.unit),
             source=(state[0], state[1], state[2]) if stepped else None,
-        )
+            **_hyperparameters(req))
 
     def families(self) -> list[Metric]:
         from prometheus_client.core import CounterMetricFamily
@@ -448,10 +476,27 @@ class FairSlot:
 
 
 def _load_kernel() -> None:
-    """Import what ``OptimizerService._run`` needs (torch comes with it) on the worker."""
-    from offloadd.compute import adam
+    """Load what ``OptimizerService._run`` needs on the worker: the native module, or
+    torch (~2.5 s of CPU) where that is not built."""
+    if not native_adam.kernels():
+        from offloadd.compute import adam
 
-    adam.active_kernel()
+        adam.active_kernel()
+
+
+def _offset(shard: Shard) -> int:
+    assert shard.offset is not None, f"{shard.shard_id!r} is leased, so placed in the arena"
+    return shard.offset
+
+
+def _hyperparameters(req: OptimizerStep) -> dict[str, Any]:
+    """The step's hyperparameters as both kernels take them, checked (ValueError)."""
+    hyper: dict[str, Any] = dict(
+        step=req.step, lr=req.lr, beta1=req.beta1, beta2=req.beta2, eps=req.eps,
+        weight_decay=req.weight_decay, grad_scale=req.grad_scale,
+        decoupled_weight_decay=req.decoupled_weight_decay)
+    native_adam.check_hyperparameters(**hyper)
+    return hyper
 
 
 def _consume_orphan_result(future: asyncio.Future[None]) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from offloadd import __version__
+from offloadd.compute import native_adam
 from offloadd.compute.cpus import pin_process, plan_cpus
 from offloadd.compute.optimizer import OptimizerService
 from offloadd.config import SERVICE_SOCKET_DIR, DaemonConfig, parse_host_port
@@ -36,13 +37,8 @@ LAG_PERIOD_S = 0.25
 
 
 def adam_kernel() -> str:
-    """The kernel optimizer steps use (adam.active_kernel), read from the native module:
-    importing offloadd.compute.adam would import torch, which waits for the first step."""
-    try:
-        from offloadd import _native
-    except ImportError:
-        return "torch"
-    return next(iter(_native.adam_kernels()), "torch")
+    """The kernel optimizer steps use: the best native one, else "torch" (the fallback)."""
+    return next(iter(native_adam.kernels()), "torch")
 
 
 def sd_notify(message: str) -> None:

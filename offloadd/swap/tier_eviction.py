@@ -184,9 +184,10 @@ class TierEviction(TierState):
         pinned while it is made resident, then leased while its kernel runs, and ends by
         itself. An arena a few shards larger than one step (12-16 MiB, 2 MiB shards)
         failed a rank's acquire with "leased 0" while only such a step held the room
-        (tests/test_zero_init_rss.py; the first step of a daemon imports torch on the
-        worker, seconds on a loaded host). The wait is bounded: the step's own batch
-        may be waiting for room the ranks hold, and then this is over budget after all.
+        (tests/test_zero_init_rss.py; the first step of a daemon without its native module
+        imports torch on the worker, seconds on a loaded host). The wait is bounded: the
+        step's own batch may be waiting for room the ranks hold, and then this is over
+        budget after all.
         When only ranks hold the room it is reported at once, as before.
         """
         if not self.steps_running():
