@@ -22,6 +22,7 @@ from conftest import hide_native_module, start_daemon
 from offloadd import moment_codec
 from offloadd.compute import adam, native_adam
 from offloadd.compute.optimizer import rounding_seed
+from offloadd.errors import InvalidRequestError
 from trainer.client import OffloadClient
 
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed")
@@ -117,6 +118,27 @@ def test_a_daemon_without_the_native_module_steps_with_torch(
         assert maps_torch(daemon.process.pid), "the daemon stepped, but not with torch"
     finally:
         daemon.stop()
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"lr": float("nan")}, "lr must be finite"),
+    ({"beta1": 1.0}, r"beta1 must be in \[0, 1\)"),
+    ({"step": 0}, "step must be an int >= 1"),
+    ({"grad_scale": float("-inf")}, "grad_scale must be finite"),
+])
+def test_a_step_with_a_hyperparameter_out_of_range_is_refused_as_invalid(
+        connect, change: dict[str, Any], message: str) -> None:
+    """The request's fault, answered ``invalid`` and naming the value, before anything is
+    queued or leased: the state stays as it was and the next step runs."""
+    client = connect()
+    unit = Unit("u", "float32", kernel=None)
+    unit.load(client)
+    with pytest.raises(InvalidRequestError, match=message):
+        client.optimizer_step("u", **{"step": 1, **HYPER, **change})
+    unit.check(client, "a refused step")
+    client.optimizer_step("u", step=1, **HYPER)
+    unit.step()
+    unit.check(client, "the next step")
 
 
 FLOAT_BITS = st.one_of(

@@ -23,6 +23,7 @@ run rounds as the uninterrupted one) or uint8 (8-bit block-wise).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -211,8 +212,7 @@ class OptimizerService:
                 "elements": self.elements, "queued": self.worker_slot.num_waiting()}
 
     async def step(self, job: Job, rank: int, req: OptimizerStep) -> None:
-        if req.step < 1:
-            raise InvalidRequestError(f"optimizer step count must be >= 1, got {req.step}")
+        _hyperparameters(req)  # checked before anything is queued or leased
         state = job.table.lookup(rank, [f"{req.unit}.{suffix}" for suffix in STATE_SUFFIXES])
         param = job.table.shards.get((rank, f"{req.unit}.param"))
         check_unit_shards(req.unit, state, param)
@@ -356,20 +356,24 @@ class OptimizerService:
         are, so the daemon never imports torch; without the native module the same step
         runs as torch ops on tensors over those bytes (torch is imported here, off the
         event loop)."""
+        hyper = _hyperparameters(req)
         # Hazard: the views keep the arena mapped (its close waits for them) while the
         # kernel writes through the addresses taken from them.
         views = {shard: job.arena.slice(_offset(shard), shard.nbytes) for shard in shards.all}
         try:
             if native_adam.kernels():
-                self._run_native(rank, shards, req, views)
+                self._run_native(rank, shards, req, views, hyper)
             else:
-                self._run_torch(rank, shards, req, views)
+                self._run_torch(rank, shards, req, views, hyper)
         finally:
             for view in views.values():
-                view.release()
+                # A torch tensor over a view (held by a failed step's traceback) keeps it
+                # exported: the view then goes with the tensor.
+                with contextlib.suppress(BufferError):
+                    view.release()
 
     def _run_native(self, rank: int, shards: StepShards, req: OptimizerStep,
-                    views: dict[Shard, memoryview]) -> None:
+                    views: dict[Shard, memoryview], hyper: dict[str, Any]) -> None:
         def flat(shard: Shard) -> native_adam.Flat:
             return native_adam.Flat(buffer_address(views[shard]), shard.dtype, shard.nbytes)
 
@@ -385,10 +389,10 @@ class OptimizerService:
             master, exp_avg, exp_avg_sq, state[3], kernel=native_adam.kernels()[0],
             num_threads=self.num_threads, rounding_seed=rounding_seed(rank, req.unit),
             param_out=param, source=(state[0], state[1], state[2]) if stepped else None,
-            **_hyperparameters(req))
+            **hyper)
 
     def _run_torch(self, rank: int, shards: StepShards, req: OptimizerStep,
-                   views: dict[Shard, memoryview]) -> None:
+                   views: dict[Shard, memoryview], hyper: dict[str, Any]) -> None:
         import torch
 
         from offloadd.compute import adam
@@ -408,7 +412,7 @@ class OptimizerService:
             master, exp_avg, exp_avg_sq, state[3], param_out=param, use_kernel="torch",
             num_threads=self.num_threads, rounding_seed=rounding_seed(rank, req.unit),
             source=(state[0], state[1], state[2]) if stepped else None,
-            **_hyperparameters(req))
+            **hyper)
 
     def families(self) -> list[Metric]:
         from prometheus_client.core import CounterMetricFamily
@@ -490,12 +494,16 @@ def _offset(shard: Shard) -> int:
 
 
 def _hyperparameters(req: OptimizerStep) -> dict[str, Any]:
-    """The step's hyperparameters as both kernels take them, checked (ValueError)."""
+    """The step's hyperparameters as both kernels take them; InvalidRequestError naming
+    the first one out of its range."""
     hyper: dict[str, Any] = dict(
         step=req.step, lr=req.lr, beta1=req.beta1, beta2=req.beta2, eps=req.eps,
         weight_decay=req.weight_decay, grad_scale=req.grad_scale,
         decoupled_weight_decay=req.decoupled_weight_decay)
-    native_adam.check_hyperparameters(**hyper)
+    try:
+        native_adam.check_hyperparameters(**hyper)
+    except ValueError as exc:
+        raise InvalidRequestError(f"optimizer_step of unit {req.unit!r}: {exc}") from None
     return hyper
 
 
