@@ -31,6 +31,7 @@ import torch
 import uvloop
 
 from offloadd import protocol as p
+from offloadd.errors import OverBudgetError
 from offloadd.memory.arena import free_huge_pages
 from offloadd.ops.embedded import PrivateDaemon
 from trainer import lease_debug
@@ -381,6 +382,25 @@ def huge_pages() -> Iterator[Callable[[int], None]]:
         yield from _huge_page_pool()
     finally:
         lock.close()  # releases the flock
+
+
+def connect_reserving(socket_path: str, reserve: Callable[[int], None] | None, *,
+                      job: str, arena_nbytes: int, attempts: int = 5,
+                      **kwargs: Any) -> OffloadClient:
+    """Connect to a daemon whose job arena takes 2 MiB huge pages, reserving them
+    (``huge_pages``' ``reserve``) right before the hello, and again if a daemon of a
+    concurrent test (``arena_hugepages = "auto"``, the default) took them in between: the
+    pool is the node's, not this test's. ``reserve`` None: connect once, no reservation."""
+    for attempt in range(attempts):
+        if reserve is not None:
+            reserve(-(-arena_nbytes // (2 << 20)))
+        try:
+            return OffloadClient.connect(socket_path, job=job, arena_nbytes=arena_nbytes,
+                                         **kwargs)
+        except OverBudgetError as exc:
+            if reserve is None or "huge pages" not in str(exc) or attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _huge_page_pool() -> Iterator[Callable[[int], None]]:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import connect_reserving
 
 from offloadd.errors import OverBudgetError
 from offloadd.memory.arena import HUGE_PAGE_NBYTES, free_huge_pages
@@ -113,8 +114,8 @@ def test_never_written_shards_are_evicted_without_io_and_left_out_of_the_manifes
 
 
 def test_a_hugetlb_arena_serves_and_swaps_like_any_other(tmp_path: Path, huge_pages) -> None:
-    huge_pages(ARENA_NBYTES // HUGE_PAGE_NBYTES)
-    with start(tmp_path, "d", "--arena-hugepages", "on") as daemon, connect(daemon) as client:
+    with start(tmp_path, "d", "--arena-hugepages", "on") as daemon, connect_reserving(
+            daemon.socket_path, huge_pages, job=JOB, arena_nbytes=ARENA_NBYTES) as client:
         stats = client.stats()
         assert stats["arena_hugepages"] and stats["arena_nbytes"] == ARENA_NBYTES
         ids = [f"s{i}" for i in range(2 * ARENA_NBYTES // SHARD_NBYTES)]

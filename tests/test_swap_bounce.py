@@ -30,11 +30,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import wait_bounce_backed
+from conftest import connect_reserving, wait_bounce_backed
 from test_nvme_recovery import stopped_cleanly
 
 from offloadd.config import DaemonConfig
-from offloadd.errors import OverBudgetError, SwapIOError
+from offloadd.errors import SwapIOError
 from offloadd.metrics import DaemonMetrics
 from offloadd.ops.embedded import PrivateDaemon
 from offloadd.swap import ioengine
@@ -56,22 +56,10 @@ def running(root: Path, extra_args: list[str],
     between: the pool is the node's, not this test's."""
     daemon = PrivateDaemon.start(root / "run", arena_size=ARENA_NBYTES,
                                  swap_dirs=[str(root / "nvme0")], extra_args=extra_args)
-    with stopped_cleanly(daemon), connect_reserving(daemon, huge_pages) as client:
+    with stopped_cleanly(daemon), connect_reserving(
+            daemon.socket_path, huge_pages, job=JOB, arena_nbytes=ARENA_NBYTES,
+            timeout_s=60) as client:
         yield client
-
-
-def connect_reserving(daemon: PrivateDaemon,
-                      huge_pages: Callable[[int], None] | None) -> OffloadClient:
-    for attempt in range(5):
-        if huge_pages is not None:
-            huge_pages(ARENA_NBYTES // (2 * MIB))
-        try:
-            return OffloadClient.connect(daemon.socket_path, job=JOB,
-                                         arena_nbytes=ARENA_NBYTES, timeout_s=60)
-        except OverBudgetError as exc:
-            if huge_pages is None or "huge pages" not in str(exc) or attempt == 4:
-                raise
-    raise AssertionError("unreachable")
 
 
 def put_random_shards(client: OffloadClient, count: int, seed: int) -> dict[str, bytes]:
@@ -285,7 +273,8 @@ def _backed_slots(root: Path, prefault: str, shards: int) -> tuple[dict[str, Any
                                  swap_dirs=[str(root / "nvme0")],
                                  extra_args=["--arena-hugepages", "off",
                                              "--arena-prefault", prefault])
-    with stopped_cleanly(daemon), connect_reserving(daemon, None) as client:
+    with stopped_cleanly(daemon), OffloadClient.connect(
+            daemon.socket_path, job=JOB, arena_nbytes=ARENA_NBYTES, timeout_s=60) as client:
         require_o_direct(client)
         client.alloc([f"s{i}" for i in range(shards)], [4 * MIB] * shards)
         bounce = wait_bounce_backed(daemon.socket_path)
