@@ -30,6 +30,7 @@ from offloadd.memory.arena import (
     Arena,
     Extent,
     align_up,
+    buffer_address,
     free_huge_pages,
 )
 
@@ -291,3 +292,26 @@ def test_without_enough_huge_pages_auto_falls_back_and_on_names_the_sysctl() -> 
         arena.close()
     with pytest.raises(OverBudgetError, match=r"vm\.nr_hugepages"):
         Arena("insist", nbytes, lock=False, hugepages="on")
+
+
+def numpy_address(buffer: object) -> int:
+    """The reference: numpy's view of the same bytes."""
+    import numpy as np
+
+    view = memoryview(buffer)  # type: ignore[arg-type]
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+
+
+def test_buffer_address_is_numpys_for_every_kind_of_buffer() -> None:
+    """Read-only buffers included (ctypes' from_buffer refuses them), empty ones 0."""
+    with mmap.mmap(-1, 1 << 20) as mapping:
+        whole = memoryview(mapping)
+        cases: list[object] = [mapping, whole, whole[4096:8192], whole[1:], whole.toreadonly(),
+                               whole[0:0], b"read-only bytes", bytearray(b"writable"),
+                               memoryview(b"a slice of bytes")[3:], b""]
+        for case in cases:
+            assert buffer_address(case) == numpy_address(case), case  # type: ignore[arg-type]
+        with pytest.raises(BufferError, match="contiguous"):
+            buffer_address(memoryview(bytearray(16))[::2])
+        for view in (whole, *(c for c in cases if isinstance(c, memoryview))):
+            view.release()

@@ -2,7 +2,7 @@
 
 A daemon process runs steps (in place, speculative kept then committed, reverted) over
 fp32, bf16 and 8-bit moments; the bytes must be those of ``adam_step`` run on the rank's
-side, and the daemon must never have mapped libtorch. The same daemon started where the
+side, and the daemon must never have mapped libtorch, nor numpy. The same daemon started where the
 native module cannot be imported steps with torch's ops instead, to the bytes of the
 torch path. ``round_into`` (a revert's parameter) rounds as torch's ``to`` does, and the
 flat-buffer API refuses buffers that do not fit, before writing any byte.
@@ -92,6 +92,10 @@ def maps_torch(pid: int) -> bool:
     return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
+def maps_numpy(pid: int) -> bool:
+    return "_multiarray_umath" in Path(f"/proc/{pid}/maps").read_text()
+
+
 @NATIVE
 def test_the_daemon_steps_every_moment_format_exactly_without_torch(tmp_path: Path) -> None:
     daemon = start_daemon(tmp_path)
@@ -101,6 +105,7 @@ def test_the_daemon_steps_every_moment_format_exactly_without_torch(tmp_path: Pa
             for moments in ("float32", "bfloat16", "blockwise8"):
                 run_steps(client, Unit(f"u_{moments}", moments, kernel=None))
         assert not maps_torch(daemon.process.pid), "the daemon loaded torch for its steps"
+        assert not maps_numpy(daemon.process.pid), "the daemon loaded numpy (and its BLAS)"
     finally:
         daemon.stop()
 

@@ -68,7 +68,7 @@ def plan_cpus(setting: str, allowed: frozenset[int] | None = None,
 
 
 def pin_process(cpus: frozenset[int]) -> None:
-    """Restrict every thread this process has now (numpy's BLAS pool, started at import,
+    """Restrict every thread this process has now (a library's pool started at import
     included) and every thread they start later to ``cpus``."""
     for task in os.listdir("/proc/self/task"):
         try:

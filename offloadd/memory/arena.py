@@ -35,6 +35,7 @@ segments that scattered 4 KiB shmem pages need (measured on a virtio disk: reads
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import errno
 import fcntl
@@ -45,7 +46,6 @@ import threading
 import time
 from dataclasses import dataclass
 
-import numpy as np
 from sortedcontainers import SortedList
 
 from offloadd.config import HugePages, Prefault
@@ -246,16 +246,37 @@ def seals(fd: int) -> int:
     return fcntl.fcntl(fd, fcntl.F_GET_SEALS)
 
 
-def buffer_address(buffer: mmap.mmap | memoryview) -> int:
-    """Address of a buffer's first byte (for IO engines and CUDA registration); 0 if empty.
+class _PyBuffer(ctypes.Structure):
+    """CPython's ``Py_buffer`` (part of the stable ABI since 3.11, unchanged since 3.3)."""
 
-    numpy reads the address of read-only buffers too (ctypes.from_buffer cannot).
-    """
-    view = memoryview(buffer)
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int),
+                ("ndim", ctypes.c_int), ("format", ctypes.c_char_p),
+                ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+
+_get_buffer = ctypes.pythonapi.PyObject_GetBuffer
+_get_buffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_get_buffer.restype = ctypes.c_int
+_release_buffer = ctypes.pythonapi.PyBuffer_Release
+_release_buffer.argtypes = [ctypes.POINTER(_PyBuffer)]
+_release_buffer.restype = None
+_PYBUF_SIMPLE = 0
+"""A contiguous buffer, read-only accepted (ctypes' ``from_buffer`` insists on writable)."""
+
+
+def buffer_address(buffer: mmap.mmap | memoryview | bytes | bytearray) -> int:
+    """Address of a contiguous buffer's first byte (for IO engines, the native kernels and
+    CUDA registration), read-only buffers included; 0 if empty. Asked of the buffer
+    protocol itself: the daemon imports no numpy (its import alone started a BLAS thread
+    pool in every daemon)."""
+    info = _PyBuffer()
+    _get_buffer(buffer, ctypes.byref(info), _PYBUF_SIMPLE)  # BufferError if not contiguous
     try:
-        return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+        return int(info.buf or 0) if info.len else 0
     finally:
-        view.release()
+        _release_buffer(ctypes.byref(info))
 
 
 def default_prefault_threads() -> int:
