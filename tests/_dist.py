@@ -16,7 +16,6 @@ import contextlib
 import datetime
 import faulthandler
 import io
-import multiprocessing.util
 import os
 import queue
 import signal
@@ -67,10 +66,8 @@ PRELOADED = ["torch", "torch.distributed", "numpy"]
 """Imported once by each test process's fork server, before any rank forks from it."""
 
 
-# Hazard: the fork server listens on a socket in multiprocessing's temp dir, made on the
-# first call and kept: made here, at collection, it is not under a test's own temp dir
-# (``conftest.test_tmpdir``), which goes away with that test.
-multiprocessing.util.get_temp_dir()
+# The fork server listens on a socket in multiprocessing's temp dir: conftest makes that
+# dir at collection, outside every test's own temp dir (see the hazard there).
 
 
 def rank_context() -> Any:

@@ -135,10 +135,8 @@ def _check_source(state: tuple[torch.Tensor, ...], source: Any
     for name, copy, tensor in zip(("master", "exp_avg", "exp_avg_sq"), source, state,
                                   strict=True):
         _check_tensor(f"the source {name}", copy, (tensor.dtype,), tensor.numel())
-        written = (tensor.data_ptr(), tensor.data_ptr() + tensor.nbytes)
-        if copy.data_ptr() < written[1] and written[0] < copy.data_ptr() + copy.nbytes:
-            raise ValueError(f"the source {name} overlaps the {name} the step writes: pass "
-                             "source=None for an in-place step")
+    native_adam.check_source(tuple(_flat(copy) for copy in source),
+                             (_flat(state[0]), _flat(state[1]), _flat(state[2])))
     return source
 
 

@@ -25,7 +25,8 @@ try:
 except ImportError:  # the package must work without its compiled part
     _native = None
 
-__all__ = ["Flat", "check_hyperparameters", "kernels", "moment_format", "round_into", "step"]
+__all__ = ["Flat", "check_hyperparameters", "check_source", "kernels", "moment_format",
+           "round_into", "step"]
 
 GRAD_DTYPE_CODES = {"float32": 0, "bfloat16": 1}
 OUT_DTYPE_CODES = {None: 0, "float32": 1, "bfloat16": 2, "float16": 3}
@@ -164,19 +165,25 @@ def _check_flats(master: Flat, exp_avg: Flat, exp_avg_sq: Flat, grad: Flat,
         raise ValueError(f"param_out must be {numel} float32, bfloat16 or float16 elements, "
                          f"got {param_out.numel} {param_out.dtype}")
     if source is not None:
-        if len(source) != 3:
-            raise ValueError(f"source is master, exp_avg and exp_avg_sq, got {len(source)}")
-        for name, copy, written in zip(("master", "exp_avg", "exp_avg_sq"), source,
-                                       (master, exp_avg, exp_avg_sq), strict=True):
-            if copy.dtype != written.dtype or copy.nbytes != written.nbytes:
-                raise ValueError(f"the source {name} ({copy.nbytes} bytes of {copy.dtype}) "
-                                 f"must match the {name} the step writes ({written.nbytes} "
-                                 f"bytes of {written.dtype})")
-            if (copy.address < written.address + written.nbytes
-                    and written.address < copy.address + copy.nbytes):
-                raise ValueError(f"the source {name} overlaps the {name} the step writes: "
-                                 "pass source=None for an in-place step")
+        check_source(source, (master, exp_avg, exp_avg_sq))
     return numel
+
+
+def check_source(source: tuple[Flat, ...], written: tuple[Flat, Flat, Flat]) -> None:
+    """An out-of-place step's source (master, exp_avg, exp_avg_sq): each of its written
+    buffer's dtype and size, sharing no byte with what the step writes (else ValueError)."""
+    if len(source) != len(written):
+        raise ValueError(f"source is master, exp_avg and exp_avg_sq, got {len(source)}")
+    for name, copy, target in zip(("master", "exp_avg", "exp_avg_sq"), source, written,
+                                  strict=True):
+        if copy.dtype != target.dtype or copy.nbytes != target.nbytes:
+            raise ValueError(f"the source {name} ({copy.nbytes} bytes of {copy.dtype}) "
+                             f"must match the {name} the step writes ({target.nbytes} "
+                             f"bytes of {target.dtype})")
+        if (copy.address < target.address + target.nbytes
+                and target.address < copy.address + copy.nbytes):
+            raise ValueError(f"the source {name} overlaps the {name} the step writes: "
+                             "pass source=None for an in-place step")
 
 
 def _codes_and_scales(fmt: str, moment: Flat, numel: int) -> tuple[int, int]:

@@ -212,7 +212,7 @@ class OptimizerService:
                 "elements": self.elements, "queued": self.worker_slot.num_waiting()}
 
     async def step(self, job: Job, rank: int, req: OptimizerStep) -> None:
-        _hyperparameters(req)  # checked before anything is queued or leased
+        hyper = _hyperparameters(req)  # checked before anything is queued or leased
         state = job.table.lookup(rank, [f"{req.unit}.{suffix}" for suffix in STATE_SUFFIXES])
         param = job.table.shards.get((rank, f"{req.unit}.param"))
         check_unit_shards(req.unit, state, param)
@@ -236,7 +236,7 @@ class OptimizerService:
         try:
             await slot.acquire(job.name)
             try:
-                outcome = await self._start_leased(job, rank, shards, req)
+                outcome = await self._start_leased(job, rank, shards, req, hyper)
             except BaseException:
                 slot.release()
                 raise
@@ -295,7 +295,8 @@ class OptimizerService:
             log.debug("event=grad_drop_skipped shard=%s error=%r", grad.shard_id, exc)
 
     async def _start_leased(self, job: Job, rank: int, shards: StepShards,
-                            req: OptimizerStep) -> asyncio.Future[None]:
+                            req: OptimizerStep, hyper: dict[str, Any]
+                            ) -> asyncio.Future[None]:
         """Lease the unit's shards and start the kernel; the future ends once the leases
         are released, which happens only after the kernel thread has returned.
 
@@ -316,7 +317,8 @@ class OptimizerService:
         job.unexpect_step(shards.all)
         loop = asyncio.get_running_loop()
         started = time.perf_counter()
-        kernel = loop.run_in_executor(self.executor, self._run, job, rank, shards, req)
+        kernel = loop.run_in_executor(self.executor, self._run, job, rank, shards, req,
+                                      hyper)
         outcome: asyncio.Future[None] = loop.create_future()
 
         def on_kernel_end(done: asyncio.Future[None]) -> None:
@@ -351,18 +353,19 @@ class OptimizerService:
             self.step_seconds.observe(time.perf_counter() - started)
             self.elements += element_count(shards.state[0])
 
-    def _run(self, job: Job, rank: int, shards: StepShards, req: OptimizerStep) -> None:
+    def _run(self, job: Job, rank: int, shards: StepShards, req: OptimizerStep,
+             hyper: dict[str, Any]) -> None:
         """On the worker thread. The native kernels take the shards' arena spans as they
         are, so the daemon never imports torch; without the native module the same step
         runs as torch ops on tensors over those bytes (torch is imported here, off the
         event loop)."""
-        hyper = _hyperparameters(req)
+        kernels = native_adam.kernels()
         # Hazard: the views keep the arena mapped (its close waits for them) while the
         # kernel writes through the addresses taken from them.
         views = {shard: job.arena.slice(_offset(shard), shard.nbytes) for shard in shards.all}
         try:
-            if native_adam.kernels():
-                self._run_native(rank, shards, req, views, hyper)
+            if kernels:
+                self._run_native(rank, shards, req, views, hyper, kernels[0])
             else:
                 self._run_torch(rank, shards, req, views, hyper)
         finally:
@@ -373,7 +376,8 @@ class OptimizerService:
                     view.release()
 
     def _run_native(self, rank: int, shards: StepShards, req: OptimizerStep,
-                    views: dict[Shard, memoryview], hyper: dict[str, Any]) -> None:
+                    views: dict[Shard, memoryview], hyper: dict[str, Any],
+                    kernel: str) -> None:
         def flat(shard: Shard) -> native_adam.Flat:
             return native_adam.Flat(buffer_address(views[shard]), shard.dtype, shard.nbytes)
 
@@ -386,7 +390,7 @@ class OptimizerService:
         stepped = [flat(shard) for shard in shards.next]
         master, exp_avg, exp_avg_sq = stepped or state[:3]  # written: out of place or not
         native_adam.step(
-            master, exp_avg, exp_avg_sq, state[3], kernel=native_adam.kernels()[0],
+            master, exp_avg, exp_avg_sq, state[3], kernel=kernel,
             num_threads=self.num_threads, rounding_seed=rounding_seed(rank, req.unit),
             param_out=param, source=(state[0], state[1], state[2]) if stepped else None,
             **hyper)
