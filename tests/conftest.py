@@ -33,7 +33,7 @@ import uvloop
 
 from offloadd import protocol as p
 from offloadd.errors import OverBudgetError
-from offloadd.memory.arena import free_huge_pages
+from offloadd.memory.arena import HUGE_PAGE_NBYTES, free_huge_pages
 from offloadd.ops.embedded import PrivateDaemon
 from trainer import lease_debug
 from trainer.client import OffloadClient
@@ -400,7 +400,7 @@ def connect_reserving(socket_path: str, reserve: Callable[[int], None] | None, *
     pool is the node's, not this test's. ``reserve`` None: connect once, no reservation."""
     for attempt in range(attempts):
         if reserve is not None:
-            reserve(-(-arena_nbytes // (2 << 20)))
+            reserve(-(-arena_nbytes // HUGE_PAGE_NBYTES))
         try:
             return OffloadClient.connect(socket_path, job=job, arena_nbytes=arena_nbytes,
                                          **kwargs)
