@@ -485,8 +485,7 @@ def shared_daemon(rank: int, swap_dir: str | None = None, *, arena_size: int = 5
     if rank == 0 and enabled:
         from offloadd.ops.embedded import PrivateDaemon
 
-        daemon = PrivateDaemon.start(tempfile.mkdtemp(prefix="offloadd-test-"),
-                                     arena_size=arena_size,
+        daemon = PrivateDaemon.start(arena_size=arena_size,  # its own dir, removed at stop
                                      swap_dirs=[swap_dir] if swap_dir else [])
         box = [daemon.socket_path]
     try:

@@ -172,11 +172,16 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrivateDaemon]:
 _SUITE_TMP = tempfile.gettempdir() if len(tempfile.gettempdir()) <= 32 else "/tmp"
 """Where each test's own temp dir goes: short, so sockets made under it fit AF_UNIX."""
 
-# Hazard: multiprocessing makes its temp dir (where the rank fork server of tests/_dist.py
-# listens) on first use and keeps it. Made under a test's own dir (``test_tmpdir``), as when
-# a test imports _dist inside its body, it went with that test, and the next test's ranks
-# failed to reach the fork server. So it is made here, at collection, outside them.
-multiprocessing.util.get_temp_dir()
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Hazard: multiprocessing makes its temp dir (where the rank fork server of
+    tests/_dist.py listens) on first use and keeps it. Made under a test's own dir
+    (``test_tmpdir``), as when a test imports _dist inside its body, it went with that
+    test, and the next test's ranks failed to reach the fork server. So each pytest process
+    makes it here, before any test. Not at this module's import: rank processes import it
+    too (a test module's ``from conftest import ...``), and they leave without the
+    interpreter's teardown, so each left a ``pymp-*`` dir in /tmp."""
+    multiprocessing.util.get_temp_dir()
 
 
 @pytest.fixture(autouse=True)

@@ -20,6 +20,7 @@ higher for a larger sample.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -166,8 +167,7 @@ class SharedDaemon:
         if rank == 0:
             from offloadd.ops.embedded import PrivateDaemon
 
-            self.daemon = PrivateDaemon.start(tempfile.mkdtemp(prefix="offloadd-property-"),
-                                              arena_size=512 << 20, swap_dirs=[self.swap_dir])
+            self.daemon = PrivateDaemon.start(arena_size=512 << 20, swap_dirs=[self.swap_dir])
             box = [self.daemon.socket_path]
         dist.broadcast_object_list(box, src=0)
         self.socket_path = box[0]
@@ -177,6 +177,7 @@ class SharedDaemon:
         dist.barrier()
         if self.daemon is not None:
             self.daemon.stop()
+        shutil.rmtree(self.swap_dir, ignore_errors=True)
 
 
 def train_case(rank: int, world: int, shared: SharedDaemon, case_fields: dict[str, Any]

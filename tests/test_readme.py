@@ -13,7 +13,6 @@ be made runnable to be added. The integration sections show only the lines that 
 from __future__ import annotations
 
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -112,12 +111,13 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def node_daemon() -> Any:
+def node_daemon(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The node's daemon; module-scoped, so made before the test's own temp dir: its work
+    dir is its own (removed at stop) and its swap dir pytest's."""
     from offloadd.ops.embedded import PrivateDaemon
 
-    swap = tempfile.mkdtemp(prefix="offloadd-readme-swap-")
-    daemon = PrivateDaemon.start(tempfile.mkdtemp(prefix="offloadd-readme-"),
-                                 arena_size=64 << 20, swap_dirs=[swap])
+    daemon = PrivateDaemon.start(arena_size=64 << 20,
+                                 swap_dirs=[str(tmp_path_factory.mktemp("swap"))])
     yield daemon
     daemon.stop()
 
