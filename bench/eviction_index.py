@@ -33,7 +33,7 @@ from offloadd.memory.shards import IN_ARENA, Lease, Residency, Shard
 from offloadd.memory.trace import pick_victims
 from offloadd.metrics import DaemonMetrics
 from offloadd.protocol import Placed
-from offloadd.service.jobs import JobRegistry
+from offloadd.service.registry import JobRegistry
 from offloadd.swap.nvme import SwapSpace
 from offloadd.swap.tier import JobTier, open_tier
 

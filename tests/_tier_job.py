@@ -11,7 +11,8 @@ from typing import Any
 from offloadd.config import DaemonConfig
 from offloadd.metrics import DaemonMetrics
 from offloadd.protocol import Placed
-from offloadd.service.jobs import Job, JobRegistry
+from offloadd.service.jobs import Job
+from offloadd.service.registry import JobRegistry
 from offloadd.swap.nvme import SwapSpace
 from offloadd.swap.tier import open_tier
 

@@ -179,6 +179,20 @@ def test_serve_checks_flags_too(tmp_path: Path) -> None:
     assert result.returncode == 2 and "exit_when_idle_s" in result.stderr, result
 
 
+@pytest.mark.parametrize(("args", "key", "named"), [
+    (["--socket", "missing/dir/d.sock"], "socket", "its dir missing/dir does not exist"),
+    (["--metrics-addr", "no-such-host.invalid:0"], "metrics_addr", "'no-such-host.invalid:0'"),
+], ids=["socket_dir", "metrics_host"])
+def test_start_failures_name_the_setting(tmp_path: Path, args: list[str], key: str,
+                                         named: str) -> None:
+    """An address the daemon cannot listen on is refused naming the setting and the
+    value to change, not with a bare errno."""
+    result = serve(tmp_path, *args)
+    assert result.returncode == 1, result
+    assert "offloadd: cannot start:" in result.stderr and named in result.stderr, result
+    assert key in result.stderr.rpartition("cannot start:")[2]
+
+
 def start_with_scratch(tmp_path: Path, scratch: list[Path]) -> PrivateDaemon:
     return PrivateDaemon.start(tmp_path / "d", arena_size="8MiB",
                                scratch_dirs=[str(path) for path in scratch])

@@ -25,7 +25,8 @@ from offloadd.errors import SwapIOError, TornShardError
 from offloadd.memory.shards import Lease, Shard
 from offloadd.metrics import DaemonMetrics
 from offloadd.protocol import Placed
-from offloadd.service.jobs import Job, JobRegistry
+from offloadd.service.jobs import Job
+from offloadd.service.registry import JobRegistry
 from offloadd.swap.nvme import SwapSpace
 from offloadd.swap.scheduler import Priority
 from offloadd.swap.tier import open_tier

@@ -29,7 +29,8 @@ from offloadd.memory.trace import pick_victims
 from offloadd.metrics import DaemonMetrics
 from offloadd.protocol import Placed
 from offloadd.service.batches import SLICE_IDS
-from offloadd.service.jobs import Job, JobRegistry
+from offloadd.service.jobs import Job
+from offloadd.service.registry import JobRegistry
 from offloadd.swap.nvme import SwapSpace
 from offloadd.swap.tier import JobTier, open_tier
 

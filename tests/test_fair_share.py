@@ -21,8 +21,8 @@ from test_daemon_sessions import as_uid, open_to_everyone
 from offloadd import protocol as p
 from offloadd.errors import LimitExceededError, OffloadError, OverBudgetError
 from offloadd.ops.embedded import PrivateDaemon
-from offloadd.service.jobs import JobRegistry
 from offloadd.service.limits import SHARD_METADATA_NBYTES, metadata_limit
+from offloadd.service.registry import JobRegistry
 from trainer.client import OffloadClient
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a second uid needs root")

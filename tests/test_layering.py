@@ -28,7 +28,9 @@ layer keeps and the /metrics exporter)."""
 DAEMON_LAYERS = ("memory", "swap", "compute", "gpu", "service", "ops")
 """The daemon's subpackages, lowest first."""
 DAEMON_ENTRY = frozenset({"offloadd.__main__"})
-RANK_SIDE_MAY_IMPORT = DAEMON_CONTRACT | {"offloadd.ops.embedded"}
+RANK_SIDE_MAY_IMPORT = DAEMON_CONTRACT | {"offloadd.ops.embedded", "offloadd.memory.node"}
+"""The contract, the private-daemon launcher, and the node's memory figures (a rank sizes
+the arena it asks for by the figure the daemon admits it by)."""
 
 TRAINER_BASE = frozenset({"trainer.config", "trainer.config_schedulers", "trainer.config_parse",
                           "trainer.deepspeed_features", "trainer.client", "trainer.lease_debug"})

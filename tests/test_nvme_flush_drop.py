@@ -16,7 +16,7 @@ from pathlib import Path
 from offloadd.config import DaemonConfig
 from offloadd.memory.shards import Lease
 from offloadd.metrics import DaemonMetrics
-from offloadd.service.jobs import JobRegistry
+from offloadd.service.registry import JobRegistry
 from offloadd.swap.nvme import SwapSpace
 from offloadd.swap.tier import open_tier
 

@@ -10,24 +10,20 @@ task switch.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
-import resource
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
-from offloadd.config import HugePages, Prefault
 from offloadd.errors import (
     InvalidRequestError,
     LeaseConflictError,
-    LimitExceededError,
     NoSwapError,
     OverBudgetError,
     TornShardError,
     UnknownShardError,
 )
-from offloadd.memory.arena import Arena, align_up
+from offloadd.memory.arena import Arena
 from offloadd.memory.shards import (
     IN_ARENA,
     Lease,
@@ -584,189 +580,3 @@ def _count_shards(shards: Iterable[Shard], residency: dict[str, int]) -> int:
         residency[shard.residency.value] += 1
         nbytes += shard.nbytes
     return nbytes
-
-
-class ArenaAdmission(Protocol):
-    """Who may take how much of the DRAM budget (``offloadd.service.limits.LimitGuard``): the
-    registry knows the jobs and the budget, not the uids asking for arenas."""
-
-    def size_new(self, name: str, requested_nbytes: int) -> tuple[int, int] | None:
-        """(arena bytes for new job ``name``, budget bytes free) as its creator's share allows,
-        having freed other uids' lingering arenas where that share needs them; raise
-        OverBudgetError past it; None where nobody asked for ``name`` (the registry's own
-        sizing applies)."""
-        ...
-
-    def creation_ended(self, name: str, job: Job | None) -> None:
-        """The arena of ``name`` was made (``job``) or will not be (None)."""
-        ...
-
-    def out_of_fds(self, name: str, exc: OSError) -> LimitExceededError:
-        """The error for a new job that found no descriptor left (EMFILE/ENFILE)."""
-        ...
-
-
-FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE)
-"""Errnos of an open() that found no descriptor: the process's or the system's limit."""
-
-
-class JobRegistry:
-    """Every job on the node, and the node-wide DRAM budget they share."""
-
-    def __init__(self, budget_nbytes: int, share: float, *, lock: bool = True,
-                 hugepages: HugePages = "off", prefault: Prefault = "now",
-                 prefault_rate: int = 0, prefault_threads: int = 0) -> None:
-        self.budget_nbytes = budget_nbytes
-        self.share = share
-        self.lock = lock
-        self.hugepages = hugepages
-        self.prefault: Prefault = prefault
-        self.prefault_rate = prefault_rate
-        self.prefault_threads = prefault_threads
-        self.jobs: dict[str, Job] = {}
-        self.creating: dict[str, asyncio.Task[Job]] = {}
-        """Arenas being made off the loop, by job name; every hello of that job awaits it."""
-        self.creating_nbytes: dict[str, int] = {}
-        """Bytes of the arenas being made, by job name (reserved against the budget)."""
-        self.admission: ArenaAdmission | None = None
-        """Sizes new arenas by their creator's share (set by the daemon's LimitGuard)."""
-
-    @property
-    def reserved_nbytes(self) -> int:
-        made = sum(job.arena.nbytes for job in self.jobs.values())
-        return made + sum(self.creating_nbytes.values())
-
-    def open(self, name: str, requested_nbytes: int,
-             make_tier: Callable[[], SwapTier] | None = None) -> tuple[Job, bool]:
-        """Return the job, creating its arena on first hello; second value: created."""
-        job = self.jobs.get(name)
-        if job is not None:
-            return job, False
-        try:
-            nbytes, free = self._size_new(name, requested_nbytes)
-            job = self._make_job(name, nbytes, free, make_tier)
-        except BaseException:
-            self._creation_ended(name, None)
-            raise
-        self.jobs[name] = job
-        self._creation_ended(name, job)
-        return job, True
-
-    async def open_async(self, name: str, requested_nbytes: int,
-                         make_tier: Callable[[], SwapTier] | None = None,
-                         on_created: Callable[[Job], None] | None = None) -> Job:
-        """``open`` with the arena made on an executor thread.
-
-        Backing an arena takes seconds per 10 GB; with ``prefault="background"`` it
-        happens after the hello (offloadd.memory.arena), but "now" does it here, and opening the
-        job's swap tier touches files: neither may stall other jobs' requests (or the
-        systemd watchdog). Its bytes stay reserved against the budget while it is made,
-        and concurrent hellos of the job share one creation, which no cancelled hello stops;
-        ``on_created`` gets the job once it is made, whether or not a hello is left to.
-        """
-        job = self.jobs.get(name)
-        if job is not None:
-            return job
-        creating = self.creating.get(name)
-        if creating is None:
-            try:
-                nbytes, free = self._size_new(name, requested_nbytes)
-            except BaseException:
-                self._creation_ended(name, None)
-                raise
-            self.creating_nbytes[name] = nbytes
-            creating = self.creating[name] = asyncio.ensure_future(
-                self._create(name, nbytes, free, make_tier, on_created))
-        return await asyncio.shield(creating)
-
-    async def _create(self, name: str, nbytes: int, free: int,
-                      make_tier: Callable[[], SwapTier] | None,
-                      on_created: Callable[[Job], None] | None) -> Job:
-        job: Job | None = None
-        try:
-            arena = await asyncio.get_running_loop().run_in_executor(
-                None, self._make_arena, name, nbytes, free)
-            job = self.jobs[name] = Job(name, arena, self._make_tier(name, arena, make_tier))
-            self._creation_ended(name, job)
-            if on_created is not None:
-                on_created(job)
-            return job
-        finally:
-            del self.creating[name], self.creating_nbytes[name]
-            if job is None:
-                self._creation_ended(name, None)
-
-    def _make_job(self, name: str, nbytes: int, free: int,
-                  make_tier: Callable[[], SwapTier] | None) -> Job:
-        arena = self._make_arena(name, nbytes, free)
-        return Job(name, arena, self._make_tier(name, arena, make_tier))
-
-    def _make_tier(self, name: str, arena: Arena,
-                   make_tier: Callable[[], SwapTier] | None) -> SwapTier | None:
-        try:
-            return make_tier() if make_tier is not None else None
-        except OSError as exc:
-            arena.close()
-            if exc.errno in FD_EXHAUSTED:
-                raise self._out_of_fds(name, exc) from exc
-            raise
-        except BaseException:
-            arena.close()
-            raise
-
-    def _make_arena(self, name: str, nbytes: int, free: int) -> Arena:
-        try:
-            return Arena(name, nbytes, lock=self.lock, hugepages=self.hugepages,
-                         max_nbytes=free, prefault=self.prefault,
-                         prefault_rate=self.prefault_rate,
-                         prefault_threads=self.prefault_threads)
-        except OSError as exc:
-            if exc.errno in FD_EXHAUSTED:
-                raise self._out_of_fds(name, exc) from exc
-            raise
-
-    def _out_of_fds(self, name: str, exc: OSError) -> LimitExceededError:
-        if self.admission is not None:
-            return self.admission.out_of_fds(name, exc)
-        soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        return LimitExceededError(
-            f"the daemon has no file descriptor left for job {name!r} ({exc.strerror}; its "
-            f"RLIMIT_NOFILE is {soft}); try again once jobs end, or raise the daemon's "
-            "LimitNOFILE")
-
-    def _creation_ended(self, name: str, job: Job | None) -> None:
-        if self.admission is not None:
-            self.admission.creation_ended(name, job)
-
-    def _size_new(self, name: str, requested_nbytes: int) -> tuple[int, int]:
-        """(arena bytes for a new job, budget bytes free now); OverBudgetError if none fit."""
-        if self.admission is not None:
-            sized = self.admission.size_new(name, requested_nbytes)
-            if sized is not None:
-                return sized
-        free = self.free_nbytes
-        nbytes = align_up(requested_nbytes) if requested_nbytes else self.default_nbytes(free)
-        if nbytes > free or nbytes <= 0:
-            raise OverBudgetError(
-                f"job {name!r} asks for a {requested_nbytes or nbytes}-byte arena but only "
-                f"{free} of the daemon's {self.budget_nbytes}-byte budget is free; ask for less "
-                "or raise --arena-size"
-            )
-        return nbytes, free
-
-    @property
-    def free_nbytes(self) -> int:
-        """Budget bytes no arena holds or is being made with."""
-        return self.budget_nbytes - self.reserved_nbytes
-
-    def default_nbytes(self, room: int) -> int:
-        """The arena of a hello that names no size, out of ``room`` bytes it may take."""
-        return min(align_up(int(room * self.share)), room // 4096 * 4096)
-
-    def close_job(self, name: str) -> None:
-        job = self.jobs.pop(name)
-        job.arena.close()
-
-    def close(self) -> None:
-        for name in list(self.jobs):
-            self.close_job(name)

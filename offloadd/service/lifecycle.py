@@ -35,7 +35,8 @@ from collections.abc import Collection
 from typing import Any, Protocol
 
 from offloadd.service.auth import JobAuthority
-from offloadd.service.jobs import Job, JobRegistry
+from offloadd.service.jobs import Job
+from offloadd.service.registry import JobRegistry
 
 log = logging.getLogger(__name__)
 BUSY_RETRY_S = 0.5

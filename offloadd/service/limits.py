@@ -42,8 +42,9 @@ from offloadd.metrics import Counters
 
 if TYPE_CHECKING:
     from offloadd.metrics import DaemonMetrics
-    from offloadd.service.jobs import Job, JobRegistry
+    from offloadd.service.jobs import Job
     from offloadd.service.lifecycle import JobLifecycle
+    from offloadd.service.registry import JobRegistry
 
 log = logging.getLogger(__name__)
 

@@ -20,15 +20,17 @@ from offloadd import __version__
 from offloadd.compute import native_adam
 from offloadd.compute.cpus import pin_process, plan_cpus
 from offloadd.compute.optimizer import OptimizerService
-from offloadd.config import SERVICE_SOCKET_DIR, DaemonConfig, parse_host_port
+from offloadd.config import SERVICE_SOCKET_DIR, ConfigError, DaemonConfig, parse_host_port
 from offloadd.errors import JobQuarantinedError
+from offloadd.memory.node import node_memory
 from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
 from offloadd.protocol import ROOT_UID, socket_peer
 from offloadd.service.auth import JobAuthority, mask_job_labels
 from offloadd.service.device_copies import DeviceCopiesService
-from offloadd.service.jobs import Job, JobRegistry
+from offloadd.service.jobs import Job
 from offloadd.service.lifecycle import IdleExit, JobLifecycle
 from offloadd.service.limits import LimitGuard
+from offloadd.service.registry import JobRegistry
 from offloadd.service.session import Session
 from offloadd.swap.swapdirs import ScratchClaim, claim_scratch_dir, release_scratch_dir
 
@@ -104,6 +106,14 @@ class Daemon:
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
+        memory = node_memory()
+        if self.config.arena_size > memory.total_nbytes:
+            # Not refused: a config shared by bigger and smaller nodes is fine, since each
+            # job's arena is admitted against what the node can pin (JobRegistry).
+            log.warning("event=arena_size_past_node_memory arena_size=%d node_nbytes=%d "
+                        "bound=%s note=\"jobs' arenas are bounded by the node's available "
+                        "memory; lower arena_size to the DRAM the daemon may pin\"",
+                        self.config.arena_size, memory.total_nbytes, memory.bound)
         for path in self.config.scratch_dirs:  # first: its socket and swap dirs may be in them
             self.scratch.append(claim_scratch_dir(Path(path)))
         if self.config.swap_dirs:
@@ -121,11 +131,17 @@ class Daemon:
         self._server = await self._listen()
         if self.config.metrics_addr:
             host, port = parse_host_port(self.config.metrics_addr)
-            self._metrics_server = serve_metrics(
-                mask_job_labels(build_registry(self.metrics), self.auth.metrics_label),
-                host, port,
-                idle_timeout_s=self.config.metrics_idle_timeout_s,
-                max_connections=self.config.max_metrics_connections)
+            try:
+                self._metrics_server = serve_metrics(
+                    mask_job_labels(build_registry(self.metrics), self.auth.metrics_label),
+                    host, port,
+                    idle_timeout_s=self.config.metrics_idle_timeout_s,
+                    max_connections=self.config.max_metrics_connections)
+            except OSError as exc:  # a host that does not resolve, a port in use
+                raise ConfigError("metrics_addr", f"metrics_addr {self.config.metrics_addr!r} "
+                                  f"cannot be served: {exc.strerror or exc}; write a local "
+                                  "address and a free port, e.g. metrics_addr = "
+                                  "\"127.0.0.1:9400\" (port 0: any free one)") from exc
         self._background.append(asyncio.ensure_future(self._watch_loop_lag()))
         if self.idle_exit is not None:
             self.idle_exit.start()
@@ -135,6 +151,11 @@ class Daemon:
         path = self.config.socket
         if os.path.dirname(path) == SERVICE_SOCKET_DIR:  # the default of a root daemon
             os.makedirs(SERVICE_SOCKET_DIR, mode=0o755, exist_ok=True)
+        directory = os.path.dirname(path) or "."
+        if not os.path.isdir(directory):
+            raise ConfigError("socket", f"socket {path}: its dir {directory} does not exist; "
+                              "create it (writable only by the daemon's uid) or set socket "
+                              "(--socket) to a path in a dir that exists")
         with contextlib.suppress(FileNotFoundError):
             if os.path.exists(path) and not _socket_in_use(path):
                 os.unlink(path)

@@ -37,9 +37,10 @@ from offloadd.metrics import DaemonMetrics, Histogram
 from offloadd.service import device_copies, node_view
 from offloadd.service.auth import JobAuthority
 from offloadd.service.batches import SLICE_IDS
-from offloadd.service.jobs import Job, JobRegistry
+from offloadd.service.jobs import Job
 from offloadd.service.lifecycle import JobLifecycle
 from offloadd.service.limits import LimitGuard
+from offloadd.service.registry import JobRegistry
 
 log = logging.getLogger(__name__)
 _PEERCRED = struct.Struct("3i")

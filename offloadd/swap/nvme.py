@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 
 
 class JobOpener(Protocol):
-    """The job registry as recovery uses it (``offloadd.service.jobs.JobRegistry``): the swap
+    """The job registry as recovery uses it (``offloadd.service.registry.JobRegistry``): the swap
     space sits below the jobs, so it names what it needs instead of importing them."""
 
     def open(self, name: str, requested_nbytes: int,

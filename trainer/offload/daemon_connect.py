@@ -21,6 +21,7 @@ from typing import Any
 from torch import nn
 
 from offloadd.formats import MomentFormat, moment_nbytes
+from offloadd.memory.node import node_memory
 from offloadd.ops.embedded import PrivateDaemon, make_scratch_dir
 from trainer.client import OffloadClient, OffloadError
 from trainer.config import EngineConfig
@@ -149,15 +150,9 @@ def undo_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) ->
 
 
 def available_memory_nbytes() -> int:
-    """MemAvailable from /proc/meminfo (the kernel's estimate of what can be allocated)."""
-    try:
-        with open("/proc/meminfo") as handle:
-            for line in handle:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    """What the node can still allocate for this rank's daemon: MemAvailable, or the
+    container's (cgroup's) room where lower; the daemon admits arenas by the same figure."""
+    return node_memory().available_nbytes
 
 
 def _node_subdir(collectives: Collectives) -> str:

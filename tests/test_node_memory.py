@@ -1,0 +1,171 @@
+"""Arenas within what the node can pin: a budget (``arena_size``) past the node's memory,
+as a config shared with bigger nodes or a typo makes it, must not let a job's arena take
+the node into the OOM killer. A real daemon, real hellos, a real memory cgroup where this
+host lets us make one."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from offloadd.errors import OverBudgetError
+from offloadd.memory.node import node_memory
+from offloadd.ops.embedded import PrivateDaemon
+from offloadd.service.registry import JobRegistry
+from trainer.client import OffloadClient
+
+GIB = 1 << 30
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def meminfo_field(key: str) -> int:
+    """One /proc/meminfo figure in bytes, read here independently of the module under test."""
+    line = next(line for line in Path("/proc/meminfo").read_text().splitlines()
+                if line.startswith(f"{key}:"))
+    return int(line.split()[1]) * 1024
+
+
+def test_figures_match_the_kernels_without_a_tighter_cgroup() -> None:
+    memory = node_memory()
+    assert memory.total_nbytes <= os.sysconf("SC_PHYS_PAGES") * PAGE
+    if memory.bound == "MemTotal":
+        assert memory.total_nbytes == meminfo_field("MemTotal")
+    assert 0 < memory.available_nbytes <= memory.total_nbytes
+    assert abs(memory.available_nbytes - meminfo_field("MemAvailable")) < GIB \
+        or memory.bound != "MemTotal"
+
+
+def test_a_fake_cgroup_v2_tree_bounds_both_figures(tmp_path: Path) -> None:
+    """The parsing of a v2 hierarchy, every level up, the tightest winning; the page cache
+    a group could drop (file less shmem) counts as room."""
+    (tmp_path / "proc" / "self").mkdir(parents=True)
+    (tmp_path / "proc" / "meminfo").write_text(
+        "MemTotal:       67108864 kB\nMemAvailable:   33554432 kB\n")
+    (tmp_path / "proc" / "self" / "cgroup").write_text("0::/box/job\n")
+    root = tmp_path / "cg"
+    (root / "box" / "job").mkdir(parents=True)
+    (root / "box" / "memory.max").write_text(f"{8 * GIB}\n")
+    (root / "box" / "memory.current").write_text(f"{5 * GIB}\n")
+    (root / "box" / "memory.stat").write_text(f"anon 1\nfile {2 * GIB}\nshmem {GIB}\n")
+    (root / "box" / "job" / "memory.max").write_text("max\n")
+    memory = node_memory(tmp_path / "proc", root)
+    assert memory.total_nbytes == 8 * GIB
+    assert memory.available_nbytes == 8 * GIB - 5 * GIB + (2 * GIB - GIB)
+    assert memory.bound == str(root / "box")
+
+
+def test_a_new_arena_counts_what_other_arenas_will_still_take(tmp_path: Path) -> None:
+    """Two lazily backed arenas of 60% of the node each: the first is admitted, the second
+    is refused though nothing is allocated yet (the first will take its pages)."""
+    registry = JobRegistry(64 * 1024 * GIB, 1.0, lock=False, prefault="lazy")
+    share = node_memory().available_nbytes * 6 // 10 // PAGE * PAGE
+    try:
+        first, _ = registry.open("first", share)
+        with pytest.raises(OverBudgetError, match=r"can pin only .* less (\d+) that other"
+                           r" arenas will still take") as refused:
+            registry.open("second", share)
+        pending = int(re.search(r"less (\d+) that other", str(refused.value)).group(1))
+        assert pending == first.arena.nbytes  # no page of it is allocated yet
+        first.arena.view[: 64 << 20] = b"\1" * (64 << 20)  # allocates 64 MiB of it
+        assert registry.pending_backing_nbytes("second") == first.arena.nbytes - (64 << 20)
+    finally:
+        registry.close()
+
+
+@pytest.fixture
+def oversized_daemon() -> Iterator[PrivateDaemon]:
+    """A daemon whose budget (64 TiB) is far past any node's memory."""
+    with PrivateDaemon.start(arena_size="64TiB", extra_args=["--arena-prefault", "lazy"]) \
+            as daemon:
+        yield daemon
+
+
+def test_an_arena_past_the_nodes_memory_is_refused_and_the_daemon_lives(
+        oversized_daemon: PrivateDaemon) -> None:
+    log = Path(oversized_daemon.log_path).read_text()
+    assert "event=arena_size_past_node_memory" in log
+    too_big = node_memory().total_nbytes + GIB
+    before = meminfo_field("Shmem")
+    started = time.monotonic()
+    with pytest.raises(OverBudgetError) as refused:
+        OffloadClient.connect(oversized_daemon.socket_path, job="huge", arena_nbytes=too_big)
+    message = str(refused.value)
+    assert f"asks for a {too_big}-byte arena" in message
+    assert "offload_optimizer.device" in message and "ask for less" in message
+    assert time.monotonic() - started < 10
+    assert meminfo_field("Shmem") - before < GIB  # nothing was pinned on its way
+    # The daemon serves on: a hello naming no size gets its share of what the node holds,
+    # not of the 64 TiB budget, and one that fits is admitted as asked.
+    with OffloadClient.connect(oversized_daemon.socket_path, job="auto") as client:
+        assert 0 < client.stats()["arena_nbytes"] <= node_memory().available_nbytes
+    with OffloadClient.connect(oversized_daemon.socket_path, job="fits",
+                               arena_nbytes=64 << 20) as client:
+        client.put("x", b"abc")
+        assert client.get("x") == b"abc"
+
+
+def _memory_cgroup(limit: int) -> tuple[Path, str] | None:
+    """A child memory cgroup of this process's own, limited to ``limit`` bytes: (dir,
+    procs file), or None where this host does not let us make one."""
+    name = f"offloadd-test-{uuid.uuid4().hex[:8]}"
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _h, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if controllers == "":
+            mount, limit_file = Path("/sys/fs/cgroup"), "memory.max"
+        elif "memory" in controllers.split(","):
+            mount, limit_file = Path("/sys/fs/cgroup") / controllers, "memory.limit_in_bytes"
+        else:
+            continue
+        directory = mount / path.lstrip("/") / name
+        try:
+            directory.mkdir()
+        except OSError:
+            continue
+        try:
+            (directory / limit_file).write_text(str(limit))
+        except OSError:
+            directory.rmdir()
+            continue
+        return directory, str(directory / "cgroup.procs")
+    return None
+
+
+def test_a_containers_memory_limit_bounds_the_arenas(tmp_path: Path) -> None:
+    """The daemon in a 1 GiB memory cgroup (a container's ``--memory 1g``) on a bigger
+    host: a 2 GiB arena is refused naming the cgroup; a 256 MiB one is served."""
+    made = _memory_cgroup(GIB)
+    if made is None:
+        pytest.skip("cannot make a memory cgroup here (needs root and a writable hierarchy)")
+    directory, procs = made
+    socket_path = str(tmp_path / "d.sock")
+    daemon = subprocess.Popen(
+        ["sh", "-c", f'echo $$ > {procs} && exec "$0" -m offloadd serve --socket {socket_path}'
+                     " --arena-size 64GiB --arena-prefault lazy", sys.executable],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert daemon.stdout is not None
+        assert daemon.stdout.readline().startswith("offloadd ready")
+        with pytest.raises(OverBudgetError, match=f"cgroup {re.escape(str(directory))}"):
+            OffloadClient.connect(socket_path, job="big", arena_nbytes=2 * GIB)
+        with OffloadClient.connect(socket_path, job="small", arena_nbytes=256 << 20) as client:
+            client.put("x", b"\0" * (1 << 20))
+            assert client.get("x") == b"\0" * (1 << 20)
+        assert daemon.poll() is None
+    finally:
+        daemon.terminate()
+        daemon.communicate(timeout=30)
+        for _ in range(50):  # the group empties once the daemon is reaped
+            try:
+                directory.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
