@@ -23,6 +23,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+KEPT_NBYTES = 1 << 30
+"""Memory arenas leave the node (1/32 of a node smaller than 32 GiB)."""
 UNLIMITED = 1 << 62
 """Limits at or past this are "no limit" (v1 writes 2^63 less a page; v2 writes "max")."""
 
@@ -33,6 +35,17 @@ class NodeMemory:
     available_nbytes: int
     bound: str
     """What set the figures: "MemTotal", or the cgroup dir whose limit is tighter."""
+
+    @property
+    def kept_nbytes(self) -> int:
+        """What arenas leave the node: the kernel, the daemon itself, the ranks' own
+        growth, which the OOM killer takes first when pinned pages hold the rest."""
+        return min(KEPT_NBYTES, self.total_nbytes // 32)
+
+    @property
+    def pinnable_nbytes(self) -> int:
+        """The most all arenas together may ever pin here (the budget's ceiling)."""
+        return self.total_nbytes - self.kept_nbytes
 
 
 def node_memory(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")

@@ -418,7 +418,8 @@ class LimitGuard:
         asks = f"a {want}-byte arena" if want > 0 else "an arena (no size named)"
         return OverBudgetError(
             f"job {name!r} asks for {asks}; {free} of the daemon's "
-            f"{self.registry.budget_nbytes}-byte budget is free and {why}; ask for "
+            f"{self.registry.budget_nbytes}-byte budget{self.registry.budget_note} is free "
+            f"and {why}; ask for "
             "less (arena_nbytes at hello), end your own jobs (close_job), or try again when "
             "other jobs end (max_arena_nbytes_per_uid, arena_size in the daemon config)")
 

@@ -14,7 +14,7 @@ from typing import Protocol
 from offloadd.config import HugePages, Prefault
 from offloadd.errors import LimitExceededError, OverBudgetError
 from offloadd.memory.arena import HUGE_PAGE_NBYTES, Arena, align_up, free_huge_pages
-from offloadd.memory.node import node_memory
+from offloadd.memory.node import NodeMemory, node_memory
 from offloadd.service.jobs import Job, SwapTier
 
 
@@ -38,12 +38,19 @@ class ArenaAdmission(Protocol):
         ...
 
 
-NODE_RESERVE_NBYTES = 1 << 30
-"""Memory a new arena leaves the node (1/32 of it where that is less): the kernel, the
-daemon itself, the ranks' own growth; what OOMs first when pinned pages take it all."""
-
 FD_EXHAUSTED = (errno.EMFILE, errno.ENFILE)
 """Errnos of an open() that found no descriptor: the process's or the system's limit."""
+
+
+def node_budget(arena_size: int) -> tuple[int, NodeMemory | None]:
+    """The DRAM budget arenas share: ``arena_size``, cut to what the node can pin at all
+    (in 2 MiB units); second value: the node's memory where it cut, else None.
+
+    Cut once, at start: fair shares are the budget divided among uids, and a share of a
+    budget past the node's memory would let one uid take all of it."""
+    memory = node_memory()
+    ceiling = memory.pinnable_nbytes // HUGE_PAGE_NBYTES * HUGE_PAGE_NBYTES
+    return (arena_size, None) if arena_size <= ceiling else (ceiling, memory)
 
 
 class JobRegistry:
@@ -53,6 +60,8 @@ class JobRegistry:
                  hugepages: HugePages = "off", prefault: Prefault = "now",
                  prefault_rate: int = 0, prefault_threads: int = 0) -> None:
         self.budget_nbytes = budget_nbytes
+        self.budget_note = ""
+        """Why the budget is less than arena_size, for refusals (``cut_to_node``)."""
         self.share = share
         self.lock = lock
         self.hugepages = hugepages
@@ -66,6 +75,14 @@ class JobRegistry:
         """Bytes of the arenas being made, by job name (reserved against the budget)."""
         self.admission: ArenaAdmission | None = None
         """Sizes new arenas by their creator's share (set by the daemon's LimitGuard)."""
+
+    def cut_to_node(self, arena_size: int, memory: NodeMemory) -> None:
+        """Note that the budget is ``arena_size`` cut to what ``memory`` can pin."""
+        where = "MemTotal" if memory.bound == "MemTotal" else f"cgroup {memory.bound}"
+        self.budget_note = (
+            f" (arena_size {arena_size} cut to what this node can pin: {memory.total_nbytes} "
+            f"bytes ({where}) less {memory.kept_nbytes} kept for the system; past it, put "
+            "the state on NVMe: offload_optimizer.device \"nvme\")")
 
     @property
     def reserved_nbytes(self) -> int:
@@ -185,9 +202,8 @@ class JobRegistry:
             if nbytes > free or nbytes <= 0:
                 raise OverBudgetError(
                     f"job {name!r} asks for a {requested_nbytes or nbytes}-byte arena but only "
-                    f"{free} of the daemon's {self.budget_nbytes}-byte budget is free; ask for "
-                    "less or raise --arena-size"
-                )
+                    f"{free} of the daemon's {self.budget_nbytes}-byte budget"
+                    f"{self.budget_note} is free; ask for less or raise --arena-size")
             sized = nbytes, free
         return self._within_node_memory(name, requested_nbytes, *sized)
 
@@ -204,7 +220,7 @@ class JobRegistry:
                 free_huge_pages() * HUGE_PAGE_NBYTES >= align_up(nbytes, HUGE_PAGE_NBYTES):
             return nbytes, free  # from the reserved pool, which MemAvailable leaves out
         memory = node_memory()
-        kept = min(NODE_RESERVE_NBYTES, memory.total_nbytes // 32)
+        kept = memory.kept_nbytes
         pending = self.pending_backing_nbytes(name)
         room = memory.available_nbytes - kept - pending
         if not requested_nbytes and nbytes > room > 0:

@@ -22,7 +22,6 @@ from offloadd.compute.cpus import pin_process, plan_cpus
 from offloadd.compute.optimizer import OptimizerService
 from offloadd.config import SERVICE_SOCKET_DIR, ConfigError, DaemonConfig, parse_host_port
 from offloadd.errors import JobQuarantinedError
-from offloadd.memory.node import node_memory
 from offloadd.metrics import JOB_LABEL, DaemonMetrics, build_registry, gauge, serve_metrics
 from offloadd.protocol import ROOT_UID, socket_peer
 from offloadd.service.auth import JobAuthority, mask_job_labels
@@ -30,7 +29,7 @@ from offloadd.service.device_copies import DeviceCopiesService
 from offloadd.service.jobs import Job
 from offloadd.service.lifecycle import IdleExit, JobLifecycle
 from offloadd.service.limits import LimitGuard
-from offloadd.service.registry import JobRegistry
+from offloadd.service.registry import JobRegistry, node_budget
 from offloadd.service.session import Session
 from offloadd.swap.swapdirs import ScratchClaim, claim_scratch_dir, release_scratch_dir
 
@@ -73,11 +72,21 @@ class Daemon:
             log.info("event=cpus_not_pinned optimizer_cpus=%s reason=%s",
                      config.optimizer_cpus, no_plan)
         self.metrics = DaemonMetrics()
-        self.jobs = JobRegistry(config.arena_size, config.job_arena_share, lock=config.mlock,
+        budget, memory = node_budget(config.arena_size)
+        if memory is not None:
+            # Not refused: one config may serve nodes of several sizes (JobRegistry also
+            # admits each arena against what the node can still pin).
+            log.warning("event=arena_size_past_node_memory arena_size=%d node_nbytes=%d "
+                        "bound=%s budget_nbytes=%d note=\"the budget is cut to what the node "
+                        "can pin; set arena_size to the DRAM the daemon may pin\"",
+                        config.arena_size, memory.total_nbytes, memory.bound, budget)
+        self.jobs = JobRegistry(budget, config.job_arena_share, lock=config.mlock,
                                 hugepages=config.arena_hugepages,
                                 prefault=config.arena_prefault,
                                 prefault_rate=config.arena_prefault_rate,
                                 prefault_threads=config.arena_prefault_threads)
+        if memory is not None:
+            self.jobs.cut_to_node(config.arena_size, memory)
         self.optimizer = OptimizerService(
             config.optimizer_threads, self.cpu_plan.optimizer if self.cpu_plan else None)
         self.sessions: set[Session] = set()
@@ -106,14 +115,6 @@ class Daemon:
     # -- lifecycle ----------------------------------------------------------------
 
     async def start(self) -> None:
-        memory = node_memory()
-        if self.config.arena_size > memory.total_nbytes:
-            # Not refused: a config shared by bigger and smaller nodes is fine, since each
-            # job's arena is admitted against what the node can pin (JobRegistry).
-            log.warning("event=arena_size_past_node_memory arena_size=%d node_nbytes=%d "
-                        "bound=%s note=\"jobs' arenas are bounded by the node's available "
-                        "memory; lower arena_size to the DRAM the daemon may pin\"",
-                        self.config.arena_size, memory.total_nbytes, memory.bound)
         for path in self.config.scratch_dirs:  # first: its socket and swap dirs may be in them
             self.scratch.append(claim_scratch_dir(Path(path)))
         if self.config.swap_dirs:
