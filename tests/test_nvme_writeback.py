@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -127,7 +128,10 @@ def test_a_hugetlb_arena_serves_and_swaps_like_any_other(tmp_path: Path, huge_pa
 
 
 def test_arena_hugepages_on_without_the_pages_fails_the_hello_not_the_daemon(
-        tmp_path: Path) -> None:
+        tmp_path: Path, huge_pages: Callable[[int], None]) -> None:
+    """``huge_pages`` only holds the pool's lock: a test of another process growing the
+    pool between the count and the hello let the arena be made (1 run in ~20 of this file
+    beside test_swap_bounce.py)."""
     free = free_huge_pages()
     if free > 64:
         pytest.skip(f"{free} free huge pages: too many to exhaust in a test")
