@@ -150,9 +150,12 @@ def undo_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) ->
 
 
 def available_memory_nbytes() -> int:
-    """What the node can still allocate for this rank's daemon: MemAvailable, or the
-    container's (cgroup's) room where lower; the daemon admits arenas by the same figure."""
-    return node_memory().available_nbytes
+    """What the node can still pin for this rank's daemon, as the daemon will admit it
+    (offloadd.service.registry): MemAvailable, or the container's (cgroup's) room where
+    lower, less what arenas leave the system. Sized by a looser figure, a working set
+    that fit by the trainer's check was refused at the hello."""
+    memory = node_memory()
+    return max(0, memory.available_nbytes - memory.kept_nbytes)
 
 
 def _node_subdir(collectives: Collectives) -> str:
