@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import start_daemon
+from test_daemon_metrics import scrape, value
 
 from offloadd.errors import OverBudgetError
 from offloadd.memory.node import node_memory
@@ -81,10 +83,10 @@ def test_a_new_arena_counts_what_other_arenas_will_still_take(tmp_path: Path) ->
 
 
 @pytest.fixture
-def oversized_daemon() -> Iterator[PrivateDaemon]:
+def oversized_daemon(tmp_path: Path) -> Iterator[PrivateDaemon]:
     """A daemon whose budget (64 TiB) is far past any node's memory."""
-    with PrivateDaemon.start(arena_size="64TiB", extra_args=["--arena-prefault", "lazy"]) \
-            as daemon:
+    with start_daemon(tmp_path / "d", arena_size="64TiB",
+                      extra_args=["--arena-prefault", "lazy"]) as daemon:
         yield daemon
 
 
@@ -110,6 +112,9 @@ def test_an_arena_past_the_nodes_memory_is_refused_and_the_daemon_lives(
         assert 0 < stats["arena_nbytes"] <= node_memory().available_nbytes
         # The budget uids' fair shares divide: cut to what the node can pin at all.
         assert stats["budget_nbytes"] == node_memory().pinnable_nbytes // (2 << 20) * (2 << 20)
+        samples = scrape(oversized_daemon)  # what the ArenaSizePastNodeMemory alert reads
+        assert value(samples, "offloadd_arena_size_bytes") == 64 << 40
+        assert value(samples, "offloadd_arena_budget_bytes") == stats["budget_nbytes"]
     with OffloadClient.connect(oversized_daemon.socket_path, job="fits",
                                arena_nbytes=64 << 20) as client:
         client.put("x", b"abc")

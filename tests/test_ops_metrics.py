@@ -41,6 +41,7 @@ CORE_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "offloadd_bad_frames_total": ("counter", frozenset({"reason"})),
     "offloadd_limit_rejections_total": ("counter", frozenset({"limit"})),
     "offloadd_arena_budget_bytes": ("gauge", frozenset()),
+    "offloadd_arena_size_bytes": ("gauge", frozenset()),
     "offloadd_arena_capacity_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_arena_backed_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_arena_used_bytes": ("gauge", frozenset({"train_job"})),

@@ -335,6 +335,8 @@ class Daemon:
         jobs = list(self.jobs.jobs.values())
         yield gauge("offloadd_arena_budget_bytes", "The daemon's DRAM budget for all arenas.",
                     self.jobs.budget_nbytes)
+        yield gauge("offloadd_arena_size_bytes", "arena_size as configured (above the budget "
+                    "where it was cut to what the node can pin).", self.config.arena_size)
         per_job = [
             ("offloadd_arena_capacity_bytes", "Arena size of each job.",
              lambda j: j.arena.nbytes),
