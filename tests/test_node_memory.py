@@ -115,6 +115,11 @@ def test_an_arena_past_the_nodes_memory_is_refused_and_the_daemon_lives(
         samples = scrape(oversized_daemon)  # what the ArenaSizePastNodeMemory alert reads
         assert value(samples, "offloadd_arena_size_bytes") == 64 << 40
         assert value(samples, "offloadd_arena_budget_bytes") == stats["budget_nbytes"]
+    status = subprocess.run([sys.executable, "-m", "offloadd", "status", "--socket",
+                             oversized_daemon.socket_path], capture_output=True, text=True,
+                            timeout=60)
+    assert "arena budget " in status.stdout and "(arena_size 64.0 TiB: cut to what this node " \
+        "can pin)" in status.stdout, status
     with OffloadClient.connect(oversized_daemon.socket_path, job="fits",
                                arena_nbytes=64 << 20) as client:
         client.put("x", b"abc")

@@ -79,6 +79,7 @@ def test_status_table(daemon: PrivateDaemon, client: OffloadClient) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert f"pid={daemon.pid}" in lines[0] and "rank_sessions=1" in lines[0]
+    assert lines[1].startswith("arena budget ") and "cut to" not in lines[1]
     header = next(line for line in lines if line.startswith("JOB"))
     assert header.split()[:3] == ["JOB", "SESSIONS", "SHARDS"]
     row = next(line for line in lines if line.startswith("live "))

@@ -202,6 +202,14 @@ def _kept_by_owner(retained: dict[str, dict[str, Any]]) -> list[str]:
             for uid, sizes in sorted(by_uid.items())]
 
 
+def _cut(node: dict[str, Any]) -> str:
+    """Where the budget is less than arena_size: the daemon cut it to the node's memory."""
+    configured = _number(node, "arena_size_nbytes")
+    if configured <= _number(node, "budget_nbytes"):
+        return ""
+    return f" (arena_size {format_nbytes(configured)}: cut to what this node can pin)"
+
+
 def render_status(status: dict[str, Any]) -> str:
     node, jobs = status["node"], status["jobs"]
     rank_sessions = sum(int(_number(stats, "sessions")) for stats in jobs.values())
@@ -210,8 +218,8 @@ def render_status(status: dict[str, Any]) -> str:
         f"uptime={node.get('uptime_s', 0):.0f}s adam_kernel={node.get('adam_kernel')} "
         f"jobs={len(jobs)} rank_sessions={rank_sessions} "
         f"kept_jobs={len(status.get('retained') or {})}",
-        f"arena budget {format_nbytes(_number(node, 'budget_nbytes'))}, reserved by jobs "
-        f"{format_nbytes(_number(node, 'reserved_nbytes'))}",
+        f"arena budget {format_nbytes(_number(node, 'budget_nbytes'))}{_cut(node)}, reserved "
+        f"by jobs {format_nbytes(_number(node, 'reserved_nbytes'))}",
         "",
     ]
     if jobs:

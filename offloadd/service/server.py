@@ -323,6 +323,7 @@ class Daemon:
             "daemon_version": __version__,
             "uptime_s": time.time() - self.started_at,
             "budget_nbytes": self.jobs.budget_nbytes,
+            "arena_size_nbytes": self.config.arena_size,
             "reserved_nbytes": self.jobs.reserved_nbytes,
             "num_jobs": len(self.jobs.jobs),
             "num_sessions": len(self.sessions),
