@@ -183,3 +183,59 @@ def test_a_containers_memory_limit_bounds_the_arenas(tmp_path: Path) -> None:
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+HOG = """
+import sys, time
+block = bytearray(int(sys.argv[1]))  # zeroed: every page is taken
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_backing_stops_before_the_node_runs_out(tmp_path: Path) -> None:
+    """An arena admitted while memory was free, then a process taking most of it while the
+    arena is backed (slowly here, 40 MB/s): the backing stops short of what arenas leave
+    the node, and both the daemon and the other process live (in a 1 GiB memory cgroup:
+    pinning the whole arena would have had its OOM killer end one of them)."""
+    made = _memory_cgroup(GIB)
+    if made is None:
+        pytest.skip("cannot make a memory cgroup here (needs root and a writable hierarchy)")
+    directory, procs = made
+    socket_path = str(tmp_path / "d.sock")
+    in_group = f'echo $$ > {procs} && exec "$0" '
+    daemon = subprocess.Popen(
+        ["sh", "-c", in_group + f"-m offloadd serve --socket {socket_path} --arena-size 1GiB"
+         " --arena-prefault-rate 40000000", sys.executable],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hog = None
+    try:
+        assert daemon.stdout is not None
+        assert daemon.stdout.readline().startswith("offloadd ready")
+        with OffloadClient.connect(socket_path, job="slow", arena_nbytes=600 << 20) as client:
+            hog = subprocess.Popen(["sh", "-c", in_group + "-c \"$1\" $2", sys.executable,
+                                    HOG, str(500 << 20)], stdout=subprocess.PIPE, text=True)
+            assert hog.stdout is not None
+            assert hog.stdout.readline() == "held\n"
+            deadline = time.monotonic() + 60
+            while (stats := client.stats())["arena_backing"] == "backing":
+                assert time.monotonic() < deadline, stats
+                time.sleep(0.2)
+            assert stats["arena_backing"] == "failed", stats
+            assert "available memory fell to" in stats["arena_backing_error"], stats
+            assert stats["arena_backed_nbytes"] < 600 << 20
+            client.put("x", b"still served")
+            assert client.get("x") == b"still served"
+        assert hog.poll() is None and daemon.poll() is None
+    finally:
+        for process in (hog, daemon):
+            if process is not None:
+                process.kill()
+                process.communicate(timeout=30)
+        for _ in range(50):
+            try:
+                directory.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+

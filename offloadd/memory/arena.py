@@ -51,6 +51,7 @@ from sortedcontainers import SortedList
 from offloadd.config import HugePages, Prefault
 from offloadd.errors import OverBudgetError
 from offloadd.memory import pages
+from offloadd.memory.node import shortage
 
 log = logging.getLogger(__name__)
 
@@ -403,18 +404,27 @@ class Arena:
 
     def _back_chunks(self) -> None:
         """One backing thread: claim the next chunk in address order and back it, until
-        none is left, the arena is closing or a chunk failed."""
+        none is left, the arena is closing, a chunk failed, or the node's available
+        memory would fall into what arenas leave it (``memory.node.shortage``): the
+        rest is then left to first touch."""
         try:
             while (chunk := self._claim_chunk()) is not None:
+                short = "" if self.hugepages else shortage(chunk[1])
+                if short:  # pinning on would take the node into the OOM killer
+                    self._backing_failed(short)
+                    return
                 self._back_range(*chunk)
                 self._chunk_backed(*chunk)
         except OSError as exc:
-            with self._backing_lock:
-                if self.backing is not Backing.FAILED:
-                    self.backing = Backing.FAILED
-                    self.backing_error = f"{exc.strerror} ({exc.errno})"
+            self._backing_failed(f"{exc.strerror} ({exc.errno})")
         finally:
             self._backer_done()
+
+    def _backing_failed(self, why: str) -> None:
+        with self._backing_lock:
+            if self.backing is not Backing.FAILED:
+                self.backing = Backing.FAILED
+                self.backing_error = why
 
     def _claim_chunk(self) -> tuple[int, int] | None:
         """(offset, nbytes) of the next chunk nobody claimed, once the rate allows it;

@@ -133,3 +133,17 @@ def _number(path: Path) -> int | None:
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+def shortage(nbytes: int) -> str:
+    """Why taking ``nbytes`` more now would eat into what arenas leave the node; "" when
+    it would not. Read per backing chunk: the admission of an arena counted the memory
+    free then, and another process (another daemon's arena, a rank, a job outside
+    offloadd) may have taken it since."""
+    memory = node_memory()
+    if memory.available_nbytes - nbytes >= memory.kept_nbytes:
+        return ""
+    where = "MemAvailable" if memory.bound == "MemTotal" else f"cgroup {memory.bound}"
+    return (f"the node's available memory fell to {memory.available_nbytes} bytes ({where}), "
+            f"within {memory.kept_nbytes} kept for the system")
+

@@ -534,6 +534,7 @@ class Job:
             "arena_locked": self.arena.locked,
             "arena_backing": self.arena.backing.value,
             "arena_backed_nbytes": self.arena.backed_nbytes,
+            "arena_backing_error": self.arena.backing_error,
             "arena_hugepages": self.arena.hugepages,
             "num_shards": len(self.table.shards),
             "shard_nbytes": shard_nbytes,
