@@ -74,8 +74,9 @@ def test_a_new_arena_counts_what_other_arenas_will_still_take(tmp_path: Path) ->
         with pytest.raises(OverBudgetError, match=r"can pin only .* less (\d+) that other"
                            r" arenas will still take") as refused:
             registry.open("second", share)
-        pending = int(re.search(r"less (\d+) that other", str(refused.value)).group(1))
-        assert pending == first.arena.nbytes  # no page of it is allocated yet
+        found = re.search(r"less (\d+) that other", str(refused.value))
+        assert found is not None, refused.value
+        assert int(found.group(1)) == first.arena.nbytes  # no page of it is allocated yet
         first.arena.view[: 64 << 20] = b"\1" * (64 << 20)  # allocates 64 MiB of it
         assert registry.pending_backing_nbytes("second") == first.arena.nbytes - (64 << 20)
     finally:
@@ -126,63 +127,88 @@ def test_an_arena_past_the_nodes_memory_is_refused_and_the_daemon_lives(
         assert client.get("x") == b"abc"
 
 
-def _memory_cgroup(limit: int) -> tuple[Path, str] | None:
-    """A child memory cgroup of this process's own, limited to ``limit`` bytes: (dir,
-    procs file), or None where this host does not let us make one."""
-    name = f"offloadd-test-{uuid.uuid4().hex[:8]}"
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _h, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if controllers == "":
-            mount, limit_file = Path("/sys/fs/cgroup"), "memory.max"
-        elif "memory" in controllers.split(","):
-            mount, limit_file = Path("/sys/fs/cgroup") / controllers, "memory.limit_in_bytes"
-        else:
-            continue
-        directory = mount / path.lstrip("/") / name
-        try:
-            directory.mkdir()
-        except OSError:
-            continue
-        try:
-            (directory / limit_file).write_text(str(limit))
-        except OSError:
-            directory.rmdir()
-            continue
-        return directory, str(directory / "cgroup.procs")
-    return None
+class MemoryCgroup:
+    """A child memory cgroup of this process's own, limited to 1 GiB (a container's
+    ``--memory 1g``), and the processes started in it; all killed and the group removed
+    at the end."""
 
+    LIMIT = GIB
 
-def test_a_containers_memory_limit_bounds_the_arenas(tmp_path: Path) -> None:
-    """The daemon in a 1 GiB memory cgroup (a container's ``--memory 1g``) on a bigger
-    host: a 2 GiB arena is refused naming the cgroup; a 256 MiB one is served."""
-    made = _memory_cgroup(GIB)
-    if made is None:
+    def __init__(self) -> None:
+        self.directory = self._make()
+        self.processes: list[subprocess.Popen[str]] = []
+
+    def _make(self) -> Path:
+        name = f"offloadd-test-{uuid.uuid4().hex[:8]}"
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _h, _, rest = line.partition(":")
+            controllers, _, path = rest.partition(":")
+            if controllers == "":
+                mount, limit_file = Path("/sys/fs/cgroup"), "memory.max"
+            elif "memory" in controllers.split(","):
+                mount, limit_file = Path("/sys/fs/cgroup") / controllers, "memory.limit_in_bytes"
+            else:
+                continue
+            directory = mount / path.lstrip("/") / name
+            try:
+                directory.mkdir()
+            except OSError:
+                continue
+            try:
+                (directory / limit_file).write_text(str(self.LIMIT))
+            except OSError:
+                directory.rmdir()
+                continue
+            return directory
         pytest.skip("cannot make a memory cgroup here (needs root and a writable hierarchy)")
-    directory, procs = made
-    socket_path = str(tmp_path / "d.sock")
-    daemon = subprocess.Popen(
-        ["sh", "-c", f'echo $$ > {procs} && exec "$0" -m offloadd serve --socket {socket_path}'
-                     " --arena-size 64GiB --arena-prefault lazy", sys.executable],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+
+    def start(self, *python_args: str) -> subprocess.Popen[str]:
+        """``python *python_args`` inside the group (it joins before it execs)."""
+        process = subprocess.Popen(
+            ["sh", "-c", f'echo $$ > {self.directory / "cgroup.procs"} && exec "$@"', "sh",
+             sys.executable, *python_args], stdout=subprocess.PIPE, text=True)
+        self.processes.append(process)
+        return process
+
+    def daemon(self, socket_path: str, *args: str) -> subprocess.Popen[str]:
+        daemon = self.start("-m", "offloadd", "serve", "--socket", socket_path, *args)
         assert daemon.stdout is not None
         assert daemon.stdout.readline().startswith("offloadd ready")
-        with pytest.raises(OverBudgetError, match=f"cgroup {re.escape(str(directory))}\\)"):
-            OffloadClient.connect(socket_path, job="big", arena_nbytes=2 * GIB)
-        with OffloadClient.connect(socket_path, job="small", arena_nbytes=256 << 20) as client:
-            client.put("x", b"\0" * (1 << 20))
-            assert client.get("x") == b"\0" * (1 << 20)
-        assert daemon.poll() is None
-    finally:
-        daemon.terminate()
-        daemon.communicate(timeout=30)
-        for _ in range(50):  # the group empties once the daemon is reaped
+        return daemon
+
+    def close(self) -> None:
+        for process in self.processes:
+            process.kill()
+            process.communicate(timeout=30)
+        for _ in range(50):  # the group empties once its processes are reaped
             try:
-                directory.rmdir()
-                break
+                self.directory.rmdir()
+                return
             except OSError:
                 time.sleep(0.1)
+
+
+@pytest.fixture
+def cgroup() -> Iterator[MemoryCgroup]:
+    group = MemoryCgroup()
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+def test_a_containers_memory_limit_bounds_the_arenas(tmp_path: Path,
+                                                      cgroup: MemoryCgroup) -> None:
+    """The daemon in a 1 GiB memory cgroup on a bigger host: a 2 GiB arena is refused
+    naming the cgroup; a 256 MiB one is served."""
+    socket_path = str(tmp_path / "d.sock")
+    daemon = cgroup.daemon(socket_path, "--arena-size", "64GiB", "--arena-prefault", "lazy")
+    with pytest.raises(OverBudgetError, match=f"cgroup {re.escape(str(cgroup.directory))}\\)"):
+        OffloadClient.connect(socket_path, job="big", arena_nbytes=2 * GIB)
+    with OffloadClient.connect(socket_path, job="small", arena_nbytes=256 << 20) as client:
+        client.put("x", b"\0" * (1 << 20))
+        assert client.get("x") == b"\0" * (1 << 20)
+    assert daemon.poll() is None
 
 
 HOG = """
@@ -193,49 +219,25 @@ time.sleep(120)
 """
 
 
-def test_backing_stops_before_the_node_runs_out(tmp_path: Path) -> None:
+def test_backing_stops_before_the_node_runs_out(tmp_path: Path, cgroup: MemoryCgroup) -> None:
     """An arena admitted while memory was free, then a process taking most of it while the
     arena is backed (slowly here, 40 MB/s): the backing stops short of what arenas leave
     the node, and both the daemon and the other process live (in a 1 GiB memory cgroup:
-    pinning the whole arena would have had its OOM killer end one of them)."""
-    made = _memory_cgroup(GIB)
-    if made is None:
-        pytest.skip("cannot make a memory cgroup here (needs root and a writable hierarchy)")
-    directory, procs = made
+    pinning the whole arena had its OOM killer end the daemon)."""
     socket_path = str(tmp_path / "d.sock")
-    in_group = f'echo $$ > {procs} && exec "$0" '
-    daemon = subprocess.Popen(
-        ["sh", "-c", in_group + f"-m offloadd serve --socket {socket_path} --arena-size 1GiB"
-         " --arena-prefault-rate 40000000", sys.executable],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    hog = None
-    try:
-        assert daemon.stdout is not None
-        assert daemon.stdout.readline().startswith("offloadd ready")
-        with OffloadClient.connect(socket_path, job="slow", arena_nbytes=600 << 20) as client:
-            hog = subprocess.Popen(["sh", "-c", in_group + "-c \"$1\" $2", sys.executable,
-                                    HOG, str(500 << 20)], stdout=subprocess.PIPE, text=True)
-            assert hog.stdout is not None
-            assert hog.stdout.readline() == "held\n"
-            deadline = time.monotonic() + 60
-            while (stats := client.stats())["arena_backing"] == "backing":
-                assert time.monotonic() < deadline, stats
-                time.sleep(0.2)
-            assert stats["arena_backing"] == "failed", stats
-            assert "available memory fell to" in stats["arena_backing_error"], stats
-            assert stats["arena_backed_nbytes"] < 600 << 20
-            client.put("x", b"still served")
-            assert client.get("x") == b"still served"
-        assert hog.poll() is None and daemon.poll() is None
-    finally:
-        for process in (hog, daemon):
-            if process is not None:
-                process.kill()
-                process.communicate(timeout=30)
-        for _ in range(50):
-            try:
-                directory.rmdir()
-                break
-            except OSError:
-                time.sleep(0.1)
-
+    daemon = cgroup.daemon(socket_path, "--arena-size", "1GiB",
+                           "--arena-prefault-rate", "40000000")
+    with OffloadClient.connect(socket_path, job="slow", arena_nbytes=600 << 20) as client:
+        hog = cgroup.start("-c", HOG, str(500 << 20))
+        assert hog.stdout is not None
+        assert hog.stdout.readline() == "held\n"
+        deadline = time.monotonic() + 60
+        while (stats := client.stats())["arena_backing"] == "backing":
+            assert time.monotonic() < deadline, stats
+            time.sleep(0.2)
+        assert stats["arena_backing"] == "failed", stats
+        assert "available memory fell to" in stats["arena_backing_error"], stats
+        assert stats["arena_backed_nbytes"] < 600 << 20
+        client.put("x", b"still served")
+        assert client.get("x") == b"still served"
+    assert hog.poll() is None and daemon.poll() is None
