@@ -87,7 +87,8 @@ def test_a_dram_working_set_past_the_nodes_memory_is_refused_naming_the_knobs() 
                              Collectives())
     # On the NVMe tier the arena is a cache: the same model gets at most half of DRAM.
     arena = default_arena_nbytes(too_big, _config("nvme"), Collectives())
-    assert 64 * MIB <= arena <= available // 2 + 2 * MIB
+    noise = available // 100  # MemAvailable moves between the test's read and the engine's
+    assert 64 * MIB <= arena <= available // 2 + 2 * MIB + noise
 
 
 def test_a_working_set_that_fits_gets_its_arena_with_the_slack_cut_to_dram() -> None:
