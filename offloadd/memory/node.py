@@ -47,6 +47,16 @@ class NodeMemory:
         """The most all arenas together may ever pin here (the budget's ceiling)."""
         return self.total_nbytes - self.kept_nbytes
 
+    @property
+    def room_nbytes(self) -> int:
+        """What arenas may still pin now: the available memory less what they leave."""
+        return max(0, self.available_nbytes - self.kept_nbytes)
+
+    def source(self, kernel_figure: str) -> str:
+        """Where the figures come from, for messages: the kernel's ``kernel_figure``
+        (MemTotal, MemAvailable), or the cgroup whose limit binds."""
+        return kernel_figure if self.bound == "MemTotal" else f"cgroup {self.bound}"
+
 
 def node_memory(proc: Path = Path("/proc"), cgroup_root: Path = Path("/sys/fs/cgroup")
                 ) -> NodeMemory:
@@ -141,9 +151,9 @@ def shortage(nbytes: int) -> str:
     free then, and another process (another daemon's arena, a rank, a job outside
     offloadd) may have taken it since."""
     memory = node_memory()
-    if memory.available_nbytes - nbytes >= memory.kept_nbytes:
+    if nbytes <= memory.room_nbytes:
         return ""
-    where = "MemAvailable" if memory.bound == "MemTotal" else f"cgroup {memory.bound}"
-    return (f"the node's available memory fell to {memory.available_nbytes} bytes ({where}), "
-            f"within {memory.kept_nbytes} kept for the system")
+    return (f"the node's available memory fell to {memory.available_nbytes} bytes "
+            f"({memory.source('MemAvailable')}), within {memory.kept_nbytes} kept for the "
+            "system")
 

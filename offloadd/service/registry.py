@@ -78,11 +78,10 @@ class JobRegistry:
 
     def cut_to_node(self, arena_size: int, memory: NodeMemory) -> None:
         """Note that the budget is ``arena_size`` cut to what ``memory`` can pin."""
-        where = "MemTotal" if memory.bound == "MemTotal" else f"cgroup {memory.bound}"
         self.budget_note = (
             f" (arena_size {arena_size} cut to what this node can pin: {memory.total_nbytes} "
-            f"bytes ({where}) less {memory.kept_nbytes} kept for the system; past it, put "
-            "the state on NVMe: offload_optimizer.device \"nvme\")")
+            f"bytes ({memory.source('MemTotal')}) less {memory.kept_nbytes} kept for the "
+            "system; past it, put the state on NVMe: offload_optimizer.device \"nvme\")")
 
     @property
     def reserved_nbytes(self) -> int:
@@ -220,9 +219,8 @@ class JobRegistry:
                 free_huge_pages() * HUGE_PAGE_NBYTES >= align_up(nbytes, HUGE_PAGE_NBYTES):
             return nbytes, free  # from the reserved pool, which MemAvailable leaves out
         memory = node_memory()
-        kept = memory.kept_nbytes
         pending = self.pending_backing_nbytes(name)
-        room = memory.available_nbytes - kept - pending
+        room = memory.room_nbytes - pending
         if not requested_nbytes and nbytes > room > 0:
             nbytes = self.default_nbytes(room)
         if nbytes <= room:
@@ -230,8 +228,8 @@ class JobRegistry:
         raise OverBudgetError(
             f"job {name!r} asks for a {nbytes}-byte arena but this node can pin only "
             f"{max(room, 0)} more bytes: {memory.available_nbytes} available "
-            f"({'MemAvailable' if memory.bound == 'MemTotal' else 'cgroup ' + memory.bound}), "
-            f"less {pending} that other arenas will still take and {kept} kept for the system; "
+            f"({memory.source('MemAvailable')}), less {pending} that other arenas will still "
+            f"take and {memory.kept_nbytes} kept for the system; "
             "ask for less (arena_nbytes at hello), put the state on NVMe "
             "(offload_optimizer.device \"nvme\"), or free memory on the node")
 

@@ -73,6 +73,11 @@ class Daemon:
                      config.optimizer_cpus, no_plan)
         self.metrics = DaemonMetrics()
         budget, memory = node_budget(config.arena_size)
+        self.jobs = JobRegistry(budget, config.job_arena_share, lock=config.mlock,
+                                hugepages=config.arena_hugepages,
+                                prefault=config.arena_prefault,
+                                prefault_rate=config.arena_prefault_rate,
+                                prefault_threads=config.arena_prefault_threads)
         if memory is not None:
             # Not refused: one config may serve nodes of several sizes (JobRegistry also
             # admits each arena against what the node can still pin).
@@ -80,12 +85,6 @@ class Daemon:
                         "bound=%s budget_nbytes=%d note=\"the budget is cut to what the node "
                         "can pin; set arena_size to the DRAM the daemon may pin\"",
                         config.arena_size, memory.total_nbytes, memory.bound, budget)
-        self.jobs = JobRegistry(budget, config.job_arena_share, lock=config.mlock,
-                                hugepages=config.arena_hugepages,
-                                prefault=config.arena_prefault,
-                                prefault_rate=config.arena_prefault_rate,
-                                prefault_threads=config.arena_prefault_threads)
-        if memory is not None:
             self.jobs.cut_to_node(config.arena_size, memory)
         self.optimizer = OptimizerService(
             config.optimizer_threads, self.cpu_plan.optimizer if self.cpu_plan else None)

@@ -154,8 +154,7 @@ def available_memory_nbytes() -> int:
     (offloadd.service.registry): MemAvailable, or the container's (cgroup's) room where
     lower, less what arenas leave the system. Sized by a looser figure, a working set
     that fit by the trainer's check was refused at the hello."""
-    memory = node_memory()
-    return max(0, memory.available_nbytes - memory.kept_nbytes)
+    return node_memory().room_nbytes
 
 
 def _node_subdir(collectives: Collectives) -> str:
