@@ -117,6 +117,8 @@ class AllocatorModel(RuleBasedStateMachine):
     def start(self, pages: int) -> None:
         self.allocator = Allocator(pages * PAGE)
         self.used = [False] * pages
+        self.withheld = 0
+        """Pages withheld (marked used in ``used``, never freed)."""
 
     @rule(target=blocks, nbytes=st.integers(0, 20 * PAGE))
     def alloc(self, nbytes: int) -> tuple[int, int] | None:
@@ -147,16 +149,31 @@ class AllocatorModel(RuleBasedStateMachine):
         pages = max(1, -(-nbytes // PAGE))
         self.used[offset // PAGE : offset // PAGE + pages] = [False] * pages
 
+    @rule(page=st.integers(0, 63), pages=st.integers(1, 8))
+    def withhold(self, page: int, pages: int) -> None:
+        """Take free pages out for good (an arena's pages the node could not back)."""
+        run = next(((start, length) for start, length in free_runs(self.used)
+                    if start <= page < start + length), None)
+        if run is None:
+            return
+        pages = min(pages, run[0] + run[1] - page)
+        self.allocator.withhold(page * PAGE, pages * PAGE)
+        self.used[page : page + pages] = [True] * pages
+        self.withheld += pages
+
     @invariant()
     def agrees_with_the_model(self) -> None:
         runs = free_runs(self.used)
-        assert self.allocator.used_nbytes == sum(self.used) * PAGE
+        assert self.allocator.used_nbytes == (sum(self.used) - self.withheld) * PAGE
+        assert self.allocator.withheld_nbytes == self.withheld * PAGE
         assert self.allocator.free_nbytes == (len(self.used) - sum(self.used)) * PAGE
         assert self.allocator.largest_free() == max((n for _, n in runs), default=0) * PAGE
         # Coalesced: the free list is exactly the maximal runs (never two touching extents).
         assert self.allocator.free_extents() == [Extent(s * PAGE, n * PAGE) for s, n in runs]
 
     def teardown(self) -> None:
+        if self.withheld:
+            return  # the allocator cannot tell withheld pages from held ones: nothing to free
         for page, taken in enumerate(self.used):  # free every page still held, one by one
             if taken:
                 self.allocator.free(page * PAGE, PAGE)

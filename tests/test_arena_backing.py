@@ -147,6 +147,48 @@ def test_backing_threads_cover_every_page_exactly_once(monkeypatch: pytest.Monke
         arena.close()
 
 
+def test_a_failed_backing_withholds_every_page_it_could_not_back(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The node runs short at the third chunk: from then on no shard is placed where its
+    first write would take new memory. Pages a rank already wrote past the stop stay in
+    use; the allocator then hands out exactly the pages the memfd holds, as the kernel
+    counts them (st_blocks), and writing all of them takes no page more."""
+    chunk = 4 * PAGE_NBYTES
+    monkeypatch.setattr(arena_module, "BACKING_CHUNK_NBYTES", chunk)
+    calls = itertools.count()
+    monkeypatch.setattr(arena_module, "shortage",
+                        lambda nbytes: "short" if next(calls) >= 2 else "")
+    nbytes = 10 * chunk
+    arena = Arena("short", nbytes, lock=False, prefault="background", prefault_threads=1)
+    try:
+        touched = 7 * chunk + PAGE_NBYTES  # a rank's first write, past the stop
+        arena.view[touched : touched + 2 * PAGE_NBYTES] = b"\1" * (2 * PAGE_NBYTES)
+        wait_for(lambda: arena.withhold_due)
+        assert arena.backing is Backing.FAILED and arena.backed_nbytes == 2 * chunk
+        held = arena.allocator.alloc(PAGE_NBYTES)  # a shard placed before the loop saw it
+        assert held == 0
+        arena.withhold_unbacked()
+        allocator = arena.allocator
+        assert not arena.withhold_due and arena.backing_error == "short"
+        assert allocator.withheld_nbytes == nbytes - resident_nbytes(arena.fd)
+        assert [(e.offset, e.nbytes) for e in allocator.free_extents()] == [
+            (PAGE_NBYTES, 2 * chunk - PAGE_NBYTES), (touched, 2 * PAGE_NBYTES)]
+        # Everything the allocator still hands out, written whole: no new page.
+        resident = resident_nbytes(arena.fd)
+        taken = []
+        while (offset := allocator.alloc(PAGE_NBYTES)) is not None:
+            arena.view[offset : offset + PAGE_NBYTES] = b"\2" * PAGE_NBYTES
+            taken.append(offset)
+        assert len(taken) * PAGE_NBYTES == 2 * chunk - PAGE_NBYTES + 2 * PAGE_NBYTES
+        assert resident_nbytes(arena.fd) == resident
+        # A range freed past the stop is checked the same way: its pages are backed now.
+        allocator.free(touched, PAGE_NBYTES)
+        arena.withhold_holes(touched, PAGE_NBYTES)
+        assert allocator.alloc(PAGE_NBYTES) == touched
+    finally:
+        arena.close()
+
+
 @pytest.mark.skipif(not lockable(4 << 20), reason="RLIMIT_MEMLOCK below 4 MiB")
 def test_a_locked_arena_is_mapped_and_locked_page_for_page(
         monkeypatch: pytest.MonkeyPatch) -> None:

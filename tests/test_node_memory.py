@@ -5,6 +5,7 @@ host lets us make one."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -163,10 +164,12 @@ class MemoryCgroup:
         pytest.skip("cannot make a memory cgroup here (needs root and a writable hierarchy)")
 
     def start(self, *python_args: str) -> subprocess.Popen[str]:
-        """``python *python_args`` inside the group (it joins before it execs)."""
+        """``python *python_args`` inside the group (it joins before it execs); its stdin
+        and stdout are pipes."""
         process = subprocess.Popen(
             ["sh", "-c", f'echo $$ > {self.directory / "cgroup.procs"} && exec "$@"', "sh",
-             sys.executable, *python_args], stdout=subprocess.PIPE, text=True)
+             sys.executable, *python_args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True)
         self.processes.append(process)
         return process
 
@@ -240,4 +243,72 @@ def test_backing_stops_before_the_node_runs_out(tmp_path: Path, cgroup: MemoryCg
         assert stats["arena_backed_nbytes"] < 600 << 20
         client.put("x", b"still served")
         assert client.get("x") == b"still served"
+    assert hog.poll() is None and daemon.poll() is None
+
+
+FILLER = """
+import json, sys, time
+from offloadd.errors import OverBudgetError
+from trainer.client import OffloadClient
+socket_path, shard_nbytes, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+client = OffloadClient.connect(socket_path, job="filled", arena_nbytes=shard_nbytes * count)
+print("connected", flush=True)
+sys.stdin.readline()  # another process now holds most of the group's memory
+while (stats := client.stats())["arena_backing"] == "backing":
+    time.sleep(0.1)
+put, error = 0, ""
+try:
+    for index in range(count):
+        client.put(f"s{index}", bytes([index % 251]) * shard_nbytes)
+        put += 1
+except OverBudgetError as exc:
+    error = str(exc)
+intact = all(client.get(f"s{index}") == bytes([index % 251]) * shard_nbytes
+             for index in range(put))
+print(json.dumps({"before": stats, "put": put, "error": error, "intact": intact,
+                  "after": client.stats()}), flush=True)
+client.close()
+"""
+
+
+@pytest.mark.parametrize("swap", [False, True], ids=["no-swap", "swap"])
+def test_what_the_node_could_not_back_is_never_handed_out(
+        tmp_path: Path, cgroup: MemoryCgroup, swap: bool) -> None:
+    """As above, then the rank (in the same 1 GiB group) fills its whole 600 MiB arena:
+    the pages the backing could not take are withheld. Without a swap tier the rank gets
+    OverBudgetError naming them once the backed pages are used; with one, its shards go
+    to NVMe and all 600 MiB are written and read back. Every process lives (handing the
+    unbacked pages out had the group's OOM killer end the daemon or the other process)."""
+    socket_path = str(tmp_path / "d.sock")
+    args = ["--arena-size", "1GiB", "--arena-prefault-rate", "40000000"]
+    if swap:
+        args += ["--swap-dir", str(tmp_path / "swap")]
+    daemon = cgroup.daemon(socket_path, *args)
+    shard, count = 8 << 20, 75
+    filler = cgroup.start("-c", FILLER, socket_path, str(shard), str(count))
+    assert filler.stdout is not None and filler.stdin is not None
+    assert filler.stdout.readline() == "connected\n"
+    hog = cgroup.start("-c", HOG, str(500 << 20))
+    assert hog.stdout is not None
+    assert hog.stdout.readline() == "held\n"
+    filler.stdin.write("go\n")
+    filler.stdin.flush()
+    line = filler.stdout.readline()
+    assert line, f"the rank died (rc {filler.wait(timeout=30)}; daemon {daemon.poll()}, " \
+        f"other process {hog.poll()})"
+    result = json.loads(line)
+    assert result["before"]["arena_backing"] == "failed", result["before"]
+    after = result["after"]
+    withheld = after["arena_withheld_nbytes"]
+    assert withheld > 0 and after["arena_nbytes"] - withheld < 600 << 20, after
+    assert result["intact"], result
+    if swap:
+        assert result["put"] == count and not result["error"], result
+        assert after["swap_used_nbytes"] > 0, after
+    else:
+        assert 0 < result["put"] < count, result
+        assert "arena is full" in result["error"], result
+        assert f"{withheld} bytes of it withheld: the node ran short of memory" \
+            in result["error"], result
+        assert result["put"] * shard <= after["arena_nbytes"] - withheld
     assert hog.poll() is None and daemon.poll() is None

@@ -45,6 +45,7 @@ CORE_METRICS: dict[str, tuple[str, frozenset[str]]] = {
     "offloadd_arena_capacity_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_arena_backed_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_arena_used_bytes": ("gauge", frozenset({"train_job"})),
+    "offloadd_arena_withheld_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_arena_largest_free_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_arena_leased_bytes": ("gauge", frozenset({"train_job"})),
     "offloadd_shards": ("gauge", frozenset({"train_job"})),

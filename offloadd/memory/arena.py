@@ -90,6 +90,8 @@ class Allocator:
             raise ValueError(f"capacity must be a multiple of {PAGE_NBYTES}, got {capacity}")
         self.capacity = capacity
         self.used_nbytes = 0
+        self.withheld_nbytes = 0
+        """Bytes taken out for good (``withhold``): neither used nor free."""
         self._free_offsets = SortedList([0] if capacity else [])
         self._free_nbytes: dict[int, int] = {0: capacity} if capacity else {}
         self._by_size = SortedList([(capacity, 0)] if capacity else [])
@@ -136,6 +138,14 @@ class Allocator:
         if offset > start:
             self.free(start, offset - start)
 
+    def withhold(self, offset: int, nbytes: int) -> None:
+        """Take a free range out for good: no later ``alloc`` returns it (an arena's pages
+        that the node had no memory to back)."""
+        self.reserve(offset, nbytes)
+        need = align_up(max(nbytes, 1))
+        self.used_nbytes -= need
+        self.withheld_nbytes += need
+
     def grow(self, new_capacity: int) -> None:
         """Extend the managed range (swap files grow in segments)."""
         if new_capacity % PAGE_NBYTES or new_capacity < self.capacity:
@@ -164,7 +174,7 @@ class Allocator:
 
     @property
     def free_nbytes(self) -> int:
-        return self.capacity - self.used_nbytes
+        return self.capacity - self.used_nbytes - self.withheld_nbytes
 
     def largest_free(self) -> int:
         return self._by_size[-1][0] if self._by_size else 0
@@ -371,6 +381,10 @@ class Arena:
         self._stop = threading.Event()
         self._closing = self._closed = False
         self._backers_running = 0
+        self.withhold_due = False
+        """Backing failed: the loop thread is to ``withhold_unbacked`` (set by the last backer)."""
+        self.withholding = False
+        """Past a failed backing, free ranges past ``backed_nbytes`` are checked for pages."""
         if prefault == "lazy":
             return
         chunks = -(-self.nbytes // self._chunk)
@@ -406,7 +420,7 @@ class Arena:
         """One backing thread: claim the next chunk in address order and back it, until
         none is left, the arena is closing, a chunk failed, or the node's available
         memory would fall into what arenas leave it (``memory.node.shortage``): the
-        rest is then left to first touch."""
+        pages of the rest that no rank touched are then withheld (``withhold_unbacked``)."""
         try:
             while (chunk := self._claim_chunk()) is not None:
                 short = "" if self.hugepages else shortage(chunk[1])
@@ -470,6 +484,7 @@ class Arena:
             if self.backing is Backing.BACKING:
                 self.backing = Backing.BACKED if self.backed_nbytes == self.nbytes \
                     else Backing.STOPPED
+            self.withhold_due = self.backing is Backing.FAILED and not closing
         self._log_backing()
         if closing:
             self._close_now()
@@ -478,14 +493,60 @@ class Arena:
         seconds = time.monotonic() - self._backing_started
         if self.backing is Backing.FAILED:
             log.warning("event=arena_backing_failed job=%s backed_nbytes=%d arena_nbytes=%d "
-                        "error=%r hint='pages past backed_nbytes are backed on first touch; "
-                        "lower arena_size if the node is short of memory'",
+                        "error=%r hint='pages it could not back are withheld from the job "
+                        "(arena_withheld_nbytes); lower arena_size if the node is short of "
+                        "memory'",
                         self.name, self.backed_nbytes, self.nbytes, self.backing_error)
         elif self.backing is Backing.BACKED:
             log.info("event=arena_backed job=%s arena_nbytes=%d seconds=%.3f gb_per_s=%.2f "
                      "threads=%d locked=%s hugepages=%s", self.name, self.nbytes, seconds,
                      self.nbytes / max(seconds, 1e-9) / 1e9, self.backing_threads,
                      self.locked, self.hugepages)
+
+    # -- what could not be backed ---------------------------------------------------------
+
+    def withhold_unbacked(self) -> None:
+        """Loop thread, once backing failed (``withhold_due``): take every free range that
+        holds no page out of the allocator, so no shard is placed where its first write
+        would take memory the node was found not to have (pinned pages past it end in the
+        OOM killer). Ranges already backed, by the threads or by a rank's first touch,
+        stay in use; frees from now on are checked the same way (``withhold_holes``)."""
+        self.withhold_due = False
+        self.withholding = True
+        for extent in self.allocator.free_extents():
+            start, end = max(extent.offset, self.backed_nbytes), extent.offset + extent.nbytes
+            if end > start:
+                self.withhold_holes(start, end - start)
+        log.warning("event=arena_unbacked_withheld job=%s withheld_nbytes=%d arena_nbytes=%d "
+                    "hint='the node ran short of memory while backing this arena; those "
+                    "pages are never handed out: evict to swap or ask for a smaller arena'",
+                    self.name, self.allocator.withheld_nbytes, self.nbytes)
+
+    def withhold_holes(self, offset: int, nbytes: int) -> None:
+        """Withhold the pages of the free range ``[offset, offset + nbytes)`` that the memfd
+        holds none of (``lseek`` SEEK_HOLE / SEEK_DATA, page by page on shmem)."""
+        for start, end in self._holes(offset, offset + nbytes):
+            self.allocator.withhold(start, end - start)
+
+    def _holes(self, start: int, end: int) -> list[tuple[int, int]]:
+        holes = []
+        position = start
+        while position < end:
+            try:
+                hole = os.lseek(self.fd, position, os.SEEK_HOLE)
+            except OSError:  # ENXIO: past the end of the file
+                break
+            if hole >= end:
+                break
+            try:
+                data = min(end, os.lseek(self.fd, hole, os.SEEK_DATA))
+            except OSError:  # ENXIO: no data after the hole
+                data = end
+            first, last = align_up(hole), data // PAGE_NBYTES * PAGE_NBYTES
+            if last > first:
+                holes.append((first, last))
+            position = max(data, hole + PAGE_NBYTES)
+        return holes
 
     # -- use ----------------------------------------------------------------------------
 

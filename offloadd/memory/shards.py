@@ -250,6 +250,8 @@ class ShardTable:
 
     def try_place(self, shard: Shard) -> bool:
         """Give ``shard`` an arena range if one is free now (no eviction here)."""
+        if self.arena.withhold_due:  # its backing failed: no range the node cannot back
+            self.arena.withhold_unbacked()
         offset = self.arena.allocator.alloc(shard.arena_nbytes)
         if offset is None:
             return False
@@ -288,6 +290,8 @@ class ShardTable:
     def unplace(self, shard: Shard) -> None:
         assert shard.offset is not None and not shard.leased
         self.arena.allocator.free(shard.offset, shard.arena_nbytes)
+        if self.arena.withholding and shard.offset + shard.arena_nbytes > self.arena.backed_nbytes:
+            self.arena.withhold_holes(shard.offset, shard.arena_nbytes)
         del self.placed_at[shard.offset]
         del self.placed_ending_at[shard.offset + shard.arena_nbytes]
         shard.offset = None

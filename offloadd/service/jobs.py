@@ -169,15 +169,22 @@ class Job:
         if self.tier is None and new_nbytes > self.arena.allocator.free_nbytes:
             raise OverBudgetError(
                 f"job {self.name!r} arena is full: the batch creates {new_nbytes} bytes of "
-                f"shards, {self.arena.allocator.free_nbytes} free of {self.arena.nbytes}; drop "
-                "shards, ask for a larger arena_nbytes at hello, or start the daemon with "
-                "--swap-dir")
+                f"shards, {self.arena.allocator.free_nbytes} free of {self.arena.nbytes}"
+                f"{self._withheld_note()}; drop shards, ask for a larger arena_nbytes at "
+                "hello, or start the daemon with --swap-dir")
         leased = self.table.leased_nbytes()
-        if self.tier is not None and mode is not None and need_nbytes + leased > self.arena.nbytes:
+        usable = self.arena.nbytes - self.arena.allocator.withheld_nbytes
+        if self.tier is not None and mode is not None and need_nbytes + leased > usable:
             raise OverBudgetError(
                 f"job {self.name!r}: {need_nbytes} bytes requested while {leased} bytes are "
-                f"leased, arena is {self.arena.nbytes}; release leases or request fewer "
-                "shards at once")
+                f"leased, arena is {self.arena.nbytes}{self._withheld_note()}; release "
+                "leases or request fewer shards at once")
+
+    def _withheld_note(self) -> str:
+        """Says how much of the arena is withheld (``Arena.withhold_unbacked``), if any."""
+        withheld = self.arena.allocator.withheld_nbytes
+        return (f" ({withheld} bytes of it withheld: the node ran short of memory while "
+                "backing it)") if withheld else ""
 
     async def _undo_on_failure(self, pending: Awaitable[Placed], created: list[Shard]) -> Placed:
         try:
@@ -280,8 +287,9 @@ class Job:
         raise OverBudgetError(
             f"job {self.name!r} arena is full: shard {shard.shard_id!r} needs "
             f"{shard.arena_nbytes} bytes, {allocator.free_nbytes} free (largest extent "
-            f"{allocator.largest_free()}) of {self.arena.nbytes}; drop shards, ask for a "
-            "larger arena_nbytes at hello, or start the daemon with --swap-dir",
+            f"{allocator.largest_free()}) of {self.arena.nbytes}{self._withheld_note()}; "
+            "drop shards, ask for a larger arena_nbytes at hello, or start the daemon with "
+            "--swap-dir",
             [shard.shard_id],
         )
 
@@ -535,6 +543,7 @@ class Job:
             "arena_backing": self.arena.backing.value,
             "arena_backed_nbytes": self.arena.backed_nbytes,
             "arena_backing_error": self.arena.backing_error,
+            "arena_withheld_nbytes": allocator.withheld_nbytes,
             "arena_hugepages": self.arena.hugepages,
             "num_shards": len(self.table.shards),
             "shard_nbytes": shard_nbytes,

@@ -125,7 +125,8 @@ class TierEviction(TierState):
                 if not progress:
                     raise OverBudgetError(
                         f"job {self.job!r}: no evictable shard can make room for {need} bytes "
-                        f"(arena {table.arena.nbytes}, leased {table.leased_nbytes()}); "
+                        f"(arena {table.arena.nbytes}, leased {table.leased_nbytes()}, "
+                        f"withheld {allocator.withheld_nbytes}); "
                         "release leases or acquire fewer shards at once")
                 # Nothing we wait on needs this lock: write-backs and reads into placed
                 # ranges finish on their own, so holding it cannot deadlock.
