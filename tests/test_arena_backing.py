@@ -301,7 +301,9 @@ def test_a_job_says_hello_while_another_jobs_arena_is_being_backed(
 
 def test_a_rank_pins_past_a_slow_backing_without_waiting_for_it(
         slow_backing_daemon: PrivateDaemon) -> None:
-    twin = TwinCopyEngine()
+    # Registering faults every page in, as cudaHostRegister does: 12 GiB of this host's
+    # memory. This test is about the wait, so its twin registers without faulting.
+    twin = TwinCopyEngine(populate_on_register=False)
     backend = DaemonBackend(connect(slow_backing_daemon, "pin-slow", 0, LARGE_ARENA_NBYTES,
                                     world_size=1), collectives=Collectives(), copies=twin)
     try:  # 1 MiB/s is far below the rate a rank waits for: it pinned while backing went on

@@ -312,3 +312,67 @@ def test_what_the_node_could_not_back_is_never_handed_out(
             in result["error"], result
         assert result["put"] * shard <= after["arena_nbytes"] - withheld
     assert hog.poll() is None and daemon.poll() is None
+
+
+RANK_PINS = """
+import json, sys, time, warnings
+from trainer.client import OffloadClient
+from trainer.device.copy_engine import TwinCopyEngine
+from trainer.dist.collectives import Collectives
+from trainer.offload.daemon_backend import DaemonBackend
+socket_path, nbytes = sys.argv[1], int(sys.argv[2])
+client = OffloadClient.connect(socket_path, job="pinned", arena_nbytes=nbytes)
+print("connected", flush=True)
+sys.stdin.readline()  # another process now holds most of the group's memory
+while client.stats()["arena_backing"] == "backing":
+    time.sleep(0.1)
+twin = TwinCopyEngine()  # registers as cudaHostRegister does: every page faulted in
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    backend = DaemonBackend(client, collectives=Collectives(), copies=twin)
+client.put("x", b"served")
+print(json.dumps({"pinned": backend.arena_pinned, "registered": sum(twin.registered.values()),
+                  "warnings": [str(w.message) for w in caught], "x": client.get("x").decode(),
+                  "stats": client.stats()}), flush=True)
+backend.close()
+twin.close()
+"""
+
+
+@pytest.mark.parametrize("prefault", ["background", "lazy"])
+def test_a_rank_does_not_pin_pages_the_node_cannot_back(
+        tmp_path: Path, cgroup: MemoryCgroup, prefault: str) -> None:
+    """A rank's pin (cudaHostRegister, which the twin plays) faults in every page of its
+    arena. In the 1 GiB group, once another process took most of the memory, the pages
+    the daemon could not back (its watch stopped the backing) or never backed (a lazy
+    arena) must not be faulted in by the rank instead: it skips the pin with a warning
+    naming why, and copies still work. Pinning anyway had the group's OOM killer end
+    the rank."""
+    socket_path = str(tmp_path / "d.sock")
+    args = ["--arena-size", "1GiB", "--arena-prefault", prefault]
+    if prefault == "background":
+        args += ["--arena-prefault-rate", "40000000"]
+    daemon = cgroup.daemon(socket_path, *args)
+    rank = cgroup.start("-c", RANK_PINS, socket_path, str(600 << 20))
+    assert rank.stdout is not None and rank.stdin is not None
+    assert rank.stdout.readline() == "connected\n"
+    hog = cgroup.start("-c", HOG, str(500 << 20))
+    assert hog.stdout is not None
+    assert hog.stdout.readline() == "held\n"
+    rank.stdin.write("go\n")
+    rank.stdin.flush()
+    line = rank.stdout.readline()
+    assert line, f"the rank died (rc {rank.wait(timeout=30)}; daemon {daemon.poll()}, " \
+        f"other process {hog.poll()})"
+    result = json.loads(line)
+    assert result["pinned"] == "skipped" and result["registered"] == 0, result
+    assert result["x"] == "served"
+    (message,) = [w for w in result["warnings"] if "not pinning" in w]
+    if prefault == "background":
+        assert result["stats"]["arena_backing"] == "failed", result["stats"]
+        assert "the daemon stopped backing it, short of memory" in message
+    else:
+        assert "are not backed yet, past the" in message
+        assert f"cgroup {cgroup.directory}" in message
+    assert rank.wait(timeout=60) == 0
+    assert hog.poll() is None and daemon.poll() is None

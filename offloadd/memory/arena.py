@@ -548,6 +548,14 @@ class Arena:
             position = max(data, hole + PAGE_NBYTES)
         return holes
 
+    def allocated_nbytes(self) -> int:
+        """Bytes of the arena that hold pages now, backed by the threads or by a first
+        touch (the memfd's blocks; 0 once closed)."""
+        try:
+            return min(self.nbytes, os.fstat(self.fd).st_blocks * 512)
+        except OSError:
+            return 0
+
     # -- use ----------------------------------------------------------------------------
 
     def slice(self, offset: int, nbytes: int) -> memoryview:

@@ -90,7 +90,7 @@ from offloadd.swap.scheduler import Priority
 log = logging.getLogger(__name__)
 TWIN_COPIES_ENV = "OFFLOADD_ACCEPT_TWIN_COPIES"
 """``1`` in the daemon's environment: it was started for tests and serves twin copies."""
-PINNED_OUTCOMES = ("pinned", "failed", "not_attempted")
+PINNED_OUTCOMES = ("pinned", "failed", "skipped", "not_attempted")
 """What a rank reports of its cudaHostRegister of the arena (a metric label)."""
 
 

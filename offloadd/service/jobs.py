@@ -542,6 +542,7 @@ class Job:
             "arena_locked": self.arena.locked,
             "arena_backing": self.arena.backing.value,
             "arena_backed_nbytes": self.arena.backed_nbytes,
+            "arena_allocated_nbytes": self.arena.allocated_nbytes(),
             "arena_backing_error": self.arena.backing_error,
             "arena_withheld_nbytes": allocator.withheld_nbytes,
             "arena_hugepages": self.arena.hugepages,

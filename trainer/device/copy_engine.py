@@ -265,13 +265,17 @@ class TwinCopyEngine(CopyEngine):
 
     def __init__(self, *, max_delay_s: float | None = None, seed: int = 0,
                  memlock_nbytes: int | None = None,
-                 device: torch.device | None = None, gbps: float | None = None) -> None:
+                 device: torch.device | None = None, gbps: float | None = None,
+                 populate_on_register: bool = True) -> None:
         self.device = device or torch.device("cpu")
         """cpu, or the strict twin's ``twin:0`` (trainer.device.twin): then h2d/d2h check
         that one side is device memory and the other host memory."""
         self.memlock_nbytes = memlock_nbytes
         """Like RLIMIT_MEMLOCK for cudaHostRegister: registrations past it fail (None: no
         limit)."""
+        self.populate_on_register = populate_on_register
+        """``register_host`` faults the range in, as cudaHostRegister does (False: only for
+        a test that must keep a registered arena unbacked)."""
         if max_delay_s is None:
             max_delay_s = float(os.environ.get(TWIN_MAX_DELAY_ENV,
                                                DEFAULT_TWIN_MAX_DELAY_S * 1e6)) * 1e-6
@@ -403,6 +407,10 @@ class TwinCopyEngine(CopyEngine):
         if (self.memlock_nbytes is not None
                 and sum(self.registered.values()) + nbytes > self.memlock_nbytes):
             return False
+        if self.populate_on_register:
+            # As cudaHostRegister: every page is faulted in, so pages nobody backed yet are
+            # allocated here, by this process (the OOM killer's business, not an error).
+            host_pages.populate(address, nbytes)
         self.registered[address] = nbytes
         return True
 

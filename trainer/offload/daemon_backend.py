@@ -27,6 +27,7 @@ import torch
 from offloadd import moment_codec
 from offloadd.errors import LimitExceededError, OverBudgetError
 from offloadd.formats import SHARD_DTYPES, MomentFormat, moment_nbytes
+from offloadd.memory.node import node_memory
 from offloadd.protocol import StepUndo
 from trainer.client import OffloadError
 from trainer.device.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue, host_address
@@ -94,7 +95,8 @@ class DaemonBackend(StateBackend):
         self._leased_for_copy: set[str] = set()
         """Shard ids with a release waiting in ``releases``."""
         self.arena_pinned = "not_attempted"
-        """cudaHostRegister of this rank's arena mapping: pinned | failed | not_attempted."""
+        """cudaHostRegister of this rank's arena mapping: pinned | failed | skipped (the
+        node has no memory for the pages pinning would fault in) | not_attempted."""
         self.arena_pin_s = 0.0
         """Seconds pinning the arena took, the wait for the daemon's backing included."""
         self._pinned_address = 0
@@ -252,7 +254,14 @@ class DaemonBackend(StateBackend):
         if self.copies.zero_copy or arena is None or not arena.nbytes:
             return
         started = time.perf_counter()
-        self._await_arena_backing()
+        why_not = self._pin_would_take_missing_memory(self._await_arena_backing(), arena.nbytes)
+        if why_not:
+            self.arena_pinned = "skipped"
+            warnings.warn(f"not pinning the {arena.nbytes} B offloadd arena for DMA: "
+                          f"cudaHostRegister faults in every page of it, and {why_not}; copies "
+                          "fall back to staged, slower transfers (lower the arena, or free "
+                          "memory on the node)", RuntimeWarning, stacklevel=3)
+            return
         address = host_address(arena.view)
         pinned = self.copies.register_host(address, arena.nbytes)
         self.arena_pin_s = time.perf_counter() - started
@@ -265,23 +274,42 @@ class DaemonBackend(StateBackend):
                       "LimitMEMLOCK=infinity); copies fall back to staged, slower transfers",
                       RuntimeWarning, stacklevel=3)
 
-    def _await_arena_backing(self) -> None:
-        """Return once the daemon's backing threads are done with the arena, or back it
-        slower than ``PIN_WAIT_MIN_NBYTES_PER_S`` (a throttled or lazy prefault)."""
+    @staticmethod
+    def _pin_would_take_missing_memory(stats: dict[str, Any], arena_nbytes: int) -> str:
+        """Why pinning the arena now would take memory the node does not have ("" when it
+        would not). Pinning faults in every page, and the pages nobody backed yet are then
+        allocated by this rank, where the daemon's backing watch cannot stop them: past
+        the node's room that is the OOM killer, for this rank or another process."""
+        if stats.get("arena_backing") == "failed":
+            return ("the daemon stopped backing it, short of memory "
+                    f"({stats.get('arena_backing_error', '')}): its unbacked pages are "
+                    "withheld")
+        unbacked = arena_nbytes - int(stats.get("arena_allocated_nbytes", 0))
+        memory = node_memory()
+        if unbacked > memory.room_nbytes:
+            return (f"{unbacked} bytes of it are not backed yet, past the "
+                    f"{memory.room_nbytes} bytes this node can still pin "
+                    f"({memory.source('MemAvailable')}, less what arenas leave the system)")
+        return ""
+
+    def _await_arena_backing(self) -> dict[str, Any]:
+        """Return the job's stats once the daemon's backing threads are done with the
+        arena, or back it slower than ``PIN_WAIT_MIN_NBYTES_PER_S`` (a throttled or lazy
+        prefault)."""
         # The rate is read over the last PIN_WAIT_HORIZON_S, not one poll's window: the
         # backed prefix moves a chunk at a time, and on a loaded host one window can see no
         # chunk complete while the backing goes on.
         samples: collections.deque[tuple[float, int]] = collections.deque()
         while True:
-            stats = self.client.stats()
+            stats: dict[str, Any] = self.client.stats()
             if stats.get("arena_backing") != "backing":
-                return
+                return stats
             now, backed = time.monotonic(), int(stats.get("arena_backed_nbytes", 0))
             while len(samples) > 1 and now - samples[1][0] >= PIN_WAIT_HORIZON_S:
                 samples.popleft()
             if samples and now - samples[0][0] >= PIN_WAIT_HORIZON_S and \
                     backed - samples[0][1] < PIN_WAIT_MIN_NBYTES_PER_S * (now - samples[0][0]):
-                return
+                return stats
             samples.append((now, backed))
             time.sleep(PIN_WAIT_WINDOW_S)
 
