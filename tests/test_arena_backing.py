@@ -163,7 +163,8 @@ def test_a_failed_backing_withholds_every_page_it_could_not_back(
     try:
         touched = 7 * chunk + PAGE_NBYTES  # a rank's first write, past the stop
         arena.view[touched : touched + 2 * PAGE_NBYTES] = b"\1" * (2 * PAGE_NBYTES)
-        wait_for(lambda: arena.withhold_due)
+        wait_for(lambda: arena.withhold_due and arena.backing is not Backing.BACKING)
+        wait_for(lambda: arena._backers_running == 0)
         assert arena.backing is Backing.FAILED and arena.backed_nbytes == 2 * chunk
         held = arena.allocator.alloc(PAGE_NBYTES)  # a shard placed before the loop saw it
         assert held == 0
@@ -183,7 +184,7 @@ def test_a_failed_backing_withholds_every_page_it_could_not_back(
         assert resident_nbytes(arena.fd) == resident
         # A range freed past the stop is checked the same way: its pages are backed now.
         allocator.free(touched, PAGE_NBYTES)
-        arena.withhold_holes(touched, PAGE_NBYTES)
+        arena.withhold_freed(touched, PAGE_NBYTES)
         assert allocator.alloc(PAGE_NBYTES) == touched
     finally:
         arena.close()

@@ -219,7 +219,8 @@ def test_staging_open_pins_off_the_event_loop(monkeypatch) -> None:
         return SimpleNamespace(kind="twin", num_slots=NUM_SLOTS, slot_nbytes=SLOT_NBYTES)
 
     monkeypatch.setattr(device_copies, "open_copier", slow_open_copier)
-    job = SimpleNamespace(name="job", arena=SimpleNamespace(view=memoryview(b"")))
+    job = SimpleNamespace(name="job", arena=SimpleNamespace(view=memoryview(b""),
+                                                            pin_shortage=lambda: ""))
     session = SimpleNamespace(job=job, rank=0, peer_pid=0, peer_uid=0, staging=None,
                               staging_opening=False, closed=False)
     request = p.StagingOpen(0, "twin", "twin-0", NUM_SLOTS, SLOT_NBYTES, staging_fd=3)

@@ -376,3 +376,55 @@ def test_a_rank_does_not_pin_pages_the_node_cannot_back(
         assert f"cgroup {cgroup.directory}" in message
     assert rank.wait(timeout=60) == 0
     assert hog.poll() is None and daemon.poll() is None
+
+
+DAEMON_PINS = """
+import fcntl, json, os, sys, time
+from offloadd import protocol as p
+from trainer.client import OffloadClient
+socket_path, nbytes = sys.argv[1], int(sys.argv[2])
+client = OffloadClient.connect(socket_path, job="daemon-pins", arena_nbytes=nbytes)
+print("connected", flush=True)
+sys.stdin.readline()  # another process now holds most of the group's memory
+while client.stats()["arena_backing"] == "backing":
+    time.sleep(0.1)
+staging = os.memfd_create("staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+os.ftruncate(staging, p.twin_staging_nbytes(2, 4096))
+fcntl.fcntl(staging, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+reply = client.request(p.StagingOpen(0, "twin", "twin-0", 2, 4096, staging_fd=staging))
+client.put("x", b"served")
+print(json.dumps({"path": reply.path, "reason": reply.reason, "x": client.get("x").decode(),
+                  "stats": client.stats()}), flush=True)
+client.close()
+"""
+
+
+def test_the_daemon_does_not_pin_pages_the_node_cannot_back(
+        tmp_path: Path, cgroup: MemoryCgroup) -> None:
+    """The same for daemon copies: at staging_open the daemon pins the job's arena in its
+    own process (cudaHostRegister; the twin faults the pages in as it does). With the
+    node short, it copies from pageable memory instead; faulting the withheld pages in
+    had the group's OOM killer end a process."""
+    socket_path = str(tmp_path / "d.sock")
+    daemon = cgroup.daemon(socket_path, "--arena-size", "1GiB", "--arena-prefault-rate",
+                           "40000000")
+    rank = cgroup.start("-c", DAEMON_PINS, socket_path, str(600 << 20))
+    assert rank.stdout is not None and rank.stdin is not None
+    assert rank.stdout.readline() == "connected\n"
+    hog = cgroup.start("-c", HOG, str(500 << 20))
+    assert hog.stdout is not None
+    assert hog.stdout.readline() == "held\n"
+    rank.stdin.write("go\n")
+    rank.stdin.flush()
+    line = rank.stdout.readline()
+    assert line, f"the rank died (rc {rank.wait(timeout=30)}; daemon {daemon.poll()}, " \
+        f"other process {hog.poll()})"
+    result = json.loads(line)
+    assert (result["path"], result["reason"], result["x"]) == ("daemon", "", "served"), result
+    stats = result["stats"]
+    assert stats["arena_backing"] == "failed", stats
+    assert stats["arena_withheld_nbytes"] > 0, stats  # no page of them was faulted in
+    assert stats["arena_allocated_nbytes"] + stats["arena_withheld_nbytes"] \
+        <= stats["arena_nbytes"], stats
+    assert rank.wait(timeout=60) == 0
+    assert hog.poll() is None and daemon.poll() is None

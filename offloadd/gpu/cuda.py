@@ -47,6 +47,7 @@ import threading
 import time
 from typing import Any
 
+from offloadd.memory import pages
 from offloadd.memory.arena import buffer_address
 from offloadd.protocol import TwinEvents, twin_staging_nbytes
 
@@ -425,8 +426,11 @@ _pinned_lock = threading.Lock()
 def open_copier(*, kind: str, device_uuid: str, peer_pid: int, peer_uid: int, staging_fd: int,
                 ipc_handle: bytes, ipc_offset: int, event_handles: list[bytes],
                 num_slots: int, slot_nbytes: int, arena: memoryview,
-                device_pci_bus_id: str = "") -> DeviceCopier:
-    """The copier for one rank's staging slots, or ``CopiesRefused`` naming why not."""
+                device_pci_bus_id: str = "", pin_arena: bool = True) -> DeviceCopier:
+    """The copier for one rank's staging slots, or ``CopiesRefused`` naming why not.
+    ``pin_arena``: register the arena for DMA (cudaHostRegister, which faults in every
+    page; the twin faults them in as well); False where the node has no memory for the
+    pages that would take (``Arena.pin_shortage``): copies then run from pageable memory."""
     if kind == "twin":
         if not device_uuid.startswith(TWIN_UUID_PREFIX):
             raise CopiesRefused("gpu_not_visible", f"GPU {device_uuid!r} is not visible to "
@@ -434,6 +438,11 @@ def open_copier(*, kind: str, device_uuid: str, peer_pid: int, peer_uid: int, st
                                 f"{TWIN_UUID_PREFIX}<n>)")
         fd = open_twin_staging(peer_pid, peer_uid, staging_fd,
                                 twin_staging_nbytes(num_slots, slot_nbytes))
+        if pin_arena:  # as cudaHostRegister: every page faulted in by this process
+            try:
+                pages.populate_write(buffer_address(arena), len(arena))
+            except OSError as error:
+                log.warning("event=arena_pin_failed nbytes=%d error=%r", len(arena), str(error))
         try:
             return TwinDeviceCopier(fd, num_slots, slot_nbytes)
         finally:
@@ -442,5 +451,6 @@ def open_copier(*, kind: str, device_uuid: str, peer_pid: int, peer_uid: int, st
     device_index = find_device(cupy, device_uuid, device_pci_bus_id)
     copier = CupyDeviceCopier(cupy, device_index, ipc_handle, ipc_offset, event_handles,
                               num_slots, slot_nbytes)
-    copier.register_arena(buffer_address(arena), len(arena))
+    if pin_arena:
+        copier.register_arena(buffer_address(arena), len(arena))
     return copier

@@ -51,7 +51,7 @@ from sortedcontainers import SortedList
 from offloadd.config import HugePages, Prefault
 from offloadd.errors import OverBudgetError
 from offloadd.memory import pages
-from offloadd.memory.node import shortage
+from offloadd.memory.node import pin_shortage, shortage
 
 log = logging.getLogger(__name__)
 
@@ -382,9 +382,10 @@ class Arena:
         self._closing = self._closed = False
         self._backers_running = 0
         self.withhold_due = False
-        """Backing failed: the loop thread is to ``withhold_unbacked`` (set by the last backer)."""
-        self.withholding = False
-        """Past a failed backing, free ranges past ``backed_nbytes`` are checked for pages."""
+        """Backing failed: the loop thread is to ``withhold_unbacked`` (set when it failed,
+        then again by the last backing thread, once the chunks in flight are done)."""
+        self.withhold_from = self.nbytes
+        """Free ranges past this offset that hold no page are withheld (frees included)."""
         if prefault == "lazy":
             return
         chunks = -(-self.nbytes // self._chunk)
@@ -439,6 +440,7 @@ class Arena:
             if self.backing is not Backing.FAILED:
                 self.backing = Backing.FAILED
                 self.backing_error = why
+                self.withhold_due = not self._closing
 
     def _claim_chunk(self) -> tuple[int, int] | None:
         """(offset, nbytes) of the next chunk nobody claimed, once the rate allows it;
@@ -484,7 +486,8 @@ class Arena:
             if self.backing is Backing.BACKING:
                 self.backing = Backing.BACKED if self.backed_nbytes == self.nbytes \
                     else Backing.STOPPED
-            self.withhold_due = self.backing is Backing.FAILED and not closing
+            if self.backing is Backing.FAILED and not closing:
+                self.withhold_due = True  # the chunks that were in flight are done: all of it
         self._log_backing()
         if closing:
             self._close_now()
@@ -510,17 +513,33 @@ class Arena:
         holds no page out of the allocator, so no shard is placed where its first write
         would take memory the node was found not to have (pinned pages past it end in the
         OOM killer). Ranges already backed, by the threads or by a rank's first touch,
-        stay in use; frees from now on are checked the same way (``withhold_holes``)."""
-        self.withhold_due = False
-        self.withholding = True
+        stay in use; frees from now on are checked the same way (``withhold_holes``).
+
+        While backing threads still finish the chunks they had claimed, only what lies
+        past every claimed chunk is withheld (a chunk being backed is not a hole to
+        waste); the last thread calls for a second pass over the rest."""
+        with self._backing_lock:
+            self.withhold_due = False
+            running = self._backers_running
+            start = self._claimed_nbytes if running else self.backed_nbytes
+        self.withhold_from = min(self.withhold_from, start)
         for extent in self.allocator.free_extents():
-            start, end = max(extent.offset, self.backed_nbytes), extent.offset + extent.nbytes
-            if end > start:
-                self.withhold_holes(start, end - start)
-        log.warning("event=arena_unbacked_withheld job=%s withheld_nbytes=%d arena_nbytes=%d "
-                    "hint='the node ran short of memory while backing this arena; those "
-                    "pages are never handed out: evict to swap or ask for a smaller arena'",
-                    self.name, self.allocator.withheld_nbytes, self.nbytes)
+            begin, end = max(extent.offset, start), extent.offset + extent.nbytes
+            if end > begin:
+                self.withhold_holes(begin, end - begin)
+        if not running:
+            log.warning("event=arena_unbacked_withheld job=%s withheld_nbytes=%d "
+                        "arena_nbytes=%d hint='the node ran short of memory while backing "
+                        "this arena; those pages are never handed out: evict to swap or ask "
+                        "for a smaller arena'", self.name, self.allocator.withheld_nbytes,
+                        self.nbytes)
+
+    def withhold_freed(self, offset: int, nbytes: int) -> None:
+        """A range freed on the loop thread: withhold its part past ``withhold_from`` that
+        holds no page (nothing before a backing failed)."""
+        begin = max(offset, self.withhold_from)
+        if offset + nbytes > begin:
+            self.withhold_holes(begin, offset + nbytes - begin)
 
     def withhold_holes(self, offset: int, nbytes: int) -> None:
         """Withhold the pages of the free range ``[offset, offset + nbytes)`` that the memfd
@@ -555,6 +574,16 @@ class Arena:
             return min(self.nbytes, os.fstat(self.fd).st_blocks * 512)
         except OSError:
             return 0
+
+    def pin_shortage(self) -> str:
+        """Why a process should not pin this arena now (``memory.node.pin_shortage``), or
+        its backing stopped short of memory: pinning would fault in the withheld pages."""
+        if self.hugepages:
+            return ""  # every page was reserved from the pool at mmap
+        if self.backing is Backing.FAILED:
+            return (f"its backing stopped short of memory ({self.backing_error}): the pages "
+                    "it could not back are withheld")
+        return pin_shortage(self.nbytes - self.allocated_nbytes())
 
     # -- use ----------------------------------------------------------------------------
 

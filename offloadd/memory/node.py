@@ -157,3 +157,15 @@ def shortage(nbytes: int) -> str:
             f"({memory.source('MemAvailable')}), within {memory.kept_nbytes} kept for the "
             "system")
 
+
+
+def pin_shortage(unbacked_nbytes: int) -> str:
+    """Why pinning an arena (cudaHostRegister, which faults in every page) would take
+    memory the node does not have: its ``unbacked_nbytes`` would be allocated by the
+    pinning process, where no backing watch stops them; "" when the node has room."""
+    memory = node_memory()
+    if unbacked_nbytes <= memory.room_nbytes:
+        return ""
+    return (f"{unbacked_nbytes} bytes of it are not backed yet, past the "
+            f"{memory.room_nbytes} bytes this node can still pin "
+            f"({memory.source('MemAvailable')}, less what arenas leave the system)")

@@ -290,8 +290,7 @@ class ShardTable:
     def unplace(self, shard: Shard) -> None:
         assert shard.offset is not None and not shard.leased
         self.arena.allocator.free(shard.offset, shard.arena_nbytes)
-        if self.arena.withholding and shard.offset + shard.arena_nbytes > self.arena.backed_nbytes:
-            self.arena.withhold_holes(shard.offset, shard.arena_nbytes)
+        self.arena.withhold_freed(shard.offset, shard.arena_nbytes)
         del self.placed_at[shard.offset]
         del self.placed_ending_at[shard.offset + shard.arena_nbytes]
         shard.offset = None

@@ -616,13 +616,18 @@ class DeviceCopiesService:
                 f"readahead_slots {req.readahead_slots} of {req.num_slots} slots: lend the "
                 "daemon 0..num_slots-1 (the rank keeps at least one slot of its own)")
         assert session.job is not None
+        why_not = session.job.arena.pin_shortage()
+        if why_not:
+            log.warning("event=arena_pin_skipped job=%s rank=%d reason=%r hint='daemon copies "
+                        "run from pageable memory, slower'", session.job.name, session.rank,
+                        why_not)
         return open_copier(kind=req.kind, device_uuid=req.device_uuid, peer_pid=session.peer_pid,
                            peer_uid=session.peer_uid, staging_fd=req.staging_fd,
                            ipc_handle=req.ipc_handle,
                            ipc_offset=req.ipc_offset, event_handles=req.event_handles,
                            num_slots=req.num_slots, slot_nbytes=req.slot_nbytes,
                            arena=session.job.arena.view,
-                           device_pci_bus_id=req.device_pci_bus_id)
+                           device_pci_bus_id=req.device_pci_bus_id, pin_arena=not why_not)
 
 
 def _log_close_failure(closing: asyncio.Future[None]) -> None:

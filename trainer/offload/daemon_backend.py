@@ -27,7 +27,7 @@ import torch
 from offloadd import moment_codec
 from offloadd.errors import LimitExceededError, OverBudgetError
 from offloadd.formats import SHARD_DTYPES, MomentFormat, moment_nbytes
-from offloadd.memory.node import node_memory
+from offloadd.memory.node import pin_shortage
 from offloadd.protocol import StepUndo
 from trainer.client import OffloadError
 from trainer.device.copy_engine import CopyEngine, InlineCopyEngine, ReleaseQueue, host_address
@@ -284,13 +284,7 @@ class DaemonBackend(StateBackend):
             return ("the daemon stopped backing it, short of memory "
                     f"({stats.get('arena_backing_error', '')}): its unbacked pages are "
                     "withheld")
-        unbacked = arena_nbytes - int(stats.get("arena_allocated_nbytes", 0))
-        memory = node_memory()
-        if unbacked > memory.room_nbytes:
-            return (f"{unbacked} bytes of it are not backed yet, past the "
-                    f"{memory.room_nbytes} bytes this node can still pin "
-                    f"({memory.source('MemAvailable')}, less what arenas leave the system)")
-        return ""
+        return pin_shortage(arena_nbytes - int(stats.get("arena_allocated_nbytes", 0)))
 
     def _await_arena_backing(self) -> dict[str, Any]:
         """Return the job's stats once the daemon's backing threads are done with the
