@@ -26,6 +26,7 @@ from offloadd.config import DaemonConfig
 from offloadd.memory import arena as arena_module
 from offloadd.memory import pages
 from offloadd.memory.arena import PAGE_NBYTES, Arena, Backing
+from offloadd.memory.shards import ShardTable
 from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 from trainer.device.copy_engine import TwinCopyEngine
@@ -186,6 +187,43 @@ def test_a_failed_backing_withholds_every_page_it_could_not_back(
         allocator.free(touched, PAGE_NBYTES)
         arena.withhold_freed(touched, PAGE_NBYTES)
         assert allocator.alloc(PAGE_NBYTES) == touched
+    finally:
+        arena.close()
+
+
+def test_a_lazy_arena_stops_handing_out_fresh_pages_once_the_node_is_short(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No thread backs a lazy arena: its pages come with the first write to each range
+    the allocator hands out. Once the node is found short (read every
+    PLACEMENT_CHECK_NBYTES of such pages), placing fails, the pages nobody wrote are
+    withheld, and the shards already placed, written or not, keep their ranges."""
+    monkeypatch.setattr(arena_module, "PLACEMENT_CHECK_NBYTES", 4 * PAGE_NBYTES)
+    short = {"now": False}
+    monkeypatch.setattr(arena_module, "shortage",
+                        lambda nbytes: "node short" if short["now"] else "")
+    arena = Arena("lazy", 64 * PAGE_NBYTES, lock=False, prefault="lazy")
+    try:
+        table = ShardTable("lazy", arena)
+        shards = [table.create(0, f"s{i}", 2 * PAGE_NBYTES, "uint8") for i in range(32)]
+        for shard in shards[:3]:  # 6 fresh pages: the node read once (at 4), room then
+            assert table.place_unwritten(shard)
+        written = shards[1].offset
+        assert written is not None
+        arena.view[written : written + 2 * PAGE_NBYTES] = b"\1" * (2 * PAGE_NBYTES)
+        short["now"] = True
+        assert not table.place_unwritten(shards[3])  # 4 fresh pages since: read, short
+        assert arena.backing is Backing.FAILED and arena.backing_error == "node short"
+        allocator = arena.allocator
+        # Every free page held nothing: all withheld; the placed shards keep their ranges.
+        assert allocator.withheld_nbytes == 64 * PAGE_NBYTES - 6 * PAGE_NBYTES
+        assert allocator.free_nbytes == 0 and allocator.used_nbytes == 6 * PAGE_NBYTES
+        assert shards[3].offset is None
+        assert all(s.offset is not None for s in shards[:3])
+        # A shard freed after that: its written pages come back, its unwritten ones not.
+        table.unplace(shards[1])
+        table.unplace(shards[0])
+        assert allocator.free_nbytes == 2 * PAGE_NBYTES
+        assert table.place_unwritten(shards[5]) and shards[5].offset == written
     finally:
         arena.close()
 

@@ -271,16 +271,20 @@ client.close()
 """
 
 
+@pytest.mark.parametrize("prefault", ["background", "lazy"])
 @pytest.mark.parametrize("swap", [False, True], ids=["no-swap", "swap"])
 def test_what_the_node_could_not_back_is_never_handed_out(
-        tmp_path: Path, cgroup: MemoryCgroup, swap: bool) -> None:
+        tmp_path: Path, cgroup: MemoryCgroup, swap: bool, prefault: str) -> None:
     """As above, then the rank (in the same 1 GiB group) fills its whole 600 MiB arena:
-    the pages the backing could not take are withheld. Without a swap tier the rank gets
+    the pages the backing could not take are withheld (a lazy arena, which no thread
+    backs: once a placement finds the node short). Without a swap tier the rank gets
     OverBudgetError naming them once the backed pages are used; with one, its shards go
     to NVMe and all 600 MiB are written and read back. Every process lives (handing the
     unbacked pages out had the group's OOM killer end the daemon or the other process)."""
     socket_path = str(tmp_path / "d.sock")
-    args = ["--arena-size", "1GiB", "--arena-prefault-rate", "40000000"]
+    args = ["--arena-size", "1GiB", "--arena-prefault", prefault]
+    if prefault == "background":
+        args += ["--arena-prefault-rate", "40000000"]
     if swap:
         args += ["--swap-dir", str(tmp_path / "swap")]
     daemon = cgroup.daemon(socket_path, *args)
@@ -297,8 +301,11 @@ def test_what_the_node_could_not_back_is_never_handed_out(
     assert line, f"the rank died (rc {filler.wait(timeout=30)}; daemon {daemon.poll()}, " \
         f"other process {hog.poll()})"
     result = json.loads(line)
-    assert result["before"]["arena_backing"] == "failed", result["before"]
+    assert result["before"]["arena_backing"] == ("failed" if prefault == "background"
+                                                 else "lazy"), result["before"]
     after = result["after"]
+    assert after["arena_backing"] == "failed", after
+    assert "available memory fell to" in after["arena_backing_error"], after
     withheld = after["arena_withheld_nbytes"]
     assert withheld > 0 and after["arena_nbytes"] - withheld < 600 << 20, after
     assert result["intact"], result

@@ -59,6 +59,10 @@ PAGE_NBYTES = 4096
 HUGE_PAGE_NBYTES = 2 << 20
 BACKING_CHUNK_NBYTES = 64 << 20
 """Bytes one backing thread backs per step: the unit of work, and between stop checks."""
+PLACEMENT_CHECK_NBYTES = 32 << 20
+"""Unbacked bytes the allocator hands out (a lazy arena, or ranges past the backing's
+frontier) between two reads of the node's memory (``Arena.placement_fits``): a read
+costs ~0.3 ms, first touches of 32 MiB ~10 ms."""
 MAX_AUTO_PREFAULT_THREADS = 8
 """Most backing threads ``prefault_threads=0`` picks: on a 16-core H200 host populating a
 memfd stops scaling at 4-8 threads (bench/README.md)."""
@@ -386,6 +390,8 @@ class Arena:
         then again by the last backing thread, once the chunks in flight are done)."""
         self.withhold_from = self.nbytes
         """Free ranges past this offset that hold no page are withheld (frees included)."""
+        self._fresh_nbytes = 0
+        """Unbacked bytes handed out since the node's memory was last read."""
         if prefault == "lazy":
             return
         chunks = -(-self.nbytes // self._chunk)
@@ -533,6 +539,29 @@ class Arena:
                         "this arena; those pages are never handed out: evict to swap or ask "
                         "for a smaller arena'", self.name, self.allocator.withheld_nbytes,
                         self.nbytes)
+
+    def placement_fits(self, offset: int, nbytes: int) -> bool:
+        """Loop thread, for a range just allocated: False when pages of it are backed by
+        nobody yet (a lazy arena, or a range past the backing's frontier: they would be
+        backed by their first write) and the node has no room for them. The backing
+        then counts as failed (``backing_error`` says why); the caller frees the range
+        and withholds what is unbacked (``withhold_unbacked``). The node's memory is
+        read once per ``PLACEMENT_CHECK_NBYTES`` of such pages, as the backing threads
+        read it once per chunk."""
+        if self.hugepages or self.backing is Backing.BACKED or self.withhold_from < self.nbytes:
+            return True  # every page there is backed, or is being backed by a thread
+        begin, end = max(offset, self.backed_nbytes), offset + nbytes
+        if end <= begin:
+            return True
+        self._fresh_nbytes += sum(stop - start for start, stop in self._holes(begin, end))
+        if self._fresh_nbytes < PLACEMENT_CHECK_NBYTES:
+            return True
+        short = shortage(self._fresh_nbytes)
+        self._fresh_nbytes = 0
+        if not short:
+            return True
+        self._backing_failed(short)
+        return False
 
     def withhold_freed(self, offset: int, nbytes: int) -> None:
         """A range freed on the loop thread: withhold its part past ``withhold_from`` that

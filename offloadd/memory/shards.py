@@ -255,6 +255,10 @@ class ShardTable:
         offset = self.arena.allocator.alloc(shard.arena_nbytes)
         if offset is None:
             return False
+        if not self.arena.placement_fits(offset, shard.arena_nbytes):  # the node is short
+            self.arena.allocator.free(offset, shard.arena_nbytes)
+            self.arena.withhold_unbacked()
+            return False
         shard.offset = offset
         self.placed_at[offset] = shard
         self.placed_ending_at[offset + shard.arena_nbytes] = shard
