@@ -158,7 +158,6 @@ def shortage(nbytes: int) -> str:
             "system")
 
 
-
 def pin_shortage(unbacked_nbytes: int) -> str:
     """Why pinning an arena (cudaHostRegister, which faults in every page) would take
     memory the node does not have: its ``unbacked_nbytes`` would be allocated by the
