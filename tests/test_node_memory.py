@@ -20,10 +20,12 @@ from conftest import start_daemon
 from test_daemon_metrics import scrape, value
 
 from offloadd.errors import OverBudgetError
+from offloadd.memory.arena import Arena
 from offloadd.memory.node import node_memory
 from offloadd.ops.embedded import PrivateDaemon
 from offloadd.service.registry import JobRegistry
 from trainer.client import OffloadClient
+from trainer.offload.daemon_backend import DaemonBackend
 
 GIB = 1 << 30
 PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -250,6 +252,7 @@ FILLER = """
 import json, sys, time
 from offloadd.errors import OverBudgetError
 from trainer.client import OffloadClient
+from trainer.offload.daemon_backend import DaemonBackend
 socket_path, shard_nbytes, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 client = OffloadClient.connect(socket_path, job="filled", arena_nbytes=shard_nbytes * count)
 print("connected", flush=True)
@@ -324,6 +327,7 @@ def test_what_the_node_could_not_back_is_never_handed_out(
 RANK_PINS = """
 import json, sys, time, warnings
 from trainer.client import OffloadClient
+from trainer.offload.daemon_backend import DaemonBackend
 from trainer.device.copy_engine import TwinCopyEngine
 from trainer.dist.collectives import Collectives
 from trainer.offload.daemon_backend import DaemonBackend
@@ -389,6 +393,7 @@ DAEMON_PINS = """
 import fcntl, json, os, sys, time
 from offloadd import protocol as p
 from trainer.client import OffloadClient
+from trainer.offload.daemon_backend import DaemonBackend
 socket_path, nbytes = sys.argv[1], int(sys.argv[2])
 client = OffloadClient.connect(socket_path, job="daemon-pins", arena_nbytes=nbytes)
 print("connected", flush=True)
@@ -435,3 +440,22 @@ def test_the_daemon_does_not_pin_pages_the_node_cannot_back(
         <= stats["arena_nbytes"], stats
     assert rank.wait(timeout=60) == 0
     assert hog.poll() is None and daemon.poll() is None
+
+
+def test_a_hugetlb_arena_counts_as_backed_for_pinning(huge_pages) -> None:
+    """A hugetlb arena's pages were reserved from the pool at mmap (which MemAvailable
+    leaves out): pinning it takes nothing more, however large it is against the node's
+    room, so neither side skips the pin (a GPU node with a reserved pool kept its arenas
+    unpinned otherwise)."""
+    huge_pages(1)
+    arena = Arena("huge-pin", 2 << 20, lock=False, hugepages="on", prefault="lazy")
+    try:
+        assert arena.hugepages and arena.allocated_nbytes() == arena.nbytes
+        assert arena.pin_shortage() == ""
+    finally:
+        arena.close()
+    past_the_node = 2 * node_memory().total_nbytes
+    stats = {"arena_backing": "lazy", "arena_allocated_nbytes": 0, "arena_hugepages": True}
+    assert DaemonBackend._pin_would_take_missing_memory(stats, past_the_node) == ""
+    assert "are not backed yet" in DaemonBackend._pin_would_take_missing_memory(
+        {**stats, "arena_hugepages": False}, past_the_node)

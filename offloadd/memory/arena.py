@@ -598,7 +598,10 @@ class Arena:
 
     def allocated_nbytes(self) -> int:
         """Bytes of the arena that hold pages now, backed by the threads or by a first
-        touch (the memfd's blocks; 0 once closed)."""
+        touch (the memfd's blocks; 0 once closed). A hugetlb arena counts whole: its pages
+        were reserved from the pool at mmap, whether faulted in yet or not."""
+        if self.hugepages:
+            return self.nbytes
         try:
             return min(self.nbytes, os.fstat(self.fd).st_blocks * 512)
         except OSError:

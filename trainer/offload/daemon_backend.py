@@ -280,6 +280,8 @@ class DaemonBackend(StateBackend):
         would not). Pinning faults in every page, and the pages nobody backed yet are then
         allocated by this rank, where the daemon's backing watch cannot stop them: past
         the node's room that is the OOM killer, for this rank or another process."""
+        if stats.get("arena_hugepages"):
+            return ""  # its pages were reserved from the hugetlb pool when it was made
         if stats.get("arena_backing") == "failed":
             return ("the daemon stopped backing it, short of memory "
                     f"({stats.get('arena_backing_error', '')}): its unbacked pages are "
