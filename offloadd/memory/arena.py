@@ -526,6 +526,8 @@ class Arena:
         waste); the last thread calls for a second pass over the rest."""
         with self._backing_lock:
             self.withhold_due = False
+            if self.hugepages:
+                return  # every page is reserved from the pool: none of it is missing
             running = self._backers_running
             start = self._claimed_nbytes if running else self.backed_nbytes
         self.withhold_from = min(self.withhold_from, start)
