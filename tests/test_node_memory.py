@@ -14,6 +14,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import start_daemon
@@ -248,17 +249,51 @@ def test_backing_stops_before_the_node_runs_out(tmp_path: Path, cgroup: MemoryCg
     assert hog.poll() is None and daemon.poll() is None
 
 
-FILLER = """
+RANK_AFTER_THE_HOG = """
 import json, sys, time
-from offloadd.errors import OverBudgetError
 from trainer.client import OffloadClient
-from trainer.offload.daemon_backend import DaemonBackend
-socket_path, shard_nbytes, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-client = OffloadClient.connect(socket_path, job="filled", arena_nbytes=shard_nbytes * count)
+socket_path, nbytes, job = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+client = OffloadClient.connect(socket_path, job=job, arena_nbytes=nbytes)
 print("connected", flush=True)
 sys.stdin.readline()  # another process now holds most of the group's memory
-while (stats := client.stats())["arena_backing"] == "backing":
+while (before := client.stats())["arena_backing"] == "backing":
     time.sleep(0.1)
+"""
+"""A rank's start in the 1 GiB group: its hello, then (told to go) the end of the backing;
+the script it starts goes on from there and prints one JSON line."""
+
+
+def short_node_args(prefault: str) -> list[str]:
+    """A daemon whose arenas the hog finds half backed: a background prefault at 40 MB/s,
+    or none (lazy)."""
+    args = ["--arena-size", "1GiB", "--arena-prefault", prefault]
+    return [*args, "--arena-prefault-rate", "40000000"] if prefault == "background" else args
+
+
+def rank_after_the_hog(cgroup: MemoryCgroup, daemon: subprocess.Popen[str], socket_path: str,
+                       body: str, nbytes: int, *args: str
+                       ) -> tuple[dict[str, Any], subprocess.Popen[str], subprocess.Popen[str]]:
+    """Start a rank (``RANK_AFTER_THE_HOG`` then ``body``) with a ``nbytes`` arena, then
+    the hog taking 500 MiB of the group, then let the rank go on: (its JSON line, the
+    rank, the hog)."""
+    rank = cgroup.start("-c", RANK_AFTER_THE_HOG + body, socket_path, str(nbytes), *args)
+    assert rank.stdout is not None and rank.stdin is not None
+    assert rank.stdout.readline() == "connected\n"
+    hog = cgroup.start("-c", HOG, str(500 << 20))
+    assert hog.stdout is not None
+    assert hog.stdout.readline() == "held\n"
+    rank.stdin.write("go\n")
+    rank.stdin.flush()
+    line = rank.stdout.readline()
+    assert line, f"the rank died (rc {rank.wait(timeout=30)}; daemon {daemon.poll()}, " \
+        f"other process {hog.poll()})"
+    return json.loads(line), rank, hog
+
+
+FILLER = """
+from offloadd.errors import OverBudgetError
+shard_nbytes = int(sys.argv[4])
+count = nbytes // shard_nbytes
 put, error = 0, ""
 try:
     for index in range(count):
@@ -268,7 +303,7 @@ except OverBudgetError as exc:
     error = str(exc)
 intact = all(client.get(f"s{index}") == bytes([index % 251]) * shard_nbytes
              for index in range(put))
-print(json.dumps({"before": stats, "put": put, "error": error, "intact": intact,
+print(json.dumps({"before": before, "put": put, "error": error, "intact": intact,
                   "after": client.stats()}), flush=True)
 client.close()
 """
@@ -285,25 +320,13 @@ def test_what_the_node_could_not_back_is_never_handed_out(
     to NVMe and all 600 MiB are written and read back. Every process lives (handing the
     unbacked pages out had the group's OOM killer end the daemon or the other process)."""
     socket_path = str(tmp_path / "d.sock")
-    args = ["--arena-size", "1GiB", "--arena-prefault", prefault]
-    if prefault == "background":
-        args += ["--arena-prefault-rate", "40000000"]
+    args = short_node_args(prefault)
     if swap:
         args += ["--swap-dir", str(tmp_path / "swap")]
     daemon = cgroup.daemon(socket_path, *args)
     shard, count = 8 << 20, 75
-    filler = cgroup.start("-c", FILLER, socket_path, str(shard), str(count))
-    assert filler.stdout is not None and filler.stdin is not None
-    assert filler.stdout.readline() == "connected\n"
-    hog = cgroup.start("-c", HOG, str(500 << 20))
-    assert hog.stdout is not None
-    assert hog.stdout.readline() == "held\n"
-    filler.stdin.write("go\n")
-    filler.stdin.flush()
-    line = filler.stdout.readline()
-    assert line, f"the rank died (rc {filler.wait(timeout=30)}; daemon {daemon.poll()}, " \
-        f"other process {hog.poll()})"
-    result = json.loads(line)
+    result, _rank, hog = rank_after_the_hog(cgroup, daemon, socket_path, FILLER, shard * count,
+                                            "filled", str(shard))
     assert result["before"]["arena_backing"] == ("failed" if prefault == "background"
                                                  else "lazy"), result["before"]
     after = result["after"]
@@ -325,18 +348,10 @@ def test_what_the_node_could_not_back_is_never_handed_out(
 
 
 RANK_PINS = """
-import json, sys, time, warnings
-from trainer.client import OffloadClient
-from trainer.offload.daemon_backend import DaemonBackend
+import warnings
 from trainer.device.copy_engine import TwinCopyEngine
 from trainer.dist.collectives import Collectives
 from trainer.offload.daemon_backend import DaemonBackend
-socket_path, nbytes = sys.argv[1], int(sys.argv[2])
-client = OffloadClient.connect(socket_path, job="pinned", arena_nbytes=nbytes)
-print("connected", flush=True)
-sys.stdin.readline()  # another process now holds most of the group's memory
-while client.stats()["arena_backing"] == "backing":
-    time.sleep(0.1)
 twin = TwinCopyEngine()  # registers as cudaHostRegister does: every page faulted in
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -360,22 +375,9 @@ def test_a_rank_does_not_pin_pages_the_node_cannot_back(
     naming why, and copies still work. Pinning anyway had the group's OOM killer end
     the rank."""
     socket_path = str(tmp_path / "d.sock")
-    args = ["--arena-size", "1GiB", "--arena-prefault", prefault]
-    if prefault == "background":
-        args += ["--arena-prefault-rate", "40000000"]
-    daemon = cgroup.daemon(socket_path, *args)
-    rank = cgroup.start("-c", RANK_PINS, socket_path, str(600 << 20))
-    assert rank.stdout is not None and rank.stdin is not None
-    assert rank.stdout.readline() == "connected\n"
-    hog = cgroup.start("-c", HOG, str(500 << 20))
-    assert hog.stdout is not None
-    assert hog.stdout.readline() == "held\n"
-    rank.stdin.write("go\n")
-    rank.stdin.flush()
-    line = rank.stdout.readline()
-    assert line, f"the rank died (rc {rank.wait(timeout=30)}; daemon {daemon.poll()}, " \
-        f"other process {hog.poll()})"
-    result = json.loads(line)
+    daemon = cgroup.daemon(socket_path, *short_node_args(prefault))
+    result, rank, hog = rank_after_the_hog(cgroup, daemon, socket_path, RANK_PINS, 600 << 20,
+                                           "pinned")
     assert result["pinned"] == "skipped" and result["registered"] == 0, result
     assert result["x"] == "served"
     (message,) = [w for w in result["warnings"] if "not pinning" in w]
@@ -390,16 +392,8 @@ def test_a_rank_does_not_pin_pages_the_node_cannot_back(
 
 
 DAEMON_PINS = """
-import fcntl, json, os, sys, time
+import fcntl, os
 from offloadd import protocol as p
-from trainer.client import OffloadClient
-from trainer.offload.daemon_backend import DaemonBackend
-socket_path, nbytes = sys.argv[1], int(sys.argv[2])
-client = OffloadClient.connect(socket_path, job="daemon-pins", arena_nbytes=nbytes)
-print("connected", flush=True)
-sys.stdin.readline()  # another process now holds most of the group's memory
-while client.stats()["arena_backing"] == "backing":
-    time.sleep(0.1)
 staging = os.memfd_create("staging", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
 os.ftruncate(staging, p.twin_staging_nbytes(2, 4096))
 fcntl.fcntl(staging, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
@@ -418,20 +412,9 @@ def test_the_daemon_does_not_pin_pages_the_node_cannot_back(
     node short, it copies from pageable memory instead; faulting the withheld pages in
     had the group's OOM killer end a process."""
     socket_path = str(tmp_path / "d.sock")
-    daemon = cgroup.daemon(socket_path, "--arena-size", "1GiB", "--arena-prefault-rate",
-                           "40000000")
-    rank = cgroup.start("-c", DAEMON_PINS, socket_path, str(600 << 20))
-    assert rank.stdout is not None and rank.stdin is not None
-    assert rank.stdout.readline() == "connected\n"
-    hog = cgroup.start("-c", HOG, str(500 << 20))
-    assert hog.stdout is not None
-    assert hog.stdout.readline() == "held\n"
-    rank.stdin.write("go\n")
-    rank.stdin.flush()
-    line = rank.stdout.readline()
-    assert line, f"the rank died (rc {rank.wait(timeout=30)}; daemon {daemon.poll()}, " \
-        f"other process {hog.poll()})"
-    result = json.loads(line)
+    daemon = cgroup.daemon(socket_path, *short_node_args("background"))
+    result, rank, hog = rank_after_the_hog(cgroup, daemon, socket_path, DAEMON_PINS,
+                                           600 << 20, "daemon-pins")
     assert (result["path"], result["reason"], result["x"]) == ("daemon", "", "served"), result
     stats = result["stats"]
     assert stats["arena_backing"] == "failed", stats
