@@ -610,14 +610,9 @@ class Arena:
             return 0
 
     def pin_shortage(self) -> str:
-        """Why a process should not pin this arena now (``memory.node.pin_shortage``), or
-        its backing stopped short of memory: pinning would fault in the withheld pages."""
-        if self.hugepages:
-            return ""  # every page was reserved from the pool at mmap
-        if self.backing is Backing.FAILED:
-            return (f"its backing stopped short of memory ({self.backing_error}): the pages "
-                    "it could not back are withheld")
-        return pin_shortage(self.nbytes - self.allocated_nbytes())
+        """Why a process should not pin this arena now (``memory.node.pin_shortage``)."""
+        return pin_shortage(self.nbytes - self.allocated_nbytes(), hugepages=self.hugepages,
+                            backing_error=self.backing_error)
 
     # -- use ----------------------------------------------------------------------------
 

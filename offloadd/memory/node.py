@@ -158,10 +158,19 @@ def shortage(nbytes: int) -> str:
             "system")
 
 
-def pin_shortage(unbacked_nbytes: int) -> str:
+def pin_shortage(unbacked_nbytes: int, *, hugepages: bool = False,
+                 backing_error: str = "") -> str:
     """Why pinning an arena (cudaHostRegister, which faults in every page) would take
-    memory the node does not have: its ``unbacked_nbytes`` would be allocated by the
-    pinning process, where no backing watch stops them; "" when the node has room."""
+    memory the node does not have; "" when it would not. A hugetlb arena's pages were
+    reserved from the pool at mmap. An arena whose backing failed (``backing_error``) has
+    its unbacked pages withheld. Otherwise its ``unbacked_nbytes`` would be allocated by
+    the pinning process, where no backing watch stops them. Both sides ask: the daemon
+    before its own pin, a rank (by the job's stats) before its."""
+    if hugepages:
+        return ""
+    if backing_error:
+        return (f"the daemon stopped backing it, short of memory ({backing_error}): its "
+                "unbacked pages are withheld")
     memory = node_memory()
     if unbacked_nbytes <= memory.room_nbytes:
         return ""

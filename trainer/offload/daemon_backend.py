@@ -280,13 +280,9 @@ class DaemonBackend(StateBackend):
         would not). Pinning faults in every page, and the pages nobody backed yet are then
         allocated by this rank, where the daemon's backing watch cannot stop them: past
         the node's room that is the OOM killer, for this rank or another process."""
-        if stats.get("arena_hugepages"):
-            return ""  # its pages were reserved from the hugetlb pool when it was made
-        if stats.get("arena_backing") == "failed":
-            return ("the daemon stopped backing it, short of memory "
-                    f"({stats.get('arena_backing_error', '')}): its unbacked pages are "
-                    "withheld")
-        return pin_shortage(arena_nbytes - int(stats.get("arena_allocated_nbytes", 0)))
+        return pin_shortage(arena_nbytes - int(stats.get("arena_allocated_nbytes", 0)),
+                            hugepages=bool(stats.get("arena_hugepages")),
+                            backing_error=str(stats.get("arena_backing_error", "")))
 
     def _await_arena_backing(self) -> dict[str, Any]:
         """Return the job's stats once the daemon's backing threads are done with the
