@@ -193,3 +193,65 @@ def test_private_daemons_of_two_jobs_share_an_nvme_path_and_leave_it_empty(
         for daemon in daemons:
             daemon.stop()
     assert list(nvme.iterdir()) == []
+
+
+def test_a_mistyped_nvme_path_leaves_no_dirs_behind_but_those_in_use(tmp_path: Path) -> None:
+    """An nvme_path whose dirs do not exist (a typo, an unmounted disk) is created for the
+    job; its private daemon removes the dirs it created once they are empty, deepest first,
+    and keeps one another job's daemon still swaps into. The workdir's the same."""
+    from _dist import base_config
+
+    from trainer.config import parse_config
+    from trainer.offload.daemon_connect import _start_private_daemon
+
+    def start(nvme: Path, workdir: Path, job: str) -> PrivateDaemon:
+        config = parse_config(base_config(
+            offloadd={"workdir": str(workdir)},
+            zero_optimization={"stage": 3,
+                               "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}}))
+        daemon = _start_private_daemon(config, job, 2 * ARENA_NBYTES)
+        with OffloadClient.connect(daemon.socket_path, job=job,
+                                   arena_nbytes=ARENA_NBYTES) as client:
+            for index in range(8):  # twice the arena: half of it is swapped out
+                client.put(f"s{index}", os.urandom(SHARD_NBYTES))
+        return daemon
+
+    alone = start(tmp_path / "mnt" / "nvme0" / "offload", tmp_path / "run" / "a", "alone")
+    assert len(list((tmp_path / "mnt" / "nvme0" / "offload").iterdir())) == 1
+    alone.stop()
+    assert list(tmp_path.iterdir()) == []
+
+    typo = tmp_path / "mnt" / "nvme1" / "offload"
+    first = start(typo, tmp_path / "run" / "a", "j1")
+    # Another job's path below the first's: dirs of its own inside the ones the first made.
+    second = start(typo / "other", tmp_path / "run" / "b", "j2")
+    try:
+        first.stop()
+        # The first's scratch dirs are gone, and of the dirs it made those the second uses
+        # stay.
+        assert [p.name for p in typo.iterdir()] == ["other"]
+        assert len(list((typo / "other").iterdir())) == 1
+        assert [p.name for p in (tmp_path / "run").iterdir()] == ["b"]
+    finally:
+        first.stop()
+        second.stop()
+    # The second removes only what it made: the first's dirs, empty now, stay behind.
+    assert not (typo / "other").exists() and not (tmp_path / "run" / "b").exists()
+    assert [p for p in tmp_path.rglob("*") if not p.is_dir()] == []
+
+
+def test_a_marker_cannot_name_a_dir_outside_its_own_chain(tmp_path: Path) -> None:
+    """The made dirs a scratch marker names are taken only when they lie above the scratch
+    dir, and removed only while empty: an edited marker naming a sibling (or a dir
+    above that holds something) removes nothing of it."""
+    from offloadd.swap.swapdirs import claim_scratch_dir, make_scratch_dir, release_scratch_dir
+
+    sibling, made = tmp_path / "sibling", tmp_path / "made"
+    sibling.mkdir()
+    made.mkdir()
+    (tmp_path / "kept.txt").write_text("not the daemon's")
+    scratch = Path(make_scratch_dir(made, "s-", [str(made), str(sibling), str(tmp_path)]))
+    claim = claim_scratch_dir(scratch)
+    assert claim.made_parents == (made, tmp_path)
+    release_scratch_dir(claim)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt", "sibling"]

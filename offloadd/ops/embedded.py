@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import IO
 
+from offloadd.swap.swapdirs import make_dirs as make_dirs  # re-exported to the rank side
 from offloadd.swap.swapdirs import make_scratch_dir
 
 

@@ -256,18 +256,42 @@ class ScratchClaim:
     token: str
     lock_fd: int
     """The marker, flock'ed for the daemon's life: a second daemon cannot claim the dir."""
+    made_parents: tuple[Path, ...] = ()
+    """Dirs above it that its launcher created for it (a missing ``nvme_path``), deepest
+    first: removed after it when they are empty."""
+
+
+MADE_PARENT_KEY = "made_parent="
+"""A marker line naming a dir above the scratch dir that its launcher created for it."""
+
+
+def make_dirs(path: str | os.PathLike[str]) -> list[str]:
+    """``mkdir -p path``; returns the dirs it created, deepest first (for
+    ``make_scratch_dir(made_parents=...)``)."""
+    missing, current = [], Path(path).absolute()
+    while not current.exists() and current != current.parent:
+        missing.append(str(current))
+        current = current.parent
+    Path(path).mkdir(parents=True, exist_ok=True)
+    return missing
 
 
 def make_scratch_dir(parent: str | os.PathLike[str] | None = None,
-                     prefix: str = "offloadd-") -> str:
+                     prefix: str = "offloadd-", made_parents: list[str] | None = None) -> str:
     """A new private dir (``tempfile.mkdtemp``, mode 0700) marked as scratch, for a launcher
     that must put something in it (the daemon's log) before the daemon it hands the dir to
-    (``--scratch-dir``) claims it."""
+    (``--scratch-dir``) claims it.
+
+    ``made_parents``: dirs above it the launcher created for it (``make_dirs``); the
+    daemon removes those that are empty once it deleted the scratch dir, so a mistyped
+    path leaves no tree of empty dirs behind. Only dirs above the scratch dir are taken.
+    """
     path = tempfile.mkdtemp(prefix=prefix, dir=parent)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS
+    parents = "".join(f"{MADE_PARENT_KEY}{made}\n" for made in made_parents or ())
     with open(os.path.join(path, SCRATCH_MARKER), "x", opener=lambda name, _: os.open(
             name, flags, 0o600)) as marker:
-        marker.write(f"{SCRATCH_MAGIC}made_by_pid={os.getpid()}\n")
+        marker.write(f"{SCRATCH_MAGIC}made_by_pid={os.getpid()}\n{parents}")
     return path
 
 
@@ -336,17 +360,30 @@ def _lock_scratch(lock_fd: int, path: Path, info: os.stat_result, created: bool)
         raise ScratchDirRefusedError(
             f"scratch dir {path} is held by another live offloadd ({_claimant(lock_fd)}); give "
             "each daemon scratch dirs of its own") from None
-    if not created and not os.pread(lock_fd, 4096, 0).decode(errors="replace").startswith(
-            SCRATCH_MAGIC):
+    marker = "" if created else os.pread(lock_fd, 4096, 0).decode(errors="replace")
+    if not created and not marker.startswith(SCRATCH_MAGIC):
         raise ScratchDirRefusedError(
             f"scratch dir {path}: {SCRATCH_MARKER} in it is not offloadd's marker; the daemon "
             "deletes only dirs it made: name a path that does not exist yet")
+    made_parents = _made_parents(marker, path)
     token = secrets.token_hex(16)
+    parents = "".join(f"{MADE_PARENT_KEY}{made}\n" for made in made_parents)
     os.ftruncate(lock_fd, 0)
-    os.pwrite(lock_fd, f"{SCRATCH_MAGIC}claimed_by_pid={os.getpid()}\ntoken={token}\n".encode(),
-              0)
+    os.pwrite(lock_fd, f"{SCRATCH_MAGIC}claimed_by_pid={os.getpid()}\ntoken={token}\n"
+              f"{parents}".encode(), 0)
     log.info("event=scratch_dir_claimed dir=%s created=%s", path, created)
-    return ScratchClaim(path, info.st_dev, info.st_ino, token, lock_fd)
+    return ScratchClaim(path, info.st_dev, info.st_ino, token, lock_fd, made_parents)
+
+
+def _made_parents(marker: str, path: Path) -> tuple[Path, ...]:
+    """The marker's ``made_parent`` dirs that lie above ``path``, deepest first (a line
+    naming any other dir is ignored: the daemon removes nothing outside the scratch
+    dir's own chain)."""
+    above = set(path.absolute().parents)
+    named = [Path(line.removeprefix(MADE_PARENT_KEY)) for line in marker.splitlines()
+             if line.startswith(MADE_PARENT_KEY)]
+    return tuple(sorted({made for made in named if made in above},
+                        key=lambda made: len(made.parts), reverse=True))
 
 
 def _claimant(lock_fd: int) -> str:
@@ -384,6 +421,12 @@ def release_scratch_dir(claim: ScratchClaim) -> None:
     if emptied:
         with contextlib.suppress(OSError):  # rmdir takes only an empty dir, whatever is there
             os.rmdir(claim.path)
+    for made in claim.made_parents:  # deepest first; one another job still uses stays
+        try:
+            os.rmdir(made)
+        except OSError:
+            break
+        log.info("event=made_parent_removed dir=%s", made)
 
 
 def _marker_text(dir_fd: int) -> str:

@@ -42,6 +42,19 @@ STEP_ROOM_WAIT_S = 10.0
 reports over budget (``JobTier.room_changed``)."""
 
 
+
+def room_report(table: ShardTable, steps_running: bool) -> str:
+    """Where a job's arena went, for an over-budget error: what is leased, pinned by a
+    batch being made resident, withheld, free (and in how large a piece: free bytes in
+    pieces smaller than the request cannot take it)."""
+    allocator = table.arena.allocator
+    pinned = sum(shard.arena_nbytes for shard in table.shards.values()
+                 if shard.pins and shard.in_arena and not shard.leased)
+    return (f"arena {table.arena.nbytes}, leased {table.leased_nbytes()}, pinned {pinned}, "
+            f"withheld {allocator.withheld_nbytes}, free {allocator.free_nbytes} of which "
+            f"{allocator.largest_free()} in one piece"
+            + ("; an optimizer step of the job holds some of it" if steps_running else ""))
+
 class TierEviction(TierState):
     """JobTier's eviction: evict, make_room and the write-behind (mixed into ``tier.JobTier``)."""
 
@@ -125,8 +138,7 @@ class TierEviction(TierState):
                 if not progress:
                     raise OverBudgetError(
                         f"job {self.job!r}: no evictable shard can make room for {need} bytes "
-                        f"(arena {table.arena.nbytes}, leased {table.leased_nbytes()}, "
-                        f"withheld {allocator.withheld_nbytes}); "
+                        f"({room_report(table, self.steps_running())}); "
                         "release leases or acquire fewer shards at once")
                 # Nothing we wait on needs this lock: write-backs and reads into placed
                 # ranges finish on their own, so holding it cannot deadlock.

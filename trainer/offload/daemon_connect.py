@@ -22,7 +22,7 @@ from torch import nn
 
 from offloadd.formats import MomentFormat, moment_nbytes
 from offloadd.memory.node import node_memory
-from offloadd.ops.embedded import PrivateDaemon, make_scratch_dir
+from offloadd.ops.embedded import PrivateDaemon, make_dirs, make_scratch_dir
 from trainer.client import OffloadClient, OffloadError
 from trainer.config import EngineConfig
 from trainer.device import copy_engine
@@ -170,7 +170,9 @@ def _node_subdir(collectives: Collectives) -> str:
     return node_key().rpartition("/")[2] if len(on_host) > 1 else ""
 
 
-def _swap_dirs(config: EngineConfig, job: str, subdir: str = "") -> list[str]:
+def _swap_dirs(config: EngineConfig, job: str, subdir: str = "") -> dict[str, list[str]]:
+    """The swap dirs asked for, each created if missing: by path, the dirs created for it
+    (deepest first), which the daemon removes at exit once they are empty."""
     zero = config.zero_optimization
     paths = [section.nvme_path for section in (zero.offload_optimizer, zero.offload_param)
              if section.device == "nvme" and section.nvme_path]
@@ -182,9 +184,7 @@ def _swap_dirs(config: EngineConfig, job: str, subdir: str = "") -> list[str]:
                       UserWarning, stacklevel=3)
         paths = [default]
     unique = [str(Path(path) / subdir) if subdir else path for path in dict.fromkeys(paths)]
-    for path in unique:
-        Path(path).mkdir(parents=True, exist_ok=True)
-    return unique
+    return {path: make_dirs(path) for path in unique}
 
 
 def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
@@ -198,14 +198,13 @@ def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
     deletes its scratch dirs, which only it can still know are unused.
     """
     base = Path(config.offloadd.workdir) / subdir if config.offloadd.workdir else None
-    if base is not None:
-        base.mkdir(parents=True, exist_ok=True)
+    made = make_dirs(base) if base is not None else []
     # Dirs of its own: a second job on the node (or the same workdir) gets another
     # socket, and a swap dir belongs to one daemon (it is locked).
     # Marked as scratch (make_scratch_dir): the daemon deletes no dir that is not.
-    scratch = [make_scratch_dir(base, "offloadd-")]
-    scratch += [make_scratch_dir(path, f"offloadd-private-{job}-")
-                for path in _swap_dirs(config, job, subdir)]
+    scratch = [make_scratch_dir(base, "offloadd-", made)]
+    scratch += [make_scratch_dir(path, f"offloadd-private-{job}-", made)
+                for path, made in _swap_dirs(config, job, subdir).items()]
     try:
         return PrivateDaemon.start(scratch[0], arena_size=arena_nbytes, swap_dirs=scratch[1:],
                                    release_swap_at_exit=True, scratch_dirs=scratch,
