@@ -117,8 +117,8 @@ class AllocatorModel(RuleBasedStateMachine):
     def start(self, pages: int) -> None:
         self.allocator = Allocator(pages * PAGE)
         self.used = [False] * pages
-        self.withheld = 0
-        """Pages withheld (marked used in ``used``, never freed)."""
+        self.withheld: set[int] = set()
+        """Pages withheld (marked used in ``used``, back to free only by ``restore``)."""
 
     @rule(target=blocks, nbytes=st.integers(0, 20 * PAGE))
     def alloc(self, nbytes: int) -> tuple[int, int] | None:
@@ -151,7 +151,7 @@ class AllocatorModel(RuleBasedStateMachine):
 
     @rule(page=st.integers(0, 63), pages=st.integers(1, 8))
     def withhold(self, page: int, pages: int) -> None:
-        """Take free pages out for good (an arena's pages the node could not back)."""
+        """Take free pages out (an arena's pages the node could not back)."""
         run = next(((start, length) for start, length in free_runs(self.used)
                     if start <= page < start + length), None)
         if run is None:
@@ -159,21 +159,29 @@ class AllocatorModel(RuleBasedStateMachine):
         pages = min(pages, run[0] + run[1] - page)
         self.allocator.withhold(page * PAGE, pages * PAGE)
         self.used[page : page + pages] = [True] * pages
-        self.withheld += pages
+        self.withheld.update(range(page, page + pages))
+
+    @rule()
+    def restore(self) -> None:
+        """Every withheld page back, coalesced with its free neighbours (the node has room
+        again)."""
+        assert self.allocator.restore_withheld() == len(self.withheld) * PAGE
+        for page in self.withheld:
+            self.used[page] = False
+        self.withheld.clear()
 
     @invariant()
     def agrees_with_the_model(self) -> None:
         runs = free_runs(self.used)
-        assert self.allocator.used_nbytes == (sum(self.used) - self.withheld) * PAGE
-        assert self.allocator.withheld_nbytes == self.withheld * PAGE
+        assert self.allocator.used_nbytes == (sum(self.used) - len(self.withheld)) * PAGE
+        assert self.allocator.withheld_nbytes == len(self.withheld) * PAGE
         assert self.allocator.free_nbytes == (len(self.used) - sum(self.used)) * PAGE
         assert self.allocator.largest_free() == max((n for _, n in runs), default=0) * PAGE
         # Coalesced: the free list is exactly the maximal runs (never two touching extents).
         assert self.allocator.free_extents() == [Extent(s * PAGE, n * PAGE) for s, n in runs]
 
     def teardown(self) -> None:
-        if self.withheld:
-            return  # the allocator cannot tell withheld pages from held ones: nothing to free
+        self.restore()
         for page, taken in enumerate(self.used):  # free every page still held, one by one
             if taken:
                 self.allocator.free(page * PAGE, PAGE)

@@ -228,6 +228,60 @@ def test_a_lazy_arena_stops_handing_out_fresh_pages_once_the_node_is_short(
         arena.close()
 
 
+def test_withheld_pages_come_back_once_the_node_has_room_and_stay_watched(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job whose pages were withheld looks for room (a placement that finds none): while
+    the node is short, or sooner than RESTORE_CHECK_S after the withholding, nothing comes
+    back; once it has room (the process that took its memory ended), every withheld page
+    is handed out again, and the watch is on as in a lazy arena: the node short once more,
+    the unwritten pages are withheld again, the written ones stay in use."""
+    monkeypatch.setattr(arena_module, "PLACEMENT_CHECK_NBYTES", 4 * PAGE_NBYTES)
+    clock = {"now": 1000.0}
+    monkeypatch.setattr(arena_module.time, "monotonic", lambda: clock["now"])
+    short = {"now": False}
+    reads = []
+
+    def shortage(nbytes: int) -> str:
+        reads.append(nbytes)
+        return "node short" if short["now"] else ""
+
+    monkeypatch.setattr(arena_module, "shortage", shortage)
+    arena = Arena("back", 64 * PAGE_NBYTES, lock=False, prefault="lazy")
+    try:
+        table = ShardTable("back", arena)
+        allocator = arena.allocator
+        shards = [table.create(0, f"s{i}", 2 * PAGE_NBYTES, "uint8") for i in range(32)]
+        for shard in shards[:3]:  # 6 fresh pages: the node read once (at 4), room then
+            assert table.place_unwritten(shard)
+        short["now"] = True
+        assert not table.place_unwritten(shards[3])  # 4 fresh pages: read, short, withheld
+        assert allocator.withheld_nbytes == 58 * PAGE_NBYTES
+        # Short still, and too soon: the node's memory is not even read.
+        reads.clear()
+        assert not table.place_unwritten(shards[3])
+        clock["now"] += arena_module.RESTORE_CHECK_S
+        assert not table.place_unwritten(shards[3])  # read now: short, nothing back
+        assert reads == [4 * PAGE_NBYTES] and allocator.withheld_nbytes == 58 * PAGE_NBYTES
+        assert not table.place_unwritten(shards[3]) and len(reads) == 1  # not read again
+        # The node has room again: everything comes back at the next look.
+        short["now"] = False
+        clock["now"] += arena_module.RESTORE_CHECK_S
+        assert table.place_unwritten(shards[3])
+        assert allocator.withheld_nbytes == 0 and arena.restored_nbytes == 58 * PAGE_NBYTES
+        assert allocator.free_nbytes == 64 * PAGE_NBYTES - 8 * PAGE_NBYTES
+        written = shards[3].offset
+        assert written is not None
+        arena.view[written : written + 2 * PAGE_NBYTES] = b"\1" * (2 * PAGE_NBYTES)
+        # Watched as before: 4 fresh pages later the node is short again.
+        short["now"] = True
+        assert not table.place_unwritten(shards[4])  # 2 + 2 fresh pages: read, short
+        assert allocator.withheld_nbytes == 64 * PAGE_NBYTES - 8 * PAGE_NBYTES
+        table.unplace(shards[3])  # written: its pages are backed and come back as free
+        assert allocator.free_nbytes == 2 * PAGE_NBYTES
+    finally:
+        arena.close()
+
+
 @pytest.mark.skipif(not lockable(4 << 20), reason="RLIMIT_MEMLOCK below 4 MiB")
 def test_a_locked_arena_is_mapped_and_locked_page_for_page(
         monkeypatch: pytest.MonkeyPatch) -> None:

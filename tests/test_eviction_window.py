@@ -195,3 +195,31 @@ def test_an_arena_too_fragmented_for_a_request_says_so(
     assert (f"leased {3 * LARGE}, pinned 0, withheld 0, free {allocator.free_nbytes} of "
             f"which {allocator.largest_free()} in one piece") in message, message
     assert "release leases or acquire fewer shards at once" in message
+
+
+async def room_back_before_eviction(root: Path) -> tuple[list[bool], int, int]:
+    async with tier_job(root, "back", 4 * LARGE, chunk_nbytes=PAGE) as job:
+        ids = ["a", "b", "c"]
+        await settle(job.alloc(0, ids[:2], [LARGE] * 2, ["uint8"] * 2))
+        for shard_id in ids[:2]:
+            leases: dict[Shard, Lease] = {}
+            await settle(job.acquire(0, [shard_id], "w", leases))
+            await settle(job.release(0, [shard_id], True, leases))
+        allocator = job.arena.allocator
+        for extent in allocator.free_extents():  # as a failed backing leaves it
+            allocator.withhold(extent.offset, extent.nbytes)
+        await settle(job.alloc(0, ["c"], [LARGE], ["uint8"]))
+        leases = {}
+        await settle(job.acquire(0, ["c"], "w", leases))
+        await settle(job.release(0, ["c"], True, leases))
+        resident = [job.table.get(0, shard_id).in_arena for shard_id in ids]
+        return resident, allocator.withheld_nbytes, job.arena.restored_nbytes
+
+
+def test_a_job_with_swap_gets_withheld_room_back_before_it_evicts(
+        tmp_path: Path, run_async: Callable[..., Any]) -> None:
+    """Withheld pages come back (the node has room: this host's) before anything is
+    evicted for a new shard: the shards in the arena stay there."""
+    resident, withheld, restored = run_async(room_back_before_eviction(tmp_path), timeout_s=60)
+    assert resident == [True, True, True]
+    assert withheld == 0 and restored == 2 * LARGE

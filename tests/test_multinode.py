@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -109,5 +110,13 @@ def test_two_torchrun_nodes_each_with_a_private_daemon_match_adamw(tmp_path: Pat
     assert result["batch"] == 8
     assert result["losses"] == pytest.approx(losses, rel=1e-5)
     assert max_relative_error(result["state"], state) < 1e-5
-    # each node's daemon swapped into its own directory under the shared nvme_path
-    assert sorted(path.name for path in (tmp_path / "nvme").iterdir()) == ["node0", "node1"]
+    # each node's daemon swapped into its own directory under the shared nvme_path, and
+    # left nothing there once done (the dirs it created for it go when empty)
+    swap_dirs = [Path(path) for path in result["scratch_dirs"]
+                 if Path(path).is_relative_to(tmp_path / "nvme")]
+    assert sorted(path.parent.name for path in swap_dirs) == ["node0", "node1"]
+    deadline = time.monotonic() + 60
+    while any(path.exists() for path in swap_dirs):
+        assert time.monotonic() < deadline, "the private daemons kept their swap dirs"
+        time.sleep(0.2)
+    assert not [path for path in (tmp_path / "nvme").rglob("*") if not path.is_dir()]

@@ -347,6 +347,66 @@ def test_what_the_node_could_not_back_is_never_handed_out(
     assert hog.poll() is None and daemon.poll() is None
 
 
+REFILLER = """
+from offloadd.errors import OverBudgetError
+shard_nbytes = int(sys.argv[4])
+count = nbytes // shard_nbytes
+
+def fill(start):
+    put, error = start, ""
+    try:
+        for index in range(start, count):
+            client.put(f"s{index}", bytes([index % 251]) * shard_nbytes)
+            put += 1
+    except OverBudgetError as exc:
+        error = str(exc)
+    return put, error
+
+put, error = fill(0)
+print(json.dumps({"put": put, "error": error, "stats": client.stats()}), flush=True)
+sys.stdin.readline()  # the other process has ended
+deadline = time.monotonic() + 60
+while put < count and time.monotonic() < deadline:
+    put, error = fill(put)
+    if put < count:
+        time.sleep(0.5)
+intact = all(client.get(f"s{index}") == bytes([index % 251]) * shard_nbytes
+             for index in range(put))
+print(json.dumps({"put": put, "error": error, "intact": intact, "stats": client.stats()}),
+      flush=True)
+client.close()
+"""
+
+
+def test_withheld_pages_come_back_once_the_process_that_took_them_ends(
+        tmp_path: Path, cgroup: MemoryCgroup) -> None:
+    """As above without a swap tier: the rank fills its 600 MiB arena, and gets
+    OverBudgetError once only withheld pages are left. The other process then ends: at
+    the rank's next tries the daemon finds the room back and hands the withheld pages out
+    again, and the rank fills the whole arena, every shard intact, every process alive."""
+    socket_path = str(tmp_path / "d.sock")
+    daemon = cgroup.daemon(socket_path, *short_node_args("background"))
+    shard, count = 8 << 20, 75
+    short, rank, hog = rank_after_the_hog(cgroup, daemon, socket_path, REFILLER,
+                                          shard * count, "refilled", str(shard))
+    withheld = short["stats"]["arena_withheld_nbytes"]
+    assert withheld > 0 and 0 < short["put"] < count, short
+    assert f"{withheld} bytes of it withheld" in short["error"], short
+    hog.kill()
+    hog.wait(timeout=30)
+    assert rank.stdin is not None and rank.stdout is not None
+    rank.stdin.write("ended\n")
+    rank.stdin.flush()
+    line = rank.stdout.readline()
+    assert line, f"the rank died (rc {rank.wait(timeout=30)}; daemon {daemon.poll()})"
+    result = json.loads(line)
+    stats = result["stats"]
+    assert result["put"] == count and result["intact"], result
+    assert stats["arena_withheld_nbytes"] == 0, stats
+    assert stats["arena_restored_nbytes"] >= withheld, stats
+    assert rank.wait(timeout=60) == 0 and daemon.poll() is None
+
+
 RANK_PINS = """
 import warnings
 from trainer.device.copy_engine import TwinCopyEngine

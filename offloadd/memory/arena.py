@@ -63,6 +63,9 @@ PLACEMENT_CHECK_NBYTES = 32 << 20
 """Unbacked bytes the allocator hands out (a lazy arena, or ranges past the backing's
 frontier) between two reads of the node's memory (``Arena.placement_fits``): a read
 costs ~0.3 ms, first touches of 32 MiB ~10 ms."""
+RESTORE_CHECK_S = 5.0
+"""Least seconds between two reads of the node's memory for ``Arena.restore_withheld``
+(and from a withholding to the first): a job that finds no room asks at every placement."""
 MAX_AUTO_PREFAULT_THREADS = 8
 """Most backing threads ``prefault_threads=0`` picks: on a 16-core H200 host populating a
 memfd stops scaling at 4-8 threads (bench/README.md)."""
@@ -95,7 +98,9 @@ class Allocator:
         self.capacity = capacity
         self.used_nbytes = 0
         self.withheld_nbytes = 0
-        """Bytes taken out for good (``withhold``): neither used nor free."""
+        """Bytes taken out (``withhold``) until ``restore_withheld``: neither used nor free."""
+        self._withheld: dict[int, int] = {}
+        """The withheld ranges: offset -> bytes."""
         self._free_offsets = SortedList([0] if capacity else [])
         self._free_nbytes: dict[int, int] = {0: capacity} if capacity else {}
         self._by_size = SortedList([(capacity, 0)] if capacity else [])
@@ -143,12 +148,23 @@ class Allocator:
             self.free(start, offset - start)
 
     def withhold(self, offset: int, nbytes: int) -> None:
-        """Take a free range out for good: no later ``alloc`` returns it (an arena's pages
-        that the node had no memory to back)."""
+        """Take a free range out: no ``alloc`` returns it until ``restore_withheld`` (an
+        arena's pages that the node had no memory to back)."""
         self.reserve(offset, nbytes)
         need = align_up(max(nbytes, 1))
         self.used_nbytes -= need
         self.withheld_nbytes += need
+        self._withheld[offset] = need
+
+    def restore_withheld(self) -> int:
+        """Return every withheld range to the free list; the bytes returned."""
+        restored = self.withheld_nbytes
+        for offset, nbytes in sorted(self._withheld.items()):
+            self.used_nbytes += nbytes
+            self.withheld_nbytes -= nbytes
+            self.free(offset, nbytes)
+        self._withheld.clear()
+        return restored
 
     def grow(self, new_capacity: int) -> None:
         """Extend the managed range (swap files grow in segments)."""
@@ -392,6 +408,10 @@ class Arena:
         """Free ranges past this offset that hold no page are withheld (frees included)."""
         self._fresh_nbytes = 0
         """Unbacked bytes handed out since the node's memory was last read."""
+        self._restore_due_s = 0.0
+        """When ``restore_withheld`` may next read the node's memory."""
+        self.restored_nbytes = 0
+        """Withheld bytes handed back so far (``restore_withheld``)."""
         if prefault == "lazy":
             return
         chunks = -(-self.nbytes // self._chunk)
@@ -531,6 +551,7 @@ class Arena:
             running = self._backers_running
             start = self._claimed_nbytes if running else self.backed_nbytes
         self.withhold_from = min(self.withhold_from, start)
+        self._restore_due_s = time.monotonic() + RESTORE_CHECK_S
         for extent in self.allocator.free_extents():
             begin, end = max(extent.offset, start), extent.offset + extent.nbytes
             if end > begin:
@@ -538,9 +559,9 @@ class Arena:
         if not running:
             log.warning("event=arena_unbacked_withheld job=%s withheld_nbytes=%d "
                         "arena_nbytes=%d hint='the node ran short of memory while backing "
-                        "this arena; those pages are never handed out: evict to swap or ask "
-                        "for a smaller arena'", self.name, self.allocator.withheld_nbytes,
-                        self.nbytes)
+                        "this arena; those pages are not handed out until it has room again: "
+                        "evict to swap or ask for a smaller arena'", self.name,
+                        self.allocator.withheld_nbytes, self.nbytes)
 
     def placement_fits(self, offset: int, nbytes: int) -> bool:
         """Loop thread, for a range just allocated: False when pages of it are backed by
@@ -564,6 +585,33 @@ class Arena:
             return True
         self._backing_failed(short)
         return False
+
+    def restore_withheld(self) -> int:
+        """Loop thread, where a job looks for room: hand the withheld pages back once the
+        node has room again (the process that took its memory ended); the bytes returned.
+
+        From then on they are watched as a lazy arena's pages are: each is backed by its
+        first write, and ``placement_fits`` reads the node's memory once per
+        ``PLACEMENT_CHECK_NBYTES`` of them, so a node short again has what is unbacked
+        withheld again, not the OOM killer. The node's memory is read at most once per
+        ``RESTORE_CHECK_S``, and not while backing threads still run."""
+        withheld = self.allocator.withheld_nbytes
+        if not withheld or self.withhold_due or time.monotonic() < self._restore_due_s:
+            return 0
+        with self._backing_lock:
+            if self._backers_running:
+                return 0
+        self._restore_due_s = time.monotonic() + RESTORE_CHECK_S
+        if shortage(min(withheld, PLACEMENT_CHECK_NBYTES)):
+            return 0
+        restored = self.allocator.restore_withheld()
+        self.withhold_from = self.nbytes
+        self._fresh_nbytes = 0
+        self.restored_nbytes += restored
+        log.info("event=arena_withheld_restored job=%s restored_nbytes=%d arena_nbytes=%d "
+                 "note='the node has room again: the pages are handed out under the "
+                 "placement watch'", self.name, restored, self.nbytes)
+        return restored
 
     def withhold_freed(self, offset: int, nbytes: int) -> None:
         """A range freed on the loop thread: withhold its part past ``withhold_from`` that

@@ -253,6 +253,8 @@ class ShardTable:
         if self.arena.withhold_due:  # its backing failed: no range the node cannot back
             self.arena.withhold_unbacked()
         offset = self.arena.allocator.alloc(shard.arena_nbytes)
+        if offset is None and self.arena.restore_withheld():  # the node has room again
+            offset = self.arena.allocator.alloc(shard.arena_nbytes)
         if offset is None:
             return False
         if not self.arena.placement_fits(offset, shard.arena_nbytes):  # the node is short

@@ -166,6 +166,8 @@ class Job:
         those it creates. Without a swap tier every new shard must be placed now; with
         one, only a leased batch must be resident at once (as ``_pinned_fit``).
         """
+        if self.arena.allocator.withheld_nbytes:
+            self.arena.restore_withheld()  # the node may have room for them again
         if self.tier is None and new_nbytes > self.arena.allocator.free_nbytes:
             raise OverBudgetError(
                 f"job {self.name!r} arena is full: the batch creates {new_nbytes} bytes of "
@@ -184,7 +186,7 @@ class Job:
         """Says how much of the arena is withheld (``Arena.withhold_unbacked``), if any."""
         withheld = self.arena.allocator.withheld_nbytes
         return (f" ({withheld} bytes of it withheld: the node ran short of memory while "
-                "backing it)") if withheld else ""
+                "backing it, until it has room again)") if withheld else ""
 
     async def _undo_on_failure(self, pending: Awaitable[Placed], created: list[Shard]) -> Placed:
         try:
@@ -545,6 +547,7 @@ class Job:
             "arena_allocated_nbytes": self.arena.allocated_nbytes(),
             "arena_backing_error": self.arena.backing_error,
             "arena_withheld_nbytes": allocator.withheld_nbytes,
+            "arena_restored_nbytes": self.arena.restored_nbytes,
             "arena_hugepages": self.arena.hugepages,
             "num_shards": len(self.table.shards),
             "shard_nbytes": shard_nbytes,

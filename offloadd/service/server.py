@@ -342,8 +342,9 @@ class Daemon:
              lambda j: j.arena.nbytes),
             ("offloadd_arena_backed_bytes", "Arena bytes the prefault has backed so far "
              "(pages past it are backed on first touch).", lambda j: j.arena.backed_nbytes),
-            ("offloadd_arena_withheld_bytes", "Arena bytes never handed out: the node ran "
-             "short of memory while backing them.", lambda j: j.arena.allocator.withheld_nbytes),
+            ("offloadd_arena_withheld_bytes", "Arena bytes not handed out: the node ran "
+             "short of memory while backing them (until it has room again).",
+             lambda j: j.arena.allocator.withheld_nbytes),
             ("offloadd_arena_used_bytes", "Arena bytes allocated to shards.",
              lambda j: j.arena.allocator.used_nbytes),
             ("offloadd_arena_largest_free_bytes", "Largest free extent (fragmentation).",

@@ -90,6 +90,8 @@ class TierEviction(TierState):
         allocator = table.arena.allocator
         if allocator.largest_free() >= need:
             return True
+        if table.arena.restore_withheld() and allocator.largest_free() >= need:
+            return True  # the node had room again for pages it had been short of
         # One request at a time picks victims and waits; the others queue on the lock
         # instead of all waking on every completed write-back and picking again.
         async with self.room_lock:

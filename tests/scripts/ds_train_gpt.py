@@ -146,8 +146,13 @@ def main() -> None:
             _, client_state = engine.load_checkpoint(args.checkpoint_dir)
             assert client_state["step"] == step + 1, client_state
     state = full_state(deepspeed, engine)
+    # The scratch dirs of the private daemons (one per node, started by local rank 0).
+    daemon = getattr(getattr(engine, "backend", None), "private_daemon", None)
+    scratch: list[list[str]] = [[] for _ in range(world)]
+    torch.distributed.all_gather_object(scratch, daemon.scratch_dirs if daemon else [])
     if rank == 0:
-        torch.save({"losses": losses, "state": state, "batch": engine.train_batch_size()},
+        torch.save({"losses": losses, "state": state, "batch": engine.train_batch_size(),
+                    "scratch_dirs": sorted(path for dirs in scratch for path in dirs)},
                    args.out)
     deepspeed.comm.barrier()
 
