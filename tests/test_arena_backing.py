@@ -26,6 +26,7 @@ from offloadd.config import DaemonConfig
 from offloadd.memory import arena as arena_module
 from offloadd.memory import pages
 from offloadd.memory.arena import PAGE_NBYTES, Arena, Backing
+from offloadd.memory.node import NodeMemory
 from offloadd.memory.shards import ShardTable
 from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
@@ -226,6 +227,30 @@ def test_a_lazy_arena_stops_handing_out_fresh_pages_once_the_node_is_short(
         assert table.place_unwritten(shards[5]) and shards[5].offset == written
     finally:
         arena.close()
+
+
+def test_a_small_nodes_arena_reads_its_memory_within_half_its_reserve(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 512 MiB container keeps 16 MiB for everything but arenas: a lazy arena there reads
+    the node's memory every 8 MiB of fresh pages, not every PLACEMENT_CHECK_NBYTES (32 MiB,
+    which unchecked could take all of the reserve and more); a large node's arena every
+    32 MiB."""
+    reads: list[int] = []
+    monkeypatch.setattr(arena_module, "shortage", lambda nbytes: reads.append(nbytes) or "")
+    mib = 1 << 20
+    for total, stride in ((512 * mib, 8 * mib), (64 << 30, arena_module.PLACEMENT_CHECK_NBYTES)):
+        monkeypatch.setattr(arena_module, "node_memory",
+                            lambda total=total: NodeMemory(total, total // 2, "MemTotal"))
+        arena = Arena("small", 64 * mib, lock=False, prefault="lazy")
+        try:
+            assert arena.check_stride == stride
+            table = ShardTable("small", arena)
+            reads.clear()
+            for index in range(64):
+                assert table.place_unwritten(table.create(0, f"s{index}", mib, "uint8"))
+            assert reads == [stride] * (64 * mib // stride)
+        finally:
+            arena.close()
 
 
 def test_withheld_pages_come_back_once_the_node_has_room_and_stay_watched(

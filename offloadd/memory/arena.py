@@ -51,7 +51,7 @@ from sortedcontainers import SortedList
 from offloadd.config import HugePages, Prefault
 from offloadd.errors import OverBudgetError
 from offloadd.memory import pages
-from offloadd.memory.node import pin_shortage, shortage
+from offloadd.memory.node import node_memory, pin_shortage, shortage
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,8 @@ BACKING_CHUNK_NBYTES = 64 << 20
 PLACEMENT_CHECK_NBYTES = 32 << 20
 """Unbacked bytes the allocator hands out (a lazy arena, or ranges past the backing's
 frontier) between two reads of the node's memory (``Arena.placement_fits``): a read
-costs ~0.3 ms, first touches of 32 MiB ~10 ms."""
+costs ~0.3 ms, first touches of 32 MiB ~10 ms. Less on a node whose reserve is smaller
+(``Arena.check_stride``)."""
 RESTORE_CHECK_S = 5.0
 """Least seconds between two reads of the node's memory for ``Arena.restore_withheld``
 (and from a withholding to the first): a job that finds no room asks at every placement."""
@@ -408,6 +409,8 @@ class Arena:
         """Free ranges past this offset that hold no page are withheld (frees included)."""
         self._fresh_nbytes = 0
         """Unbacked bytes handed out since the node's memory was last read."""
+        self._half_reserve = node_memory().kept_nbytes // 2
+        """Half what arenas leave this node (read once: its size does not change)."""
         self._restore_due_s = 0.0
         """When ``restore_withheld`` may next read the node's memory."""
         self.restored_nbytes = 0
@@ -569,7 +572,7 @@ class Arena:
         backed by their first write) and the node has no room for them. The backing
         then counts as failed (``backing_error`` says why); the caller frees the range
         and withholds what is unbacked (``withhold_unbacked``). The node's memory is
-        read once per ``PLACEMENT_CHECK_NBYTES`` of such pages, as the backing threads
+        read once per ``check_stride`` bytes of such pages, as the backing threads
         read it once per chunk."""
         if self.hugepages or self.backing is Backing.BACKED or self.withhold_from < self.nbytes:
             return True  # every page there is backed, or is being backed by a thread
@@ -577,7 +580,7 @@ class Arena:
         if end <= begin:
             return True
         self._fresh_nbytes += sum(stop - start for start, stop in self._holes(begin, end))
-        if self._fresh_nbytes < PLACEMENT_CHECK_NBYTES:
+        if self._fresh_nbytes < self.check_stride:
             return True
         short = shortage(self._fresh_nbytes)
         self._fresh_nbytes = 0
@@ -592,7 +595,7 @@ class Arena:
 
         From then on they are watched as a lazy arena's pages are: each is backed by its
         first write, and ``placement_fits`` reads the node's memory once per
-        ``PLACEMENT_CHECK_NBYTES`` of them, so a node short again has what is unbacked
+        ``check_stride`` bytes of them, so a node short again has what is unbacked
         withheld again, not the OOM killer. The node's memory is read at most once per
         ``RESTORE_CHECK_S``, and not while backing threads still run."""
         withheld = self.allocator.withheld_nbytes
@@ -602,7 +605,7 @@ class Arena:
             if self._backers_running:
                 return 0
         self._restore_due_s = time.monotonic() + RESTORE_CHECK_S
-        if shortage(min(withheld, PLACEMENT_CHECK_NBYTES)):
+        if shortage(min(withheld, self.check_stride)):
             return 0
         restored = self.allocator.restore_withheld()
         self.withhold_from = self.nbytes
@@ -612,6 +615,14 @@ class Arena:
                  "note='the node has room again: the pages are handed out under the "
                  "placement watch'", self.name, restored, self.nbytes)
         return restored
+
+    @property
+    def check_stride(self) -> int:
+        """Unbacked bytes handed out between two reads of the node's memory:
+        ``PLACEMENT_CHECK_NBYTES``, or half the node's reserve where that is less (a
+        512 MiB container keeps 16 MiB: one 32 MiB stride unchecked could take all of it
+        and more)."""
+        return max(PAGE_NBYTES, min(PLACEMENT_CHECK_NBYTES, self._half_reserve))
 
     def withhold_freed(self, offset: int, nbytes: int) -> None:
         """A range freed on the loop thread: withhold its part past ``withhold_from`` that
