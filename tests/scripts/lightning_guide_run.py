@@ -64,6 +64,18 @@ class LanguageModel(pl.LightningModule):
                 "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+class ScratchDirs(pl.Callback):
+    """The dirs of the private daemon this rank started (local rank 0), seen at the start
+    of training: its swap dir lies under ``nvme_path``."""
+
+    dirs: list[str] = []
+
+    def on_train_start(self, trainer_: Any, module: Any) -> None:
+        engine = getattr(trainer_.strategy, "engine", None)
+        daemon = getattr(getattr(engine, "backend", None), "private_daemon", None)
+        ScratchDirs.dirs = list(daemon.scratch_dirs) if daemon is not None else []
+
+
 strategy: Any = args.strategy
 if args.strategy == "keywords":
     strategy = OffloaddStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
@@ -74,7 +86,8 @@ tokens = torch.randint(0, 97, (16, SEQ), generator=torch.Generator().manual_seed
 lightning_trainer = pl.Trainer(
     accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
     max_steps=args.steps, gradient_clip_val=0.5, logger=False, enable_progress_bar=False,
-    enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0)
+    enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+    callbacks=[ScratchDirs()])
 lightning_trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(tokens,
                                                                              batch_size=2))
 caught.__exit__(None, None, None)
@@ -82,6 +95,7 @@ if lightning_trainer.is_global_zero:
     (out / "result.json").write_text(json.dumps({
         "strategy": type(lightning_trainer.strategy).__name__,
         "losses": module.losses,
+        "scratch_dirs": ScratchDirs.dirs,
         "warnings": [f"{item.category.__name__}: {item.message}" for item in raised
                      if "offloadd" in str(item.message) or "lr_scheduler" in str(item.message)]}))
 leave_group()
