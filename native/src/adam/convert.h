@@ -50,7 +50,9 @@ inline uint16_t fp16_from_float(float value) {
   const uint32_t bits = float_bits(value);
   const uint16_t sign = uint16_t((bits >> 16) & 0x8000u);
   const uint32_t magnitude = bits & 0x7FFFFFFFu;
-  if (magnitude > 0x7F800000u) return sign | 0x7E00u;  // NaN
+  // NaN: quiet, its payload's top 10 bits kept, as vcvtps2ph (the vector paths, and
+  // torch's `.to(torch.float16)`) does.
+  if (magnitude > 0x7F800000u) return sign | 0x7E00u | uint16_t((magnitude >> 13) & 0x3FFu);
   if (magnitude >= 0x477FF000u) return sign | 0x7C00u;  // rounds past 65504: inf
   if (magnitude >= 0x38800000u) {                       // normal fp16 (>= 2^-14)
     // Rebias the exponent (127 -> 15); a rounding carry may bump the exponent, which is right.
