@@ -407,6 +407,67 @@ def test_withheld_pages_come_back_once_the_process_that_took_them_ends(
     assert rank.wait(timeout=60) == 0 and daemon.poll() is None
 
 
+FIRST_JOB = """
+import json, sys
+from offloadd.errors import OverBudgetError
+from trainer.client import OffloadClient
+socket_path, shard_nbytes, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+client = OffloadClient.connect(socket_path, job="first", arena_nbytes=shard_nbytes * count)
+print("connected", flush=True)
+sys.stdin.readline()
+put = 0
+try:
+    for index in range(count):
+        client.put(f"s{index}", bytes([index % 251]) * shard_nbytes)
+        put += 1
+except OverBudgetError:
+    pass
+print(json.dumps({"put": put, "stats": client.stats()}), flush=True)
+sys.stdin.readline()
+client.close_job()  # the job ends: its daemon frees its arena
+"""
+
+
+def test_two_daemons_that_admitted_too_much_hand_the_node_to_the_job_that_stays(
+        tmp_path: Path, cgroup: MemoryCgroup) -> None:
+    """Two private daemons on one node (two jobs without a node daemon) each admit a 600 MiB
+    arena against the same free memory of the 1 GiB group: neither counts the other's
+    pending pages. Both jobs fill their arenas: the node runs short, pages are withheld,
+    and no process is killed. Then the first job ends: the second gets its withheld pages
+    back at its next tries and fills its whole arena."""
+    shard, count = 8 << 20, 75
+    daemons = [cgroup.daemon(str(tmp_path / f"{name}.sock"), *short_node_args("background"))
+               for name in ("a", "b")]
+    first = cgroup.start("-c", FIRST_JOB, str(tmp_path / "a.sock"), str(shard), str(count))
+    assert first.stdout is not None and first.stdin is not None
+    assert first.stdout.readline() == "connected\n"
+    second = cgroup.start("-c", RANK_AFTER_THE_HOG + REFILLER, str(tmp_path / "b.sock"),
+                          str(shard * count), "second", str(shard))
+    assert second.stdout is not None and second.stdin is not None
+    assert second.stdout.readline() == "connected\n"
+    for rank in (first, second):  # both fill at once
+        rank.stdin.write("go\n")
+        rank.stdin.flush()
+    lines = [first.stdout.readline(), second.stdout.readline()]
+    assert all(lines), f"a rank died (rc {first.poll()}, {second.poll()}; daemons " \
+        f"{[daemon.poll() for daemon in daemons]})"
+    filled_first, short = (json.loads(line) for line in lines)
+    assert filled_first["put"] + short["put"] < 2 * count, (filled_first, short)
+    assert short["put"] < count and short["stats"]["arena_withheld_nbytes"] > 0, short
+    first.stdin.write("end\n")
+    first.stdin.flush()
+    assert first.wait(timeout=60) == 0
+    second.stdin.write("ended\n")
+    second.stdin.flush()
+    line = second.stdout.readline()
+    assert line, f"the rank died (rc {second.wait(timeout=30)})"
+    result = json.loads(line)
+    assert result["put"] == count and result["intact"], result
+    assert result["stats"]["arena_withheld_nbytes"] == 0, result["stats"]
+    assert second.wait(timeout=60) == 0
+    assert all(daemon.poll() is None for daemon in daemons)
+
+
 RANK_PINS = """
 import warnings
 from trainer.device.copy_engine import TwinCopyEngine
