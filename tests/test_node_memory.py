@@ -436,7 +436,9 @@ def test_two_daemons_that_admitted_too_much_hand_the_node_to_the_job_that_stays(
     and no process is killed. Then the first job ends: the second gets its withheld pages
     back at its next tries and fills its whole arena."""
     shard, count = 8 << 20, 75
-    daemons = [cgroup.daemon(str(tmp_path / f"{name}.sock"), *short_node_args("background"))
+    # Lazy arenas: no thread backs them, so the second hello finds the first arena's pages
+    # not taken yet however late it comes (a background backing could have taken them).
+    daemons = [cgroup.daemon(str(tmp_path / f"{name}.sock"), *short_node_args("lazy"))
                for name in ("a", "b")]
     first = cgroup.start("-c", FIRST_JOB, str(tmp_path / "a.sock"), str(shard), str(count))
     assert first.stdout is not None and first.stdin is not None
