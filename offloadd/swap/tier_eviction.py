@@ -42,7 +42,6 @@ STEP_ROOM_WAIT_S = 10.0
 reports over budget (``JobTier.room_changed``)."""
 
 
-
 def room_report(table: ShardTable, steps_running: bool) -> str:
     """Where a job's arena went, for an over-budget error: what is leased, pinned by a
     batch being made resident, withheld, free (and in how large a piece: free bytes in
@@ -54,6 +53,7 @@ def room_report(table: ShardTable, steps_running: bool) -> str:
             f"withheld {allocator.withheld_nbytes}, free {allocator.free_nbytes} of which "
             f"{allocator.largest_free()} in one piece"
             + ("; an optimizer step of the job holds some of it" if steps_running else ""))
+
 
 class TierEviction(TierState):
     """JobTier's eviction: evict, make_room and the write-behind (mixed into ``tier.JobTier``)."""
