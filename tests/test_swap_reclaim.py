@@ -255,3 +255,32 @@ def test_a_marker_cannot_name_a_dir_outside_its_own_chain(tmp_path: Path) -> Non
     assert claim.made_parents == (made, tmp_path)
     release_scratch_dir(claim)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt", "sibling"]
+
+
+def test_a_relative_nvme_path_and_workdir_are_the_launchers_cwds(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nvme_path: "nvme/x"`` and ``workdir: "work"``, relative as DeepSpeed takes them:
+    the private daemon starts with dirs under the launcher's cwd (it refused the relative
+    scratch dirs before), swaps there, and leaves nothing behind."""
+    from _dist import base_config
+
+    from trainer.config import parse_config
+    from trainer.offload.daemon_connect import _start_private_daemon
+
+    monkeypatch.chdir(tmp_path)
+    config = parse_config(base_config(
+        offloadd={"workdir": "work"},
+        zero_optimization={"stage": 3,
+                           "offload_optimizer": {"device": "nvme", "nvme_path": "nvme/x"}}))
+    daemon = _start_private_daemon(config, "relative", 2 * ARENA_NBYTES)
+    try:
+        parents = {Path(path).parent for path in daemon.scratch_dirs}
+        assert {tmp_path / "nvme" / "x", tmp_path / "work"} <= parents, parents
+        with OffloadClient.connect(daemon.socket_path, job="relative",
+                                   arena_nbytes=ARENA_NBYTES) as client:
+            for index in range(8):  # twice the arena: half of it is swapped out
+                client.put(f"s{index}", os.urandom(SHARD_NBYTES))
+            assert client.stats()["swap_used_nbytes"] > 0
+    finally:
+        daemon.stop()
+    assert list(tmp_path.iterdir()) == []

@@ -183,7 +183,9 @@ def _swap_dirs(config: EngineConfig, job: str, subdir: str = "") -> dict[str, li
         warnings.warn(f"offload device nvme without nvme_path: swapping to {default}",
                       UserWarning, stacklevel=3)
         paths = [default]
-    unique = [str(Path(path) / subdir) if subdir else path for path in dict.fromkeys(paths)]
+    # Absolute: the daemon deletes only scratch dirs named by an absolute path, and a
+    # relative nvme_path ("./nvme", as DeepSpeed takes it) is the launcher's cwd's.
+    unique = [os.path.abspath(Path(path) / subdir) for path in dict.fromkeys(paths)]
     return {path: make_dirs(path) for path in unique}
 
 
@@ -197,7 +199,8 @@ def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
     after the last rank vanished without closing (kill -9, the OOM killer), and then
     deletes its scratch dirs, which only it can still know are unused.
     """
-    base = Path(config.offloadd.workdir) / subdir if config.offloadd.workdir else None
+    base = Path(config.offloadd.workdir).absolute() / subdir if config.offloadd.workdir \
+        else None
     made = make_dirs(base) if base is not None else []
     # Dirs of its own: a second job on the node (or the same workdir) gets another
     # socket, and a swap dir belongs to one daemon (it is locked).
