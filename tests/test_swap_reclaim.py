@@ -284,3 +284,24 @@ def test_a_relative_nvme_path_and_workdir_are_the_launchers_cwds(
     finally:
         daemon.stop()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_nvme_path_that_cannot_be_made_names_its_config_key(tmp_path: Path) -> None:
+    """An nvme_path below a regular file: the error names the key to change, and the
+    swap dir it could not make, before any dir of the daemon's is made."""
+    from _dist import base_config
+
+    from trainer.config import parse_config
+    from trainer.offload.daemon_connect import _start_private_daemon
+
+    (tmp_path / "a-file").write_text("")
+    nvme = str(tmp_path / "a-file" / "nvme")
+    config = parse_config(base_config(
+        offloadd={"workdir": str(tmp_path / "work")},
+        zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu"},
+                           "offload_param": {"device": "nvme", "nvme_path": nvme}}))
+    with pytest.raises(ValueError, match=re.escape(
+            f"config key zero_optimization.offload_param.nvme_path={nvme!r}: cannot make "
+            f"the swap dir {nvme} (Not a directory)")):
+        _start_private_daemon(config, "unmade", 2 * ARENA_NBYTES)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]

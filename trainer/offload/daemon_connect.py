@@ -174,19 +174,30 @@ def _swap_dirs(config: EngineConfig, job: str, subdir: str = "") -> dict[str, li
     """The swap dirs asked for, each created if missing: by path, the dirs created for it
     (deepest first), which the daemon removes at exit once they are empty."""
     zero = config.zero_optimization
-    paths = [section.nvme_path for section in (zero.offload_optimizer, zero.offload_param)
-             if section.device == "nvme" and section.nvme_path]
-    wants_nvme = any(section.device == "nvme"
-                     for section in (zero.offload_optimizer, zero.offload_param))
-    if wants_nvme and not paths:
+    sections = {"offload_optimizer": zero.offload_optimizer, "offload_param": zero.offload_param}
+    keys: dict[str, str] = {}
+    """Each nvme_path, and the config key that first names it."""
+    for name, section in sections.items():
+        if section.device == "nvme" and section.nvme_path:
+            keys.setdefault(section.nvme_path, f"zero_optimization.{name}.nvme_path")
+    wants_nvme = any(section.device == "nvme" for section in sections.values())
+    if wants_nvme and not keys:
         default = str(Path(tempfile.gettempdir()) / f"offloadd-swap-{job}")
         warnings.warn(f"offload device nvme without nvme_path: swapping to {default}",
                       UserWarning, stacklevel=3)
-        paths = [default]
-    # Absolute: the daemon deletes only scratch dirs named by an absolute path, and a
-    # relative nvme_path ("./nvme", as DeepSpeed takes it) is the launcher's cwd's.
-    unique = [os.path.abspath(Path(path) / subdir) for path in dict.fromkeys(paths)]
-    return {path: make_dirs(path) for path in unique}
+        keys = {default: "zero_optimization.offload_*.nvme_path (unset: its default)"}
+    made = {}
+    for path, key in keys.items():
+        # Absolute: the daemon deletes only scratch dirs named by an absolute path, and a
+        # relative nvme_path ("./nvme", as DeepSpeed takes it) is the launcher's cwd's.
+        swap_dir = os.path.abspath(Path(path) / subdir)
+        try:
+            made[swap_dir] = make_dirs(swap_dir)
+        except OSError as exc:
+            raise ValueError(f"config key {key}={path!r}: cannot make the swap dir {swap_dir} "
+                             f"({exc.strerror}); name a directory this user can create "
+                             "files in") from exc
+    return made
 
 
 def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
@@ -199,6 +210,7 @@ def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
     after the last rank vanished without closing (kill -9, the OOM killer), and then
     deletes its scratch dirs, which only it can still know are unused.
     """
+    swap_dirs = _swap_dirs(config, job, subdir)  # a bad nvme_path fails before any dir
     base = Path(config.offloadd.workdir).absolute() / subdir if config.offloadd.workdir \
         else None
     made = make_dirs(base) if base is not None else []
@@ -207,7 +219,7 @@ def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
     # Marked as scratch (make_scratch_dir): the daemon deletes no dir that is not.
     scratch = [make_scratch_dir(base, "offloadd-", made)]
     scratch += [make_scratch_dir(path, f"offloadd-private-{job}-", made)
-                for path, made in _swap_dirs(config, job, subdir).items()]
+                for path, made in swap_dirs.items()]
     try:
         return PrivateDaemon.start(scratch[0], arena_size=arena_nbytes, swap_dirs=scratch[1:],
                                    release_swap_at_exit=True, scratch_dirs=scratch,
