@@ -290,20 +290,31 @@ def rank_after_the_hog(cgroup: MemoryCgroup, daemon: subprocess.Popen[str], sock
     return json.loads(line), rank, hog
 
 
-FILLER = """
+FILL = """
 from offloadd.errors import OverBudgetError
 shard_nbytes = int(sys.argv[4])
 count = nbytes // shard_nbytes
-put, error = 0, ""
-try:
-    for index in range(count):
-        client.put(f"s{index}", bytes([index % 251]) * shard_nbytes)
-        put += 1
-except OverBudgetError as exc:
-    error = str(exc)
-intact = all(client.get(f"s{index}") == bytes([index % 251]) * shard_nbytes
-             for index in range(put))
-print(json.dumps({"before": before, "put": put, "error": error, "intact": intact,
+
+def fill(start):
+    put, error = start, ""
+    try:
+        for index in range(start, count):
+            client.put(f"s{index}", bytes([index % 251]) * shard_nbytes)
+            put += 1
+    except OverBudgetError as exc:
+        error = str(exc)
+    return put, error
+
+def intact(put):
+    return all(client.get(f"s{index}") == bytes([index % 251]) * shard_nbytes
+               for index in range(put))
+"""
+"""A rank's ``fill(start)``: shards ``start``.. of its arena (``argv[4]`` bytes each) until
+all are put or the daemon refuses one; ``intact(put)`` reads the first ``put`` back."""
+
+FILLER = FILL + """
+put, error = fill(0)
+print(json.dumps({"before": before, "put": put, "error": error, "intact": intact(put),
                   "after": client.stats()}), flush=True)
 client.close()
 """
@@ -347,21 +358,7 @@ def test_what_the_node_could_not_back_is_never_handed_out(
     assert hog.poll() is None and daemon.poll() is None
 
 
-REFILLER = """
-from offloadd.errors import OverBudgetError
-shard_nbytes = int(sys.argv[4])
-count = nbytes // shard_nbytes
-
-def fill(start):
-    put, error = start, ""
-    try:
-        for index in range(start, count):
-            client.put(f"s{index}", bytes([index % 251]) * shard_nbytes)
-            put += 1
-    except OverBudgetError as exc:
-        error = str(exc)
-    return put, error
-
+REFILLER = FILL + """
 put, error = fill(0)
 print(json.dumps({"put": put, "error": error, "stats": client.stats()}), flush=True)
 sys.stdin.readline()  # the other process has ended
@@ -370,10 +367,8 @@ while put < count and time.monotonic() < deadline:
     put, error = fill(put)
     if put < count:
         time.sleep(0.5)
-intact = all(client.get(f"s{index}") == bytes([index % 251]) * shard_nbytes
-             for index in range(put))
-print(json.dumps({"put": put, "error": error, "intact": intact, "stats": client.stats()}),
-      flush=True)
+print(json.dumps({"put": put, "error": error, "intact": intact(put),
+                  "stats": client.stats()}), flush=True)
 client.close()
 """
 
@@ -407,21 +402,8 @@ def test_withheld_pages_come_back_once_the_process_that_took_them_ends(
     assert rank.wait(timeout=60) == 0 and daemon.poll() is None
 
 
-FIRST_JOB = """
-import json, sys
-from offloadd.errors import OverBudgetError
-from trainer.client import OffloadClient
-socket_path, shard_nbytes, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-client = OffloadClient.connect(socket_path, job="first", arena_nbytes=shard_nbytes * count)
-print("connected", flush=True)
-sys.stdin.readline()
-put = 0
-try:
-    for index in range(count):
-        client.put(f"s{index}", bytes([index % 251]) * shard_nbytes)
-        put += 1
-except OverBudgetError:
-    pass
+FIRST_JOB = FILL + """
+put, _error = fill(0)
 print(json.dumps({"put": put, "stats": client.stats()}), flush=True)
 sys.stdin.readline()
 client.close_job()  # the job ends: its daemon frees its arena
@@ -440,7 +422,8 @@ def test_two_daemons_that_admitted_too_much_hand_the_node_to_the_job_that_stays(
     # not taken yet however late it comes (a background backing could have taken them).
     daemons = [cgroup.daemon(str(tmp_path / f"{name}.sock"), *short_node_args("lazy"))
                for name in ("a", "b")]
-    first = cgroup.start("-c", FIRST_JOB, str(tmp_path / "a.sock"), str(shard), str(count))
+    first = cgroup.start("-c", RANK_AFTER_THE_HOG + FIRST_JOB, str(tmp_path / "a.sock"),
+                         str(shard * count), "first", str(shard))
     assert first.stdout is not None and first.stdin is not None
     assert first.stdout.readline() == "connected\n"
     second = cgroup.start("-c", RANK_AFTER_THE_HOG + REFILLER, str(tmp_path / "b.sock"),
