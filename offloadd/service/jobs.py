@@ -166,8 +166,7 @@ class Job:
         those it creates. Without a swap tier every new shard must be placed now; with
         one, only a leased batch must be resident at once (as ``_pinned_fit``).
         """
-        if self.arena.allocator.withheld_nbytes:
-            self.arena.restore_withheld()  # the node may have room for them again
+        self.arena.restore_withheld()  # withheld pages: the node may have room again
         if self.tier is None and new_nbytes > self.arena.allocator.free_nbytes:
             raise OverBudgetError(
                 f"job {self.name!r} arena is full: the batch creates {new_nbytes} bytes of "

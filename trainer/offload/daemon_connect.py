@@ -213,11 +213,11 @@ def _start_private_daemon(config: EngineConfig, job: str, arena_nbytes: int,
     swap_dirs = _swap_dirs(config, job, subdir)  # a bad nvme_path fails before any dir
     base = Path(config.offloadd.workdir).absolute() / subdir if config.offloadd.workdir \
         else None
-    made = make_dirs(base) if base is not None else []
+    base_made = make_dirs(base) if base is not None else []
     # Dirs of its own: a second job on the node (or the same workdir) gets another
     # socket, and a swap dir belongs to one daemon (it is locked).
     # Marked as scratch (make_scratch_dir): the daemon deletes no dir that is not.
-    scratch = [make_scratch_dir(base, "offloadd-", made)]
+    scratch = [make_scratch_dir(base, "offloadd-", base_made)]
     scratch += [make_scratch_dir(path, f"offloadd-private-{job}-", made)
                 for path, made in swap_dirs.items()]
     try:
