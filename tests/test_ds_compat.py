@@ -130,3 +130,37 @@ def test_load_checkpoint_takes_deepspeeds_options_and_refuses_partial_restores(
             engine.load_checkpoint(tmp_path, tag="t", load_everything=True)
     finally:
         engine.close()
+
+
+def test_a_scheduler_built_by_callable_steps_without_torchs_order_warning() -> None:
+    """HF Trainer with a config optimizer and no scheduler section passes
+    ``lr_scheduler=`` a callable that builds a torch scheduler over the optimizer it is
+    given (the engine's ``OptimizerView``). The engine steps, never the view: torch's
+    first ``scheduler.step()`` warned that it ran before ``optimizer.step()``. Now none,
+    and the learning rates follow torch's own LambdaLR over a stepped AdamW."""
+    import warnings
+
+    from trainer.integrations.ds_facade import initialize
+
+    def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+    model = make_model()
+    engine, _view, _, scheduler = initialize(model=model, model_parameters=model.parameters(),
+                                             config=CONFIG, lr_scheduler=schedule)
+    reference_optimizer = torch.optim.AdamW(make_model().parameters(), lr=1e-2)
+    reference = schedule(reference_optimizer)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _step in range(2):
+                loss = engine(*make_batch(0, 0, 0, 4))
+                engine.backward(loss)
+                engine.step()
+                reference_optimizer.step()
+                reference.step()
+                assert scheduler.get_last_lr() == reference.get_last_lr()
+    finally:
+        engine.close()
+    assert not [w for w in caught if "optimizer.step()" in str(w.message)], \
+        [str(w.message) for w in caught]

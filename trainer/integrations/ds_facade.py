@@ -303,6 +303,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         client = optimizer.client if isinstance(optimizer, DeepSpeedCPUAdam) else optimizer
         link_groups(client if client is not None else optimizer, zero)
     view = OptimizerView(zero)
+    mark_stepped_by(zero, view)  # HF builds its scheduler over the view (lr_scheduler=)
     if lr_scheduler is not None:
         engine.lr_scheduler = _client_scheduler(lr_scheduler, view, scheduler)
     wrapped = DeepSpeedEngine(engine, settings, view)
@@ -315,20 +316,28 @@ def link_groups(client: Any, zero: ZeroOptimizer) -> None:
     A torch LR scheduler built on the client's optimizer before ``prepare`` (an
     Accelerate loop's, Lightning's ``configure_optimizers``) keeps writing ``lr`` into
     that optimizer's groups; DeepSpeed steps that very optimizer, offloadd steps its
-    own, so both share the group dicts. And since the client's ``step`` never runs, the
-    engine's applied steps mark it as stepped the way torch's scheduler checks it
-    (``_opt_called``, set by the ``step`` wrapper ``LRScheduler`` installs): otherwise
-    the scheduler's first ``step()`` warns that it ran before ``optimizer.step()``.
+    own, so both share the group dicts, and the engine's steps mark it stepped
+    (``mark_stepped_by``).
     """
     client_groups = client.param_groups
     for index, group in enumerate(client_groups):
         if "initial_lr" in group:
             zero.param_groups[index]["initial_lr"] = group["initial_lr"]
         client_groups[index] = zero.param_groups[index]
-    client_ref = weakref.ref(client)
+    mark_stepped_by(zero, client)
+
+
+def mark_stepped_by(zero: ZeroOptimizer, optimizer: Any) -> None:
+    """The engine's applied steps mark ``optimizer`` as stepped the way torch's LR scheduler
+    checks it (``_opt_called``, set by the ``step`` wrapper ``LRScheduler`` installs): its
+    own ``step`` never runs (the engine steps), and the scheduler's first ``step()`` would
+    warn that it ran before ``optimizer.step()``. Both optimizers a scheduler may be built
+    on need it: the client's (``link_groups``) and the ``OptimizerView`` (HF Trainer's
+    ``lr_scheduler=`` callable, with a config optimizer and no scheduler section)."""
+    optimizer_ref = weakref.ref(optimizer)
 
     def mark_stepped() -> None:
-        stepped = client_ref()
+        stepped = optimizer_ref()
         if stepped is not None:
             stepped._opt_called = True
 
