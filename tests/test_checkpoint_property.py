@@ -1,0 +1,296 @@
+"""Property test: a checkpoint resumes exactly, over the config space users combine.
+
+Each example draws ZeRO stage 0-3 x offload none / cpu / nvme x Twin-Flow's ``ratio`` x
+the moments' ``state_dtype`` x speculative steps x fp32 / bf16 / fp16 (with an initial
+loss scale that overflows, or not) x gradient accumulation 1 / 2 x clipping x an LR
+schedule x a job arena that holds the state or one that forces swapping x the step the
+checkpoint is saved at. On 2 gloo ranks (one pair of long-lived rank processes, one
+shared daemon) an engine trains ``STEPS`` steps and saves a checkpoint after ``save_at``
+of them; a fresh engine (another model's initial weights, another daemon job) loads it
+and trains the rest. The resumed run must equal the uninterrupted one bit for bit: every
+loss after the save, the fp32 master weights, the Adam moments, the step counts, the
+learning rate and the loss scale.
+
+CI runs a fixed, seeded sample (``derandomize``) of ``OFFLOADD_PROPERTY_EXAMPLES``
+examples (default 5) plus the explicit ``@example`` cases; set the variable higher for a
+larger sample.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import Block, RankPool, TinyNet, make_batch
+
+hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed")
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = int(os.environ.get("OFFLOADD_PROPERTY_EXAMPLES", "5"))
+STEPS = 4
+WIDTH = 160
+"""TinyNet's width: ~0.3 M parameters, ~4 MB of fp32 master and moments, so the tight
+arena below cannot hold a job's state and the swap tier pages it."""
+ROOMY_ARENA = 64 << 20
+TIGHT_ARENA = 2 << 20
+
+
+@dataclass(frozen=True)
+class Case:
+    stage: int
+    offload: str
+    ratio: float
+    state_dtype: str
+    speculative: bool
+    precision: str
+    overflow: bool
+    accumulation: int
+    clip: bool
+    schedule: bool
+    tight_arena: bool
+    save_at: int
+    resume_offload: str = ""
+    """Where the resumed engine offloads ("": where the saving one did). A checkpoint holds
+    fp32 master weights and moments whatever the device, so DeepSpeed users move a run
+    between offload devices at a restart; then only the optimizer's rounding may differ
+    (the daemon's native Adam against torch's), so the run is held to ``CLOSE``."""
+
+    def resumed(self) -> Case:
+        """The case the resumed engine is configured by."""
+        if not self.resume_offload or self.resume_offload == self.offload:
+            return self
+        return replace(self, offload=self.resume_offload, resume_offload="",
+                       ratio=self.ratio if self.resume_offload != "none" else 1.0,
+                       speculative=self.speculative or self.resume_offload == "none",
+                       tight_arena=False)
+
+
+CLOSE = 1e-5
+"""Largest difference, relative to each tensor's largest value, between a run resumed on
+another offload device and the uninterrupted one (a few fp32 ulps per step)."""
+HALF_CLOSE = 1e-2
+"""The same for bf16 / fp16 training: the devices may reduce the half-precision gradients
+in another order or dtype, so a gradient may land a half-precision ulp (4e-3 of it in
+bf16) away, and the moments with it. A restore that lost the moments or the step count
+is off by far more."""
+
+
+@st.composite
+def cases(draw: Any) -> Case:
+    stage = draw(st.integers(0, 3))
+    offload = draw(st.sampled_from(["none", "cpu", "nvme"])) if stage else "none"
+    offloaded = offload != "none"
+    precision = draw(st.sampled_from(["fp32", "bf16", "fp16"]))
+    state_dtype = draw(st.sampled_from(["fp32", "bf16", "8bit"])) if offloaded else "fp32"
+    return Case(stage=stage, offload=offload,
+                ratio=draw(st.sampled_from([1.0, 0.5])) if offloaded else 1.0,
+                state_dtype=state_dtype,
+                speculative=draw(st.booleans()) if offloaded else True,
+                precision=precision,
+                overflow=precision == "fp16" and draw(st.booleans()),
+                accumulation=draw(st.sampled_from([1, 2])), clip=draw(st.booleans()),
+                schedule=draw(st.booleans()),
+                tight_arena=offload == "nvme" and draw(st.booleans()),
+                save_at=draw(st.integers(1, STEPS - 1)),
+                resume_offload=draw(st.sampled_from(["", "none", "cpu", "nvme"]))
+                if stage and state_dtype == "fp32" else "")
+
+
+def make_model(seed: int) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet(width=WIDTH)
+
+
+def ds_config(case: Case, swap_dir: str, socket_path: str, job: str) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": case.stage}
+    if case.offload != "none":
+        zero["offload_optimizer"] = {"device": case.offload, "nvme_path": swap_dir,
+                                     "ratio": case.ratio, "state_dtype": case.state_dtype,
+                                     "speculative_step": case.speculative}
+        if case.stage == 3:
+            zero["offload_param"] = {"device": case.offload, "nvme_path": swap_dir}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": case.accumulation,
+        "gradient_clipping": 0.05 if case.clip else 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.99],
+                                                  "eps": 1e-8, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+        "units": {"module_classes": [Block.__name__]},
+    }
+    if case.precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    if case.precision == "fp16":
+        config["fp16"] = {"enabled": True, "initial_scale_power": 16 if case.overflow else 8,
+                          "loss_scale_window": 2}
+    if case.schedule:
+        config["scheduler"] = {"type": "WarmupDecayLR", "params": {
+            "warmup_max_lr": 3e-3, "warmup_num_steps": 2, "total_num_steps": STEPS + 2}}
+    if case.offload != "none":
+        config["offloadd"] = {"socket": socket_path, "job": job,
+                              "arena_size": TIGHT_ARENA if case.tight_arena else ROOMY_ARENA}
+    return config
+
+
+# ------------------------------------------------------------------ rank side
+
+
+class SharedDaemon:
+    """One daemon (rank 0 starts it) and one scratch dir for every example of a pool."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.root = tempfile.mkdtemp(prefix="offloadd-ckpt-property-")
+        self.daemon = None
+        box = [""]
+        if rank == 0:
+            from offloadd.ops.embedded import PrivateDaemon
+
+            self.daemon = PrivateDaemon.start(arena_size=512 << 20, swap_dirs=[self.root])
+            box = [self.daemon.socket_path, self.root]
+        else:
+            box = ["", ""]
+        dist.broadcast_object_list(box, src=0)
+        self.socket_path, self.shared_root = box
+        self.examples = 0
+
+    def close(self) -> None:
+        dist.barrier()
+        if self.daemon is not None:
+            self.daemon.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _train(engine: Any, rank: int, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        for micro in range(engine.gradient_accumulation_steps()):
+            loss = engine(*make_batch(step, micro, rank, engine.train_micro_batch_size_per_gpu()))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    return losses
+
+
+def _summary(engine: Any, rank: int, losses: list[float], save_dir: Path) -> dict[str, Any]:
+    """What the run ended with: losses, counters, and this rank's whole checkpoint file
+    (fp32 master, Adam moments in their stored format, loss scaler, scheduler)."""
+    engine.save_checkpoint(save_dir, tag="end")
+    return {"losses": losses, "global_steps": engine.global_steps, "lr": engine.get_lr(),
+            "loss_scale": engine.loss_scale, "adam_steps": engine.optimizer.step_count,
+            "checkpoint": torch.load(save_dir / "end" / f"rank_{rank:05d}.pt",
+                                     weights_only=False)}
+
+
+def round_trip(rank: int, world: int, shared: SharedDaemon, case_fields: dict[str, Any]
+               ) -> dict[str, Any]:
+    import trainer
+
+    case = Case(**case_fields)
+    shared.examples += 1
+    save_dir = Path(shared.shared_root) / f"ckpt{shared.examples}"
+    config = ds_config(case, shared.shared_root, shared.socket_path, f"s{shared.examples}")
+    engine, _, _, _ = trainer.initialize(model=make_model(0), config=config)
+    try:
+        _train(engine, rank, range(case.save_at))
+        engine.save_checkpoint(save_dir, client_state={"at": case.save_at})
+        straight = _summary(engine, rank, _train(engine, rank, range(case.save_at, STEPS)),
+                            save_dir / "straight")
+        stats = engine.offload_stats() if case.offload != "none" else {}
+    finally:
+        engine.close()
+    config = ds_config(case.resumed(), shared.shared_root, shared.socket_path,
+                       f"r{shared.examples}")
+    fresh, _, _, _ = trainer.initialize(model=make_model(1), config=config)
+    try:
+        path, client_state = fresh.load_checkpoint(save_dir)
+        assert path is not None and client_state == {"at": case.save_at}
+        resumed = _summary(fresh, rank, _train(fresh, rank, range(case.save_at, STEPS)),
+                           save_dir / "resumed")
+    finally:
+        fresh.close()
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(save_dir, ignore_errors=True)
+    swapped = {key: value for key, value in stats.items()
+               if "swap" in key or "nvme" in key or "evict" in key}
+    return {"straight": straight, "resumed": resumed, "swapped": swapped}
+
+
+# ------------------------------------------------------------------ parent side
+
+
+@pytest.fixture(scope="module")
+def pool() -> Any:
+    holder: dict[str, RankPool | None] = {"pool": None}
+
+    def get() -> RankPool:
+        current = holder["pool"]
+        if current is None or current.broken:
+            if current is not None:
+                current.close()
+            holder["pool"] = current = RankPool(2, SharedDaemon)
+        return current
+
+    yield get
+    if holder["pool"] is not None:
+        holder["pool"].close()
+
+
+def assert_same(straight: Any, resumed: Any, where: str, close: float = 0.0) -> None:
+    """``resumed`` equals ``straight`` (nested dicts, lists, tensors, numbers); with
+    ``close`` > 0, floats and float tensors may differ by ``close`` relative to the largest
+    value (half-precision tensors by two of their ulps, if more)."""
+    if isinstance(straight, torch.Tensor):
+        assert isinstance(resumed, torch.Tensor) and straight.dtype == resumed.dtype, where
+        if not close or not straight.is_floating_point():
+            assert torch.equal(straight, resumed), (
+                f"{where}: {(straight.float() - resumed.float()).abs().max().item()} apart")
+            return
+        tolerance = max(close, 2 * torch.finfo(straight.dtype).eps)
+        scale = straight.float().abs().max().item()
+        apart = (straight.float() - resumed.float()).abs().max().item()
+        assert apart <= tolerance * scale, f"{where}: {apart} apart (scale {scale})"
+    elif isinstance(straight, dict):
+        assert isinstance(resumed, dict) and sorted(map(str, straight)) == sorted(
+            map(str, resumed)), f"{where}: keys {list(straight)} vs {list(resumed)}"
+        for key in straight:
+            assert_same(straight[key], resumed[key], f"{where}.{key}", close)
+    elif isinstance(straight, (list, tuple)):
+        assert len(straight) == len(resumed), where
+        for index, (a, b) in enumerate(zip(straight, resumed, strict=True)):
+            assert_same(a, b, f"{where}[{index}]", close)
+    elif close and isinstance(straight, float):
+        assert math.isclose(straight, resumed, rel_tol=close, abs_tol=close), (
+            f"{where}: {straight!r} vs {resumed!r}")
+    else:
+        assert straight == resumed, f"{where}: {straight!r} vs {resumed!r}"
+
+
+@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+          suppress_health_check=list(HealthCheck))
+@example(Case(stage=3, offload="nvme", ratio=0.5, state_dtype="bf16", speculative=True,
+              precision="fp16", overflow=True, accumulation=2, clip=True, schedule=True,
+              tight_arena=True, save_at=2))
+@example(Case(stage=2, offload="cpu", ratio=1.0, state_dtype="8bit", speculative=False,
+              precision="bf16", overflow=False, accumulation=1, clip=True, schedule=False,
+              tight_arena=False, save_at=1))
+@given(case=cases())
+def test_checkpoint_resumes_exactly(pool: Any, case: Case) -> None:
+    ranks = pool().run(round_trip, asdict(case))
+    moved = case.resumed() != case
+    close = 0.0 if not moved else CLOSE if case.precision == "fp32" else HALF_CLOSE
+    for rank, result in enumerate(ranks):
+        assert_same(result["straight"], result["resumed"], f"rank{rank} {case}", close)
+    if case.tight_arena:
+        assert any(ranks[0]["swapped"].values()), ranks[0]["swapped"]
