@@ -116,3 +116,43 @@ def test_a_rank_failing_in_initialize_fails_its_peers_instead_of_hanging() -> No
     if "PeerSetupError" in kinds:
         text = outcomes[kinds.index("PeerSetupError")][1]
         assert "failed while registering unit" in text
+
+
+def engines_one_after_another(rank: int, world: int, offload: str) -> dict[str, Any]:
+    from _dist import make_batch, shared_daemon
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    groups = dist.distributed_c10d._world.pg_map
+    counts = []
+    with shared_daemon(rank, enabled=offload != "none") as socket_path:
+        zero: dict[str, Any] = {"stage": 3}
+        if offload != "none":
+            zero["offload_optimizer"] = zero["offload_param"] = {"device": offload}
+        for index in range(4):
+            config = base_config(zero_optimization=zero)
+            if socket_path:
+                config["offloadd"] = {"socket": socket_path, "job": f"e{index}",
+                                      "arena_size": 8 << 20}
+            engine, _, _, _ = trainer.initialize(model=make_model(index), config=config)
+            engine.backward(engine(*make_batch(0, 0, rank, 4)))
+            engine.step()
+            engine.close()
+            del engine  # the engine lives on in reference cycles: no gc.collect() here
+            counts.append((open_fds(), len(groups)))
+    late = trainer.initialize(model=make_model(), config=base_config(
+        zero_optimization={"stage": 3}))[0]
+    dist.destroy_process_group()  # a script that tears the world down first
+    late.close()
+    return {"counts": counts}
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_closed_engines_leave_no_process_group_behind(offload: str) -> None:
+    """Stage 3 reduces on a process group of its own; each holds fds (gloo: 5, NCCL: a
+    communicator), so a process that builds engine after engine (a sweep, a notebook,
+    a long-lived rank) ran out of fds. ``close`` destroys it, also after the world."""
+    for result in run_ranks(engines_one_after_another, 2, offload):
+        counts = result["counts"]
+        assert counts == [counts[0]] * len(counts), counts

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -216,3 +217,53 @@ def test_a_workdir_too_deep_for_af_unix_gets_a_short_socket_dir(tmp_path: Path) 
     finally:
         assert daemon.stop() == 0
     assert not socket_dir.exists()
+
+
+HIGH_FDS = r'''
+import os, resource, sys
+import torch
+from offloadd.ops.embedded import PrivateDaemon
+from offloadd.swap import ioengine
+from trainer.client import OffloadClient
+
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+if hard != resource.RLIM_INFINITY and hard < 2048:
+    print("SKIP hard fd limit", hard)
+    sys.exit(0)
+resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]  # a rank with many files
+with PrivateDaemon.start(arena_size=8 << 20) as daemon:       # reads its ready line
+    client = OffloadClient.connect(daemon.socket_path, job="fds", arena_nbytes=2 << 20)
+    assert client._sock.fileno() > 1024, client._sock.fileno()
+    torch.manual_seed(0)
+    state = {name: torch.randn(4096) for name in ("master", "grad")}
+    state.update(exp_avg=torch.zeros(4096), exp_avg_sq=torch.zeros(4096))
+    client.put_many({f"u.{name}": value for name, value in state.items()})
+    handle = client.optimizer_step_async("u", step=1, lr=1e-2)
+    while not handle.done():
+        client.poll_replies()                                   # polls the socket
+    handle.wait()
+    param = state["master"].clone().requires_grad_()
+    param.grad = state["grad"].clone()
+    torch.optim.AdamW([param], lr=1e-2, weight_decay=0.0).step()
+    ours = torch.frombuffer(bytearray(client.get("u.master")), dtype=torch.float32)
+    torch.testing.assert_close(ours, param.detach(), rtol=1e-6, atol=1e-7)
+    client.close()
+print("io_uring:", ioengine._io_uring_refusal() or "usable")      # probes through an eventfd
+print("OK")
+'''
+
+
+def test_a_rank_with_fds_past_1024_starts_a_daemon_and_polls_its_replies(tmp_path: Path
+                                                                           ) -> None:
+    """A rank that has opened many files (datasets' shards, dataloader pipes) has its
+    sockets and pipes numbered past 1024, where ``select.select`` raises ValueError: the
+    private daemon's ready line, the client's reply poll (each speculative step) and the
+    io_uring probe use ``poll``."""
+    script = tmp_path / "high_fds.py"
+    script.write_text(HIGH_FDS)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=120)
+    if done.stdout.startswith("SKIP"):
+        pytest.skip(done.stdout.strip())
+    assert done.returncode == 0 and done.stdout.endswith("OK\n"), done.stdout + done.stderr

@@ -147,12 +147,20 @@ class PrivateDaemon:
         self.stop()
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """``fd`` has data (or hung up) within ``timeout_s``; ``poll``, not ``select``, which
+    raises for an fd past 1024, as a rank that has opened many files gets."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
+
+
 def _read_line(stream: IO[bytes], deadline: float) -> str:
     fd = stream.fileno()
     data = b""
     while not data.endswith(b"\n"):
         remaining = deadline - time.monotonic()
-        if remaining <= 0 or not select.select([fd], [], [], remaining)[0]:
+        if remaining <= 0 or not _readable(fd, remaining):
             break
         chunk = os.read(fd, 4096)
         if not chunk:

@@ -628,14 +628,15 @@ def _probe_transfers(backend: Any) -> str | None:
         buffer[:] = pattern
         view = memoryview(buffer)
         address = buffer_address(view)
+        poller = select.poll()  # not select.select: the eventfd may be numbered past 1024
+        poller.register(backend.event_fd, select.POLLIN)
         try:
             for op_code, op in ((1, "write"), (0, "read")):
                 if op == "read":
                     buffer[:] = bytes(DIRECT_IO_ALIGNMENT)
                 backend.submit(op_code, op_code, scratch.fileno(), 0, address,
                                DIRECT_IO_ALIGNMENT, 0)
-                ready, _, _ = select.select([backend.event_fd], [], [], PROBE_TIMEOUT_S)
-                completions = backend.reap() if ready else []
+                completions = backend.reap() if poller.poll(PROBE_TIMEOUT_S * 1000) else []
                 if not completions:
                     return f"io_uring probe: the {op} did not complete in {PROBE_TIMEOUT_S}s"
                 _tag, error, done = completions[0]

@@ -67,6 +67,10 @@ class OffloadClient(ClientCore):
                  rank: int) -> None:
         super().__init__(hello, arena, job, rank)
         self._sock = sock
+        self._readable = select.poll()
+        """Polls the socket for a reply (``poll``, not ``select``: a rank's fds can number
+        past select's 1024, and a socket numbered there would make it raise)."""
+        self._readable.register(sock, select.POLLIN)
         self._lock = threading.RLock()
         self._inbox: dict[int, p.Reply] = {}
         self._rbuf = bytearray()
@@ -154,7 +158,7 @@ class OffloadClient(ClientCore):
         """Read the replies the daemon has sent so far, without blocking: what makes a
         step handle's ``done()`` current."""
         with self._lock:
-            while _holds_frame(self._rbuf) or select.select([self._sock], [], [], 0)[0]:
+            while _holds_frame(self._rbuf) or self._readable.poll(0):
                 reply = self._read_frame()
                 self._inbox[reply.rid] = reply
 

@@ -10,6 +10,7 @@ the fused op raises ``RuntimeError`` once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import warnings
@@ -64,6 +65,8 @@ class Collectives:
             object_group = side_group()
         self.object_group = object_group
         """gloo group for object collectives and barriers (None: the default group)."""
+        self.owns_group = False
+        """``group`` was made for this object (``separate_group``); ``close`` destroys it."""
 
     def all_reduce(self, tensor: torch.Tensor, *, async_op: bool = False) -> Pending:
         """In-place sum over ranks."""
@@ -162,9 +165,27 @@ class Collectives:
         """
         if self.world_size == 1:
             return self
-        return Collectives(self.compute,
-                           group=dist.new_group(backend=dist.get_backend(self.group)),
-                           object_group=self.object_group)
+        separate = Collectives(self.compute,
+                               group=dist.new_group(backend=dist.get_backend(self.group)),
+                               object_group=self.object_group)
+        separate.owns_group = True
+        return separate
+
+    def close(self) -> None:
+        """Destroy the group ``separate_group`` made (no-op for any other): each holds
+        connections, threads and fds (gloo: 5 fds; NCCL: a communicator and its device
+        memory), so a process that builds engine after engine must not keep them.
+        Local to this rank; nothing may be issued on the group afterwards."""
+        if not self.owns_group:
+            return
+        self.owns_group = False
+        if dist.is_initialized():
+            with contextlib.suppress(ValueError):  # destroying the world took it already
+                dist.destroy_process_group(self.group)
+        # The group's fds close when the last reference goes, and an engine lives on in
+        # reference cycles until the collector runs; a collective issued after this
+        # fails in torch, naming this stand-in.
+        self.group = ClosedGroup()
 
     def node_leader_value(self, value: Any) -> Any:
         """The ``value`` passed by local rank 0 of this rank's node."""
@@ -174,6 +195,13 @@ class Collectives:
             if entry_node == node and entry_local_rank == 0:
                 return entry_value
         raise RuntimeError(f"no local rank 0 found on node {node} (is LOCAL_RANK set right?)")
+
+
+class ClosedGroup:
+    """Stands in for a group ``Collectives.close`` destroyed."""
+
+    def __repr__(self) -> str:
+        return "<a stage-3 reduction group destroyed by Engine.close()>"
 
 
 def node_key() -> str:

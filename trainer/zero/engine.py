@@ -133,11 +133,13 @@ class Engine(nn.Module):
         zero = config.zero_optimization
         self.grad_dtype = self._grad_dtype()
         """Dtype of the reduced gradient partitions and of every sum of them."""
+        self._reduce_collectives = collectives.separate_group() if stage == 3 else None
+        """Stage 3's group of its own for gradient reductions (closed with the engine)."""
         self.placement, self.reducer = build_stage(
             stage, collectives, self.precision.dtype, backend, grad_dtype=self.grad_dtype,
             offload_params=zero.offload_param.device != "none",
             max_live_numel=zero.stage3_max_live_parameters,
-            reduce_collectives=collectives.separate_group() if stage == 3 else None)
+            reduce_collectives=self._reduce_collectives)
         self._adopt_parameters()
         self.optimizer = ZeroOptimizer(backend, config.optimizer, collectives=collectives,
                                        scaler=self.precision.scaler,
@@ -449,6 +451,9 @@ class Engine(nn.Module):
                                               max_shard_size=max_shard_size)
 
     def close(self) -> None:
-        """Remove hooks and release the backend (daemon connection, private daemon)."""
+        """Remove hooks and release the backend (daemon connection, private daemon) and
+        stage 3's reduction group."""
         self.hooks.remove()
         self.backend.close()
+        if self._reduce_collectives is not None:
+            self._reduce_collectives.close()
