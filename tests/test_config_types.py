@@ -182,7 +182,9 @@ def test_serve_checks_flags_too(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("args", "key", "named"), [
     (["--socket", "missing/dir/d.sock"], "socket", "its dir missing/dir does not exist"),
     (["--metrics-addr", "no-such-host.invalid:0"], "metrics_addr", "'no-such-host.invalid:0'"),
-], ids=["socket_dir", "metrics_host"])
+    (["--socket", "s" * 103 + ".sock"], "socket", "108 bytes, and a unix socket's path holds "
+     "at most 107"),
+], ids=["socket_dir", "metrics_host", "socket_path_length"])
 def test_start_failures_name_the_setting(tmp_path: Path, args: list[str], key: str,
                                          named: str) -> None:
     """An address the daemon cannot listen on is refused naming the setting and the

@@ -156,6 +156,11 @@ class Daemon:
             raise ConfigError("socket", f"socket {path}: its dir {directory} does not exist; "
                               "create it (writable only by the daemon's uid) or set socket "
                               "(--socket) to a path in a dir that exists")
+        if len(os.fsencode(path)) > UNIX_PATH_MAX:
+            raise ConfigError("socket", f"socket {path}: {len(os.fsencode(path))} bytes, "
+                              f"and a unix socket's path holds at most {UNIX_PATH_MAX}; set "
+                              "socket (--socket) to a shorter path, e.g. "
+                              "/run/offloadd/offloadd.sock")
         with contextlib.suppress(FileNotFoundError):
             if os.path.exists(path) and not _socket_in_use(path):
                 os.unlink(path)
@@ -372,6 +377,10 @@ class Daemon:
     def _io_engine_name(self) -> str:
         engine = getattr(self.swap, "engine", None)
         return str(getattr(engine, "name", "none"))
+
+
+UNIX_PATH_MAX = 107
+"""Longest AF_UNIX path Linux binds (``sun_path`` is 108 bytes with its NUL)."""
 
 
 def _socket_in_use(path: str) -> bool:
