@@ -267,3 +267,52 @@ def test_a_rank_with_fds_past_1024_starts_a_daemon_and_polls_its_replies(tmp_pat
     if done.stdout.startswith("SKIP"):
         pytest.skip(done.stdout.strip())
     assert done.returncode == 0 and done.stdout.endswith("OK\n"), done.stdout + done.stderr
+
+
+ENGINES_ONE_AFTER_ANOTHER = r'''
+import os, sys, time
+sys.path.insert(0, sys.argv[1])
+import trainer
+from _dist import base_config, make_batch, make_model
+
+def children():
+    """(pid, state) of this process's children, zombies included."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if fields[1] == str(os.getpid()):
+            found.append((int(pid), fields[0]))
+    return found
+
+fds = []
+for index in range(3):
+    config = base_config(zero_optimization={
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})
+    engine, _, _, _ = trainer.initialize(model=make_model(index), config=config)
+    engine.backward(engine(*make_batch(0, 0, 0, 4)))
+    engine.step()
+    engine.close()
+    fds.append(len(os.listdir("/proc/self/fd")))
+deadline = time.monotonic() + 30
+while children() and time.monotonic() < deadline:
+    time.sleep(0.1)
+print("children", children(), "fds", fds)
+'''
+
+
+def test_engines_one_after_another_leave_no_zombie_daemons(tmp_path: Path) -> None:
+    """Each engine without a node daemon starts a private one, which ends by itself after
+    the job's last rank; a process that builds engine after engine (a sweep, a notebook)
+    reaps each once it has ended and keeps no pipe to it: no zombies, no fds piling up."""
+    script = tmp_path / "engines.py"
+    script.write_text(ENGINES_ONE_AFTER_ANOTHER)
+    done = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.splitlines()[-1]
+    assert last.startswith("children [] fds "), last
+    fds = last.partition(" fds ")[2]
+    assert len(set(fds.strip("[]").split(", "))) == 1, last

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import IO
@@ -139,6 +140,17 @@ class PrivateDaemon:
             shutil.rmtree(path, ignore_errors=True)
         self.remove_on_stop = []
         return self.process.returncode
+
+    def detach(self) -> None:
+        """Let the daemon run on by itself (``exit_when_idle_s``) while this process goes on:
+        close the pipe its ready line came through, and reap it on a thread when it ends.
+        Otherwise each daemon a long-lived process started (one per engine) stays a zombie
+        holding a pipe until the process exits."""
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        if self.process.poll() is None:
+            threading.Thread(target=self.process.wait, name=f"offloadd-reap-{self.pid}",
+                             daemon=True).start()
 
     def __enter__(self) -> PrivateDaemon:
         return self

@@ -686,6 +686,8 @@ class DaemonBackend(StateBackend):
             self.client.close_job()  # nothing to reattach to: free the job without lingering
         except OffloadError:
             self.client.close()
+        if self.private_daemon is not None:
+            self.private_daemon.detach()  # it ends after the node's last rank; reap it then
         self.copies.close()
         if failure is not None:
             raise failure
