@@ -218,7 +218,8 @@ class DaemonConfig:
     """Answer systemd's watchdog (WATCHDOG_USEC) from the event loop."""
     job_linger_s: float = 300.0
     """Seconds a job with no sessions left keeps its arena and shards (a restarting rank
-    can reattach) before it is freed; close_job frees it at once."""
+    can reattach) before it is freed; close_job frees it at once, and a new job of the
+    same uid that needs its room sooner."""
     max_sessions: int = 4096
     """Connections the daemon serves at once (offloadd.service.limits)."""
     max_sessions_per_uid: int = 1024
@@ -271,10 +272,11 @@ class DaemonConfig:
     """Bytes of swap files one uid's jobs may hold in all swap dirs, ended and flushed jobs'
     kept files included; None: only the swap dirs' budgets (swap_size) bound them."""
     max_arena_nbytes_per_uid: Bytes | None = None
-    """Bytes of the DRAM budget (arena_size) one uid's job arenas may hold, lingering ones
-    included. None: a fair share, arena_size divided among the uids that hold arenas or
-    ask for one; a uid may use free room past it while no other uid waits for room, and a
-    uid asking within it gets lingering arenas of uids past theirs freed first."""
+    """Bytes of the DRAM budget (arena_size) one uid's live job arenas may hold (its
+    lingering ones are freed for its new ones). None: a fair share, arena_size divided
+    among the uids that hold arenas or ask for one; a uid may use free room past it while
+    no other uid waits for room, and a uid asking within it gets lingering arenas of uids
+    past theirs freed first."""
     flushed_job_retention_s: float = 86400.0
     """Seconds an ended job's flushed swap files are kept for --recover before the daemon
     deletes them (earlier, oldest first, when their owner or swap dir needs the room)."""

@@ -276,24 +276,40 @@ def test_over_budget_says_the_share_and_who_holds_it(tmp_path: Path) -> None:
 
 
 def test_a_configured_share_caps_every_uid(tmp_path: Path) -> None:
-    """``max_arena_nbytes_per_uid`` bounds one uid's arenas, lingering ones included, with
-    free room left over; another uid still gets its own."""
+    """``max_arena_nbytes_per_uid`` bounds one uid's arenas, with free room left over: its
+    own lingering ones are freed for its new ones (a run killed before it closed its job,
+    restarted under a fresh name), oldest first, and a live one past the cap is refused;
+    another uid still gets its own."""
     with nobody_daemon(tmp_path, FOUR_KIB_PAGES + 'max_arena_nbytes_per_uid = "8MiB"\n',
                        arena_size="64MiB") as daemon:
-        def three_jobs() -> str:
-            sizes = []
-            for index in range(3):
-                try:
-                    client = OffloadClient.connect(daemon.socket_path, job=f"capped-{index}",
-                                                   arena_nbytes=4 * MiB)
-                except OffloadError as exc:
-                    return f"{sizes} refused: {type(exc).__name__}: {exc}"
-                sizes.append(arena_nbytes(client))
-                client.close()  # lingering still counts
-            return f"{sizes} never refused"
+        def leave_two() -> str:
+            for index in range(2):
+                OffloadClient.connect(daemon.socket_path, job=f"left-{index}",
+                                      arena_nbytes=4 * MiB).close()  # no close_job: lingers
+            return "left"
 
-        outcome = as_uid(NOBODY, three_jobs)
-        assert outcome.startswith(f"[{4 * MiB}, {4 * MiB}] refused: OverBudgetError"), outcome
+        def three_live() -> str:
+            live = []
+            try:
+                for index in range(3):
+                    live.append(OffloadClient.connect(daemon.socket_path, job=f"live-{index}",
+                                                      arena_nbytes=4 * MiB))
+            except OffloadError as exc:
+                return f"{len(live)} live, refused: {type(exc).__name__}: {exc}"
+            finally:
+                for client in live:
+                    client.close()
+            return "never refused"
+
+        assert as_uid(NOBODY, leave_two) == "left"
+        until_no_rank_attached(daemon, ["left-0", "left-1"])
+        outcome = as_uid(NOBODY, three_live)
+        assert outcome.startswith("2 live, refused: OverBudgetError"), outcome
+        assert "live jobs hold 8388608 bytes" in outcome, outcome
         assert "max_arena_nbytes_per_uid (8388608)" in outcome, outcome
+        reclaimed = [line.partition(" job=")[2].split()[0]
+                     for line in Path(daemon.log_path).read_text().splitlines()
+                     if "event=arena_reclaimed" in line]
+        assert reclaimed == ["left-0", "left-1"], reclaimed
         with OffloadClient.connect(daemon.socket_path, job="root-own", arena_nbytes=8 * MiB) as c:
             c.put("x", b"its own share")

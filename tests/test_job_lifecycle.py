@@ -12,7 +12,7 @@ import pytest
 from conftest import call, error_code, hello, raw_socket, start_daemon
 
 from offloadd import protocol as p
-from offloadd.errors import UnknownShardError
+from offloadd.errors import OffloadError, UnknownShardError
 from offloadd.ops.embedded import PrivateDaemon
 from trainer.client import OffloadClient
 
@@ -199,3 +199,84 @@ def test_the_engine_backend_closes_its_job_on_a_shared_daemon(daemon, job) -> No
     backend.close()
     assert client.closed
     assert job not in live_jobs(daemon)  # freed at close, not after the 300 s linger
+
+
+RANK_TRAINING = r'''
+import sys
+sys.path.insert(0, sys.argv[2])
+import trainer
+from _dist import base_config, make_batch, make_model
+
+config = base_config(zero_optimization={
+    "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}})
+config["offloadd"] = {"socket": sys.argv[1], "arena_size": 40 << 20}  # no job: a fresh name
+engine, _, _, _ = trainer.initialize(model=make_model(0), config=config)
+for step in range(10_000 if sys.argv[3] == "forever" else 3):
+    engine.backward(engine(*make_batch(step, 0, 0, 4)))
+    engine.step()
+    print("stepped", flush=True)
+engine.close()
+print("done", flush=True)
+'''
+
+
+def until_detached(daemon: PrivateDaemon, job: str, within_s: float = 30.0) -> None:
+    """Return once the daemon has seen every session of ``job`` end."""
+    deadline = time.monotonic() + within_s
+    while True:
+        reply = call(raw_socket(daemon.socket_path), p.NodeStatus(1))
+        assert isinstance(reply, p.StatsOk), reply
+        if not reply.stats["jobs"][job]["sessions"]:  # type: ignore[index]
+            return
+        assert time.monotonic() < deadline, f"job {job} kept a session"
+        time.sleep(0.05)
+
+
+def test_a_run_killed_then_restarted_gets_its_own_lingering_room(tmp_path: Path) -> None:
+    """A run's rank is SIGKILLed (OOM killer, a scheduler's kill) before it closed its job,
+    whose 40 MiB arena of the daemon's 64 MiB then lingers for a reattach that never comes
+    (every run of the engine names its job afresh). The restarted run used to be refused
+    (`OverBudgetError`) for the whole `job_linger_s`; now its hello frees the lingering
+    arena of its own uid and it trains."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_TRAINING)
+    tests = str(Path(__file__).parent)
+    with start_daemon(tmp_path / "d", arena_size="64MiB") as daemon:
+        first = subprocess.Popen([sys.executable, str(script), daemon.socket_path, tests,
+                                  "forever"], stdout=subprocess.PIPE, text=True)
+        try:
+            assert first.stdout is not None and first.stdout.readline() == "stepped\n"
+        finally:
+            first.kill()
+            first.wait()
+            if first.stdout is not None:
+                first.stdout.close()
+        (killed,) = live_jobs(daemon)
+        until_detached(daemon, killed)
+        again = subprocess.run([sys.executable, str(script), daemon.socket_path, tests, "once"],
+                               capture_output=True, text=True, timeout=120)
+        assert again.returncode == 0 and again.stdout.endswith("done\n"), again.stderr[-3000:]
+        log = Path(daemon.log_path).read_text()
+        assert f"event=arena_reclaimed job={killed} owner={os.getuid()}" in log, log[-3000:]
+
+
+def test_own_lingering_room_is_kept_where_freeing_it_would_not_do(tmp_path: Path) -> None:
+    """A hello that would not fit even with its uid's lingering arenas freed frees none:
+    the lingering job keeps its shards for a rank that reattaches."""
+    with start_daemon(tmp_path / "d", arena_size="64MiB") as daemon:
+        with OffloadClient.connect(daemon.socket_path, job="lingers", arena_nbytes=8 << 20) as c:
+            c.put("kept", b"for a reattach")  # closed without close_job: it lingers
+        until_detached(daemon, "lingers")
+        with OffloadClient.connect(daemon.socket_path, job="live", arena_nbytes=40 << 20):
+            with pytest.raises(OffloadError, match="asks for a 33554432-byte arena"):
+                OffloadClient.connect(daemon.socket_path, job="too-big", arena_nbytes=32 << 20)
+            with OffloadClient.connect(daemon.socket_path, job="lingers") as back:
+                assert back.get("kept") == b"for a reattach"
+            until_detached(daemon, "lingers")
+            assert "event=arena_reclaimed" not in Path(daemon.log_path).read_text()
+            with OffloadClient.connect(daemon.socket_path, job="fits", arena_nbytes=20 << 20):
+                pass  # 16 MiB free plus the 8 lingering: "lingers" is freed for it
+        assert "event=arena_reclaimed job=lingers" in Path(daemon.log_path).read_text()

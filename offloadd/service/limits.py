@@ -19,7 +19,9 @@ Three of them are shares of something the node has a fixed amount of:
   default the budget divided among the uids that hold arenas or ask for one. A uid may
   use free room past its share while nobody else waits for room; a uid asking within its
   share first gets the lingering arenas (ranks gone) of uids past theirs freed, oldest
-  first, as their linger would have ended (``offloadd.service.lifecycle``).
+  first, as their linger would have ended (``offloadd.service.lifecycle``); any uid's
+  hello gets its own lingering arenas freed so (a run killed before it closed its job,
+  restarted under a fresh job name, would otherwise wait ``job_linger_s`` for its room).
 
 Jobs count against the uid whose hello created them from the moment their arena is made,
 lingering ones and ones whose hello was abandoned included.
@@ -33,6 +35,7 @@ import math
 import resource
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from offloadd.config import Limits
@@ -295,27 +298,38 @@ class LimitGuard:
 
     def size_new(self, name: str, requested_nbytes: int) -> tuple[int, int] | None:
         """(arena bytes, budget bytes free) for new job ``name`` within its creator's share;
-        frees lingering arenas of uids past their share where the creator's share needs
-        them; OverBudgetError saying the share and who holds the room otherwise. None for a
-        job no hello asked for (recovery): the registry sizes it alone."""
+        frees the creator's own lingering arenas where its cap or the budget needs them, and
+        lingering arenas of uids past their share where the creator's share does;
+        OverBudgetError saying the share and who holds the room otherwise. None for a job
+        no hello asked for (recovery): the registry sizes it alone."""
         uid = self.creators.get(name)
         registry = self.registry
         if uid is None or registry is None:
             return None
         share, sharers = self.arena_share(uid)
-        held = self.arena_nbytes_of(uid)
+        # The uid's own lingering arenas are its to give up: no rank of theirs is attached,
+        # and a job the engine named (a fresh name every run) is never reattached, so a
+        # run restarted after kill -9 would otherwise wait job_linger_s for its own room.
+        own = self.lingering_of(uid)
+        held = self.arena_nbytes_of(uid) - sum(job.arena.nbytes for job in own)
         within = max(share - held, 0)
         want = self.wanted_nbytes(uid, requested_nbytes, held, share)
         cap = self.limits.max_arena_nbytes_per_uid
         if cap is not None and (held + want > cap or held >= cap):
-            raise self.over_budget(uid, name, want, f"uid {uid}'s jobs hold {held} bytes of "
-                                   f"arenas (lingering ones included); {want} more would pass "
+            raise self.over_budget(uid, name, want, f"uid {uid}'s live jobs hold {held} "
+                                   f"bytes of arenas; {want} more would pass "
                                    f"max_arena_nbytes_per_uid ({cap})")
         if want > within and self.others_waiting(uid):
             raise self.over_budget(uid, name, want, f"other uids wait for arena room and uid "
                                    f"{uid}'s jobs hold {held} bytes: {want} more would pass "
                                    f"its fair share of {share} (the {registry.budget_nbytes}-"
                                    f"byte budget divided among {sharers} uids)")
+        if cap is not None:
+            self.free_lingering(own, uid, share, lambda: self.arena_nbytes_of(uid) + want <= cap)
+        others = self.reclaimable_nbytes(uid, share) if want <= within else 0
+        if registry.free_nbytes < want <= registry.free_nbytes + others + sum(
+                job.arena.nbytes for job in own if self.lingering(job)):
+            self.free_lingering(own, uid, share, lambda: registry.free_nbytes >= want)
         if want > registry.free_nbytes and want <= within:
             self.reclaim_for(uid, want, share)
         free = registry.free_nbytes
@@ -369,12 +383,20 @@ class LimitGuard:
     def reclaimable(self, uid: int, share: int) -> list[Job]:
         """Lingering jobs of uids other than ``uid`` holding more than ``share``, the one
         lingering longest first."""
+        over = [u for u in list(self.jobs_by_uid) if u != uid and self.arena_nbytes_of(u) > share]
+        return self.longest_lingering([job for u in over for job in self.jobs_of(u)])
+
+    def lingering_of(self, uid: int) -> list[Job]:
+        """``uid``'s own lingering jobs, the one lingering longest first."""
+        return self.longest_lingering(self.jobs_of(uid))
+
+    def longest_lingering(self, jobs: list[Job]) -> list[Job]:
+        """The lingering ones of ``jobs``, the one lingering longest first."""
         if self.lifecycle is None:
             return []
         timers = self.lifecycle.timers
-        over = [u for u in list(self.jobs_by_uid) if u != uid and self.arena_nbytes_of(u) > share]
-        jobs = [job for u in over for job in self.jobs_of(u) if self.lingering(job)]
-        return sorted(jobs, key=lambda job: timers[job.name].when() if job.name in timers
+        return sorted((job for job in jobs if self.lingering(job)),
+                      key=lambda job: timers[job.name].when() if job.name in timers
                       else math.inf)
 
     def reclaimable_nbytes(self, uid: int, share: int) -> int:
@@ -384,12 +406,20 @@ class LimitGuard:
     def reclaim_for(self, uid: int, want: int, share: int) -> None:
         """Free lingering arenas of uids past ``share`` until ``want`` bytes are free (or
         none is left), as their linger ending would; each owner is re-checked as it shrinks."""
-        assert self.registry is not None
-        while self.registry.free_nbytes < want:
+        registry = self.registry
+        assert registry is not None
+        while registry.free_nbytes < want:
             victims = self.reclaimable(uid, share)
-            if not victims or self.lifecycle is None:
+            if not victims:
                 return
-            job = victims[0]
+            self.free_lingering(victims[:1], uid, share, lambda: registry.free_nbytes >= want)
+
+    def free_lingering(self, jobs: list[Job], uid: int, share: int,
+                       enough: Callable[[], bool]) -> None:
+        """Free ``jobs`` in order, as their linger ending would, until ``enough()``."""
+        for job in jobs:
+            if enough() or self.lifecycle is None or not self.lingering(job):
+                return
             timer = self.lifecycle.timers.pop(job.name, None)
             if timer is not None:
                 timer.cancel()
