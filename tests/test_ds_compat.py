@@ -164,3 +164,35 @@ def test_a_scheduler_built_by_callable_steps_without_torchs_order_warning() -> N
         engine.close()
     assert not [w for w in caught if "optimizer.step()" in str(w.message)], \
         [str(w.message) for w in caught]
+
+
+def free_memory_then_prepare_again(rank: int, world: int) -> list[bool]:
+    """Accelerate's ``free_memory`` calls ``engine.destroy()`` (DeepSpeed's), then a new
+    ``prepare`` takes the same model: the weights it left are the trained ones."""
+    import trainer.hf  # noqa: F401  - the line an Accelerate script adds, first
+
+    # isort: split
+    from accelerate import Accelerator, PartialState
+    from accelerate.utils import DeepSpeedPlugin
+
+    from trainer.state.checkpoint import consolidate_fp32_state_dict
+
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 3}}
+    PartialState(cpu=True)  # gloo first, as accelerate_run.py does on a CPU-only machine
+    model = make_model()
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    engine, optimizer = accelerator.prepare(model, optimizer)
+    accelerator.backward(engine(*make_batch(0, 0, rank, 4)))
+    optimizer.step()
+    trained = consolidate_fp32_state_dict(engine.engine)
+    accelerator.free_memory()
+    engine, _ = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    taken = consolidate_fp32_state_dict(engine.engine)
+    return [torch.equal(taken[name], value) for name, value in trained.items()]
+
+
+def test_accelerate_free_memory_destroys_the_engine_and_keeps_the_weights() -> None:
+    pytest.importorskip("accelerate", reason="the hf extra is not installed")
+    same = run_ranks(free_memory_then_prepare_again, 2)[0]
+    assert same and all(same), same

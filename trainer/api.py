@@ -9,6 +9,7 @@ Everything below it is a layer of its own (``device``, ``dist``, ``offload``, ``
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -29,6 +30,8 @@ from trainer.zero.engine import Engine
 from trainer.zero.groups import resolve_param_groups
 from trainer.zero.optimizer import ZeroOptimizer
 from trainer.zero.scheduler import LRSchedule
+
+log = logging.getLogger(__name__)
 
 
 def initialize(
@@ -62,6 +65,7 @@ def initialize(
     source = config_source(args, config, config_params)
     parsed = parse_config(source if not isinstance(source, os.PathLike) else Path(source))
     _check_model(model)
+    _release_previous_engines(model)
     groups = resolve_param_groups(model, model_parameters, parsed.optimizer)
     compute = resolve_device(parsed.device)
     activate(compute)
@@ -83,6 +87,34 @@ def initialize(
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+
+
+def _release_previous_engines(model: nn.Module) -> None:
+    """Hand ``model`` over from the engines that trained it before: each still open is
+    destroyed first, its trained weights written back into the module (continual training:
+    a new HF Trainer, or a new ``initialize``, over the same model; DeepSpeed fails there
+    with stage 3's empty parameters and the old engine's hooks still firing). A stage-3
+    parameter whose engine was closed instead is empty: refused, naming the way out.
+    Collective where ``destroy`` is: every rank hands the same model over."""
+    previous: list[Engine] = []
+    for name, param in model.named_parameters():
+        link = getattr(param, "_zero_engine", None)
+        engine = link() if link is not None else None
+        if engine is not None and not engine.closed:
+            if all(engine is not seen for seen in previous):
+                previous.append(engine)
+            continue
+        unit = getattr(param, "_zero_unit", None)
+        shapes = [slot.shape for slot in unit.slots if slot.param is param] if unit else []
+        if shapes and tuple(param.shape) != tuple(shapes[0]):
+            raise ValueError(
+                f"model parameter {name} is empty: a ZeRO stage 3 engine partitioned it and "
+                "was closed (engine.close() gives the weights up with the offload job); "
+                "call engine.destroy() instead of close() to keep them in the model, or "
+                "load them again (a new model, or load_checkpoint after initialize)")
+    for engine in previous:
+        log.info("handing the model over from an earlier engine: destroying it first")
+        engine.destroy()
 
 
 def _build_backend(config: EngineConfig, collectives: Collectives,

@@ -269,6 +269,10 @@ class DeepSpeedEngine(nn.Module):
     def close(self) -> None:
         self.engine.close()
 
+    def destroy(self) -> None:
+        """DeepSpeed's ``destroy`` (what Accelerate's ``free_memory`` calls): ``Engine.destroy``."""
+        self.engine.destroy()
+
 
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,

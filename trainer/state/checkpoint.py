@@ -261,6 +261,25 @@ def consolidate_fp32_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
     return result if engine.collectives.rank == 0 else {}
 
 
+def restore_module(engine: Engine) -> None:
+    """Put the trained weights back into a stage-3 module's parameters, whole, on the host,
+    in each parameter's dtype (from the fp32 masters), and unlink them from the engine: what
+    DeepSpeed's ``engine.destroy()`` leaves, a module a new engine can take (HF Trainer's
+    next ``train()``, Accelerate's ``free_memory``). Stages 0-2 keep whole parameters in
+    the module all along. Collective: every rank calls it, and gets every weight."""
+    if engine.config.zero_optimization.stage != 3:
+        return
+    for unit in engine.units:
+        full = _gather_master(engine, unit)
+        for slot in unit.slots:
+            param = slot.param
+            param.data = full.narrow(0, slot.offset, slot.numel).view(slot.shape).to(
+                param.dtype, copy=True)
+            for link in ("_zero_engine", "_zero_unit"):
+                if hasattr(param, link):
+                    delattr(param, link)
+
+
 def _gather_master(engine: Engine, unit: Any) -> torch.Tensor:
     """The unit's full fp32 master on the host, all-gathered on the compute device (the
     data-parallel group is NCCL's on GPUs: device tensors only)."""

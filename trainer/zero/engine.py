@@ -99,6 +99,14 @@ class StateIO(Protocol):
                          save_filename: str, exclude_frozen_parameters: bool, *,
                          max_shard_size: int | str) -> bool: ...
 
+    def restore_module(self, engine: Engine) -> None:
+        """Stage 3: the trained weights back into the module's parameters, whole."""
+        ...
+
+
+class EngineClosedError(RuntimeError):
+    """A closed (or destroyed) engine was asked to train."""
+
 
 class Engine(nn.Module):
     """Wraps a model for ZeRO data-parallel training (see module docstring)."""
@@ -109,6 +117,8 @@ class Engine(nn.Module):
         super().__init__()
         self.module = model
         self.state_io = state_io
+        self.closed = False
+        """``close`` (or ``destroy``) ran: the engine trains no more."""
         self.config = config
         self.collectives = collectives
         self.backend = backend
@@ -220,6 +230,10 @@ class Engine(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model on (floating inputs cast to the training dtype)."""
+        if self.closed:
+            raise EngineClosedError("this engine was closed (engine.close(), or "
+                                    "engine.destroy() as Accelerate's free_memory calls it): "
+                                    "build a new one with trainer.initialize over the model")
         self.backend.begin_step()
         self._forward_depth = 0  # a forward that raised half-way must not skew the next one
         if self.trace is not None:
@@ -450,9 +464,25 @@ class Engine(nn.Module):
                                               exclude_frozen_parameters,
                                               max_shard_size=max_shard_size)
 
+    def destroy(self) -> None:
+        """DeepSpeed's ``engine.destroy()``: release the engine as ``close`` does, and leave
+        its module whole, holding the trained weights (stage 3 writes them back from the
+        fp32 masters, on the host), so a new engine can train it again: HF Trainer calls it
+        (through Accelerate's ``free_memory``) at the start of each ``train()``, of every
+        hyperparameter-search trial and of each ``auto_find_batch_size`` retry; ``close``
+        leaves a stage-3 module's parameters empty. Collective: every rank calls it. A
+        closed engine has nothing left to restore."""
+        if self.closed:
+            return
+        self.state_io.restore_module(self)
+        self.close()
+
     def close(self) -> None:
         """Remove hooks and release the backend (daemon connection, private daemon) and
         stage 3's reduction group."""
+        if self.closed:
+            return
+        self.closed = True
         self.hooks.remove()
         self.backend.close()
         if self._reduce_collectives is not None:
