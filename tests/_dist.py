@@ -154,14 +154,20 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
         collected = _collect(results, world_size, timeout_s, procs)
     finally:
         for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():  # stuck (a peer failed): its daemon must not outlive it
-                orphans = _descendants(proc.pid)
-                proc.kill()
-                for pid in orphans:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+            _end(proc, timeout_s=10)
     return [collected[rank] for rank in range(world_size)]
+
+
+def _end(proc: Any, timeout_s: float) -> None:
+    """Join ``proc``; one still running after ``timeout_s`` (stuck: a peer failed) is
+    killed, and so is what it started: its daemon must not outlive it."""
+    proc.join(timeout=timeout_s)
+    if proc.is_alive():
+        orphans = _descendants(proc.pid)
+        proc.kill()
+        for pid in orphans:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _descendants(pid: int | None) -> list[int]:
@@ -467,9 +473,7 @@ class RankPool:
             for inbox in self.inboxes:
                 inbox.put(None)
         for proc in self.procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+            _end(proc, timeout_s=30)
 
 
 @contextmanager
