@@ -18,6 +18,7 @@ import faulthandler
 import io
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -474,6 +475,52 @@ class RankPool:
                 inbox.put(None)
         for proc in self.procs:
             _end(proc, timeout_s=30)
+
+
+class SharedDaemon:
+    """A ``RankPool`` setup: one daemon (rank 0 starts it) for every example of a pool.
+    ``swap_dir`` is this rank's scratch dir (rank 0's is the daemon's swap dir),
+    ``shared_dir`` rank 0's, which every rank names (the same node)."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.swap_dir = tempfile.mkdtemp(prefix="offloadd-property-")
+        self.daemon = None
+        box = ["", ""]
+        if rank == 0:
+            from offloadd.ops.embedded import PrivateDaemon
+
+            self.daemon = PrivateDaemon.start(arena_size=512 << 20, swap_dirs=[self.swap_dir])
+            box = [self.daemon.socket_path, self.swap_dir]
+        dist.broadcast_object_list(box, src=0)
+        self.socket_path, self.shared_dir = box
+        self.examples = 0
+
+    def close(self) -> None:
+        dist.barrier()
+        if self.daemon is not None:
+            self.daemon.stop()
+        shutil.rmtree(self.swap_dir, ignore_errors=True)
+
+
+@contextmanager
+def rank_pools(world_size: int, setup: Callable[..., Any]) -> Iterator[Callable[[], RankPool]]:
+    """A module fixture's body: ``get()`` gives the live pool, or starts one (again after a
+    failure broke the last); every pool is closed at the end."""
+    pools: list[RankPool] = []
+
+    def get() -> RankPool:
+        if pools and not pools[-1].broken:
+            return pools[-1]
+        if pools:
+            pools.pop().close()
+        pools.append(RankPool(world_size, setup))
+        return pools[-1]
+
+    try:
+        yield get
+    finally:
+        for pool in pools:
+            pool.close()
 
 
 @contextmanager

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
-import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import Block, RankPool, TinyNet, make_batch
+from _dist import Block, SharedDaemon, TinyNet, make_batch, rank_pools
 
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
@@ -146,31 +146,6 @@ def ds_config(case: Case, swap_dir: str, socket_path: str, job: str) -> dict[str
 # ------------------------------------------------------------------ rank side
 
 
-class SharedDaemon:
-    """One daemon (rank 0 starts it) and one scratch dir for every example of a pool."""
-
-    def __init__(self, rank: int, world: int) -> None:
-        self.root = tempfile.mkdtemp(prefix="offloadd-ckpt-property-")
-        self.daemon = None
-        box = [""]
-        if rank == 0:
-            from offloadd.ops.embedded import PrivateDaemon
-
-            self.daemon = PrivateDaemon.start(arena_size=512 << 20, swap_dirs=[self.root])
-            box = [self.daemon.socket_path, self.root]
-        else:
-            box = ["", ""]
-        dist.broadcast_object_list(box, src=0)
-        self.socket_path, self.shared_root = box
-        self.examples = 0
-
-    def close(self) -> None:
-        dist.barrier()
-        if self.daemon is not None:
-            self.daemon.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
 def _train(engine: Any, rank: int, steps: range) -> list[float]:
     losses = []
     for step in steps:
@@ -198,8 +173,8 @@ def round_trip(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
 
     case = Case(**case_fields)
     shared.examples += 1
-    save_dir = Path(shared.shared_root) / f"ckpt{shared.examples}"
-    config = ds_config(case, shared.shared_root, shared.socket_path, f"s{shared.examples}")
+    save_dir = Path(shared.shared_dir) / f"ckpt{shared.examples}"
+    config = ds_config(case, shared.shared_dir, shared.socket_path, f"s{shared.examples}")
     engine, _, _, _ = trainer.initialize(model=make_model(0), config=config)
     try:
         _train(engine, rank, range(case.save_at))
@@ -209,7 +184,7 @@ def round_trip(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
         stats = engine.offload_stats() if case.offload != "none" else {}
     finally:
         engine.close()
-    config = ds_config(case.resumed(), shared.shared_root, shared.socket_path,
+    config = ds_config(case.resumed(), shared.shared_dir, shared.socket_path,
                        f"r{shared.examples}")
     fresh, _, _, _ = trainer.initialize(model=make_model(1), config=config)
     try:
@@ -231,20 +206,9 @@ def round_trip(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
 
 
 @pytest.fixture(scope="module")
-def pool() -> Any:
-    holder: dict[str, RankPool | None] = {"pool": None}
-
-    def get() -> RankPool:
-        current = holder["pool"]
-        if current is None or current.broken:
-            if current is not None:
-                current.close()
-            holder["pool"] = current = RankPool(2, SharedDaemon)
-        return current
-
-    yield get
-    if holder["pool"] is not None:
-        holder["pool"].close()
+def pool() -> Iterator[Any]:
+    with rank_pools(2, SharedDaemon) as get:
+        yield get
 
 
 def assert_same(straight: Any, resumed: Any, where: str, close: float = 0.0) -> None:

@@ -20,15 +20,13 @@ higher for a larger sample.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-from _dist import RankPool, lm_adamw_run, lm_tokens, max_relative_error
+from _dist import SharedDaemon, lm_adamw_run, lm_tokens, max_relative_error, rank_pools
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed")
@@ -157,29 +155,6 @@ def ds_config(case: Case, swap_dir: str, socket_path: str, job: str) -> dict[str
 # ------------------------------------------------------------------ rank side
 
 
-class SharedDaemon:
-    """One daemon (rank 0 starts it) for every example of a pool."""
-
-    def __init__(self, rank: int, world: int) -> None:
-        self.swap_dir = tempfile.mkdtemp(prefix="offloadd-property-")
-        self.daemon = None
-        box = [""]
-        if rank == 0:
-            from offloadd.ops.embedded import PrivateDaemon
-
-            self.daemon = PrivateDaemon.start(arena_size=512 << 20, swap_dirs=[self.swap_dir])
-            box = [self.daemon.socket_path]
-        dist.broadcast_object_list(box, src=0)
-        self.socket_path = box[0]
-        self.examples = 0
-
-    def close(self) -> None:
-        dist.barrier()
-        if self.daemon is not None:
-            self.daemon.stop()
-        shutil.rmtree(self.swap_dir, ignore_errors=True)
-
-
 def train_case(rank: int, world: int, shared: SharedDaemon, case_fields: dict[str, Any]
                ) -> dict[str, Any]:
     import trainer
@@ -215,20 +190,9 @@ def train_case(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
 
 
 @pytest.fixture(scope="module")
-def pool() -> Any:
-    holder = {"pool": None}
-
-    def get() -> RankPool:
-        current = holder["pool"]
-        if current is None or current.broken:
-            if current is not None:
-                current.close()
-            holder["pool"] = current = RankPool(2, SharedDaemon)
-        return current
-
-    yield get
-    if holder["pool"] is not None:
-        holder["pool"].close()
+def pool() -> Iterator[Any]:
+    with rank_pools(2, SharedDaemon) as get:
+        yield get
 
 
 def reference(case: Case, initial: dict[str, torch.Tensor],
