@@ -369,13 +369,17 @@ def lm_adamw_run(model: torch.nn.Module, steps: int,
                  tokens: Callable[[int, int], torch.Tensor], lr: float,
                  weight_decay: float = 0.0, world_size: int = 2, *,
                  param_groups: Callable[[torch.nn.Module], list[dict[str, Any]]] | None = None,
-                 accumulation: int = 1, clip: float = 0.0
+                 accumulation: int = 1, clip: float = 0.0,
+                 probes: list[list[float]] | None = None,
+                 probe_tokens: Callable[[int], torch.Tensor] | None = None
                  ) -> tuple[dict[str, torch.Tensor], list[list[float]]]:
     """``lm_adamw_reference`` with torch-style ``param_groups(model)`` (parameters in no
     group stay frozen, as ``trainer.initialize`` freezes them), ``accumulation``
     micro-batches per step (micro-step ``i`` of rank ``r`` reads ``tokens(i, r)``, as
     ``lm_engine_train`` feeds them) and gradient-norm clipping; the state dict and each
-    micro-step's per-rank losses."""
+    micro-step's per-rank losses. With ``probe_tokens``, each rank's evaluation loss on
+    ``probe_tokens(rank)`` (eval mode, no grad) is appended to ``probes`` before every
+    micro-step and after the last step."""
     groups = param_groups(model) if param_groups is not None else [
         {"params": [p for p in model.parameters() if p.requires_grad]}]
     grouped = {id(param) for group in groups for param in group["params"]}
@@ -384,9 +388,20 @@ def lm_adamw_run(model: torch.nn.Module, steps: int,
             param.requires_grad_(False)
     optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
     losses: list[list[float]] = []
+
+    def probe() -> None:
+        if probe_tokens is None or probes is None:
+            return
+        model.eval()
+        with torch.no_grad():
+            probes.append([model(input_ids=probe_tokens(rank), labels=probe_tokens(rank))
+                           .loss.item() for rank in range(world_size)])
+        model.train()
+
     for step in range(steps):
         optimizer.zero_grad()
         for micro in range(accumulation):
+            probe()
             losses.append([])
             for rank in range(world_size):
                 ids = tokens(step * accumulation + micro, rank)
@@ -396,6 +411,7 @@ def lm_adamw_run(model: torch.nn.Module, steps: int,
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
+    probe()
     return model.state_dict(), losses
 
 

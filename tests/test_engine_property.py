@@ -5,12 +5,14 @@ offload none / cpu / nvme x README's no-decay param groups x stage-3 prefetch
 bucket (0, small, default) x gradient accumulation 1 / 3 x clipping x bf16 /
 fp32 x HF activation checkpointing x a frozen first block x built under
 ``zero.Init`` x a job arena that holds the state or one that forces swapping x
-Twin-Flow's ``ratio`` (all offloaded, or half kept on the device).
+Twin-Flow's ``ratio`` (all offloaded, or half kept on the device) x an evaluation
+before every micro-step and after the last (none, under ``torch.no_grad``, or under
+``torch.inference_mode`` as Lightning validates on NCCL and as ``generate`` runs).
 It trains on 2 gloo ranks (one pair of long-lived rank processes runs every
 example, with one shared daemon) and is compared with single-process torch
-AdamW from the same initial weights: the losses of every micro-step and the
-final parameters (see ``check`` for the tolerances of fp32 and of bf16, which
-runs forward/backward in bf16 against an fp32 reference).
+AdamW from the same initial weights: the losses of every micro-step, the final
+parameters and every evaluation loss (see ``check`` for the tolerances of fp32 and
+of bf16, which runs forward/backward in bf16 against an fp32 reference).
 
 CI runs a fixed, seeded sample (``derandomize``) of ``OFFLOADD_PROPERTY_EXAMPLES``
 examples (default 5) plus the two explicit ``@example`` cases; set the variable
@@ -64,6 +66,9 @@ class Case:
     tight_arena: bool
     ratio: float = 1.0
     """``offload_optimizer.ratio``: below 1, the first units' optimizer stays on the device."""
+    evaluate: str = "none"
+    """An eval-mode forward before each micro-step and at the end: ``none``, ``no_grad``
+    or ``inference`` (``torch.inference_mode``)."""
 
 
 @st.composite
@@ -77,7 +82,8 @@ def cases(draw: Any) -> Case:
                 bf16=draw(st.booleans()), checkpointing=draw(st.booleans()),
                 frozen=draw(st.booleans()), zero_init=draw(st.booleans()),
                 tight_arena=offload == "nvme" and draw(st.booleans()),
-                ratio=draw(st.sampled_from([1.0, 0.5])) if offload != "none" else 1.0)
+                ratio=draw(st.sampled_from([1.0, 0.5])) if offload != "none" else 1.0,
+                evaluate=draw(st.sampled_from(["none", "no_grad", "inference"])))
 
 
 def hf_config(name: str) -> Any:
@@ -132,6 +138,25 @@ def tokens(step: int, rank: int) -> torch.Tensor:
     return ids
 
 
+def probe_tokens(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s evaluation batch (never trained on)."""
+    return tokens(1000, rank)
+
+
+def evaluation(engine: Any, mode: str, rank: int) -> list[float]:
+    """The evaluation loss of this rank's probe batch in eval mode under ``mode``'s grad
+    context, the engine back in train mode after; ``[]`` for ``none``."""
+    if mode == "none":
+        return []
+    context = torch.inference_mode() if mode == "inference" else torch.no_grad()
+    engine.eval()
+    with context:
+        ids = probe_tokens(rank)
+        loss = engine(input_ids=ids, labels=ids).loss.item()
+    engine.train()
+    return [loss]
+
+
 def ds_config(case: Case, swap_dir: str, socket_path: str, job: str) -> dict[str, Any]:
     zero: dict[str, Any] = {"stage": case.stage}
     if case.offload != "none":
@@ -170,20 +195,23 @@ def train_case(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
                                          model_parameters=param_groups(case)(model))
     try:
         initial = consolidate_fp32_state_dict(engine)
-        losses = []
+        losses, probes = [], []
         for micro in range(STEPS * case.accumulation):
+            probes += evaluation(engine, case.evaluate, rank)
             ids = tokens(micro, rank)
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        probes += evaluation(engine, case.evaluate, rank)
         final = consolidate_fp32_state_dict(engine)
         stats = engine.offload_stats() if case.offload != "none" else {}
     finally:
         engine.close()
     swapped = {key: value for key, value in stats.items()
                if "swap" in key or "nvme" in key or "evict" in key}
-    return {"initial": initial, "final": final, "losses": losses, "swapped": swapped}
+    return {"initial": initial, "final": final, "losses": losses, "probes": probes,
+            "swapped": swapped}
 
 
 # ------------------------------------------------------------------ parent side
@@ -196,12 +224,15 @@ def pool() -> Iterator[Any]:
 
 
 def reference(case: Case, initial: dict[str, torch.Tensor],
-              dtype: torch.dtype = torch.float32) -> Any:
+              dtype: torch.dtype = torch.float32,
+              probes: list[list[float]] | None = None) -> Any:
     model = build_model(case)
     model.load_state_dict(initial)
     model.to(dtype)
     return lm_adamw_run(model, STEPS, tokens, LR, WEIGHT_DECAY, param_groups=param_groups(case),
-                        accumulation=case.accumulation, clip=CLIP if case.clip else 0.0)
+                        accumulation=case.accumulation, clip=CLIP if case.clip else 0.0,
+                        probes=probes,
+                        probe_tokens=probe_tokens if case.evaluate != "none" else None)
 
 
 def update_cosine(initial: dict[str, torch.Tensor], ours: dict[str, torch.Tensor],
@@ -220,7 +251,8 @@ def check(case: Case, ranks: list[dict[str, Any]]) -> None:
     Adam turns rounding into lr-sized steps of either sign, so the parameters are held to
     the update's direction (cosine >= 0.95) and to 2 lr per step of any element."""
     initial = ranks[0]["initial"]
-    expected, expected_losses = reference(case, initial)
+    expected_probes: list[list[float]] = []
+    expected, expected_losses = reference(case, initial, probes=expected_probes)
     final = ranks[0]["final"]
     # GPT-2's key part of c_attn.bias has an exactly-zero true gradient (softmax is shift
     # invariant): Adam turns its float noise into lr-sized steps (see test_engine_hf).
@@ -255,6 +287,10 @@ def check(case: Case, ranks: list[dict[str, Any]]) -> None:
         theirs = torch.tensor([micro[rank] for micro in expected_losses])
         torch.testing.assert_close(ours, theirs, rtol=tolerance, atol=0,
                                    msg=lambda m, rank=rank: f"{case} rank {rank}: {m}")
+        probes = torch.tensor(result["probes"])
+        expected_rank = torch.tensor([probe[rank] for probe in expected_probes])
+        torch.testing.assert_close(probes, expected_rank, rtol=tolerance, atol=0,
+                                   msg=lambda m, rank=rank: f"{case} rank {rank} eval: {m}")
 
 
 ITEM_1 = Case(model="llama", stage=3, offload="nvme", groups=True, bucket="default",
@@ -263,9 +299,16 @@ ITEM_1 = Case(model="llama", stage=3, offload="nvme", groups=True, bucket="defau
 """Issue 19's crash: README's groups + NVMe + default prefetch."""
 EVERYTHING = Case(model="gpt2", stage=3, offload="nvme", groups=True, bucket="default",
                   accumulation=3, clip=True, bf16=True, checkpointing=True, frozen=True,
-                  zero_init=True, tight_arena=True, ratio=0.5)
+                  zero_init=True, tight_arena=True, ratio=0.5, evaluate="inference")
 """The issue's whole recipe at once, with swapping, half the optimizer on the device
-(Twin-Flow) and speculative steps that clipping reverts."""
+(Twin-Flow), speculative steps that clipping reverts, and evaluations under
+``torch.inference_mode`` between the micro-steps."""
+EVALUATE = Case(model="llama", stage=3, offload="cpu", groups=False, bucket="default",
+                accumulation=1, clip=False, bf16=False, checkpointing=False, frozen=False,
+                zero_init=False, tight_arena=False, evaluate="inference")
+"""Evaluation under ``torch.inference_mode`` (Lightning's validation on NCCL): the copy
+into a partition buffer first allocated there failed ("Inplace update to inference
+tensor outside InferenceMode")."""
 PRECISION = Case(model="llama", stage=0, offload="none", groups=False, bucket="zero",
                  accumulation=3, clip=True, bf16=False, checkpointing=False, frozen=False,
                  zero_init=False, tight_arena=False)
@@ -278,6 +321,7 @@ PRECISION = Case(model="llama", stage=0, offload="none", groups=False, bucket="z
 @example(case=ITEM_1)
 @example(case=EVERYTHING)
 @example(case=PRECISION)
+@example(case=EVALUATE)
 @given(case=cases())
 def test_training_matches_torch_adamw(case: Case, pool: Any) -> None:
     ranks = pool().run(train_case, asdict(case))

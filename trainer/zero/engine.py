@@ -35,7 +35,7 @@ from trainer.dist.agreement import agree
 from trainer.dist.collectives import Collectives
 from trainer.offload.backend import StateBackend, UnitSpec
 from trainer.zero.groups import ParamGroups, resolve_param_groups
-from trainer.zero.hooks import UnitHooks
+from trainer.zero.hooks import UnitHooks, outside_inference_mode
 from trainer.zero.init import (
     WeightSource,
     materialise_unit,
@@ -234,7 +234,8 @@ class Engine(nn.Module):
             raise EngineClosedError("this engine was closed (engine.close(), or "
                                     "engine.destroy() as Accelerate's free_memory calls it): "
                                     "build a new one with trainer.initialize over the model")
-        self.backend.begin_step()
+        with outside_inference_mode():  # what begin_step allocates outlives this pass
+            self.backend.begin_step()
         self._forward_depth = 0  # a forward that raised half-way must not skew the next one
         if self.trace is not None:
             self.trace.begin("forward", training=self.module.training)

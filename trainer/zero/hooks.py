@@ -14,10 +14,17 @@
   through an identity Function whose backward fires once the unit's backward
   has produced the inputs' gradients, which is when its gathered parameters
   can go (the engine frees the rest at the end of backward).
+
+The forward hooks run the engine's callbacks outside ``torch.inference_mode``
+(``outside_inference_mode``): a forward under it (Lightning validates so on NCCL,
+``generate`` and serving code run so) would otherwise allocate partition and
+gather buffers as inference tensors, which the copy engine's worker thread, and
+every later training step, may not write.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +34,22 @@ from torch.utils.hooks import RemovableHandle
 from trainer.zero.partition import Unit
 
 UnitCallback = Callable[[Unit], None]
+
+
+def outside_inference_mode() -> contextlib.AbstractContextManager[Any]:
+    """Leave ``torch.inference_mode`` (without enabling grad) for the engine's own work:
+    buffers it allocates there outlive the pass and are written outside it."""
+    if not torch.is_inference_mode_enabled():
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))  # turns grad on: off again below
+    stack.enter_context(torch.no_grad())
+    return stack
+
+
+def _outside_inference_mode(callback: UnitCallback, unit: Unit) -> None:
+    with outside_inference_mode():
+        callback(unit)
 
 
 class _BackwardCallback(torch.autograd.Function):
@@ -113,7 +136,7 @@ class UnitHooks:
         """Forward/pre-backward hooks (only stage 3 needs them)."""
         for unit in self.units:
             self._handles.append(unit.module.register_forward_pre_hook(
-                lambda _module, _args, unit=unit: pre_forward(unit)))
+                lambda _module, _args, unit=unit: _outside_inference_mode(pre_forward, unit)))
             self._handles.append(unit.module.register_forward_hook(
                 self._post_forward_hook(unit, post_forward, pre_backward)))
             if not unit.trainable and self.on_frozen_backward_done is not None:
@@ -153,6 +176,6 @@ class UnitHooks:
     def _post_forward_hook(unit: Unit, post_forward: UnitCallback,
                            pre_backward: UnitCallback) -> Callable[..., Any]:
         def hook(_module: Any, _args: Any, output: Any) -> Any:
-            post_forward(unit)
+            _outside_inference_mode(post_forward, unit)
             return attach_pre_backward(output, lambda: pre_backward(unit))
         return hook
