@@ -1,9 +1,13 @@
 """Lightning on offloadd (``Trainer(strategy=OffloaddStrategy(config=cfg))``), 2 torchrun
 ranks, ZeRO-3 with parameters and optimizer on NVMe: ``configure_optimizers``' torch AdamW
 and per-step LambdaLR, ``gradient_clip_val``, validation every 3 steps and a
-ModelCheckpoint every 3 steps. Losses (training and validation) and final weights match
-the same script with ``strategy="ddp"``; ``fit(ckpt_path=<step-3 checkpoint>)`` repeats
-the uninterrupted run's later losses and weights bit for bit."""
+ModelCheckpoint every 3 steps, then, as Lightning's DeepSpeed guide goes on,
+``trainer.test()``, ``trainer.predict()`` and ``trainer.validate(model)``. Losses (training,
+validation, test, each prediction) and final weights match the same script with
+``strategy="ddp"``; ``fit(ckpt_path=<step-3 checkpoint>)`` repeats the uninterrupted run's
+later losses and weights bit for bit; a fresh process's ``trainer.test(fresh_module,
+ckpt_path=<last checkpoint>)`` and ``predict`` give the first run's test and predictions
+bit for bit."""
 
 from __future__ import annotations
 
@@ -31,8 +35,14 @@ def run(out: Path, *args: str) -> tuple[dict[str, float], dict[str, Any]]:
 def test_strategy_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
     losses, weights = run(tmp_path / "full", "--mode", "offloadd")
     ddp_losses, ddp_weights = run(tmp_path / "ddp", "--mode", "ddp")
-    assert list(losses) == list(ddp_losses)  # same steps, validation at 3 and 6
+    # same steps, validation at 3 and 6, then test, predict, validate
+    assert list(losses) == list(ddp_losses)
+    assert list(losses)[-3:] == ["test", "predict", "validate"]
+    predictions = losses.pop("predict")
+    assert predictions == pytest.approx(ddp_losses.pop("predict"), rel=1e-5)
     assert losses == pytest.approx(ddp_losses, rel=1e-5)
+    # validate(model) after fit evaluates the weights fit left: the last validation's
+    assert losses["validate"] == losses["val/6"]
     assert set(weights) == set(ddp_weights)
     for name, value in ddp_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
@@ -41,7 +51,16 @@ def test_strategy_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
     assert (checkpoint / "checkpoint" / "rank_00001.pt").exists()
     resumed, resumed_weights = run(tmp_path / "resumed", "--mode", "offloadd",
                                    "--ckpt-path", str(checkpoint))
+    assert resumed.pop("predict") == predictions
     assert resumed == {key: value for key, value in losses.items()
-                       if int(key.split("/")[1]) >= 3 and key != "val/3"}
+                       if "/" not in key or (int(key.split("/")[1]) >= 3 and key != "val/3")}
     for name, value in weights.items():
         assert torch.equal(resumed_weights[name], value), name
+
+    # A fresh process evaluates the last checkpoint; its module starts from the same
+    # initial weights as fit's, so only reading the checkpoint gives fit's figures.
+    out = tmp_path / "evaluate"
+    torchrun(SCRIPT, ["--out", str(out), "--mode", "offloadd", "--evaluate",
+                      str(tmp_path / "full" / "checkpoints" / "step=6.ckpt")], out)
+    evaluated = json.loads((out / "result.json").read_text())
+    assert evaluated == {"test": losses["test"], "predict": predictions}

@@ -1,13 +1,19 @@
 """An ordinary Lightning script, run by torchrun, with OffloaddStrategy or DDP.
 
     torchrun --nproc-per-node 2 tests/scripts/lightning_run.py --out DIR --mode offloadd \
-        [--ckpt-path DIR/checkpoints/step=3.ckpt] [--precision bf16-mixed]
+        [--ckpt-path DIR/checkpoints/step=3.ckpt] [--precision bf16-mixed] \
+        [--evaluate DIR/checkpoints/step=6.ckpt]
 
 ``--mode offloadd`` passes ``strategy=OffloaddStrategy(config=...)`` (ZeRO-3, parameters
 and optimizer on NVMe); ``--mode ddp`` passes ``strategy="ddp"`` (the reference). The
 module's configure_optimizers returns a torch AdamW and a per-step LambdaLR; the Trainer
 clips (gradient_clip_val), validates every 3 steps and keeps a ModelCheckpoint every 3
-steps. Rank 0 writes ``DIR/result.json`` (training and validation losses per step) and
+steps. After ``fit``, as Lightning's DeepSpeed guide goes on: ``trainer.test()`` (the
+"best" checkpoint, i.e. the last one), ``trainer.predict()`` and ``trainer.validate(model)``
+(the module's weights as fit left them). ``--evaluate CKPT`` instead runs only
+``trainer.test(fresh_module, ckpt_path=CKPT)`` and ``trainer.predict(that_module)``, as a
+fresh process would. Rank 0 writes ``DIR/result.json`` (training and validation losses per
+step, ``test``, ``validate`` and rank 0's ``predict`` losses) and, after ``fit``,
 ``DIR/final.pt`` (the full fp32 weights at the end of training).
 """
 
@@ -33,6 +39,7 @@ parser.add_argument("--mode", choices=["offloadd", "ddp"], required=True)
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--ckpt-path", default=None)
 parser.add_argument("--precision", default="32-true")
+parser.add_argument("--evaluate", default=None)
 args = parser.parse_args()
 out = Path(args.out)
 SEQ = 16
@@ -60,6 +67,12 @@ class LanguageModel(pl.LightningModule):
         loss = self(batch)
         self.log("val_loss", loss, sync_dist=True)
 
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("test_loss", self(batch), sync_dist=True)
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> float:
+        return float(self(batch))
+
     def on_validation_epoch_end(self) -> None:
         value = self.trainer.callback_metrics.get("val_loss")
         if value is not None and not self.trainer.sanity_checking:
@@ -80,7 +93,6 @@ class LanguageModel(pl.LightningModule):
                      for name, value in self.state_dict().items()}
         if self.trainer.is_global_zero:
             torch.save(state, out / "final.pt")
-            (out / "result.json").write_text(json.dumps(self.losses))
 
 
 def loader(seed: int, count: int) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
@@ -105,7 +117,19 @@ lightning_trainer = pl.Trainer(
     val_check_interval=3, check_val_every_n_epoch=None, num_sanity_val_steps=0,
     callbacks=[checkpoints], logger=False, enable_progress_bar=False,
     enable_model_summary=False, use_distributed_sampler=True)
-lightning_trainer.fit(LanguageModel(), train_dataloaders=loader(1, 12),
-                      val_dataloaders=loader(2, 8), ckpt_path=args.ckpt_path)
+module = LanguageModel()
+if args.evaluate is None:
+    lightning_trainer.fit(module, train_dataloaders=loader(1, 12),
+                          val_dataloaders=loader(2, 8), ckpt_path=args.ckpt_path)
+    module.losses["test"] = lightning_trainer.test(dataloaders=loader(3, 8))[0]["test_loss"]
+    module.losses["predict"] = lightning_trainer.predict(dataloaders=loader(4, 4))
+    module.losses["validate"] = lightning_trainer.validate(
+        module, dataloaders=loader(2, 8))[0]["val_loss"]
+else:
+    module.losses["test"] = lightning_trainer.test(
+        module, dataloaders=loader(3, 8), ckpt_path=args.evaluate)[0]["test_loss"]
+    module.losses["predict"] = lightning_trainer.predict(module, dataloaders=loader(4, 4))
+if lightning_trainer.is_global_zero:
+    (out / "result.json").write_text(json.dumps(module.losses))
 
 leave_group()

@@ -25,7 +25,16 @@ DeepSpeed strategy hands it to ``deepspeed.initialize``:
   and checkpointed by the engine);
 - checkpoints are ``engine.save_checkpoint`` directories (one file per rank,
   tag ``checkpoint``) carrying Lightning's loop/callback/scheduler state as
-  ``client_state``; ``fit(ckpt_path=...)`` restores them exactly.
+  ``client_state``; ``fit(ckpt_path=...)`` restores them exactly;
+- ``test``, ``validate`` and ``predict`` run through an engine too, as the guide
+  writes them (``trainer.fit(model); trainer.test(); trainer.predict()``): the
+  engine that trained the module stays open after ``fit`` (at stage 3 it holds
+  the module's weights, as DeepSpeed's partitions do) and evaluates it, reading a
+  ``ckpt_path`` checkpoint first where one is given or chosen ("best"); a module
+  no engine holds (``trainer.test(model, ckpt_path=...)`` in a fresh process)
+  gets one built for it. A later ``fit`` over the module takes over from the
+  kept engine; one over another module destroys it first (its module keeps the
+  weights); the process's exit closes it.
 """
 
 from __future__ import annotations
@@ -221,16 +230,26 @@ class OffloaddStrategy(DDPStrategy):
         self.lr_scheduler_configs = []
 
     def setup(self, trainer_: LightningTrainer) -> None:
-        if trainer_.state.fn != TrainerFn.FITTING:
-            raise ValueError(f"OffloaddStrategy runs fit() (with validation); for "
-                             f"{trainer_.state.fn}() load the saved model into a "
-                             "regular strategy")
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer_)
+        self._release_engine_of_another_module()
         self.model_to_device()
         self.setup_precision_plugin()
-        self._initialize_engine(trainer_)
+        if trainer_.state.fn == TrainerFn.FITTING:
+            self._initialize_engine(trainer_)
+        elif self.engine is not None:
+            self.model = self.engine  # the engine that trained this module evaluates it
+        else:
+            self._initialize_evaluation_engine(trainer_)
         self.barrier()
+
+    def _release_engine_of_another_module(self) -> None:
+        """The kept engine, where this run is over another module: destroyed, so that
+        its module keeps the trained weights (a later run over the same module takes
+        over from it, in ``initialize``)."""
+        if self.engine is not None and self.engine.module is not self.lightning_module:
+            self.engine.destroy()
+            self.engine = None
 
     def _initialize_engine(self, trainer_: LightningTrainer) -> None:
         module = self.lightning_module
@@ -254,6 +273,20 @@ class OffloaddStrategy(DDPStrategy):
         self.engine = engine
         self.model = engine
         self.optimizers = [ds_facade.OptimizerView(zero)]
+
+    def _initialize_evaluation_engine(self, trainer_: LightningTrainer) -> None:
+        """An engine over a module no engine holds, for ``test``/``validate``/``predict``:
+        the config's placement (stage 3 partitions it, offload puts it in the daemon);
+        ``configure_optimizers`` is not called, as Lightning's DeepSpeed strategy does
+        not call it outside fit. It never steps, but holds the optimizer state of the
+        config's (or the default) optimizer, as training would."""
+        module = self.lightning_module
+        assert isinstance(module, LightningModule)
+        settings = self._engine_config(trainer_)
+        settings.pop("scheduler", None)
+        engine, _, _, _ = initialize(model=module, config=settings, dist_init_required=False)
+        self.engine = engine
+        self.model = engine
 
     def _engine_config(self, trainer_: LightningTrainer) -> dict[str, Any]:
         """The user's config plus what the Lightning Trainer decides."""
@@ -286,12 +319,12 @@ class OffloaddStrategy(DDPStrategy):
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """The LightningModule's full fp32 ``state_dict`` on rank 0 (``{}`` elsewhere).
 
-        Collective; call it before fit() returns (e.g. in ``on_train_end``): the
-        engine and its daemon are closed at teardown.
+        Collective; during or after ``fit`` (the engine stays open until a run over
+        another module, or the process's exit).
         """
         if self.engine is None:
             raise ValueError("consolidated_state_dict() needs the engine: call it during "
-                             "fit(), e.g. from on_train_end")
+                             "or after fit()")
         return consolidate_fp32_state_dict(self.engine)
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -333,9 +366,9 @@ class OffloaddStrategy(DDPStrategy):
         """The engine restored the optimizer in ``load_checkpoint``."""
 
     def teardown(self) -> None:
+        """The engine stays open (``test``/``predict`` after ``fit`` evaluate through it;
+        see the module docstring); ``self.model`` is the LightningModule again."""
         if self.engine is not None:
-            self.engine.close()
-            self.engine = None
             self.model = self.lightning_module
         super().teardown()
 
