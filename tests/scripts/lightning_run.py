@@ -6,7 +6,8 @@
 
 ``--mode offloadd`` passes ``strategy=OffloaddStrategy(config=...)`` (ZeRO-3, parameters
 and optimizer on NVMe); ``--mode ddp`` passes ``strategy="ddp"`` (the reference). The
-module's configure_optimizers returns a torch AdamW and a per-step LambdaLR; the Trainer
+module's configure_optimizers returns a torch AdamW (no weight decay for biases and norms:
+two groups) and a per-step LambdaLR; the Trainer
 clips (gradient_clip_val), validates every 3 steps and keeps a ModelCheckpoint every 3
 steps. After ``fit``, as Lightning's DeepSpeed guide goes on: ``trainer.test()`` (the
 "best" checkpoint, i.e. the last one), ``trainer.predict()`` and ``trainer.validate(model)``
@@ -79,7 +80,10 @@ class LanguageModel(pl.LightningModule):
             self.losses[f"val/{self.global_step}"] = float(value)
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+        decay = [param for param in self.parameters() if param.ndim >= 2]
+        no_decay = [param for param in self.parameters() if param.ndim < 2]
+        groups = [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(groups, lr=3e-3, weight_decay=0.01)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
         return {"optimizer": optimizer,
                 "lr_scheduler": {"scheduler": schedule, "interval": "step"}}

@@ -64,6 +64,8 @@ from trainer.zero.engine import Engine
 
 CHECKPOINT_TAG = "checkpoint"
 
+_log = logging.getLogger("offloadd.lightning")
+
 _PRECISION_KEYS = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
                    "16-true": "fp16"}
 
@@ -258,11 +260,7 @@ class OffloaddStrategy(DDPStrategy):
         model_parameters: Any = [p for p in module.parameters() if p.requires_grad]
         client_optimizer = None
         if "optimizer" not in settings:
-            optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
-            if len(optimizers) != 1 or len(schedulers) > 1:
-                raise ValueError("OffloaddStrategy needs exactly one optimizer and at most one "
-                                 "scheduler from configure_optimizers")
-            client_optimizer = optimizers[0]
+            client_optimizer, schedulers = _client_optimizer(module)
             settings["optimizer"], model_parameters = ds_facade.optimizer_section(
                 client_optimizer)
             self.lr_scheduler_configs = schedulers
@@ -276,15 +274,31 @@ class OffloaddStrategy(DDPStrategy):
 
     def _initialize_evaluation_engine(self, trainer_: LightningTrainer) -> None:
         """An engine over a module no engine holds, for ``test``/``validate``/``predict``:
-        the config's placement (stage 3 partitions it, offload puts it in the daemon);
-        ``configure_optimizers`` is not called, as Lightning's DeepSpeed strategy does
-        not call it outside fit. It never steps, but holds the optimizer state of the
-        config's (or the default) optimizer, as training would."""
+        the config's placement (stage 3 partitions it, offload puts it in the daemon).
+        It never steps, but its parameter groups must be fit's for fit's checkpoints to
+        load (each group has units of its own): without an ``optimizer`` section they
+        come from ``configure_optimizers``, as in fit (Lightning's DeepSpeed strategy
+        skips it outside fit; where it fails there, say on
+        ``trainer.estimated_stepping_batches`` without training data, one group is
+        used, logged). It holds the optimizer state of that optimizer, as fit does."""
         module = self.lightning_module
         assert isinstance(module, LightningModule)
         settings = self._engine_config(trainer_)
         settings.pop("scheduler", None)
-        engine, _, _, _ = initialize(model=module, config=settings, dist_init_required=False)
+        model_parameters: Any = None
+        if "optimizer" not in settings:
+            try:
+                client_optimizer, _ = _client_optimizer(module)
+            except Exception as error:  # the module's own code, run outside fit
+                _log.warning("OffloaddStrategy: configure_optimizers() failed outside fit "
+                             "(%s: %s); evaluating with one parameter group, so a "
+                             "checkpoint of a fit with several will not load",
+                             type(error).__name__, error)
+            else:
+                settings["optimizer"], model_parameters = ds_facade.optimizer_section(
+                    client_optimizer)
+        engine, _, _, _ = initialize(model=module, model_parameters=model_parameters,
+                                     config=settings, dist_init_required=False)
         self.engine = engine
         self.model = engine
 
@@ -371,6 +385,15 @@ class OffloaddStrategy(DDPStrategy):
         if self.engine is not None:
             self.model = self.lightning_module
         super().teardown()
+
+
+def _client_optimizer(module: LightningModule) -> tuple[torch.optim.Optimizer, list[Any]]:
+    """``configure_optimizers``' one optimizer and its schedulers (at most one)."""
+    optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+    if len(optimizers) != 1 or len(schedulers) > 1:
+        raise ValueError("OffloaddStrategy needs exactly one optimizer and at most one "
+                         "scheduler from configure_optimizers")
+    return optimizers[0], schedulers
 
 
 def _default_config(*, zero_optimization: bool, stage: int, offload_optimizer: bool,
