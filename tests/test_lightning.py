@@ -1,7 +1,8 @@
 """Lightning on offloadd (``Trainer(strategy=OffloaddStrategy(config=cfg))``), 2 torchrun
 ranks, ZeRO-3 with parameters and optimizer on NVMe: ``configure_optimizers``' torch AdamW
 and per-step LambdaLR, ``gradient_clip_val``, validation every 3 steps and a
-ModelCheckpoint every 3 steps, then, as Lightning's DeepSpeed guide goes on,
+ModelCheckpoint every 3 steps, after a baseline ``trainer.validate(model)``, then, as
+Lightning's DeepSpeed guide goes on,
 ``trainer.test()``, ``trainer.predict()`` and ``trainer.validate(model)``. Losses (training,
 validation, test, each prediction) and final weights match the same script with
 ``strategy="ddp"``; ``fit(ckpt_path=<step-3 checkpoint>)`` repeats the uninterrupted run's
@@ -35,8 +36,10 @@ def run(out: Path, *args: str) -> tuple[dict[str, float], dict[str, Any]]:
 def test_strategy_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
     losses, weights = run(tmp_path / "full", "--mode", "offloadd")
     ddp_losses, ddp_weights = run(tmp_path / "ddp", "--mode", "ddp")
-    # same steps, validation at 3 and 6, then test, predict, validate
+    # a baseline validation, the same steps, validation at 3 and 6, then test, predict,
+    # validate
     assert list(losses) == list(ddp_losses)
+    assert list(losses)[:2] == ["val/0", "baseline"]
     assert list(losses)[-3:] == ["test", "predict", "validate"]
     predictions = losses.pop("predict")
     assert predictions == pytest.approx(ddp_losses.pop("predict"), rel=1e-5)
@@ -52,8 +55,8 @@ def test_strategy_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
     resumed, resumed_weights = run(tmp_path / "resumed", "--mode", "offloadd",
                                    "--ckpt-path", str(checkpoint))
     assert resumed.pop("predict") == predictions
-    assert resumed == {key: value for key, value in losses.items()
-                       if "/" not in key or (int(key.split("/")[1]) >= 3 and key != "val/3")}
+    assert resumed == {key: value for key, value in losses.items() if key != "baseline"
+                       and ("/" not in key or (int(key.split("/")[1]) >= 3 and key != "val/3"))}
     for name, value in weights.items():
         assert torch.equal(resumed_weights[name], value), name
 

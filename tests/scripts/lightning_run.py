@@ -9,7 +9,8 @@ and optimizer on NVMe); ``--mode ddp`` passes ``strategy="ddp"`` (the reference)
 module's configure_optimizers returns a torch AdamW (no weight decay for biases and norms:
 two groups) and a per-step LambdaLR; the Trainer
 clips (gradient_clip_val), validates every 3 steps and keeps a ModelCheckpoint every 3
-steps. After ``fit``, as Lightning's DeepSpeed guide goes on: ``trainer.test()`` (the
+steps. Before ``fit`` (unless resuming) ``trainer.validate(model)`` gives a baseline; after
+it, as Lightning's DeepSpeed guide goes on: ``trainer.test()`` (the
 "best" checkpoint, i.e. the last one), ``trainer.predict()`` and ``trainer.validate(model)``
 (the module's weights as fit left them). ``--evaluate CKPT`` instead runs only
 ``trainer.test(fresh_module, ckpt_path=CKPT)`` and ``trainer.predict(that_module)``, as a
@@ -123,6 +124,9 @@ lightning_trainer = pl.Trainer(
     enable_model_summary=False, use_distributed_sampler=True)
 module = LanguageModel()
 if args.evaluate is None:
+    if args.ckpt_path is None:  # a baseline first, as scripts do before training
+        module.losses["baseline"] = lightning_trainer.validate(
+            module, dataloaders=loader(2, 8))[0]["val_loss"]
     lightning_trainer.fit(module, train_dataloaders=loader(1, 12),
                           val_dataloaders=loader(2, 8), ckpt_path=args.ckpt_path)
     module.losses["test"] = lightning_trainer.test(dataloaders=loader(3, 8))[0]["test_loss"]

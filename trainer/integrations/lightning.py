@@ -234,10 +234,11 @@ class OffloaddStrategy(DDPStrategy):
     def setup(self, trainer_: LightningTrainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer_)
-        self._release_engine_of_another_module()
+        fitting = trainer_.state.fn == TrainerFn.FITTING
+        self._release_kept_engine(always=fitting)
         self.model_to_device()
         self.setup_precision_plugin()
-        if trainer_.state.fn == TrainerFn.FITTING:
+        if fitting:
             self._initialize_engine(trainer_)
         elif self.engine is not None:
             self.model = self.engine  # the engine that trained this module evaluates it
@@ -245,11 +246,12 @@ class OffloaddStrategy(DDPStrategy):
             self._initialize_evaluation_engine(trainer_)
         self.barrier()
 
-    def _release_engine_of_another_module(self) -> None:
-        """The kept engine, where this run is over another module: destroyed, so that
-        its module keeps the trained weights (a later run over the same module takes
-        over from it, in ``initialize``)."""
-        if self.engine is not None and self.engine.module is not self.lightning_module:
+    def _release_kept_engine(self, *, always: bool) -> None:
+        """Destroy the kept engine (its module keeps the trained weights) where this run
+        is over another module, or ``always`` (fit: ``configure_optimizers`` must see
+        the module whole; at stage 3 the engine holds its parameters empty, so groups
+        chosen by shape, as no-decay groups are, would all come out one)."""
+        if self.engine is not None and (always or self.engine.module is not self.lightning_module):
             self.engine.destroy()
             self.engine = None
 
