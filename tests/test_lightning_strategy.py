@@ -5,8 +5,11 @@ registers ``offloadd_stage_*`` names as Lightning registers ``deepspeed_stage_*`
 2 torchrun ranks (``tests/scripts/lightning_guide_run.py``): the guide's ZeRO-3 NVMe
 keywords (``stage=3, offload_optimizer=True, offload_parameters=True,
 remote_device="nvme", ..., nvme_path=...``) and ``strategy="offloadd_stage_3_offload"``
-both train with the losses of ``strategy="ddp"``, without warnings (none about the
-buffer/aio sizes the keywords write, none from torch's LR scheduler).
+with the model built in ``configure_model`` (the guide's "Shard Model Instantly": its
+parameters are ``meta`` there, ``zero.Init``) both train with the losses of
+``strategy="ddp"``, without warnings (none about the buffer/aio sizes the keywords write,
+none from torch's LR scheduler). All three start from the weights the engine gave the
+``configure_model`` run.
 """
 
 from __future__ import annotations
@@ -25,24 +28,28 @@ pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_guide_run.py"
 
 
-def run(out: Path, strategy: str) -> dict[str, Any]:
-    torchrun(SCRIPT, ["--out", str(out), "--strategy", strategy], out)
+def run(out: Path, strategy: str, *args: str) -> dict[str, Any]:
+    torchrun(SCRIPT, ["--out", str(out), "--strategy", strategy, *args], out)
     result: dict[str, Any] = json.loads((out / "result.json").read_text())
     return result
 
 
 def test_deepspeed_keywords_and_registered_names_match_ddp(tmp_path: Path) -> None:
-    reference = run(tmp_path / "ddp", "ddp")
+    sharded = run(tmp_path / "sharded", "offloadd_stage_3_offload", "--configure-model")
+    assert sharded["strategy"] == "OffloaddStrategy"
+    assert sharded["built_meta"] is True  # configure_model ran under zero.Init
+    assert sharded["warnings"] == []
+    initial = ["--init-from", str(tmp_path / "sharded" / "initial.pt")]
+    reference = run(tmp_path / "ddp", "ddp", *initial)
     assert reference["strategy"] == "DDPStrategy"
-    results = {}
-    for strategy in ("keywords", "offloadd_stage_3_offload"):
-        ours = results[strategy] = run(tmp_path / strategy, strategy)
-        assert ours["strategy"] == "OffloaddStrategy", strategy
-        assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5), strategy
-        assert ours["warnings"] == [], strategy
+    assert sharded["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    ours = run(tmp_path / "keywords", "keywords", *initial)
+    assert ours["strategy"] == "OffloaddStrategy"
+    assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert ours["warnings"] == []
     # nvme_path reached the daemon: it swapped into a dir of its own there
     swap = tmp_path / "keywords" / "swap"
-    assert [d for d in results["keywords"]["scratch_dirs"] if Path(d).parent == swap], results
+    assert [d for d in ours["scratch_dirs"] if Path(d).parent == swap], ours
 
 
 def test_registered_names_mean_what_deepspeeds_do() -> None:

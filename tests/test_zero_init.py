@@ -186,3 +186,32 @@ def test_module_without_init_names_param_init_fn() -> None:
         model = Bare()
     materialise(model, model, list(model.parameters()), "root")
     assert torch.equal(model.scale.detach(), torch.full((3,), 2.0))
+
+
+def test_an_hf_model_inside_a_wrapper_gets_hf_init() -> None:
+    """A wrapper without ``_init_weights`` (a LightningModule's ``configure_model``, a head
+    around a backbone) built under Init: the HF model's units get HF's own init, exactly
+    as the bare model's, and the wrapper's own layers their ``reset_parameters``."""
+    from trainer.zero.init import materialise
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gpt = transformers.GPT2LMHeadModel(gpt2_config())
+            self.head = torch.nn.Linear(32, 3)
+
+    with Init(config_dict_or_path={}):
+        wrapped = Wrapper()
+        bare = transformers.GPT2LMHeadModel(gpt2_config())
+    block = wrapped.gpt.transformer.h[0]
+    materialise(wrapped, block, list(block.parameters()), "gpt.transformer.h.0")
+    materialise(bare, bare.transformer.h[0], list(bare.transformer.h[0].parameters()),
+                "gpt.transformer.h.0")
+    for (name, ours), theirs in zip(block.named_parameters(),
+                                    bare.transformer.h[0].parameters(), strict=True):
+        assert torch.equal(ours, theirs), name
+    std = gpt2_config().initializer_range
+    assert abs(block.mlp.c_fc.weight.std().item() - std) < std / 4  # HF's normal init
+    materialise(wrapped, wrapped, [wrapped.head.weight, wrapped.head.bias], "<root>")
+    assert wrapped.head.weight.abs().max() <= 32 ** -0.5  # Linear.reset_parameters' bound
+    assert wrapped.head.weight.std() > 0.05

@@ -1,7 +1,7 @@
 """Lightning's DeepSpeed guide with offloadd in DeepSpeedStrategy's place, run by torchrun.
 
     torchrun --nproc-per-node 2 tests/scripts/lightning_guide_run.py --out DIR \
-        --strategy keywords|NAME|ddp
+        --strategy keywords|NAME|ddp [--configure-model] [--init-from FILE]
 
 ``--strategy keywords`` passes ``OffloaddStrategy`` the keywords the guide passes
 ``DeepSpeedStrategy`` for ZeRO-3 on NVMe (``stage=3, offload_optimizer=True,
@@ -9,9 +9,12 @@ offload_parameters=True, remote_device="nvme", offload_params_device="nvme",
 offload_optimizer_device="nvme", nvme_path=...``); any other value goes to
 ``Trainer(strategy=...)`` as a string (``"offloadd_stage_3_offload"``, registered by
 ``import trainer.lightning``, or ``"ddp"``: the reference). A torch AdamW and a per-step
-LambdaLR from ``configure_optimizers``, ``gradient_clip_val``. Rank 0 writes
-``DIR/result.json``: the training loss of every step (mean over ranks) and the warnings
-the run raised.
+LambdaLR from ``configure_optimizers``, ``gradient_clip_val``. ``--configure-model``
+builds the GPT in ``configure_model`` (the guide's "Shard Model Instantly") instead of
+``__init__``; ``--init-from`` loads initial weights saved by such a run. Rank 0 writes
+``DIR/result.json``: the training loss of every step (mean over ranks), the warnings the
+run raised and whether ``configure_model`` built ``meta`` parameters, and
+``DIR/initial.pt``: the weights training started from.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
 parser.add_argument("--strategy", required=True)
 parser.add_argument("--steps", type=int, default=4)
+parser.add_argument("--configure-model", action="store_true")
+parser.add_argument("--init-from", default=None)
 args = parser.parse_args()
 out = Path(args.out)
 SEQ = 16
@@ -46,11 +51,31 @@ warnings.simplefilter("always")
 class LanguageModel(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
+        self.model: GPT2LMHeadModel | None = None
+        self.built_meta: bool | None = None
+        if not args.configure_model:
+            self.build()
+        self.losses: list[float] = []
+
+    def build(self) -> None:
         torch.manual_seed(0)
         self.model = GPT2LMHeadModel(GPT2Config(
             n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=SEQ, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0))
-        self.losses: list[float] = []
+        self.built_meta = all(param.is_meta for param in self.model.parameters())
+        if args.init_from:
+            self.load_state_dict(torch.load(args.init_from, weights_only=True))
+
+    def configure_model(self) -> None:
+        if args.configure_model and self.model is None:
+            self.build()
+
+    def on_train_start(self) -> None:
+        strategy = self.trainer.strategy
+        state = (strategy.consolidated_state_dict() if isinstance(strategy, OffloaddStrategy)
+                 else {name: value.detach().clone() for name, value in self.state_dict().items()})
+        if self.trainer.is_global_zero:
+            torch.save(state, out / "initial.pt")
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss: torch.Tensor = self.model(input_ids=batch, labels=batch).loss
@@ -94,6 +119,7 @@ caught.__exit__(None, None, None)
 if lightning_trainer.is_global_zero:
     (out / "result.json").write_text(json.dumps({
         "strategy": type(lightning_trainer.strategy).__name__,
+        "built_meta": module.built_meta,
         "losses": module.losses,
         "scratch_dirs": ScratchDirs.dirs,
         "warnings": [f"{item.category.__name__}: {item.message}" for item in raised

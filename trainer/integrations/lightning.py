@@ -39,11 +39,13 @@ DeepSpeed strategy hands it to ``deepspeed.initialize``:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,7 @@ from trainer.api import initialize
 from trainer.integrations import ds_facade
 from trainer.integrations.versions import UnsupportedVersionError, check_versions
 from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.zero import init as zero_init
 from trainer.zero.engine import Engine
 
 CHECKPOINT_TAG = "checkpoint"
@@ -84,10 +87,13 @@ class OffloaddStrategy(DDPStrategy):
     ``config`` they build the same DeepSpeed config Lightning would (``stage`` 2 unless
     told; ``offload_optimizer`` / ``offload_parameters`` to ``offload_*_device``, ``cpu``
     by default, with ``nvme_path`` for ``nvme``); ``config`` (a dict or JSON path)
-    replaces them, as there. ``remote_device`` is where DeepSpeed's ``zero.Init``
-    puts parameters while a model is built inside the strategy; Lightning builds it
-    before the strategy here, and the engine then places partitions where
-    ``offload_param.device`` says, so it is checked and kept (``self.remote_device``).
+    replaces them, as there. At stage 3 the modules a LightningModule builds in
+    ``configure_model`` are built under ``trainer.zero.Init`` (the guide's "Shard Model
+    Instantly"; ``model_sharded_context``): their parameters are ``meta`` until the
+    engine materialises them unit by unit, so no rank, host or GPU, ever holds the whole
+    model. ``remote_device`` is where DeepSpeed's ``zero.Init`` puts parameters while
+    they are built; here the engine places partitions where ``offload_param.device``
+    says, so it is checked and kept (``self.remote_device``).
     Buffer, bucket and aio sizes are the daemon's own and pass silently
     (``trainer.deepspeed_features.SILENT_KEYS``). ``load_full_weights`` and
     ``exclude_frozen_parameters`` are not supported and raise when set.
@@ -219,6 +225,31 @@ class OffloaddStrategy(DDPStrategy):
     # --------------------------------------------------------------- setup
 
     @property
+    def _stage_3(self) -> bool:
+        return int(self.config.get("zero_optimization", {}).get("stage", 0)) == 3
+
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Iterator[None]:
+        """Stage 3: no device or empty-init context (``model_sharded_context`` keeps the
+        parameters ``meta`` and the engine initialises them), as DeepSpeed's strategy."""
+        if not self._stage_3:
+            with super().tensor_init_context(empty_init=empty_init):
+                yield
+            return
+        if empty_init is False:
+            raise NotImplementedError("OffloaddStrategy at ZeRO stage 3 initialises the "
+                                      "parameters configure_model builds (zero.Init): "
+                                      "empty_init=False cannot be honoured")
+        yield
+
+    @contextlib.contextmanager
+    def model_sharded_context(self) -> Iterator[None]:
+        """``configure_model`` under ``trainer.zero.Init`` at stage 3 (see the class
+        docstring)."""
+        with zero_init.Init(config_dict_or_path=self.config, enabled=self._stage_3):
+            yield
+
+    @property
     def handles_gradient_accumulation(self) -> bool:
         return True
 
@@ -236,7 +267,7 @@ class OffloaddStrategy(DDPStrategy):
         self.accelerator.setup(trainer_)
         fitting = trainer_.state.fn == TrainerFn.FITTING
         self._release_kept_engine(always=fitting)
-        self.model_to_device()
+        self._module_to_device()
         self.setup_precision_plugin()
         if fitting:
             self._initialize_engine(trainer_)
@@ -245,6 +276,26 @@ class OffloaddStrategy(DDPStrategy):
         else:
             self._initialize_evaluation_engine(trainer_)
         self.barrier()
+
+    def _module_to_device(self) -> None:
+        """``model_to_device``, but at stage 3 the parameters stay where they are: the
+        engine copies each unit to the device as it partitions it, so a model larger than
+        the GPU is never there whole (Lightning's DDP ``model_to_device`` would move all
+        of it first, and fails on the ``meta`` parameters ``configure_model`` built).
+        Buffers go, and so do a kept engine's empty parameters, which Lightning's
+        ``teardown`` moved to the CPU (``model.device`` reads them)."""
+        if not self._stage_3:
+            self.model_to_device()
+            return
+        device = self.root_device
+        assert self.lightning_module is not None
+        for module in self.lightning_module.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and not buffer.is_meta:
+                    module._buffers[name] = buffer.to(device)
+            for param in module.parameters(recurse=False):
+                if not param.is_meta and param.numel() == 0:
+                    param.data = param.data.to(device)
 
     def _release_kept_engine(self, *, always: bool) -> None:
         """Destroy the kept engine (its module keeps the trained weights) where this run

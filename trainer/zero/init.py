@@ -286,19 +286,22 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
     owner: Init | None = next((getattr(p, "_zero_init", None) for p in wanted.values()
                                if getattr(p, "_zero_init", None) is not None), None)
     custom = owner.param_init_fn if owner is not None else None
-    hf_init = getattr(model, "_init_weights", None)
-    init_fn: ParamInitFn | None = custom or (hf_init if callable(hf_init) else None)
+    init_fns = _hf_inits(model, root, seed_name)
     to_init = {key: p for key, p in wanted.items() if key not in kept}
     modules = [m for m in _post_order(root) if any(id(p) in to_init for p in m.parameters())]
-    if init_fn is None:
-        modules = [m for m in modules
-                   if any(id(p) in to_init for p in m.parameters(recurse=False))]
-        for module in modules:
-            if not callable(getattr(module, "reset_parameters", None)):
+    steps: list[Callable[[], None]] = []
+    for module in modules:
+        init_fn = custom or init_fns.get(id(module))
+        if init_fn is not None:
+            steps.append(functools.partial(init_fn, module))
+        elif any(id(p) in to_init for p in module.parameters(recurse=False)):
+            reset = getattr(module, "reset_parameters", None)
+            if not callable(reset):
                 raise ZeroInitError(
                     f"{type(module).__name__} was built under zero.Init but has no "
-                    f"reset_parameters() and the model has no _init_weights(); pass "
+                    f"reset_parameters() and no enclosing model has _init_weights(); pass "
                     f"zero.Init(param_init_fn=...) to initialise it")
+            steps.append(reset)
     for param in wanted.values():
         # A meta tensor cannot take CPU ``.data``; swapping keeps the Parameter object
         # (tied weights, the units' slots and the user's references all stay valid).
@@ -307,13 +310,49 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
         torch.utils.swap_tensors(param, real)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(_unit_seed(owner, seed_name))
-        for module in modules:
-            if init_fn is not None:
-                init_fn(module)
-            else:
-                module.reset_parameters()  # type: ignore[operator]
+        for step in steps:
+            step()
         for key, value in kept.items():  # moved to meta after it was built: its own values
             wanted[key].copy_(value)
+
+
+def _hf_inits(model: nn.Module, root: nn.Module, root_name: str) -> dict[int, ParamInitFn]:
+    """Module -> the HF ``_init_weights`` of the outermost model enclosing it (itself
+    included), for ``root``'s subtree: the root's where it has one (an HF model, as
+    always), else that of the HF model a wrapper holds (a LightningModule's
+    ``configure_model``, a classifier around an HF backbone), not none."""
+    path = [model]
+    if root is not model:
+        try:
+            found = model.get_submodule(root_name)
+        except AttributeError:
+            found = None
+        if found is not root:  # a unit's name is its path; anything else is looked up
+            root_name = next((name for name, module in model.named_modules() if module is root),
+                             "")
+        parts = root_name.split(".") if root_name else []
+        path += [model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts) + 1)]
+        if path[-1] is not root:
+            path.append(root)
+    inherited: ParamInitFn | None = None
+    for module in path[:-1]:
+        inherited = inherited or _own_init(module)
+    inits: dict[int, ParamInitFn] = {}
+
+    def visit(module: nn.Module, current: ParamInitFn | None) -> None:
+        current = current or _own_init(module)
+        if current is not None:
+            inits[id(module)] = current
+        for child in module.children():
+            visit(child, current)
+
+    visit(root, inherited)
+    return inits
+
+
+def _own_init(module: nn.Module) -> ParamInitFn | None:
+    init = getattr(module, "_init_weights", None)
+    return init if callable(init) else None
 
 
 def _return_free_heap() -> None:
