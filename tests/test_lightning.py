@@ -8,7 +8,8 @@ validation, test, each prediction) and final weights match the same script with
 ``strategy="ddp"``; ``fit(ckpt_path=<step-3 checkpoint>)`` repeats the uninterrupted run's
 later losses and weights bit for bit; a fresh process's ``trainer.test(fresh_module,
 ckpt_path=<last checkpoint>)`` and ``predict`` give the first run's test and predictions
-bit for bit."""
+bit for bit; ``convert_zero_checkpoint_to_fp32_state_dict`` makes that checkpoint one file
+a regular LightningModule loads (``load_from_checkpoint``) with the final weights."""
 
 from __future__ import annotations
 
@@ -67,3 +68,31 @@ def test_strategy_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
                       str(tmp_path / "full" / "checkpoints" / "step=6.ckpt")], out)
     evaluated = json.loads((out / "result.json").read_text())
     assert evaluated == {"test": losses["test"], "predict": predictions}
+
+    # The guide's single-file checkpoint, which a regular LightningModule loads
+    from trainer.lightning import convert_zero_checkpoint_to_fp32_state_dict
+
+    single = tmp_path / "single.ckpt"
+    convert_zero_checkpoint_to_fp32_state_dict(tmp_path / "full" / "checkpoints" / "step=6.ckpt",
+                                               single)
+    loaded = language_module().load_from_checkpoint(single).state_dict()
+    assert set(loaded) == set(weights)
+    for name, value in weights.items():
+        assert torch.equal(loaded[name], value), name
+    saved = torch.load(single, weights_only=True)
+    assert saved["global_step"] == 6 and "optimizer_states" not in saved
+
+
+def language_module() -> Any:
+    """The script's LightningModule's shape (``tests/scripts/lightning_run.py``)."""
+    import lightning.pytorch as pl
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    class LanguageModel(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = GPT2LMHeadModel(GPT2Config(
+                n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16,
+                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+    return LanguageModel

@@ -1,6 +1,12 @@
 """``from trainer.lightning import OffloaddStrategy``: Lightning's strategy for offloadd
 (``trainer.integrations.lightning``)."""
 
-from trainer.integrations.lightning import CHECKPOINT_TAG, OffloaddStrategy, UnsupportedVersionError
+from trainer.integrations.lightning import (
+    CHECKPOINT_TAG,
+    OffloaddStrategy,
+    UnsupportedVersionError,
+    convert_zero_checkpoint_to_fp32_state_dict,
+)
 
-__all__ = ["CHECKPOINT_TAG", "OffloaddStrategy", "UnsupportedVersionError"]
+__all__ = ["CHECKPOINT_TAG", "OffloaddStrategy", "UnsupportedVersionError",
+           "convert_zero_checkpoint_to_fp32_state_dict"]

@@ -74,7 +74,8 @@ _PRECISION_KEYS = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16"
 
 check_versions("lightning")
 
-__all__ = ["CHECKPOINT_TAG", "OffloaddStrategy", "UnsupportedVersionError"]
+__all__ = ["CHECKPOINT_TAG", "OffloaddStrategy", "UnsupportedVersionError",
+           "convert_zero_checkpoint_to_fp32_state_dict"]
 
 
 _REMOTE_DEVICES = (None, "cpu", "nvme")
@@ -438,6 +439,32 @@ class OffloaddStrategy(DDPStrategy):
         if self.engine is not None:
             self.model = self.lightning_module
         super().teardown()
+
+
+def convert_zero_checkpoint_to_fp32_state_dict(
+        checkpoint_dir: str | os.PathLike[str], output_file: str | os.PathLike[str],
+        tag: str | None = None) -> dict[str, Any]:
+    """Lightning's ``lightning.pytorch.utilities.deepspeed`` function of that name, for an
+    ``OffloaddStrategy`` checkpoint: one file holding the whole fp32 ``state_dict`` and
+    Lightning's other keys (epoch, loops, callbacks, hyper-parameters), which
+    ``LightningModule.load_from_checkpoint`` and regular strategies load. As there, the
+    optimizer and LR scheduler states are left out, so ``fit(ckpt_path=...)`` cannot
+    resume from it. Reads one unit at a time, without torch.distributed; returns what it
+    wrote."""
+    from trainer.state.export import iter_units, rank_file
+
+    directory = Path(checkpoint_dir)
+    tag = tag or CHECKPOINT_TAG
+    state: dict[str, torch.Tensor] = {}
+    for _, tensors in iter_units(directory, tag):
+        state.update(tensors)
+    client_state = torch.load(rank_file(directory / tag, 0), mmap=True, weights_only=True,
+                              map_location="cpu")["client_state"]
+    checkpoint = {key: value for key, value in client_state.items()
+                  if key not in ("optimizer_states", "lr_schedulers")}
+    checkpoint["state_dict"] = state
+    torch.save(checkpoint, output_file)
+    return checkpoint
 
 
 def _client_optimizer(module: LightningModule) -> tuple[torch.optim.Optimizer, list[Any]]:
