@@ -74,3 +74,28 @@ def test_registered_names_mean_what_deepspeeds_do() -> None:
         OffloaddStrategy(remote_device="gpu")
     with pytest.raises(ValueError, match="exclude_frozen_parameters"):
         OffloaddStrategy(exclude_frozen_parameters=True)
+
+
+def test_a_config_file_from_the_environment_or_a_path(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PL_DEEPSPEED_CONFIG_PATH`` stands in for ``config=`` as with DeepSpeedStrategy; a
+    path that cannot be read, or is not JSON, is refused naming where it came from."""
+    from trainer.lightning import OffloaddStrategy
+
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}},
+              "bf16": {"enabled": True}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(path))
+    assert OffloaddStrategy().config == config
+    assert OffloaddStrategy(stage=1).config == config  # keywords are ignored, as there
+    assert OffloaddStrategy(config={"zero_optimization": {"stage": 1}}).config == {
+        "zero_optimization": {"stage": 1}}
+    monkeypatch.setenv("PL_DEEPSPEED_CONFIG_PATH", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match=r"PL_DEEPSPEED_CONFIG_PATH names .*missing.json"):
+        OffloaddStrategy()
+    monkeypatch.delenv("PL_DEEPSPEED_CONFIG_PATH")
+    (tmp_path / "bad.json").write_text("{stage: 3")
+    with pytest.raises(ValueError, match=r"config names .*bad.json, which is not JSON"):
+        OffloaddStrategy(config=str(tmp_path / "bad.json"))
+    assert OffloaddStrategy().config["zero_optimization"]["stage"] == 2

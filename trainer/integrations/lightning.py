@@ -66,6 +66,9 @@ from trainer.zero import init as zero_init
 from trainer.zero.engine import Engine
 
 CHECKPOINT_TAG = "checkpoint"
+CONFIG_ENV = "PL_DEEPSPEED_CONFIG_PATH"
+"""A JSON config path used when ``config`` is not given, as Lightning's DeepSpeed strategy
+uses it (``PL_DEEPSPEED_CONFIG_PATH=ds.json python train.py``)."""
 
 _log = logging.getLogger("offloadd.lightning")
 
@@ -88,7 +91,8 @@ class OffloaddStrategy(DDPStrategy):
     ``config`` they build the same DeepSpeed config Lightning would (``stage`` 2 unless
     told; ``offload_optimizer`` / ``offload_parameters`` to ``offload_*_device``, ``cpu``
     by default, with ``nvme_path`` for ``nvme``); ``config`` (a dict or JSON path)
-    replaces them, as there. At stage 3 the modules a LightningModule builds in
+    replaces them, as there, and so does a JSON file named by ``PL_DEEPSPEED_CONFIG_PATH``
+    when ``config`` is not given. At stage 3 the modules a LightningModule builds in
     ``configure_model`` are built under ``trainer.zero.Init`` (the guide's "Shard Model
     Instantly"; ``model_sharded_context``): their parameters are ``meta`` until the
     engine materialises them unit by unit, so no rank, host or GPU, ever holds the whole
@@ -151,6 +155,9 @@ class OffloaddStrategy(DDPStrategy):
                              "loss_scale_window": loss_scale_window, "hysteresis": hysteresis,
                              "min_loss_scale": min_loss_scale}
         """fp16's loss scaling, for ``precision="16-mixed"`` without a config ``fp16``."""
+        source = "config"
+        if config is None and os.environ.get(CONFIG_ENV):
+            config, source = os.environ[CONFIG_ENV], CONFIG_ENV  # as DeepSpeedStrategy reads it
         if config is None:
             config = _default_config(
                 zero_optimization=zero_optimization, stage=stage,
@@ -178,7 +185,7 @@ class OffloaddStrategy(DDPStrategy):
                 zero_allow_untested_optimizer=zero_allow_untested_optimizer,
                 logging_batch_size_per_gpu=logging_batch_size_per_gpu)
         elif isinstance(config, (str, os.PathLike)):
-            config = json.loads(Path(config).read_text(encoding="utf-8"))
+            config = _read_config(Path(config), source)
         if not isinstance(config, dict):
             raise ValueError("OffloaddStrategy(config=...) takes a DeepSpeed-style config dict "
                              f"or a JSON path, got {type(config).__name__}")
@@ -465,6 +472,17 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     checkpoint["state_dict"] = state
     torch.save(checkpoint, output_file)
     return checkpoint
+
+
+def _read_config(path: Path, source: str) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ValueError(f"OffloaddStrategy: {source} names {path}, which cannot be read "
+                         f"({error.strerror}): pass an existing DeepSpeed JSON config") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"OffloaddStrategy: {source} names {path}, which is not JSON "
+                         f"({error})") from None
 
 
 def _client_optimizer(module: LightningModule) -> tuple[torch.optim.Optimizer, list[Any]]:
