@@ -67,7 +67,13 @@ def test_strategy_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
     torchrun(SCRIPT, ["--out", str(out), "--mode", "offloadd", "--evaluate",
                       str(tmp_path / "full" / "checkpoints" / "step=6.ckpt")], out)
     evaluated = json.loads((out / "result.json").read_text())
-    assert evaluated == {"test": losses["test"], "predict": predictions}
+    assert evaluated == {"test": losses["test"], "predict": predictions,
+                         "second": predictions, "first_closed": True}
+    # the second Trainer's run destroyed the first's idle engine: its module holds the
+    # checkpoint's (the final) weights, whole
+    first = torch.load(out / "first.pt", weights_only=True)
+    for name, value in weights.items():
+        assert torch.equal(first[name], value), name
 
     # The guide's single-file checkpoint, which a regular LightningModule loads
     from trainer.lightning import convert_zero_checkpoint_to_fp32_state_dict

@@ -14,9 +14,11 @@ it, as Lightning's DeepSpeed guide goes on: ``trainer.test()`` (the
 "best" checkpoint, i.e. the last one), ``trainer.predict()`` and ``trainer.validate(model)``
 (the module's weights as fit left them). ``--evaluate CKPT`` instead runs only
 ``trainer.test(fresh_module, ckpt_path=CKPT)`` and ``trainer.predict(that_module)``, as a
-fresh process would. Rank 0 writes ``DIR/result.json`` (training and validation losses per
-step, ``test``, ``validate`` and rank 0's ``predict`` losses) and, after ``fit``,
-``DIR/final.pt`` (the full fp32 weights at the end of training).
+fresh process would, then ``predict`` of a second Trainer over a second module; rank 0
+saves the first module's weights to ``DIR/first.pt`` after that. Rank 0 writes
+``DIR/result.json`` (training and validation losses per step, ``test``, ``validate`` and
+rank 0's ``predict`` losses) and, after ``fit``, ``DIR/final.pt`` (the full fp32 weights at
+the end of training).
 """
 
 from __future__ import annotations
@@ -116,12 +118,18 @@ else:
     strategy = "ddp"
 checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}",
                               every_n_train_steps=3, save_top_k=-1)
-lightning_trainer = pl.Trainer(
-    accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
-    max_steps=args.steps, precision=args.precision, gradient_clip_val=0.5,
-    val_check_interval=3, check_val_every_n_epoch=None, num_sanity_val_steps=0,
-    callbacks=[checkpoints], logger=False, enable_progress_bar=False,
-    enable_model_summary=False, use_distributed_sampler=True)
+
+
+def make_trainer(strategy: Any, callbacks: list[Any]) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        strategy=strategy, max_steps=args.steps, precision=args.precision,
+        gradient_clip_val=0.5, val_check_interval=3, check_val_every_n_epoch=None,
+        num_sanity_val_steps=0, callbacks=callbacks, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, use_distributed_sampler=True)
+
+
+lightning_trainer = make_trainer(strategy, [checkpoints])
 module = LanguageModel()
 if args.evaluate is None:
     if args.ckpt_path is None:  # a baseline first, as scripts do before training
@@ -137,6 +145,16 @@ else:
     module.losses["test"] = lightning_trainer.test(
         module, dataloaders=loader(3, 8), ckpt_path=args.evaluate)[0]["test_loss"]
     module.losses["predict"] = lightning_trainer.predict(module, dataloaders=loader(4, 4))
+    # A second Trainer and module in the same process (a sweep): the first engine, idle
+    # now, is destroyed as the second one starts, and leaves its module whole
+    first = lightning_trainer.strategy.engine
+    second = make_trainer(OffloaddStrategy(config=lightning_trainer.strategy.config), [])
+    module.losses["second"] = second.predict(LanguageModel(), dataloaders=loader(4, 4),
+                                             ckpt_path=args.evaluate)
+    module.losses["first_closed"] = first.closed
+    if lightning_trainer.is_global_zero:
+        torch.save({name: value.detach().clone() for name, value in module.state_dict().items()},
+                   out / "first.pt")
 if lightning_trainer.is_global_zero:
     (out / "result.json").write_text(json.dumps(module.losses))
 

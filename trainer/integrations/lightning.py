@@ -32,9 +32,11 @@ DeepSpeed strategy hands it to ``deepspeed.initialize``:
   the module's weights, as DeepSpeed's partitions do) and evaluates it, reading a
   ``ckpt_path`` checkpoint first where one is given or chosen ("best"); a module
   no engine holds (``trainer.test(model, ckpt_path=...)`` in a fresh process)
-  gets one built for it. A later ``fit`` over the module takes over from the
-  kept engine; one over another module destroys it first (its module keeps the
-  weights); the process's exit closes it.
+  gets one built for it. A later ``fit``, or a run over another module, destroys
+  the kept engine first (its module keeps the weights); the process's exit
+  closes it. A process keeps one such idle engine at most: a run of any other
+  strategy destroys it first (a sweep that builds a Trainer per trial holds one
+  trial's daemon job and arena, not all of them).
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ CONFIG_ENV = "PL_DEEPSPEED_CONFIG_PATH"
 uses it (``PL_DEEPSPEED_CONFIG_PATH=ds.json python train.py``)."""
 
 _log = logging.getLogger("offloadd.lightning")
+
+_KEPT: list[OffloaddStrategy] = []
+"""The strategy whose engine outlived its last run (``teardown``): one at most per process,
+destroyed when another strategy runs."""
 
 _PRECISION_KEYS = {"bf16-mixed": "bf16", "bf16-true": "bf16", "16-mixed": "fp16",
                    "16-true": "fp16"}
@@ -274,6 +280,8 @@ class OffloaddStrategy(DDPStrategy):
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer_)
         fitting = trainer_.state.fn == TrainerFn.FITTING
+        for other in [strategy for strategy in _KEPT if strategy is not self]:
+            other._destroy_engine()
         self._release_kept_engine(always=fitting)
         self._module_to_device()
         self.setup_precision_plugin()
@@ -311,8 +319,14 @@ class OffloaddStrategy(DDPStrategy):
         the module whole; at stage 3 the engine holds its parameters empty, so groups
         chosen by shape, as no-decay groups are, would all come out one)."""
         if self.engine is not None and (always or self.engine.module is not self.lightning_module):
+            self._destroy_engine()
+
+    def _destroy_engine(self) -> None:
+        if self.engine is not None:
             self.engine.destroy()
             self.engine = None
+        if self in _KEPT:
+            _KEPT.remove(self)
 
     def _initialize_engine(self, trainer_: LightningTrainer) -> None:
         module = self.lightning_module
@@ -445,6 +459,8 @@ class OffloaddStrategy(DDPStrategy):
         see the module docstring); ``self.model`` is the LightningModule again."""
         if self.engine is not None:
             self.model = self.lightning_module
+            if self not in _KEPT:
+                _KEPT.append(self)
         super().teardown()
 
 
