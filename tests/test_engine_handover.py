@@ -87,6 +87,36 @@ def test_a_model_handed_to_a_new_engine_trains_on_from_its_weights(stage: int,
         assert torch.equal(result["whole"][name], result["continued"][name]), name
 
 
+def handover_copies(rank: int, world: int) -> dict[str, Any]:
+    """A stage-3 handover: the weights come back whole on rank 0 only."""
+    model = make_model(0)
+    config = base_config(zero_optimization={"stage": 3})
+    first, _, _, _ = trainer.initialize(model=model, config=config)
+    _train(first, rank, range(2))
+    trained = consolidate_fp32_state_dict(first)
+    first.destroy(handover=True)
+    meta = [param.is_meta for param in model.parameters()]
+    second, _, _, _ = trainer.initialize(model=model, config=config)
+    taken_over = consolidate_fp32_state_dict(second)
+    second.destroy()
+    return {"meta": meta, "trained": trained, "taken_over": taken_over,
+            "whole": {name: value.detach().clone() for name, value in model.state_dict().items()}}
+
+
+def test_a_handover_holds_one_copy_of_the_model_on_the_host() -> None:
+    """``initialize`` over a model an open engine trains destroys it with ``handover``: the
+    ranks other than 0 get ``meta`` parameters instead of a whole copy each, and the new
+    engine still takes over the trained weights bit for bit (then ``destroy`` gives every
+    rank the whole module)."""
+    ranks = run_ranks(handover_copies, 2)
+    assert ranks[0]["meta"] and not any(ranks[0]["meta"])
+    assert all(ranks[1]["meta"])
+    for name, value in ranks[0]["trained"].items():
+        assert torch.equal(ranks[0]["taken_over"][name], value), name
+        for rank in ranks:
+            assert torch.equal(rank["whole"][name], value), name
+
+
 def close_then_reuse(rank: int, world: int) -> str:
     model = make_model(0)
     engine, _, _, _ = trainer.initialize(model=model, config=base_config(

@@ -114,7 +114,7 @@ def _release_previous_engines(model: nn.Module) -> None:
                 "load them again (a new model, or load_checkpoint after initialize)")
     for engine in previous:
         log.info("handing the model over from an earlier engine: destroying it first")
-        engine.destroy()
+        engine.destroy(handover=True)
 
 
 def _build_backend(config: EngineConfig, collectives: Collectives,

@@ -319,11 +319,12 @@ class OffloaddStrategy(DDPStrategy):
         the module whole; at stage 3 the engine holds its parameters empty, so groups
         chosen by shape, as no-decay groups are, would all come out one)."""
         if self.engine is not None and (always or self.engine.module is not self.lightning_module):
-            self._destroy_engine()
+            # fit builds the next engine over this very module: a handover
+            self._destroy_engine(handover=always and self.engine.module is self.lightning_module)
 
-    def _destroy_engine(self) -> None:
+    def _destroy_engine(self, *, handover: bool = False) -> None:
         if self.engine is not None:
-            self.engine.destroy()
+            self.engine.destroy(handover=handover)
             self.engine = None
         if self in _KEPT:
             _KEPT.remove(self)

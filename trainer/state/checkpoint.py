@@ -66,6 +66,7 @@ from trainer.state.export import (
 from trainer.state.hf_checkpoint import path_inside
 from trainer.state.reshard import check_reshardable, load_resharded
 from trainer.zero.engine import Engine
+from trainer.zero.init import handover_owner, unmaterialise
 
 FULL_RESTORE = {"load_module_strict": True, "load_optimizer_states": True,
                 "load_lr_scheduler_states": True, "load_module_only": False}
@@ -261,23 +262,27 @@ def consolidate_fp32_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
     return result if engine.collectives.rank == 0 else {}
 
 
-def restore_module(engine: Engine) -> None:
+def restore_module(engine: Engine, *, handover: bool = False) -> None:
     """Put the trained weights back into a stage-3 module's parameters, whole, on the host,
     in each parameter's dtype (from the fp32 masters), and unlink them from the engine: what
     DeepSpeed's ``engine.destroy()`` leaves, a module a new engine can take (HF Trainer's
     next ``train()``, Accelerate's ``free_memory``). Stages 0-2 keep whole parameters in
-    the module all along. Collective: every rank calls it, and gets every weight."""
+    the module all along. Collective: every rank calls it, and gets every weight; with
+    ``handover`` only rank 0 does, and the other ranks' parameters become ``meta`` for the
+    next engine to fill from rank 0 (``Engine.destroy``)."""
     if engine.config.zero_optimization.stage != 3:
         return
+    owner = handover_owner() if handover and engine.collectives.rank != 0 else None
     for unit in engine.units:
         full = _gather_master(engine, unit)
         for slot in unit.slots:
             param = slot.param
-            param.data = full.narrow(0, slot.offset, slot.numel).view(slot.shape).to(
-                param.dtype, copy=True)
             for link in ("_zero_engine", "_zero_unit"):
                 if hasattr(param, link):
                     delattr(param, link)
+            if owner is None or not unmaterialise(param, slot.shape, owner):
+                param.data = full.narrow(0, slot.offset, slot.numel).view(slot.shape).to(
+                    param.dtype, copy=True)
 
 
 def _gather_master(engine: Engine, unit: Any) -> torch.Tensor:

@@ -34,8 +34,8 @@ class EngineStateIO:
         checkpoint.check_full_restore(deepspeed_options)
         return checkpoint.load_checkpoint(engine, load_dir, tag)
 
-    def restore_module(self, engine: Engine) -> None:
-        checkpoint.restore_module(engine)
+    def restore_module(self, engine: Engine, *, handover: bool = False) -> None:
+        checkpoint.restore_module(engine, handover=handover)
 
     def save_16bit_model(self, engine: Engine, save_dir: str | os.PathLike[str],
                          save_filename: str, exclude_frozen_parameters: bool, *,

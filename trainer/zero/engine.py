@@ -99,8 +99,9 @@ class StateIO(Protocol):
                          save_filename: str, exclude_frozen_parameters: bool, *,
                          max_shard_size: int | str) -> bool: ...
 
-    def restore_module(self, engine: Engine) -> None:
-        """Stage 3: the trained weights back into the module's parameters, whole."""
+    def restore_module(self, engine: Engine, *, handover: bool = False) -> None:
+        """Stage 3: the trained weights back into the module's parameters, whole (on rank 0
+        only with ``handover``: the others' become ``meta``, for the next engine)."""
         ...
 
 
@@ -465,17 +466,23 @@ class Engine(nn.Module):
                                               exclude_frozen_parameters,
                                               max_shard_size=max_shard_size)
 
-    def destroy(self) -> None:
+    def destroy(self, *, handover: bool = False) -> None:
         """DeepSpeed's ``engine.destroy()``: release the engine as ``close`` does, and leave
         its module whole, holding the trained weights (stage 3 writes them back from the
         fp32 masters, on the host), so a new engine can train it again: HF Trainer calls it
         (through Accelerate's ``free_memory``) at the start of each ``train()``, of every
         hyperparameter-search trial and of each ``auto_find_batch_size`` retry; ``close``
         leaves a stage-3 module's parameters empty. Collective: every rank calls it. A
-        closed engine has nothing left to restore."""
+        closed engine has nothing left to restore.
+
+        ``handover``: a new engine over the module comes next (``initialize`` over a model
+        an open engine trains): stage 3 writes the weights back on rank 0 only and turns
+        the other ranks' parameters ``meta``, as ``zero.Init`` builds them; the new engine
+        gives them storage unit by unit and broadcasts rank 0's values over them. A node
+        then holds one copy of the model on the host at the handover, not one per rank."""
         if self.closed:
             return
-        self.state_io.restore_module(self)
+        self.state_io.restore_module(self, handover=handover)
         self.close()
 
     def close(self) -> None:

@@ -410,6 +410,33 @@ def materialise_unit(model: nn.Module, unit: Unit, collectives: Collectives,
 # before initialize
 
 
+def unmaterialise(param: nn.Parameter, shape: torch.Size, owner: Init) -> bool:
+    """Make ``param`` a ``meta`` tensor of ``shape`` (a released stage-3 parameter is empty),
+    as if ``owner`` had built it: the next ``initialize`` gives it storage with its unit
+    (``owner``'s init, then rank 0's values broadcast over it). False, with ``param`` left
+    as it was, where torch cannot swap it (someone holds a weak reference to it)."""
+    meta = nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
+                        requires_grad=param.requires_grad)
+    attributes = dict(param.__dict__)
+    try:
+        torch.utils.swap_tensors(param, meta)
+    except RuntimeError:
+        return False
+    param.__dict__.update(attributes)
+    param._zero_init = owner  # type: ignore[attr-defined]
+    return True
+
+
+def handover_owner() -> Init:
+    """The ``Init`` of parameters an engine handed over ``meta``: no init of their own,
+    since rank 0's values are broadcast over them."""
+    return Init(config_dict_or_path={}, param_init_fn=_leave_uninitialised)
+
+
+def _leave_uninitialised(_module: nn.Module) -> None:
+    """``handover_owner``'s init: nothing (the broadcast fills the parameters)."""
+
+
 def unmaterialised(param: torch.Tensor) -> bool:
     """Built under ``zero.Init`` and still on ``meta``: ``initialize`` gives it its values."""
     return param.is_meta and getattr(param, "_zero_init", None) is not None
