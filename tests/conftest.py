@@ -184,21 +184,6 @@ def pytest_configure(config: pytest.Config) -> None:
     multiprocessing.util.get_temp_dir()
 
 
-LONGEST_FIRST = ("test_accelerate.py", "test_node_memory.py", "test_hf_trainer.py",
-                 "test_lightning.py", "test_lightning_strategy.py", "test_examples.py",
-                 "test_bench_train_step.py", "test_crash_kill.py", "test_adversity_soak.py",
-                 "test_journey.py", "test_engine_models.py", "test_twin_memory_training.py",
-                 "test_engine_parity.py")
-"""The suite's longest files (``--durations``, 2 cores, ``-n 3``), collected first:
-``--dist loadfile`` hands files out in collection order, so one started last no longer
-keeps a worker busy minutes after the others finish. Only the order changes."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
-
-
 @pytest.fixture(autouse=True)
 def test_tmpdir(monkeypatch: pytest.MonkeyPatch,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
