@@ -281,6 +281,19 @@ def base_config(**overrides: Any) -> dict[str, Any]:
     return config
 
 
+def with_offload(config: dict[str, Any], device: str, socket_path: str, job: str,
+                 arena_size: int = 8 << 20) -> dict[str, Any]:
+    """``config`` with its optimizer (and at stage 3 its parameters) offloaded to ``device``
+    in job ``job`` of the daemon at ``socket_path``; unchanged for ``device`` "none"."""
+    if device != "none":
+        zero = config["zero_optimization"]
+        zero["offload_optimizer"] = {"device": device}
+        if zero["stage"] == 3:
+            zero["offload_param"] = {"device": device}
+        config["offloadd"] = {"socket": socket_path, "job": job, "arena_size": arena_size}
+    return config
+
+
 def reference_train(config: dict[str, Any], steps: int, world_size: int,
                     seed: int = 0) -> dict[str, torch.Tensor]:
     """Single-process torch.optim.AdamW on the union of every rank's micro-batches."""

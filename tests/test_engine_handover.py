@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import base_config, make_batch, make_model, run_ranks, shared_daemon
+from _dist import base_config, make_batch, make_model, run_ranks, shared_daemon, with_offload
 
 import trainer
 from trainer.state.checkpoint import consolidate_fp32_state_dict
@@ -27,14 +27,8 @@ CASES = [(3, "cpu"), (3, "none"), (2, "cpu"), (1, "none")]
 
 
 def _config(stage: int, offload: str, socket_path: str, job: str) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": stage}
-    config = base_config(zero_optimization=zero, gradient_clipping=0.5)
-    if offload != "none":
-        zero["offload_optimizer"] = {"device": offload}
-        if stage == 3:
-            zero["offload_param"] = {"device": offload}
-        config["offloadd"] = {"socket": socket_path, "job": job, "arena_size": 8 << 20}
-    return config
+    config = base_config(zero_optimization={"stage": stage}, gradient_clipping=0.5)
+    return with_offload(config, offload, socket_path, job)
 
 
 def _train(engine: Any, rank: int, steps: range) -> None:

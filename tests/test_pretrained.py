@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import lm_tokens, run_ranks, shared_daemon
+from _dist import lm_tokens, run_ranks, shared_daemon, with_offload
 from safetensors import safe_open
 
 import trainer
@@ -73,17 +73,11 @@ def save_checkpoints(root: Path) -> dict[str, Path]:
 
 
 def ds_config(stage: int, device: str, socket_path: str, job: str) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": stage}
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2, "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0}},
-        "zero_optimization": zero}
-    if device != "none":
-        zero["offload_optimizer"] = {"device": device}
-        if stage == 3:
-            zero["offload_param"] = {"device": device}
-        config["offloadd"] = {"socket": socket_path, "job": job, "arena_size": 8 << 20}
-    return config
+        "zero_optimization": {"stage": stage}}
+    return with_offload(config, device, socket_path, job)
 
 
 # (name, model, checkpoint, how, stage, offload device)

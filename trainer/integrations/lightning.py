@@ -475,15 +475,9 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     optimizer and LR scheduler states are left out, so ``fit(ckpt_path=...)`` cannot
     resume from it. Reads one unit at a time, without torch.distributed; returns what it
     wrote."""
-    from trainer.state.export import iter_units, rank_file
+    from trainer.state.export import consolidate_checkpoint
 
-    directory = Path(checkpoint_dir)
-    tag = tag or CHECKPOINT_TAG
-    state: dict[str, torch.Tensor] = {}
-    for _, tensors in iter_units(directory, tag):
-        state.update(tensors)
-    client_state = torch.load(rank_file(directory / tag, 0), mmap=True, weights_only=True,
-                              map_location="cpu")["client_state"]
+    state, client_state = consolidate_checkpoint(checkpoint_dir, tag or CHECKPOINT_TAG)
     checkpoint = {key: value for key, value in client_state.items()
                   if key not in ("optimizer_states", "lr_schedulers")}
     checkpoint["state_dict"] = state

@@ -348,6 +348,23 @@ def iter_units(save_dir: str | os.PathLike[str], tag: str | None = None,
     return _iter_units(meta, ranks, dtype)
 
 
+def consolidate_checkpoint(save_dir: str | os.PathLike[str], tag: str | None = None,
+                           dtype: torch.dtype = torch.float32
+                           ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The checkpoint's whole state dict (tied tensors once per name, as one object) and
+    rank 0's ``client_state``, read once."""
+    _, meta, ranks = _open_checkpoint(save_dir, tag)
+    return _state_dict(meta, ranks, dtype), ranks[0].get("client_state", {})
+
+
+def _state_dict(meta: dict[str, Any], ranks: list[dict[str, Any]],
+                dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for _, tensors in _iter_units(meta, ranks, dtype):
+        state.update(tensors)
+    return state
+
+
 def _iter_units(meta: dict[str, Any], ranks: list[dict[str, Any]],
                 dtype: torch.dtype) -> Iterator[tuple[int, dict[str, Any]]]:
     for unit, slots in zip(meta["units"], meta["layout"], strict=True):
@@ -393,11 +410,8 @@ def export_checkpoint(save_dir: str | os.PathLike[str], out: str | os.PathLike[s
     out = Path(out)
     tag_dir, meta, ranks = _open_checkpoint(save_dir, tag)
     if out.suffix in (".bin", ".pt", ".pth"):
-        state: dict[str, torch.Tensor] = {}
-        for _, tensors in _iter_units(meta, ranks, dtype):
-            state.update(tensors)
         out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(state, out)
+        torch.save(_state_dict(meta, ranks, dtype), out)
         return out
     fmt = weights_format(weights_name)
     element = torch.empty(0, dtype=dtype).element_size()
