@@ -4,12 +4,16 @@ Each example draws ZeRO stage 0-3 x offload none / cpu / nvme x Twin-Flow's ``ra
 the moments' ``state_dtype`` x speculative steps x fp32 / bf16 / fp16 (with an initial
 loss scale that overflows, or not) x gradient accumulation 1 / 2 x clipping x an LR
 schedule x a job arena that holds the state or one that forces swapping x the step the
-checkpoint is saved at. On 2 gloo ranks (one pair of long-lived rank processes, one
-shared daemon) an engine trains ``STEPS`` steps and saves a checkpoint after ``save_at``
-of them; a fresh engine (another model's initial weights, another daemon job) loads it
-and trains the rest. The resumed run must equal the uninterrupted one bit for bit: every
-loss after the save, the fp32 master weights, the Adam moments, the step counts, the
-learning rate and the loss scale.
+checkpoint is saved at x frozen parameters (left out of the checkpoint, as HF Trainer
+saves a PEFT run's) x what is loaded (DeepSpeed's ``load_checkpoint`` options). On 2 gloo
+ranks (one pair of long-lived rank processes, one shared daemon) an engine trains
+``STEPS`` steps and saves a checkpoint after ``save_at`` of them; a fresh engine (another
+model's initial weights, the same frozen base; another daemon job) loads it and trains the
+rest. A full load must equal the uninterrupted run bit for bit: every loss after the save,
+the fp32 master weights, the Adam moments, the step counts, the learning rate and the loss
+scale. A partial load (``load_optimizer_states=False``, ``load_module_only=True``) must
+give the checkpoint's weights and keep the fresh engine's own optimizer state, compared
+with both engines' checkpoint files.
 
 CI runs a fixed, seeded sample (``derandomize``) of ``OFFLOADD_PROPERTY_EXAMPLES``
 examples (default 5) plus the explicit ``@example`` cases; set the variable higher for a
@@ -60,6 +64,11 @@ class Case:
     schedule: bool
     tight_arena: bool
     save_at: int
+    frozen: bool = False
+    """The input layer and first block are frozen and left out of the checkpoint
+    (``exclude_frozen_parameters``); the checkpoint loads with ``load_module_strict=False``."""
+    load: str = "full"
+    """full | weights (``load_optimizer_states=False``) | module (``load_module_only``)."""
     resume_offload: str = ""
     """Where the resumed engine offloads ("": where the saving one did). A checkpoint holds
     fp32 master weights and moments whatever the device, so DeepSpeed users move a run
@@ -103,13 +112,29 @@ def cases(draw: Any) -> Case:
                 schedule=draw(st.booleans()),
                 tight_arena=offload == "nvme" and draw(st.booleans()),
                 save_at=draw(st.integers(1, STEPS - 1)),
+                frozen=draw(st.booleans()), load=draw(st.sampled_from(list(LOADS))),
                 resume_offload=draw(st.sampled_from(["", "none", "cpu", "nvme"]))
                 if stage and state_dtype == "fp32" else "")
 
 
-def make_model(seed: int) -> TinyNet:
+LOADS: dict[str, dict[str, bool]] = {
+    "full": {}, "weights": {"load_optimizer_states": False},
+    "module": {"load_module_only": True}}
+
+
+def make_model(seed: int, case: Case) -> TinyNet:
+    """TinyNet from ``seed``; with ``case.frozen`` its input layer and first block are seed
+    0's and frozen (the base model every run of a fine-tune shares)."""
     torch.manual_seed(seed)
-    return TinyNet(width=WIDTH)
+    model = TinyNet(width=WIDTH)
+    if case.frozen:
+        torch.manual_seed(0)
+        base = TinyNet(width=WIDTH)
+        for name in ("inp", "blocks.0"):
+            part, base_part = model.get_submodule(name), base.get_submodule(name)
+            part.load_state_dict(base_part.state_dict())
+            part.requires_grad_(False)
+    return model
 
 
 def ds_config(case: Case, swap_dir: str, socket_path: str, job: str) -> dict[str, Any]:
@@ -160,11 +185,15 @@ def _train(engine: Any, rank: int, steps: range) -> list[float]:
 def _summary(engine: Any, rank: int, losses: list[float], save_dir: Path) -> dict[str, Any]:
     """What the run ended with: losses, counters, and this rank's whole checkpoint file
     (fp32 master, Adam moments in their stored format, loss scaler, scheduler)."""
-    engine.save_checkpoint(save_dir, tag="end")
     return {"losses": losses, "global_steps": engine.global_steps, "lr": engine.get_lr(),
             "loss_scale": engine.loss_scale, "adam_steps": engine.optimizer.step_count,
-            "checkpoint": torch.load(save_dir / "end" / f"rank_{rank:05d}.pt",
-                                     weights_only=False)}
+            "checkpoint": _rank_file(engine, rank, save_dir)}
+
+
+def _rank_file(engine: Any, rank: int, save_dir: Path) -> dict[str, Any]:
+    """This rank's file of a whole checkpoint the engine writes now (frozen units in)."""
+    engine.save_checkpoint(save_dir, tag="t")
+    return dict(torch.load(save_dir / "t" / f"rank_{rank:05d}.pt", weights_only=False))
 
 
 def round_trip(rank: int, world: int, shared: SharedDaemon, case_fields: dict[str, Any]
@@ -175,10 +204,11 @@ def round_trip(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
     shared.examples += 1
     save_dir = Path(shared.shared_dir) / f"ckpt{shared.examples}"
     config = ds_config(case, shared.shared_dir, shared.socket_path, f"s{shared.examples}")
-    engine, _, _, _ = trainer.initialize(model=make_model(0), config=config)
+    engine, _, _, _ = trainer.initialize(model=make_model(0, case), config=config)
     try:
         _train(engine, rank, range(case.save_at))
-        engine.save_checkpoint(save_dir, client_state={"at": case.save_at})
+        engine.save_checkpoint(save_dir, client_state={"at": case.save_at},
+                               exclude_frozen_parameters=case.frozen)
         straight = _summary(engine, rank, _train(engine, rank, range(case.save_at, STEPS)),
                             save_dir / "straight")
         stats = engine.offload_stats() if case.offload != "none" else {}
@@ -186,10 +216,18 @@ def round_trip(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
         engine.close()
     config = ds_config(case.resumed(), shared.shared_dir, shared.socket_path,
                        f"r{shared.examples}")
-    fresh, _, _, _ = trainer.initialize(model=make_model(1), config=config)
+    fresh, _, _, _ = trainer.initialize(model=make_model(1, case), config=config)
+    loaded: dict[str, Any] = {}
     try:
-        path, client_state = fresh.load_checkpoint(save_dir)
+        if case.load != "full":
+            loaded["before"] = _rank_file(fresh, rank, save_dir / "before")
+            loaded["saved"] = torch.load(save_dir / f"global_step{case.save_at}"
+                                         / f"rank_{rank:05d}.pt", weights_only=False)
+        path, client_state = fresh.load_checkpoint(save_dir, load_module_strict=not case.frozen,
+                                                   **LOADS[case.load])
         assert path is not None and client_state == {"at": case.save_at}
+        if case.load != "full":
+            loaded["after"] = _rank_file(fresh, rank, save_dir / "after")
         resumed = _summary(fresh, rank, _train(fresh, rank, range(case.save_at, STEPS)),
                            save_dir / "resumed")
     finally:
@@ -199,7 +237,7 @@ def round_trip(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
         shutil.rmtree(save_dir, ignore_errors=True)
     swapped = {key: value for key, value in stats.items()
                if "swap" in key or "nvme" in key or "evict" in key}
-    return {"straight": straight, "resumed": resumed, "swapped": swapped}
+    return {"straight": straight, "resumed": resumed, "swapped": swapped, "loaded": loaded}
 
 
 # ------------------------------------------------------------------ parent side
@@ -241,6 +279,29 @@ def assert_same(straight: Any, resumed: Any, where: str, close: float = 0.0) -> 
         assert straight == resumed, f"{where}: {straight!r} vs {resumed!r}"
 
 
+def assert_partial_load(loaded: dict[str, Any], case: Case, where: str) -> None:
+    """After a partial load the weights are the checkpoint's (``saved``) and the rest the
+    fresh engine's own (``before``), as DeepSpeed's options say (``LoadOptions``)."""
+    before, saved, after = loaded["before"], loaded["saved"], loaded["after"]
+    assert sorted(after["units"]) == sorted(before["units"]), where
+    for index, state in after["units"].items():
+        source = saved["units"].get(index)
+        assert source is not None or case.frozen, f"{where}: unit {index} not saved"
+        for kind, value in state.items():
+            weight = kind in ("param", "master") and source is not None
+            expected = source[kind] if weight else before["units"][index][kind]
+            assert_same(expected, value, f"{where}: unit {index} {kind}")
+    assert_same({**before["untracked"], **saved["untracked"]}, after["untracked"],
+                f"{where}: untracked")
+    counters = ("global_steps", "micro_steps", "global_samples", "lr_scheduler")
+    for key, value in after["engine"].items():
+        from_saved = case.load == "weights" and key in counters
+        expected = (saved if from_saved else before)["engine"][key]
+        if key == "optimizer" and case.load == "weights":  # the scheduler sets the lr
+            expected = {**expected, "param_groups": saved["engine"][key]["param_groups"]}
+        assert_same(expected, value, f"{where}: {key}")
+
+
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=list(HealthCheck))
 @example(Case(stage=3, offload="nvme", ratio=0.5, state_dtype="bf16", speculative=True,
@@ -249,12 +310,21 @@ def assert_same(straight: Any, resumed: Any, where: str, close: float = 0.0) -> 
 @example(Case(stage=2, offload="cpu", ratio=1.0, state_dtype="8bit", speculative=False,
               precision="bf16", overflow=False, accumulation=1, clip=True, schedule=False,
               tight_arena=False, save_at=1))
+@example(Case(stage=3, offload="nvme", ratio=1.0, state_dtype="8bit", speculative=True,
+              precision="bf16", overflow=False, accumulation=1, clip=False, schedule=True,
+              tight_arena=True, save_at=2, frozen=True, load="weights"))
+@example(Case(stage=1, offload="cpu", ratio=0.5, state_dtype="fp32", speculative=False,
+              precision="fp16", overflow=False, accumulation=2, clip=True, schedule=True,
+              tight_arena=False, save_at=1, frozen=True, load="module", resume_offload="none"))
 @given(case=cases())
 def test_checkpoint_resumes_exactly(pool: Any, case: Case) -> None:
     ranks = pool().run(round_trip, asdict(case))
     moved = case.resumed() != case
     close = 0.0 if not moved else CLOSE if case.precision == "fp32" else HALF_CLOSE
     for rank, result in enumerate(ranks):
-        assert_same(result["straight"], result["resumed"], f"rank{rank} {case}", close)
+        if case.load == "full":
+            assert_same(result["straight"], result["resumed"], f"rank{rank} {case}", close)
+        else:
+            assert_partial_load(result["loaded"], case, f"rank{rank} {case}")
     if case.tight_arena:
         assert any(ranks[0]["swapped"].values()), ranks[0]["swapped"]

@@ -20,6 +20,8 @@ from _dist import base_config, make_batch, make_model, max_relative_error, run_r
 
 import trainer
 from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.state.export import ExportError, export_checkpoint
+from trainer.state.hf_checkpoint import CheckpointError
 
 pytestmark = pytest.mark.slow
 
@@ -151,3 +153,54 @@ def test_checkpoint_saved_at_two_ranks_resumes_at_one_and_two() -> None:
             for tensor_name, value in alone[key].items():
                 assert torch.equal(value, up[name][key][tensor_name]), (name, tensor_name)
         assert up[name]["global_steps"] == STEPS and up[name]["lr"] == alone["lr"], name
+
+
+def _frozen_model(seed: int) -> torch.nn.Module:
+    """``make_model(seed)`` whose input layer is seed 0's and frozen (a fine-tune's base)."""
+    model = make_model(seed)
+    model.inp.load_state_dict(make_model(0).inp.state_dict())
+    model.inp.requires_grad_(False)
+    return model
+
+
+def save_without_frozen(rank: int, world: int, root: str) -> dict[str, Any]:
+    engine, _, _, _ = trainer.initialize(model=_frozen_model(0), config=CONFIGS["stage3"])
+    try:
+        for step in range(SAVE_AT):
+            _step(engine, step, rank, world)
+        engine.save_checkpoint(root, exclude_frozen_parameters=True)
+        losses = [_step(engine, step, rank, world) for step in range(SAVE_AT, STEPS)]
+        return {"params": consolidate_fp32_state_dict(engine), "losses": losses}
+    finally:
+        engine.close()
+
+
+def resume_without_frozen(rank: int, world: int, root: str) -> dict[str, Any]:
+    engine, _, _, _ = trainer.initialize(model=_frozen_model(1), config={
+        **CONFIGS["stage3"], "gradient_accumulation_steps": 2})
+    try:
+        with pytest.raises(CheckpointError, match="load_module_strict=False"):
+            engine.load_checkpoint(root)
+        engine.load_checkpoint(root, load_module_strict=False)
+        losses = [_step(engine, step, rank, world) for step in range(SAVE_AT, STEPS)]
+        return {"params": consolidate_fp32_state_dict(engine), "losses": losses}
+    finally:
+        engine.close()
+
+
+def test_a_checkpoint_without_its_frozen_parameters_resumes_at_another_world_size() -> None:
+    """Saved at 2 ranks with ``exclude_frozen_parameters`` (what HF Trainer asks for a PEFT
+    model), resumed at 1 rank over a model with the same frozen base: the frozen units are
+    skipped in the reshard and keep the base values; a strict load and an export (not a
+    whole model) are refused with what to do instead."""
+    with tempfile.TemporaryDirectory() as root:
+        two = run_ranks(save_without_frozen, 2, root)
+        one = run_ranks(resume_without_frozen, 1, root)[0]
+        with pytest.raises(ExportError, match="exclude_frozen_parameters=True"):
+            export_checkpoint(root, Path(root) / "out.pt")
+    rank_mean = [(a + b) / 2 for a, b in zip(two[0]["losses"], two[1]["losses"], strict=True)]
+    assert max(abs(a - b) for a, b in zip(one["losses"], rank_mean, strict=True)) < 1e-5
+    assert max_relative_error(one["params"], two[0]["params"]) < 1e-5
+    frozen = make_model(0).inp.state_dict()
+    for name, value in frozen.items():
+        assert torch.equal(one["params"][f"inp.{name}"], value), name

@@ -115,19 +115,23 @@ def test_comm_calls_answer_as_a_world_of_one() -> None:
     assert (total.item(), gathered[0].item()) == (3.0, 5.0)
 
 
-def test_load_checkpoint_takes_deepspeeds_options_and_refuses_partial_restores(
-        tmp_path: Path) -> None:
+def test_load_checkpoint_takes_deepspeeds_options(tmp_path: Path) -> None:
+    """By name or in DeepSpeed's order; what each restores is
+    test_checkpoint_property's (``assert_partial_load``)."""
     engine, *_ = deepspeed.initialize(model=make_model(), config=CONFIG)
     try:
-        engine.save_checkpoint(tmp_path, tag="t")
+        engine.save_checkpoint(tmp_path, tag="t", save_latest=False)
+        assert not (tmp_path / "latest").exists()
+        assert engine.load_checkpoint(tmp_path) == (None, {})
         path, _ = engine.load_checkpoint(tmp_path, tag="t", load_optimizer_states=True,
                                          load_lr_scheduler_states=True,
                                          load_module_strict=True, load_module_only=False)
         assert path == str(tmp_path / "t")
-        with pytest.raises(ValueError, match="load_optimizer_states=False"):
-            engine.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)
+        assert engine.load_checkpoint(tmp_path, "t", True, False, False, True)[0] == path
         with pytest.raises(TypeError, match="load_everything"):
             engine.load_checkpoint(tmp_path, tag="t", load_everything=True)
+        with pytest.raises(TypeError, match="load_optimizer_states='no'"):
+            engine.load_checkpoint(tmp_path, tag="t", load_optimizer_states="no")
     finally:
         engine.close()
 

@@ -11,7 +11,11 @@ smaller than the state. The same script under torch DDP is the reference:
   match DDP's;
 - frozen base weights get no optimizer step (the daemon's Adam saw only LoRA elements);
 - the adapter ``save_model`` wrote loads with ``PeftModel.from_pretrained`` and gives the
-  Trainer's eval loss.
+  Trainer's eval loss;
+- the Trainer's checkpoints (``save_steps``) hold the adapters' state and none of the base
+  model (HF asks for ``exclude_frozen_parameters`` for PEFT models), and
+  ``train(resume_from_checkpoint=...)`` (which loads with ``load_module_strict=False``)
+  continues bit for bit.
 """
 
 from __future__ import annotations
@@ -56,8 +60,8 @@ def test_lora_under_zero3_matches_ddp_and_the_adapter_loads(tmp_path: Path) -> N
     reference = run(tmp_path / "ddp", base, "--mode", "ddp")
     assert reference["losses"]["1"] != reference["losses"][str(STEPS)]  # it trained
 
-    ours = run(tmp_path / "offloadd", base, "--mode", "offloadd",
-               "--arena-bytes", str(96 << 10))  # smaller than the state: it swaps
+    tight = ("--arena-bytes", str(96 << 10))  # smaller than the state: it swaps
+    ours = run(tmp_path / "offloadd", base, "--mode", "offloadd", "--save-steps", "2", *tight)
     assert ours["global_step"] == reference["global_step"] == STEPS
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
@@ -79,3 +83,17 @@ def test_lora_under_zero3_matches_ddp_and_the_adapter_loads(tmp_path: Path) -> N
     with torch.no_grad():
         eval_loss = float(model(input_ids=ids, labels=ids).loss)
     assert eval_loss == pytest.approx(ours["eval_loss"], rel=1e-5)
+
+    saved = tmp_path / "offloadd" / "run" / "checkpoint-2"
+    meta = json.loads((saved / "global_step2" / "meta.json").read_text())
+    assert meta["frozen_excluded"] is True
+    for rank in range(2):
+        payload = torch.load(saved / "global_step2" / f"rank_{rank:05d}.pt", weights_only=True)
+        assert payload["untracked"] == {}
+        kept = [unit for unit in meta["units"] if unit["index"] in payload["units"]]
+        assert sum(unit["numel"] for unit in kept) == ours["trainable_numel"]  # adapters only
+    resumed = run(tmp_path / "resumed", base, "--mode", "offloadd", "--resume-from",
+                  str(saved), *tight)
+    assert resumed["global_step"] == STEPS
+    assert resumed["losses"] == ours["losses"]  # steps 3 and 4 trained again, bit for bit
+    assert resumed["eval_loss"] == ours["eval_loss"]

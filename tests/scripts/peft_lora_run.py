@@ -33,6 +33,9 @@ parser.add_argument("--full", action="store_true", help="full fine-tune instead 
 parser.add_argument("--max-steps", type=int, default=4)
 parser.add_argument("--offload", choices=["none", "nvme"], default="nvme")
 parser.add_argument("--arena-bytes", type=int, default=4 << 20)
+parser.add_argument("--save-steps", type=int, default=0,
+                    help="save a Trainer checkpoint every N steps (0: none)")
+parser.add_argument("--resume-from", default=None, help="a Trainer checkpoint to resume from")
 args = parser.parse_args()
 
 if args.mode == "offloadd":
@@ -78,7 +81,8 @@ training_args = TrainingArguments(
     output_dir=str(out / "run"), per_device_train_batch_size=2, per_device_eval_batch_size=2,
     gradient_accumulation_steps=1, max_steps=args.max_steps, learning_rate=1e-2,
     weight_decay=0.0, warmup_steps=1, max_grad_norm=1.0, logging_steps=1,
-    save_strategy="no", eval_strategy="no", use_cpu=True, report_to=[], seed=0, data_seed=0,
+    save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+    eval_strategy="no", use_cpu=True, report_to=[], seed=0, data_seed=0,
     dataloader_drop_last=True,
     deepspeed=ds_config if args.mode == "offloadd" else None,
 )
@@ -90,7 +94,7 @@ if not args.full:
         task_type="CAUSAL_LM"))
 hf_trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(32, 1),
                      eval_dataset=Tokens(8, 2))
-hf_trainer.train()
+hf_trainer.train(resume_from_checkpoint=args.resume_from)
 metrics = hf_trainer.evaluate()
 hf_trainer.save_model(str(out / "final"))
 

@@ -238,12 +238,21 @@ class DeepSpeedEngine(nn.Module):
         return self.engine.global_steps
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
-                        client_state: dict[str, Any] | None = None) -> str:
-        return self.engine.save_checkpoint(save_dir, tag, client_state=client_state)
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """HF Trainer passes ``exclude_frozen_parameters=True`` for PEFT models (it looks
+        for the argument in this signature)."""
+        return self.engine.save_checkpoint(save_dir, tag, client_state, save_latest,
+                                           exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
-                        **options: bool) -> tuple[str | None, dict[str, Any]]:
-        return self.engine.load_checkpoint(load_dir, tag, **options)
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False
+                        ) -> tuple[str | None, dict[str, Any]]:
+        """HF Trainer resumes a PEFT model with ``load_module_strict=False``."""
+        return self.engine.load_checkpoint(load_dir, tag, load_module_strict,
+                                           load_optimizer_states, load_lr_scheduler_states,
+                                           load_module_only)
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """Always: weights are gathered unit by unit, so saving never needs the whole

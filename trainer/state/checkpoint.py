@@ -49,10 +49,12 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from trainer.state.export import (
     HF_CONFIG_DIR,
@@ -63,35 +65,63 @@ from trainer.state.export import (
     read_meta,
     write_hf_configs,
 )
-from trainer.state.hf_checkpoint import path_inside
-from trainer.state.reshard import check_reshardable, load_resharded
+from trainer.state.hf_checkpoint import CheckpointError, path_inside
+from trainer.state.reshard import UnitRestore, check_reshardable, load_resharded
 from trainer.zero.engine import Engine
 from trainer.zero.init import handover_owner, unmaterialise
-
-FULL_RESTORE = {"load_module_strict": True, "load_optimizer_states": True,
-                "load_lr_scheduler_states": True, "load_module_only": False}
-"""DeepSpeed's ``load_checkpoint`` options and the values that mean "restore everything"."""
+from trainer.zero.partition import Unit
 
 
-def check_full_restore(options: dict[str, bool]) -> None:
-    """Accept DeepSpeed's ``load_checkpoint`` options at their full-restore values only."""
-    unknown = sorted(set(options) - set(FULL_RESTORE))
-    if unknown:
-        raise TypeError(f"load_checkpoint() got unexpected keyword arguments {unknown} "
-                        f"(DeepSpeed's options here: {sorted(FULL_RESTORE)})")
-    partial = {key: value for key, value in options.items() if value != FULL_RESTORE[key]}
-    if partial:
-        raise ValueError(
-            f"load_checkpoint({', '.join(f'{k}={v}' for k, v in partial.items())}) is not "
-            "supported: checkpoints restore the model, optimizer and scheduler together. For "
-            "weights only, load trainer.state.checkpoint.consolidate_fp32_state_dict(engine)'s "
-            "output into a fresh model before initialize()")
+@dataclass(frozen=True)
+class LoadOptions:
+    """DeepSpeed's ``load_checkpoint`` options, with DeepSpeed's meaning:
+
+    - ``load_optimizer_states=False``: the weights (each unit's parameters and fp32
+      masters), the step and sample counters and, with ``load_lr_scheduler_states``, the
+      LR scheduler come from the checkpoint; the Adam moments, the Adam step count and the
+      loss scaler stay the engine's own (fresh after ``initialize``): a fine-tune of a
+      pretraining checkpoint with a new optimizer.
+    - ``load_lr_scheduler_states=False``: the engine keeps its own scheduler state.
+    - ``load_module_only=True``: the weights only (parameters, fp32 masters, buffers);
+      every counter, the optimizer and the scheduler stay the engine's own.
+    - ``load_module_strict=False``: a checkpoint saved with
+      ``exclude_frozen_parameters=True`` loads, and the frozen parameters keep the values
+      the engine has (the base model a PEFT run was built from); with ``True`` such a
+      checkpoint is refused, as DeepSpeed's strict module load refuses missing keys.
+    """
+
+    load_module_strict: bool = True
+    load_optimizer_states: bool = True
+    load_lr_scheduler_states: bool = True
+    load_module_only: bool = False
+
+    @classmethod
+    def from_kwargs(cls, options: dict[str, Any]) -> LoadOptions:
+        """The options a caller passed by DeepSpeed's names; others are a TypeError."""
+        known = {field.name for field in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise TypeError(f"load_checkpoint() got unexpected keyword arguments {unknown} "
+                            f"(DeepSpeed's options here: {sorted(known)})")
+        for key, value in options.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"load_checkpoint({key}={value!r}): expected True or False")
+        return cls(**options)
+
+    @property
+    def optimizer(self) -> bool:
+        """The Adam moments, step count and loss scaler come from the checkpoint."""
+        return self.load_optimizer_states and not self.load_module_only
+
+    @property
+    def scheduler(self) -> bool:
+        return self.load_lr_scheduler_states and not self.load_module_only
 
 
 FORMAT_VERSION = 1
 
 
-def _meta(engine: Engine) -> dict[str, Any]:
+def _meta(engine: Engine, *, frozen_excluded: bool) -> dict[str, Any]:
     return {
         "layout": param_layout(engine),  # for the offline exporter (trainer.export)
         "format_version": FORMAT_VERSION,
@@ -102,6 +132,7 @@ def _meta(engine: Engine) -> dict[str, Any]:
         "units": [{"index": u.index, "name": u.name, "numel": u.numel,
                    "padded_numel": u.padded_numel, "part_numel": u.part_numel}
                   for u in engine.units],
+        "frozen_excluded": frozen_excluded,
     }
 
 
@@ -116,37 +147,58 @@ def _engine_state(engine: Engine) -> dict[str, Any]:
     }
 
 
-def _unit_states(engine: Engine) -> dict[int, dict[str, torch.Tensor]]:
+def _unit_states(engine: Engine, *, exclude_frozen: bool
+                 ) -> dict[int, dict[str, torch.Tensor]]:
     states = {}
     for unit in engine.units:
+        if exclude_frozen and not unit.trainable:
+            continue
         state = engine.backend.get_state(unit.index)
         states[unit.index] = {"param": engine.backend.host_params(unit.index), **state}
     return states
 
 
-def _untracked_state(engine: Engine) -> dict[str, torch.Tensor]:
+def _untracked_state(engine: Engine, *, exclude_frozen: bool = False,
+                     keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """Buffers and the parameters outside units (frozen ones in stages 0-2); without
+    frozen parameters with ``exclude_frozen``."""
     tracked = {id(slot.param) for unit in engine.units for slot in unit.slots}
-    return {name: value.detach().clone()
+    return {name: value if keep_vars else value.detach().clone()
             for name, value in engine.module.state_dict(keep_vars=True).items()
-            if id(value) not in tracked}
+            if id(value) not in tracked and not (exclude_frozen and _frozen(value))}
+
+
+def _frozen(value: torch.Tensor) -> bool:
+    return isinstance(value, nn.Parameter) and not value.requires_grad
 
 
 def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str | None = None,
-                    *, client_state: dict[str, Any] | None = None) -> str:
-    """Write this rank's partition and engine state; returns the tag used."""
+                    *, client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                    exclude_frozen_parameters: bool = False) -> str:
+    """Write this rank's partition and engine state; returns the tag used.
+
+    ``save_latest=False`` leaves the ``latest`` file as it was; ``exclude_frozen_parameters``
+    leaves frozen parameters out (a LoRA run's checkpoint holds the adapters and their
+    optimizer state, not the base model: HF Trainer asks for it for PEFT models), and
+    meta.json says so (``frozen_excluded``): such a checkpoint loads with
+    ``load_module_strict=False`` into an engine that has the frozen weights already."""
     tag = tag if tag is not None else f"global_step{engine.global_steps}"
     tag_dir = Path(save_dir) / tag
     tag_dir.mkdir(parents=True, exist_ok=True)
     if engine.config.zero_optimization.offload_optimizer.device == "nvme":
         engine.backend.flush(tag)
-    payload = {"units": _unit_states(engine), "engine": _engine_state(engine),
-               "untracked": _untracked_state(engine), "client_state": client_state or {}}
+    exclude = exclude_frozen_parameters
+    payload = {"units": _unit_states(engine, exclude_frozen=exclude),
+               "engine": _engine_state(engine),
+               "untracked": _untracked_state(engine, exclude_frozen=exclude),
+               "client_state": client_state or {}}
     _atomic_save(payload, rank_file(tag_dir, engine.collectives.rank))
     if engine.collectives.rank == 0:
         write_hf_configs(engine.module, tag_dir / HF_CONFIG_DIR, engine.precision.dtype)
-        _atomic_write_text(tag_dir / "meta.json", json.dumps(_meta(engine), indent=2))
+        _atomic_write_text(tag_dir / "meta.json",
+                           json.dumps(_meta(engine, frozen_excluded=exclude), indent=2))
     engine.collectives.barrier()
-    if engine.collectives.rank == 0:
+    if save_latest and engine.collectives.rank == 0:
         _atomic_write_text(Path(save_dir) / LATEST_FILE, tag)
     engine.collectives.barrier()
     return tag
@@ -165,8 +217,12 @@ def _atomic_write_text(path: Path, text: str) -> None:
 
 
 def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str],
-                    tag: str | None = None) -> tuple[str | None, dict[str, Any]]:
+                    tag: str | None = None, options: LoadOptions | None = None, *,
+                    weights_only: bool = True) -> tuple[str | None, dict[str, Any]]:
     """Restore a checkpoint written by ``save_checkpoint``; returns ``(path, client_state)``.
+    ``options`` (DeepSpeed's, ``LoadOptions``) select what is restored: everything by default.
+    ``weights_only=False`` unpickles the rank files unrestricted (a ``client_state`` holding
+    the caller's own classes; Lightning passes its ``weights_only`` here): trusted files only.
 
     Returns ``(None, {})`` when ``tag`` is None and there is no ``latest`` file. A
     checkpoint may come from elsewhere: it is read only inside ``load_dir`` and every count
@@ -178,16 +234,34 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str],
         if tag is None:
             return None, {}
         what = f"{load_dir}'s '{LATEST_FILE}' file"
+    options = options or LoadOptions()
     tag_dir = path_inside(load_dir, tag, what=what)
     saved = _check_meta(engine, tag_dir)
+    if saved.get("frozen_excluded") and options.load_module_strict:
+        frozen = sum(unit.numel for unit in engine.units if not unit.trainable) + sum(
+            value.numel() for value in _untracked_state(engine, keep_vars=True).values()
+            if _frozen(value))
+        raise CheckpointError(
+            f"checkpoint {tag_dir} was saved with exclude_frozen_parameters=True: it holds "
+            f"none of this model's {frozen} frozen parameter elements. Load it with "
+            f"load_module_strict=False to keep the frozen values this engine has (the "
+            f"base model the run was built from)")
+    restore = _unit_restorer(engine, options)
     if saved["world_size"] != engine.collectives.world_size:
-        payload = load_resharded(engine, tag_dir, saved)
+        payload = load_resharded(engine, tag_dir, saved, restore, weights_only=weights_only)
     else:
         own = rank_file(tag_dir, engine.collectives.rank).name  # other ranks' may be elsewhere
         payload = torch.load(path_inside(tag_dir, own, what=f"{tag_dir}'s {own}"),
-                             weights_only=True)
-        _restore_units(engine, payload["units"])
-    _restore_engine(engine, payload["engine"])
+                             weights_only=weights_only)
+        for unit in engine.units:
+            state = payload["units"].get(unit.index)
+            if state is None and not (unit.trainable or saved.get("frozen_excluded")):
+                raise CheckpointError(f"{tag_dir}'s {own} has no state for unit {unit.index} "
+                                      f"({unit.name})")
+            if state is not None:
+                restore(unit, state)
+    if not options.load_module_only:
+        _restore_engine(engine, payload["engine"], options)
     _restore_untracked(engine, payload["untracked"])
     engine.collectives.barrier()
     return str(tag_dir), payload["client_state"]
@@ -197,7 +271,7 @@ def _check_meta(engine: Engine, tag_dir: Path) -> dict[str, Any]:
     """The checkpoint's meta.json, checked against this engine (a world size change is
     resharded, see ``trainer.state.reshard``)."""
     saved = read_meta(tag_dir)
-    current = _meta(engine)
+    current = _meta(engine, frozen_excluded=False)
     for key in ("format_version", "stage", "dtype"):
         if saved.get(key) != current[key]:
             raise ValueError(
@@ -218,21 +292,30 @@ def _check_meta(engine: Engine, tag_dir: Path) -> dict[str, Any]:
     return saved
 
 
-def _restore_units(engine: Engine, units: dict[int, dict[str, torch.Tensor]]) -> None:
-    for unit in engine.units:
-        state = units[unit.index]
+def _unit_restorer(engine: Engine, options: LoadOptions) -> UnitRestore:
+    """Writes one unit's saved state into the engine; without ``options.optimizer`` only
+    its parameters and fp32 master, the moments staying the engine's own."""
+
+    def restore(unit: Unit, state: dict[str, torch.Tensor]) -> None:
+        if unit.trainable and not options.optimizer:
+            state = {**engine.backend.get_state(unit.index),
+                     **{kind: state[kind] for kind in ("param", "master") if kind in state}}
         engine.backend.set_state(unit.index, state)
         engine.placement.after_step(unit)
 
+    return restore
 
-def _restore_engine(engine: Engine, state: dict[str, Any]) -> None:
+
+def _restore_engine(engine: Engine, state: dict[str, Any], options: LoadOptions) -> None:
     engine.global_steps = int(state["global_steps"])
     engine.micro_steps = int(state["micro_steps"])
     engine.global_samples = int(state["global_samples"])
-    engine.optimizer.load_state_dict(state["optimizer"])
-    if engine.lr_scheduler is not None and state["lr_scheduler"] is not None:
+    if options.optimizer:
+        engine.optimizer.load_state_dict(state["optimizer"])
+        engine.precision.scaler.load_state_dict(state["loss_scaler"])
+    if options.scheduler and engine.lr_scheduler is not None \
+            and state["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
-    engine.precision.scaler.load_state_dict(state["loss_scaler"])
 
 
 def _restore_untracked(engine: Engine, state: dict[str, torch.Tensor]) -> None:

@@ -25,14 +25,17 @@ class EngineStateIO:
         pretrained.forget_pending(model)
 
     def save_checkpoint(self, engine: Engine, save_dir: str | os.PathLike[str],
-                        tag: str | None, client_state: dict[str, Any] | None) -> str:
-        return checkpoint.save_checkpoint(engine, save_dir, tag, client_state=client_state)
+                        tag: str | None, client_state: dict[str, Any] | None, *,
+                        save_latest: bool, exclude_frozen_parameters: bool) -> str:
+        return checkpoint.save_checkpoint(
+            engine, save_dir, tag, client_state=client_state, save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, engine: Engine, load_dir: str | os.PathLike[str],
                         tag: str | None, deepspeed_options: dict[str, bool]
                         ) -> tuple[str | None, dict[str, Any]]:
-        checkpoint.check_full_restore(deepspeed_options)
-        return checkpoint.load_checkpoint(engine, load_dir, tag)
+        options = checkpoint.LoadOptions.from_kwargs(deepspeed_options)
+        return checkpoint.load_checkpoint(engine, load_dir, tag, options)
 
     def restore_module(self, engine: Engine, *, handover: bool = False) -> None:
         checkpoint.restore_module(engine, handover=handover)

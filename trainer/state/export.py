@@ -324,8 +324,9 @@ def _resolve_tag(save_dir: Path, tag: str | None) -> Path:
     return checkpoint_dir
 
 
-def _open_checkpoint(save_dir: str | os.PathLike[str],
-                     tag: str | None) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
+def _open_checkpoint(save_dir: str | os.PathLike[str], tag: str | None, *,
+                     weights_only: bool = True
+                     ) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
     """The tag directory, its meta.json and every rank file, memory-mapped."""
     checkpoint_dir = _resolve_tag(Path(save_dir), tag)
     meta = read_meta(checkpoint_dir)
@@ -334,7 +335,14 @@ def _open_checkpoint(save_dir: str | os.PathLike[str],
                           f"exports were supported); load it in an engine and call "
                           f"save_16bit_model instead")
     check_layout(meta, checkpoint_dir / META_FILE)
-    ranks = [torch.load(file, mmap=True, weights_only=True, map_location="cpu")
+    if meta.get("frozen_excluded"):
+        raise ExportError(
+            f"{checkpoint_dir} was saved with exclude_frozen_parameters=True (HF Trainer "
+            f"does for PEFT models): it holds no frozen weights, so it is not a whole model. "
+            f"Save the adapters with the PEFT model's save_pretrained (Trainer.save_model), "
+            f"or load the checkpoint into an engine over the base model "
+            f"(load_module_strict=False) and call save_16bit_model")
+    ranks = [torch.load(file, mmap=True, weights_only=weights_only, map_location="cpu")
              for file in rank_files(checkpoint_dir, meta["world_size"])]
     return checkpoint_dir, meta, ranks
 
@@ -349,11 +357,12 @@ def iter_units(save_dir: str | os.PathLike[str], tag: str | None = None,
 
 
 def consolidate_checkpoint(save_dir: str | os.PathLike[str], tag: str | None = None,
-                           dtype: torch.dtype = torch.float32
+                           dtype: torch.dtype = torch.float32, *, weights_only: bool = True
                            ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The checkpoint's whole state dict (tied tensors once per name, as one object) and
-    rank 0's ``client_state``, read once."""
-    _, meta, ranks = _open_checkpoint(save_dir, tag)
+    rank 0's ``client_state``, read once (``weights_only=False``: unpickled unrestricted,
+    for a client state holding the caller's classes; trusted files only)."""
+    _, meta, ranks = _open_checkpoint(save_dir, tag, weights_only=weights_only)
     return _state_dict(meta, ranks, dtype), ranks[0].get("client_state", {})
 
 

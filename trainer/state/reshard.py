@@ -22,6 +22,7 @@ an accumulation boundary; partial gradients are never saved).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,18 +54,29 @@ def check_reshardable(engine: Engine, saved: dict[str, Any], tag_dir: Path) -> N
     rank_files(tag_dir, saved["world_size"], ReshardError)
 
 
-def load_resharded(engine: Engine, tag_dir: Path, saved: dict[str, Any]) -> dict[str, Any]:
-    """Restore every unit's partition from a checkpoint of another world size; returns rank
-    0's payload for the rest of the state (``engine``, ``untracked``, ``client_state``)."""
-    ranks = [torch.load(file, mmap=True, weights_only=True, map_location="cpu")
+UnitRestore = Callable[[Unit, dict[str, torch.Tensor]], None]
+"""Writes one unit's state (this rank's partition of each kind) into the engine."""
+
+
+def load_resharded(engine: Engine, tag_dir: Path, saved: dict[str, Any],
+                   restore: UnitRestore, *, weights_only: bool = True) -> dict[str, Any]:
+    """Restore every unit's partition from a checkpoint of another world size through
+    ``restore``; returns rank 0's payload for the rest of the state (``engine``,
+    ``untracked``, ``client_state``). A frozen unit a checkpoint saved with
+    ``exclude_frozen_parameters`` left out is skipped (the caller allowed it)."""
+    ranks = [torch.load(file, mmap=True, weights_only=weights_only, map_location="cpu")
              for file in rank_files(tag_dir, saved["world_size"], ReshardError)]
     for unit, saved_unit in zip(engine.units, saved["units"], strict=True):
-        parts = [payload["units"][unit.index] for payload in ranks]
+        if saved.get("frozen_excluded") and not unit.trainable:
+            continue
+        parts = [payload["units"].get(unit.index) for payload in ranks]
+        if any(part is None for part in parts):
+            raise ReshardError(f"a rank file of {tag_dir} has no state for unit "
+                               f"{unit.index} ({unit.name})")
         state = {kind: _repartition(unit, [_flat(part[kind], kind, saved_unit)
                                            for part in parts], saved_unit)
                  for kind in parts[0]}
-        engine.backend.set_state(unit.index, state)
-        engine.placement.after_step(unit)
+        restore(unit, state)
     rest = ranks[0]
     rest["engine"] = {**rest["engine"],
                       "micro_steps": int(rest["engine"]["global_steps"])

@@ -89,7 +89,8 @@ class StateIO(Protocol):
         ...
 
     def save_checkpoint(self, engine: Engine, save_dir: str | os.PathLike[str],
-                        tag: str | None, client_state: dict[str, Any] | None) -> str: ...
+                        tag: str | None, client_state: dict[str, Any] | None, *,
+                        save_latest: bool, exclude_frozen_parameters: bool) -> str: ...
 
     def load_checkpoint(self, engine: Engine, load_dir: str | os.PathLike[str],
                         tag: str | None, deepspeed_options: dict[str, bool]
@@ -447,14 +448,26 @@ class Engine(nn.Module):
     # ------------------------------------------------------------ checkpoint
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
-                        client_state: dict[str, Any] | None = None) -> str:
-        return self.state_io.save_checkpoint(self, save_dir, tag, client_state)
+                        client_state: dict[str, Any] | None = None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> str:
+        """DeepSpeed's: every rank's partition, the optimizer, scheduler and counters
+        (``trainer.state.checkpoint``); ``exclude_frozen_parameters`` leaves frozen
+        weights out (a PEFT run's base model)."""
+        return self.state_io.save_checkpoint(
+            self, save_dir, tag, client_state, save_latest=save_latest,
+            exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None,
-                        **deepspeed_options: bool) -> tuple[str | None, dict[str, Any]]:
-        """Restore everything; DeepSpeed's ``load_*`` options are checked by
-        ``trainer.state.checkpoint.check_full_restore`` (partial restores are refused)."""
-        return self.state_io.load_checkpoint(self, load_dir, tag, deepspeed_options)
+                        load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False
+                        ) -> tuple[str | None, dict[str, Any]]:
+        """DeepSpeed's: everything by default; the options restore less, with DeepSpeed's
+        meaning (``trainer.state.checkpoint.LoadOptions``)."""
+        return self.state_io.load_checkpoint(self, load_dir, tag, {
+            "load_module_strict": load_module_strict,
+            "load_optimizer_states": load_optimizer_states,
+            "load_lr_scheduler_states": load_lr_scheduler_states,
+            "load_module_only": load_module_only})
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str],
                          save_filename: str = "model.safetensors",
