@@ -7,7 +7,8 @@
 ``--mode offloadd`` passes ``strategy=OffloaddStrategy(config=...)`` (ZeRO-3, parameters
 and optimizer on NVMe); ``--mode ddp`` passes ``strategy="ddp"`` (the reference). The
 module's configure_optimizers returns a torch AdamW (no weight decay for biases and norms:
-two groups) and a per-step LambdaLR; the Trainer
+two groups) and a per-step LambdaLR; its hyper-parameters hold the script's arguments
+(an ``argparse.Namespace``, which only ``weights_only=False`` loads); the Trainer
 clips (gradient_clip_val), validates every 3 steps and keeps a ModelCheckpoint every 3
 steps. Before ``fit`` (unless resuming) ``trainer.validate(model)`` gives a baseline; after
 it, as Lightning's DeepSpeed guide goes on: ``trainer.test()`` (the
@@ -50,8 +51,13 @@ SEQ = 16
 
 
 class LanguageModel(pl.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, run_args: argparse.Namespace | None = None) -> None:
         super().__init__()
+        # the script's arguments as a hyper-parameter, as scripts pass them: a class
+        # torch's weights-only unpickler refuses. Every checkpoint load passes
+        # weights_only=False, as under DDP; Lightning 2.6 drops it for strategies that
+        # restore after setup, so OffloaddStrategy reads such files as DeepSpeed's does
+        self.save_hyperparameters()
         torch.manual_seed(0)
         self.model = GPT2LMHeadModel(GPT2Config(
             n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=SEQ, resid_pdrop=0.0,
@@ -130,27 +136,32 @@ def make_trainer(strategy: Any, callbacks: list[Any]) -> pl.Trainer:
 
 
 lightning_trainer = make_trainer(strategy, [checkpoints])
-module = LanguageModel()
+module = LanguageModel(argparse.Namespace(seq=SEQ, mode=args.mode))
 if args.evaluate is None:
     if args.ckpt_path is None:  # a baseline first, as scripts do before training
         module.losses["baseline"] = lightning_trainer.validate(
             module, dataloaders=loader(2, 8))[0]["val_loss"]
     lightning_trainer.fit(module, train_dataloaders=loader(1, 12),
-                          val_dataloaders=loader(2, 8), ckpt_path=args.ckpt_path)
-    module.losses["test"] = lightning_trainer.test(dataloaders=loader(3, 8))[0]["test_loss"]
-    module.losses["predict"] = lightning_trainer.predict(dataloaders=loader(4, 4))
+                          val_dataloaders=loader(2, 8), ckpt_path=args.ckpt_path,
+                          weights_only=False)
+    # no ckpt_path: Lightning loads the "best" checkpoint, the module's hyper-parameters too
+    module.losses["test"] = lightning_trainer.test(dataloaders=loader(3, 8),
+                                                   weights_only=False)[0]["test_loss"]
+    module.losses["predict"] = lightning_trainer.predict(dataloaders=loader(4, 4),
+                                                         weights_only=False)
     module.losses["validate"] = lightning_trainer.validate(
         module, dataloaders=loader(2, 8))[0]["val_loss"]
 else:
     module.losses["test"] = lightning_trainer.test(
-        module, dataloaders=loader(3, 8), ckpt_path=args.evaluate)[0]["test_loss"]
+        module, dataloaders=loader(3, 8), ckpt_path=args.evaluate,
+        weights_only=False)[0]["test_loss"]
     module.losses["predict"] = lightning_trainer.predict(module, dataloaders=loader(4, 4))
     # A second Trainer and module in the same process (a sweep): the first engine, idle
     # now, is destroyed as the second one starts, and leaves its module whole
     first = lightning_trainer.strategy.engine
     second = make_trainer(OffloaddStrategy(config=lightning_trainer.strategy.config), [])
     module.losses["second"] = second.predict(LanguageModel(), dataloaders=loader(4, 4),
-                                             ckpt_path=args.evaluate)
+                                             ckpt_path=args.evaluate, weights_only=False)
     module.losses["first_closed"] = first.closed
     if lightning_trainer.is_global_zero:
         torch.save({name: value.detach().clone() for name, value in module.state_dict().items()},

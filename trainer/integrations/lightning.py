@@ -63,7 +63,8 @@ from lightning.pytorch.utilities import GradClipAlgorithmType
 from trainer.api import initialize
 from trainer.integrations import ds_facade
 from trainer.integrations.versions import UnsupportedVersionError, check_versions
-from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.state import checkpoint as engine_checkpoint
+from trainer.state.checkpoint import LoadOptions, consolidate_fp32_state_dict
 from trainer.zero import init as zero_init
 from trainer.zero.engine import Engine
 
@@ -437,12 +438,24 @@ class OffloaddStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
                         ) -> dict[str, Any]:
-        assert self.engine is not None
+        """Everything for ``fit``; the weights alone for ``test``/``validate``/``predict``
+        (as Lightning's DeepSpeed strategy loads).
+
+        ``weights_only`` is Lightning's. Lightning 2.6 passes None to a strategy that
+        restores after setup (this one, DeepSpeed's), whatever the caller gave; None
+        unpickles the rank files unrestricted, as DeepSpeed's strategy does, so
+        hyper-parameters holding the module's own classes (an ``argparse.Namespace``, a
+        config dataclass) load; ``True`` refuses them. Load only checkpoints you trust."""
+        assert self.engine is not None and self.lightning_module is not None
         path = Path(self.broadcast(str(checkpoint_path)))
         if not (path / CHECKPOINT_TAG).is_dir():
             raise ValueError(f"{path} is not an OffloaddStrategy checkpoint (a directory with "
                              f"a {CHECKPOINT_TAG}/ folder written by save_checkpoint)")
-        _, client_state = self.engine.load_checkpoint(path, tag=CHECKPOINT_TAG)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        _, client_state = engine_checkpoint.load_checkpoint(
+            self.engine, path, CHECKPOINT_TAG,
+            LoadOptions(load_optimizer_states=fitting, load_lr_scheduler_states=fitting),
+            weights_only=bool(weights_only))
         return client_state
 
     @property
@@ -474,10 +487,12 @@ def convert_zero_checkpoint_to_fp32_state_dict(
     ``LightningModule.load_from_checkpoint`` and regular strategies load. As there, the
     optimizer and LR scheduler states are left out, so ``fit(ckpt_path=...)`` cannot
     resume from it. Reads one unit at a time, without torch.distributed; returns what it
-    wrote."""
+    wrote. As Lightning's, it unpickles the checkpoint unrestricted (hyper-parameters may
+    hold the module's own classes): convert only checkpoints you trust."""
     from trainer.state.export import consolidate_checkpoint
 
-    state, client_state = consolidate_checkpoint(checkpoint_dir, tag or CHECKPOINT_TAG)
+    state, client_state = consolidate_checkpoint(checkpoint_dir, tag or CHECKPOINT_TAG,
+                                                 weights_only=False)
     checkpoint = {key: value for key, value in client_state.items()
                   if key not in ("optimizer_states", "lr_schedulers")}
     checkpoint["state_dict"] = state
