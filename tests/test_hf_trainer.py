@@ -97,3 +97,32 @@ def test_trainer_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
         tmp_path / "zero3")
     for name, value in full_weights.items():
         assert torch.equal(resumed_weights[name], value), name
+
+
+def test_evaluate_without_training_holds_no_optimizer_state(tmp_path: Path) -> None:
+    """``evaluate()`` and ``predict()`` with no ``train()`` (a pretrained model loaded under
+    ZeRO-3, parameters on NVMe): HF asks DeepSpeed for an engine without an optimizer, and
+    the engine holds the weights only, not the fp32 master and moments a training engine
+    keeps (4x the bytes here in fp32, 8x in bf16). The losses are the Trainer's in plain
+    torch on the same weights; ``requires_grad`` is as the model had it."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=16, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0))
+    model.save_pretrained(tmp_path / "init")
+    torchrun(SCRIPT, ["--out", str(tmp_path / "eval"), "--mode", "offloadd", "--stage", "3",
+                      "--offload", "nvme", "--init", str(tmp_path / "init"),
+                      "--evaluate-only"], tmp_path / "eval")
+    evaluated = json.loads((tmp_path / "eval" / "evaluated.json").read_text())
+    ids = torch.randint(0, 97, (8, 16), generator=torch.Generator().manual_seed(2))
+    samples = [{"input_ids": row, "labels": row} for row in ids]  # the script's eval set
+    reference = transformers.Trainer(model=model, eval_dataset=samples,
+                                     args=transformers.TrainingArguments(
+                                         output_dir=str(tmp_path / "plain"), use_cpu=True,
+                                         per_device_eval_batch_size=2, report_to=[]))
+    expected = reference.evaluate()["eval_loss"]  # the Trainer's own, in plain torch
+    assert evaluated["eval_loss"] == pytest.approx(expected, rel=1e-5)
+    assert evaluated["predict_loss"] == pytest.approx(expected, rel=1e-5)
+    assert evaluated["trainable"] and not any(evaluated["trainable"])
+    assert evaluated["shard_nbytes"] == 4 * evaluated["padded_numel"]  # fp32 weights only
+    assert evaluated["requires_grad"] == len(list(model.parameters()))

@@ -8,8 +8,10 @@ validation, test, each prediction) and final weights match the same script with
 ``strategy="ddp"``; ``fit(ckpt_path=<step-3 checkpoint>)`` repeats the uninterrupted run's
 later losses and weights bit for bit; a fresh process's ``trainer.test(fresh_module,
 ckpt_path=<last checkpoint>)`` and ``predict`` give the first run's test and predictions
-bit for bit; ``convert_zero_checkpoint_to_fp32_state_dict`` makes that checkpoint one file
-a regular LightningModule loads (``load_from_checkpoint``) with the final weights."""
+bit for bit, through an engine that holds the weights and no optimizer state;
+``convert_zero_checkpoint_to_fp32_state_dict`` makes that checkpoint one file a regular
+LightningModule loads (``load_from_checkpoint``) with the final weights; the module's
+hyper-parameters hold an ``argparse.Namespace`` throughout."""
 
 from __future__ import annotations
 
@@ -67,6 +69,8 @@ def test_strategy_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
     torchrun(SCRIPT, ["--out", str(out), "--mode", "offloadd", "--evaluate",
                       str(tmp_path / "full" / "checkpoints" / "step=6.ckpt")], out)
     evaluated = json.loads((out / "result.json").read_text())
+    units = evaluated.pop("first_units")  # an evaluation engine: the weights and no more
+    assert units and not any(units) and evaluated.pop("first_weights_only") is True
     assert evaluated == {"test": losses["test"], "predict": predictions,
                          "second": predictions, "first_closed": True}
     # the second Trainer's run destroyed the first's idle engine: its module holds the

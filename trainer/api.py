@@ -46,6 +46,7 @@ def initialize(
     training_data: Dataset[Any] | None = None,
     collate_fn: Any = None,
     dist_init_required: bool | None = None,
+    inference: bool = False,
 ) -> tuple[Engine, ZeroOptimizer, DataLoader[Any] | None, LRSchedule | None]:
     """Build the engine; returns ``(engine, optimizer, dataloader, lr_scheduler)``.
 
@@ -58,6 +59,10 @@ def initialize(
     distributed shard per rank) is returned. As in DeepSpeed, the config may instead
     come from ``args.deepspeed_config`` (``add_config_arguments``), and
     ``dist_init_required=False`` means the caller has set up torch.distributed.
+    ``inference=True`` (ZeRO stage 3) builds an engine without an optimizer, as DeepSpeed
+    does when it is given none: the units training would have (so a training
+    checkpoint's weights load into them), partitioned and offloaded in the training
+    dtype, with no fp32 master and no moments; ``backward`` and ``step`` are refused.
     """
     if optimizer is not None or lr_scheduler is not None:
         raise ValueError("pass the optimizer and lr scheduler through the config "
@@ -67,6 +72,7 @@ def initialize(
     _check_model(model)
     _release_previous_engines(model)
     groups = resolve_param_groups(model, model_parameters, parsed.optimizer)
+    groups.inference = inference
     compute = resolve_device(parsed.device)
     activate(compute)
     if dist_init_required is not False:

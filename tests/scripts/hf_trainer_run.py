@@ -15,6 +15,10 @@ step behind HF's: examples/hf_finetune.py runs one.) ``--init PATH`` takes the s
 weights from ``from_pretrained(PATH)``, and each rank writes ``DIR/built_rank<r>.json``: how
 many parameter elements that built and how many of them hold storage (none under ZeRO-3).
 Rank 0 writes ``DIR/result.json``: the logged training losses, eval loss and the step count.
+``--evaluate-only`` runs ``evaluate()`` and ``predict()`` with no ``train()`` (DeepSpeed's
+inference engine under HF) and writes ``DIR/evaluated.json``: the eval loss, the
+predictions' loss, the engine's units (trainable or not), the elements they hold (padded)
+and the bytes of the daemon's shards, and how many parameters still require grad.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ parser.add_argument("--save-steps", type=int, default=3)
 parser.add_argument("--resume-from", default=None, help="a checkpoint-N folder")
 parser.add_argument("--bf16", action="store_true")
 parser.add_argument("--init", default=None, help="from_pretrained folder of the start weights")
+parser.add_argument("--evaluate-only", action="store_true",
+                    help="evaluate() and predict() without training")
 args = parser.parse_args()
 
 if args.mode == "offloadd":
@@ -113,6 +119,18 @@ else:
                                        attn_pdrop=0.0))
 hf_trainer = Trainer(model=model, args=training_args, train_dataset=Tokens(64, 1),
                      eval_dataset=Tokens(8, 2))
+if args.evaluate_only:
+    metrics = hf_trainer.evaluate()
+    predicted = hf_trainer.predict(Tokens(8, 2)).metrics["test_loss"]
+    engine = hf_trainer.model_wrapped.engine
+    if int(os.environ.get("RANK", "0")) == 0:
+        (out / "evaluated.json").write_text(json.dumps({
+            "eval_loss": metrics["eval_loss"], "predict_loss": predicted,
+            "trainable": [unit.trainable for unit in engine.units],
+            "padded_numel": sum(unit.padded_numel for unit in engine.units),
+            "shard_nbytes": engine.offload_stats()["shard_nbytes"],
+            "requires_grad": sum(param.requires_grad for param in model.parameters())}))
+    leave_group()
 hf_trainer.train(resume_from_checkpoint=args.resume_from)
 metrics = hf_trainer.evaluate()
 hf_trainer.save_model(str(out / "final"))

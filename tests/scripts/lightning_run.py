@@ -15,7 +15,8 @@ it, as Lightning's DeepSpeed guide goes on: ``trainer.test()`` (the
 "best" checkpoint, i.e. the last one), ``trainer.predict()`` and ``trainer.validate(model)``
 (the module's weights as fit left them). ``--evaluate CKPT`` instead runs only
 ``trainer.test(fresh_module, ckpt_path=CKPT)`` and ``trainer.predict(that_module)``, as a
-fresh process would, then ``predict`` of a second Trainer over a second module; rank 0
+fresh process would (recording whether that engine's units hold only the fp32 weights),
+then ``predict`` of a second Trainer over a second module; rank 0
 saves the first module's weights to ``DIR/first.pt`` after that. Rank 0 writes
 ``DIR/result.json`` (training and validation losses per step, ``test``, ``validate`` and
 rank 0's ``predict`` losses) and, after ``fit``, ``DIR/final.pt`` (the full fp32 weights at
@@ -159,6 +160,10 @@ else:
     # A second Trainer and module in the same process (a sweep): the first engine, idle
     # now, is destroyed as the second one starts, and leaves its module whole
     first = lightning_trainer.strategy.engine
+    # an evaluation engine (stage 3): fit's units, the weights only (no master, no moments)
+    module.losses["first_units"] = [unit.trainable for unit in first.units]
+    module.losses["first_weights_only"] = first.offload_stats()["shard_nbytes"] == 4 * sum(
+        unit.padded_numel for unit in first.units)
     second = make_trainer(OffloaddStrategy(config=lightning_trainer.strategy.config), [])
     module.losses["second"] = second.predict(LanguageModel(), dataloaders=loader(4, 4),
                                              ckpt_path=args.evaluate, weights_only=False)

@@ -22,6 +22,10 @@ What the callers expect that ``trainer.initialize`` does not do itself:
   ``scale_wrt_gas=False`` when the loss is already divided
   (``DeepSpeedEngine``);
 - schedulers need a ``torch.optim.Optimizer`` (``OptimizerView``);
+- neither an optimizer object nor an ``optimizer`` section (HF Trainer's ``evaluate`` or
+  ``predict`` before any ``train``, Accelerate's ``prepare(model)``) is DeepSpeed's
+  inference engine: at ZeRO stage 3 the engine holds the weights partitioned in the
+  training dtype and no optimizer state (``trainer.initialize(inference=True)``);
 - under ZeRO-3, ``from_pretrained`` builds the model inside ``deepspeed.zero.Init``
   (``trainer.zero.Init``: every parameter on ``meta``) and loads it on rank 0 through
   ``deepspeed.zero.GatheredParameters``, whose writes into parameters not yet
@@ -308,10 +312,12 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             raise ValueError("got both an optimizer object and an 'optimizer' config "
                              "section: remove one of them")
         settings["optimizer"], model_parameters = optimizer_section(optimizer)
+    stage = settings.get("zero_optimization", {}).get("stage", 0)
+    inference = "optimizer" not in settings and stage == 3
     engine, zero, loader, scheduler = api.initialize(
         model=model, model_parameters=model_parameters, config=settings,
         training_data=training_data, collate_fn=collate_fn,
-        dist_init_required=dist_init_required)
+        dist_init_required=dist_init_required, inference=inference)
     if optimizer is not None:
         client = optimizer.client if isinstance(optimizer, DeepSpeedCPUAdam) else optimizer
         link_groups(client if client is not None else optimizer, zero)

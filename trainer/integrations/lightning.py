@@ -357,7 +357,10 @@ class OffloaddStrategy(DDPStrategy):
         come from ``configure_optimizers``, as in fit (Lightning's DeepSpeed strategy
         skips it outside fit; where it fails there, say on
         ``trainer.estimated_stepping_batches`` without training data, one group is
-        used, logged). It holds the optimizer state of that optimizer, as fit does."""
+        used, logged). At stage 3 it is an inference engine (``initialize(inference=
+        True)``): fit's units, holding the weights in the training dtype and no optimizer
+        state (no fp32 master, no moments); below stage 3 the module keeps its weights
+        whole and the engine holds that optimizer's state, as fit's does."""
         module = self.lightning_module
         assert isinstance(module, LightningModule)
         settings = self._engine_config(trainer_)
@@ -375,7 +378,8 @@ class OffloaddStrategy(DDPStrategy):
                 settings["optimizer"], model_parameters = ds_facade.optimizer_section(
                     client_optimizer)
         engine, _, _, _ = initialize(model=module, model_parameters=model_parameters,
-                                     config=settings, dist_init_required=False)
+                                     config=settings, dist_init_required=False,
+                                     inference=self._stage_3)
         self.engine = engine
         self.model = engine
 

@@ -627,6 +627,7 @@ class DaemonBackend(StateBackend):
     def set_state(self, unit: int, state: dict[str, torch.Tensor]) -> None:
         self.steps.settle(unit)
         if not self._specs[unit].trainable:
+            self._drain_copies()  # a copy in flight may still hold our read lease on it
             self.client.put(self._names[unit][2], state["param"])
             return
         param = state.get("param")

@@ -110,6 +110,10 @@ class EngineClosedError(RuntimeError):
     """A closed (or destroyed) engine was asked to train."""
 
 
+class EngineInferenceError(RuntimeError):
+    """An engine built without an optimizer (for inference) was asked to train."""
+
+
 class Engine(nn.Module):
     """Wraps a model for ZeRO data-parallel training (see module docstring)."""
 
@@ -137,10 +141,18 @@ class Engine(nn.Module):
         num_parts = collectives.world_size if stage >= 1 else 1
         _move_model(model, collectives.device, self.precision.dtype, sharded=stage == 3)
         groups = param_groups or resolve_param_groups(model, None, config.optimizer)
+        self.inference = groups.inference
+        """Built without an optimizer (``trainer.zero.groups.ParamGroups.inference``): it
+        evaluates, and refuses ``backward`` and ``step``."""
+        if self.inference and stage != 3:
+            raise ValueError(
+                f"an engine without an optimizer (for inference) needs ZeRO stage 3, got "
+                f"stage {stage}: below it the module keeps its whole weights, so evaluate "
+                f"the module itself, or add an 'optimizer' section to train")
         self.units = build_units(model, config.units, num_parts=num_parts,
                                  part_index=collectives.rank if num_parts > 1 else 0,
                                  group_of=groups.group_of, include_frozen=stage == 3,
-                                 device=collectives.device)
+                                 inference=self.inference, device=collectives.device)
         trainable = [unit for unit in self.units if unit.trainable]
         zero = config.zero_optimization
         self.grad_dtype = self._grad_dtype()
@@ -330,6 +342,7 @@ class Engine(nn.Module):
         In eval mode too, as torch trains a model in eval mode (dropout off): the
         gradients are the eval-mode forward's, and stage 3 gathers what the forward
         released again in backward."""
+        self._check_trains("backward")
         scale = self.precision.scaler.scale / self.batch.gradient_accumulation_steps
         self.hooks.start_backward()
         self._backward_done.clear()
@@ -397,8 +410,16 @@ class Engine(nn.Module):
         dropped first (they would be stale after the step anyway)."""
         self.placement.release(self.units[unit_index])
 
+    def _check_trains(self, call: str) -> None:
+        if self.inference:
+            raise EngineInferenceError(
+                f"{call}(): this engine has no optimizer (it was built for inference: "
+                f"neither an optimizer object nor an 'optimizer' config section, as "
+                f"DeepSpeed's inference engine); build one with an optimizer to train")
+
     def step(self) -> None:
         """End a micro-step; at an accumulation boundary, apply the optimizer step."""
+        self._check_trains("step")
         if self.is_gradient_accumulation_boundary():
             applied = self.optimizer.step()
             for unit in self.units:

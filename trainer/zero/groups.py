@@ -36,6 +36,10 @@ class ParamGroups:
     """Per group: lr, betas, eps, weight_decay (and any extra keys the user passed)."""
     group_of: dict[int, int] = field(default_factory=dict)
     """Parameter id -> group index, for every trainable parameter."""
+    inference: bool = False
+    """No optimizer (DeepSpeed's inference engine): units are laid out by the groups, as
+    training's would be, so a training checkpoint's weights load, but every unit is
+    frozen: no fp32 master, no moments, the parameters' ``requires_grad`` untouched."""
 
 
 def resolve_param_groups(model: nn.Module, model_parameters: Iterable[Any] | None,

@@ -227,12 +227,13 @@ def _walk(module: nn.Module, prefix: str, unit_index: int, unit_of_module: dict[
 
 def build_units(model: nn.Module, config: UnitsConfig, *, num_parts: int, part_index: int,
                 group_of: dict[int, int] | None = None,
-                include_frozen: bool = False,
+                include_frozen: bool = False, inference: bool = False,
                 device: torch.device | None = None) -> list[Unit]:
     """Split ``model`` into units with partition geometry; empty units are dropped.
 
     ``group_of`` maps parameter ids to parameter groups (absent: group 0); a module's
     parameters become one unit per group, frozen ones (``include_frozen``) last.
+    ``inference``: the same units, every one frozen (no optimizer).
     ``device``: the units' compute device (None: where their parameters are).
     """
     unit_modules = find_unit_modules(model, config)
@@ -244,7 +245,10 @@ def build_units(model: nn.Module, config: UnitsConfig, *, num_parts: int, part_i
                               group)
             unit.compute_device = device
             units.append(unit)
-    if not any(unit.trainable for unit in units):
+    if inference:
+        for unit in units:
+            unit.group = None
+    elif not any(unit.trainable for unit in units):
         raise ValueError("the model has no trainable parameters (requires_grad=True); "
                          "nothing to optimise")
     return units

@@ -1,0 +1,80 @@
+"""An engine without an optimizer (``trainer.initialize(inference=True)``, what the DeepSpeed
+facade builds when it is given no optimizer): the units a training engine would have, every
+one frozen, so the backend holds the weights in the training dtype and no fp32 master or
+moments; it evaluates as the plain model does, refuses to train, leaves ``requires_grad``
+as it was, takes a training checkpoint's weights, and gives the module back whole."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _dist import base_config, make_batch, make_model
+
+import trainer
+from trainer.zero.engine import EngineInferenceError
+
+pytestmark = pytest.mark.slow
+
+OFFLOAD = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": {"device": "cpu"}}
+
+
+def _frozen_input(seed: int) -> torch.nn.Module:
+    """``make_model(seed)`` with its input layer frozen (as a fine-tune freezes a base)."""
+    model = make_model(seed)
+    model.inp.requires_grad_(False)
+    return model
+
+
+def _eval_loss(model: torch.nn.Module) -> float:
+    with torch.no_grad():
+        return float(model(*make_batch(7, 0, 0, 4)))
+
+
+def test_an_inference_engine_holds_the_weights_only_and_loads_a_training_checkpoint(
+        tmp_path: Path) -> None:
+    training, _, _, _ = trainer.initialize(model=_frozen_input(0), config=base_config(
+        zero_optimization=OFFLOAD))
+    try:
+        for step in range(2):
+            training.backward(training(*make_batch(step, 0, 0, 4)))
+            training.step()
+        training.save_checkpoint(tmp_path, tag="t")
+        trained_loss = _eval_loss(training)
+        training_bytes = training.offload_stats()["shard_nbytes"]
+    finally:
+        training.destroy()
+
+    model = _frozen_input(1)  # units as training's: the same parameters frozen
+    flags = [param.requires_grad for param in model.parameters()]
+    reference = make_model(1)
+    engine, _, _, _ = trainer.initialize(model=model, config=base_config(
+        zero_optimization=OFFLOAD), inference=True)
+    try:
+        assert not any(unit.trainable for unit in engine.units)
+        # the weights only, 4 bytes an element, where training also held the fp32 master,
+        # both moments and the gradients
+        held = engine.offload_stats()["shard_nbytes"]
+        assert held == 4 * sum(unit.padded_numel for unit in engine.units)
+        assert 4 * held <= training_bytes
+        assert _eval_loss(engine) == _eval_loss(reference)
+        loss = engine(*make_batch(0, 0, 0, 4))
+        with pytest.raises(EngineInferenceError, match="no optimizer"):
+            engine.backward(loss)
+        with pytest.raises(EngineInferenceError, match="no optimizer"):
+            engine.step()
+        engine.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)
+        assert _eval_loss(engine) == trained_loss
+    finally:
+        engine.destroy()
+    assert [param.requires_grad for param in model.parameters()] == flags
+    trained = make_model(2)
+    trained.load_state_dict(model.state_dict())  # whole again, the checkpoint's weights
+    assert _eval_loss(trained) == trained_loss
+
+
+def test_an_inference_engine_needs_stage_3() -> None:
+    with pytest.raises(ValueError, match="needs ZeRO stage 3, got stage 2"):
+        trainer.initialize(model=make_model(0), config=base_config(
+            zero_optimization={"stage": 2}), inference=True)
