@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import base_config, make_batch, make_model
+from conftest import cap_twin_device
 
 import trainer
+from trainer.device import twin_memory
 from trainer.zero.engine import EngineInferenceError
 
 pytestmark = pytest.mark.slow
@@ -78,3 +80,40 @@ def test_an_inference_engine_needs_stage_3() -> None:
     with pytest.raises(ValueError, match="needs ZeRO stage 3, got stage 2"):
         trainer.initialize(model=make_model(0), config=base_config(
             zero_optimization={"stage": 2}), inference=True)
+
+
+@pytest.mark.usefixtures("strict_device_twin")
+def test_a_model_larger_than_the_device_evaluates_on_the_strict_twin(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """HF's evaluation of a model whose weights alone exceed the device: on the strict
+    twin capped below them, the inference engine gathers a unit or two at a time from the
+    daemon and gives plain torch's loss on the host, its device peak under the cap."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    capacity = 1 << 20
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=6, n_embd=96, n_head=2, vocab_size=97, n_positions=16, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    assert 4 * sum(param.numel() for param in model.parameters()) > 2 * capacity
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(3))
+    model.eval()
+    with torch.no_grad():
+        expected = float(model(input_ids=ids, labels=ids).loss)
+    cap_twin_device(monkeypatch, capacity)
+    offload = {"device": "cpu"}
+    engine, _, _, _ = trainer.initialize(model=model, inference=True, config={
+        "train_micro_batch_size_per_gpu": 2, "units": {"module_classes": ["GPT2Block"]},
+        "zero_optimization": {"stage": 3, "offload_param": offload,
+                              "offload_optimizer": offload,
+                              "stage3_prefetch_bucket_size": 120_000,
+                              "stage3_max_live_parameters": 250_000}})
+    try:
+        assert str(engine.collectives.device) == "twin:0"
+        engine.eval()
+        with torch.no_grad():
+            loss = float(engine(input_ids=ids.to(engine.collectives.device), labels=ids.to(
+                engine.collectives.device)).loss)
+        assert loss == pytest.approx(expected, rel=1e-6)
+        assert 0 < twin_memory.max_memory_allocated() <= twin_memory.memory().capacity_nbytes
+    finally:
+        engine.destroy()

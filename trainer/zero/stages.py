@@ -69,7 +69,7 @@ class ResidentPartitions(PartitionSource):
         self._stale: set[int] = set()
 
     def keep(self, unit: Unit, part: torch.Tensor) -> None:
-        self.parts[unit.index] = part
+        self.parts[unit.index] = part.clone()  # a view of the full flat, freed after setup
 
     def lease(self, unit: Unit) -> tuple[torch.Tensor, ReleasePartition]:
         part = self.parts[unit.index]
@@ -194,7 +194,9 @@ class Sharded(Placement):
                                copies=copies)
 
     def setup(self, unit: Unit, flat: torch.Tensor) -> None:
-        self.source.keep(unit, unit.part_slice(flat).clone())
+        # a view: an offloaded source has the partition in the backend already, and a
+        # device copy of it beside the full flat would double setup's device peak
+        self.source.keep(unit, unit.part_slice(flat))
         unit.flat = None
         self.full.adopt(unit)
 
