@@ -59,6 +59,24 @@ def test_copies_between_host_and_device_are_legal() -> None:
     assert type(back) is torch.Tensor and torch.equal(back, host)
 
 
+def test_a_deep_copy_of_device_memory_is_device_memory() -> None:
+    """As a CUDA tensor's is (Lightning's ModelCheckpoint deep-copies logged metrics):
+    torch's own deepcopy failed on the subclass."""
+    import copy
+
+    from trainer.device import twin_memory
+
+    device = torch.arange(6.0).to(twin_device()).requires_grad_()
+    before = twin_memory.memory_allocated()
+    copied = copy.deepcopy({"a": device, "b": device})
+    assert copied["a"] is copied["b"] and copied["a"] is not device  # one copy, memo kept
+    assert isinstance(copied["a"], DeviceTensor) and copied["a"].requires_grad
+    assert torch.equal(copied["a"].detach().cpu(), torch.arange(6.0))
+    assert twin_memory.memory_allocated() - before == device.nbytes
+    with pytest.raises(RuntimeError, match="graph leaves"):
+        copy.deepcopy(device * 2)
+
+
 def test_host_only_calls_refuse_device_tensors() -> None:
     device = torch.ones(4, device=twin_device())
     with pytest.raises(HostOnlyCallError, match="cpu"):

@@ -1,5 +1,7 @@
 """Lightning on offloadd (``Trainer(strategy=OffloaddStrategy(config=cfg))``), 2 torchrun
-ranks, ZeRO-3 with parameters and optimizer on NVMe: ``configure_optimizers``' torch AdamW
+ranks on the strict device twin (``TwinAccelerator``: what a GPU refuses fails here; the
+kept engine's module moved to the CPU at ``fit``'s teardown did), ZeRO-3 with parameters
+and optimizer on NVMe: ``configure_optimizers``' torch AdamW
 and per-step LambdaLR, ``gradient_clip_val``, validation every 3 steps and a
 ModelCheckpoint every 3 steps, after a baseline ``trainer.validate(model)``, then, as
 Lightning's DeepSpeed guide goes on,
@@ -30,8 +32,14 @@ pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "scripts" / "lightning_run.py"
 
 
+TWIN = {"OFFLOADD_TWIN_DEVICE": "strict"}
+"""offloadd's runs on the strict device twin (Lightning's ``TwinAccelerator``): batches,
+module and engine on a device that refuses host tensors, as a GPU does."""
+
+
 def run(out: Path, *args: str) -> tuple[dict[str, float], dict[str, Any]]:
-    torchrun(SCRIPT, ["--out", str(out), *args], out)
+    torchrun(SCRIPT, ["--out", str(out), *args], out,
+             env=TWIN if "offloadd" in args else None)
     losses: dict[str, float] = json.loads((out / "result.json").read_text())
     return losses, torch.load(out / "final.pt", weights_only=True)
 
@@ -39,6 +47,8 @@ def run(out: Path, *args: str) -> tuple[dict[str, float], dict[str, Any]]:
 def test_strategy_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
     losses, weights = run(tmp_path / "full", "--mode", "offloadd")
     ddp_losses, ddp_weights = run(tmp_path / "ddp", "--mode", "ddp")
+    assert (tmp_path / "full" / "device.txt").read_text() == "twin:0"
+    assert (tmp_path / "ddp" / "device.txt").read_text() == "cpu"
     # a baseline validation, the same steps, validation at 3 and 6, then test, predict,
     # validate
     assert list(losses) == list(ddp_losses)
@@ -67,7 +77,7 @@ def test_strategy_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
     # initial weights as fit's, so only reading the checkpoint gives fit's figures.
     out = tmp_path / "evaluate"
     torchrun(SCRIPT, ["--out", str(out), "--mode", "offloadd", "--evaluate",
-                      str(tmp_path / "full" / "checkpoints" / "step=6.ckpt")], out)
+                      str(tmp_path / "full" / "checkpoints" / "step=6.ckpt")], out, env=TWIN)
     evaluated = json.loads((out / "result.json").read_text())
     units = evaluated.pop("first_units")  # an evaluation engine: the weights and no more
     assert units and not any(units) and evaluated.pop("first_weights_only") is True

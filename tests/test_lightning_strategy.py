@@ -29,22 +29,24 @@ SCRIPT = Path(__file__).parent / "scripts" / "lightning_guide_run.py"
 
 
 def run(out: Path, strategy: str, *args: str) -> dict[str, Any]:
-    torchrun(SCRIPT, ["--out", str(out), "--strategy", strategy, *args], out)
+    """offloadd's runs on the strict device twin (Lightning's ``TwinAccelerator``)."""
+    torchrun(SCRIPT, ["--out", str(out), "--strategy", strategy, *args], out,
+             env={"OFFLOADD_TWIN_DEVICE": "strict"} if strategy != "ddp" else None)
     result: dict[str, Any] = json.loads((out / "result.json").read_text())
     return result
 
 
 def test_deepspeed_keywords_and_registered_names_match_ddp(tmp_path: Path) -> None:
     sharded = run(tmp_path / "sharded", "offloadd_stage_3_offload", "--configure-model")
-    assert sharded["strategy"] == "OffloaddStrategy"
+    assert sharded["strategy"] == "OffloaddStrategy" and sharded["device"] == "twin:0"
     assert sharded["built_meta"] is True  # configure_model ran under zero.Init
     assert sharded["warnings"] == []
     initial = ["--init-from", str(tmp_path / "sharded" / "initial.pt")]
     reference = run(tmp_path / "ddp", "ddp", *initial)
-    assert reference["strategy"] == "DDPStrategy"
+    assert reference["strategy"] == "DDPStrategy" and reference["device"] == "cpu"
     assert sharded["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     ours = run(tmp_path / "keywords", "keywords", *initial)
-    assert ours["strategy"] == "OffloaddStrategy"
+    assert ours["strategy"] == "OffloaddStrategy" and ours["device"] == "twin:0"
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert ours["warnings"] == []
     # nvme_path reached the daemon: it swapped into a dir of its own there

@@ -4,9 +4,10 @@
 from trainer.integrations.lightning import (
     CHECKPOINT_TAG,
     OffloaddStrategy,
+    TwinAccelerator,
     UnsupportedVersionError,
     convert_zero_checkpoint_to_fp32_state_dict,
 )
 
-__all__ = ["CHECKPOINT_TAG", "OffloaddStrategy", "UnsupportedVersionError",
+__all__ = ["CHECKPOINT_TAG", "OffloaddStrategy", "TwinAccelerator", "UnsupportedVersionError",
            "convert_zero_checkpoint_to_fp32_state_dict"]

@@ -32,7 +32,7 @@ from _leave import leave_group
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import trainer.lightning  # noqa: F401  - registers the offloadd_* strategy names
-from trainer.lightning import OffloaddStrategy
+from trainer.lightning import OffloaddStrategy, TwinAccelerator
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -108,8 +108,10 @@ if args.strategy == "keywords":
                                 offload_optimizer_device="nvme", nvme_path=str(out / "swap"))
 module = LanguageModel()
 tokens = torch.randint(0, 97, (16, SEQ), generator=torch.Generator().manual_seed(1))
+twin = args.strategy != "ddp" and TwinAccelerator.is_available()  # OFFLOADD_TWIN_DEVICE
 lightning_trainer = pl.Trainer(
-    accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
+    accelerator=TwinAccelerator() if twin else "cpu",
+    devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
     max_steps=args.steps, gradient_clip_val=0.5, logger=False, enable_progress_bar=False,
     enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
     callbacks=[ScratchDirs()])
@@ -119,6 +121,7 @@ caught.__exit__(None, None, None)
 if lightning_trainer.is_global_zero:
     (out / "result.json").write_text(json.dumps({
         "strategy": type(lightning_trainer.strategy).__name__,
+        "device": str(lightning_trainer.strategy.root_device),
         "built_meta": module.built_meta,
         "losses": module.losses,
         "scratch_dirs": ScratchDirs.dirs,

@@ -5,7 +5,9 @@
         [--evaluate DIR/checkpoints/step=6.ckpt]
 
 ``--mode offloadd`` passes ``strategy=OffloaddStrategy(config=...)`` (ZeRO-3, parameters
-and optimizer on NVMe); ``--mode ddp`` passes ``strategy="ddp"`` (the reference). The
+and optimizer on NVMe), on the strict device twin (``TwinAccelerator``) when
+``OFFLOADD_TWIN_DEVICE=strict``; ``--mode ddp`` passes ``strategy="ddp"`` on the CPU (the
+reference). The
 module's configure_optimizers returns a torch AdamW (no weight decay for biases and norms:
 two groups) and a per-step LambdaLR; its hyper-parameters hold the script's arguments
 (an ``argparse.Namespace``, which only ``weights_only=False`` loads); the Trainer
@@ -37,7 +39,7 @@ from _leave import leave_group
 from lightning.pytorch.callbacks import ModelCheckpoint
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from trainer.lightning import OffloaddStrategy
+from trainer.lightning import OffloaddStrategy, TwinAccelerator
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--out", required=True)
@@ -107,6 +109,7 @@ class LanguageModel(pl.LightningModule):
                      for name, value in self.state_dict().items()}
         if self.trainer.is_global_zero:
             torch.save(state, out / "final.pt")
+            (out / "device.txt").write_text(str(self.device))
 
 
 def loader(seed: int, count: int) -> torch.utils.data.DataLoader:  # type: ignore[type-arg]
@@ -128,8 +131,11 @@ checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}",
 
 
 def make_trainer(strategy: Any, callbacks: list[Any]) -> pl.Trainer:
+    # offloadd on the strict twin (OFFLOADD_TWIN_DEVICE=strict): a device that refuses
+    # what CUDA refuses, so the run meets what a GPU run would
     return pl.Trainer(
-        accelerator="cpu", devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        accelerator=TwinAccelerator() if TwinAccelerator.is_available() else "cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         strategy=strategy, max_steps=args.steps, precision=args.precision,
         gradient_clip_val=0.5, val_check_interval=3, check_val_every_n_epoch=None,
         num_sanity_val_steps=0, callbacks=callbacks, logger=False, enable_progress_bar=False,

@@ -285,6 +285,25 @@ def _copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return func(*args, **kwargs)  # host <-> device is what copy_ is for
 
 
+def _deepcopy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``copy.deepcopy`` of device memory is device memory, as a CUDA tensor's copy is
+    (Lightning's ModelCheckpoint deep-copies the logged metrics); torch's own needs a
+    ``new_empty`` of the subclass, which the twin does not play."""
+    self = args[0]
+    memo = args[1] if len(args) > 1 else kwargs["memo"]
+    if id(self) in memo:
+        return memo[id(self)]
+    if not self.is_leaf:
+        raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) "
+                           "support the deepcopy protocol at the moment")
+    with torch._C.DisableTorchFunctionSubclass():
+        copied = self.detach().clone()
+    copied.requires_grad_(self.requires_grad)
+    result = _device(copied)
+    memo[id(self)] = result
+    return result
+
+
 def _get_grad(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     with torch._C.DisableTorchFunctionSubclass():
         value = func(*args, **kwargs)
@@ -327,6 +346,7 @@ _RULES: dict[Any, Any] = {
     torch.Tensor.numpy: _host_only,
     torch.Tensor.__array__: _host_only,
     torch.Tensor.copy_: _copy,
+    torch.Tensor.__deepcopy__: _deepcopy,
     torch.Tensor.data.__set__: _set_data,  # type: ignore[attr-defined]
     torch.Tensor.grad.__set__: _set_grad,  # type: ignore[union-attr]
     torch.Tensor.grad.__get__: _get_grad,  # type: ignore[union-attr]

@@ -52,15 +52,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.fabric.accelerators.cpu import _parse_cpu_cores
+from lightning.fabric.utilities.distributed import _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
 from lightning.pytorch import Trainer as LightningTrainer
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from torch import nn
 
 from trainer.api import initialize
+from trainer.device import twin, twin_memory
 from trainer.integrations import ds_facade
 from trainer.integrations.versions import UnsupportedVersionError, check_versions
 from trainer.state import checkpoint as engine_checkpoint
@@ -474,12 +480,86 @@ class OffloaddStrategy(DDPStrategy):
 
     def teardown(self) -> None:
         """The engine stays open (``test``/``predict`` after ``fit`` evaluate through it;
-        see the module docstring); ``self.model`` is the LightningModule again."""
-        if self.engine is not None:
-            self.model = self.lightning_module
-            if self not in _KEPT:
-                _KEPT.append(self)
-        super().teardown()
+        see the module docstring); ``self.model`` is the LightningModule again.
+
+        Lightning's teardown moves the module to the CPU. A kept engine owns where its
+        module's parameters live, so the module stays: on a GPU that move made host copies
+        of the gathered stage-3 parameters (the next ``test`` then mixed devices) and, at
+        stages 0-2, cut the parameters off the engine's flat buffers (a checkpoint read
+        into the engine no longer reached them)."""
+        if self.engine is None:
+            super().teardown()
+            return
+        module = self.lightning_module
+        assert module is not None
+        self.model = module
+        if self not in _KEPT:
+            _KEPT.append(self)
+        with _stays_put(module):
+            super().teardown()
+
+    def setup_distributed(self) -> None:
+        """DDP's, but without the compute device for the strict twin (``TwinAccelerator``):
+        torch's process group knows no backend for its device type, and the engine's
+        collectives there are gloo's."""
+        if self.root_device.type != twin.TWIN_TYPE:
+            super().setup_distributed()
+            return
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = "gloo"
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, "gloo", timeout=self._timeout)
+
+
+@contextlib.contextmanager
+def _stays_put(module: nn.Module) -> Iterator[None]:
+    """``module.cpu()`` does nothing inside (Lightning's ``Strategy.teardown`` calls it)."""
+    module.cpu = lambda: module  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.cpu
+
+
+class TwinAccelerator(Accelerator):
+    """Lightning's accelerator for offloadd's strict device twin (``trainer.device.twin``,
+    ``OFFLOADD_TWIN_DEVICE=strict``): ``Trainer(accelerator=TwinAccelerator(),
+    strategy=OffloaddStrategy(...))`` runs a Lightning script on a CPU host with its
+    batches, module and engine on a device that refuses what CUDA refuses (host tensors
+    mixed in, a capacity when ``OFFLOADD_TWIN_MEMORY`` caps it), so a test catches what a
+    GPU run would meet. One twin device per process."""
+
+    def setup_device(self, device: torch.device) -> None:
+        if device.type != twin.TWIN_TYPE:
+            raise ValueError(f"TwinAccelerator runs on the twin's device, got {device}")
+
+    def get_device_stats(self, device: Any) -> dict[str, Any]:
+        return {"twin_allocated_bytes": twin_memory.memory_allocated(),
+                "twin_peak_bytes": twin_memory.max_memory_allocated()}
+
+    def teardown(self) -> None:
+        """Nothing to release: the twin's memory is the host's."""
+
+    @staticmethod
+    def parse_devices(devices: Any) -> int:
+        return _parse_cpu_cores(devices)
+
+    @staticmethod
+    def get_parallel_devices(devices: Any) -> list[torch.device]:
+        return [twin.twin_device()] * _parse_cpu_cores(devices)
+
+    @staticmethod
+    def auto_device_count() -> int:
+        return 1
+
+    @staticmethod
+    def is_available() -> bool:
+        return twin.twin_device_mode() == "strict"
+
+    @staticmethod
+    def name() -> str:
+        return "offloadd_twin"
 
 
 def convert_zero_checkpoint_to_fp32_state_dict(
