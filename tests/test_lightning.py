@@ -53,7 +53,8 @@ def test_strategy_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
     # validate
     assert list(losses) == list(ddp_losses)
     assert list(losses)[:2] == ["val/0", "baseline"]
-    assert list(losses)[-3:] == ["test", "predict", "validate"]
+    assert list(losses)[-4:] == ["test", "predict", "validate", "test/3"]
+    assert losses["test/3"] != losses["test"]  # the step-3 checkpoint reached the engine
     predictions = losses.pop("predict")
     assert predictions == pytest.approx(ddp_losses.pop("predict"), rel=1e-5)
     assert losses == pytest.approx(ddp_losses, rel=1e-5)
@@ -62,6 +63,15 @@ def test_strategy_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
     assert set(weights) == set(ddp_weights)
     for name, value in ddp_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
+
+    # Stage 2 on the twin: the kept engine's module must keep its parameters on its
+    # buffers through fit's teardown, or test(ckpt_path=<step 3>) evaluates fit's end
+    stage2, stage2_weights = run(tmp_path / "stage2", "--mode", "offloadd", "--stage", "2")
+    stage2_predictions = stage2.pop("predict")
+    assert stage2_predictions == pytest.approx(predictions, rel=1e-5)
+    assert stage2 == pytest.approx(losses, rel=1e-5)
+    for name, value in ddp_weights.items():
+        torch.testing.assert_close(stage2_weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
     checkpoint = tmp_path / "full" / "checkpoints" / "step=3.ckpt"
     assert (checkpoint / "checkpoint" / "rank_00001.pt").exists()

@@ -14,8 +14,9 @@ two groups) and a per-step LambdaLR; its hyper-parameters hold the script's argu
 clips (gradient_clip_val), validates every 3 steps and keeps a ModelCheckpoint every 3
 steps. Before ``fit`` (unless resuming) ``trainer.validate(model)`` gives a baseline; after
 it, as Lightning's DeepSpeed guide goes on: ``trainer.test()`` (the
-"best" checkpoint, i.e. the last one), ``trainer.predict()`` and ``trainer.validate(model)``
-(the module's weights as fit left them). ``--evaluate CKPT`` instead runs only
+"best" checkpoint, i.e. the last one), ``trainer.predict()``, ``trainer.validate(model)``
+(the module's weights as fit left them) and ``trainer.test(ckpt_path=<step 3>)``.
+``--stage 2`` puts only the optimizer on NVMe. ``--evaluate CKPT`` instead runs only
 ``trainer.test(fresh_module, ckpt_path=CKPT)`` and ``trainer.predict(that_module)``, as a
 fresh process would (recording whether that engine's units hold only the fp32 weights),
 then ``predict`` of a second Trainer over a second module; rank 0
@@ -48,6 +49,7 @@ parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--ckpt-path", default=None)
 parser.add_argument("--precision", default="32-true")
 parser.add_argument("--evaluate", default=None)
+parser.add_argument("--stage", type=int, default=3, help="ZeRO stage (2: optimizer on NVMe)")
 args = parser.parse_args()
 out = Path(args.out)
 SEQ = 16
@@ -120,8 +122,8 @@ def loader(seed: int, count: int) -> torch.utils.data.DataLoader:  # type: ignor
 if args.mode == "offloadd":
     offload = {"device": "nvme", "nvme_path": str(out / "swap")}
     strategy: Any = OffloaddStrategy(config={
-        "zero_optimization": {"stage": 3, "offload_param": offload,
-                              "offload_optimizer": offload},
+        "zero_optimization": {"stage": args.stage, "offload_optimizer": offload,
+                              **({"offload_param": offload} if args.stage == 3 else {})},
         "offloadd": {"arena_size": 4 << 20},
     })
 else:
@@ -158,6 +160,10 @@ if args.evaluate is None:
                                                          weights_only=False)
     module.losses["validate"] = lightning_trainer.validate(
         module, dataloaders=loader(2, 8))[0]["val_loss"]
+    # an earlier checkpoint read into the engine fit left: the step-3 weights' loss
+    step3 = Path(args.ckpt_path) if args.ckpt_path else out / "checkpoints" / "step=3.ckpt"
+    module.losses["test/3"] = lightning_trainer.test(
+        dataloaders=loader(3, 8), ckpt_path=step3, weights_only=False)[0]["test_loss"]
 else:
     module.losses["test"] = lightning_trainer.test(
         module, dataloaders=loader(3, 8), ckpt_path=args.evaluate,
