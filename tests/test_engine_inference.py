@@ -15,6 +15,7 @@ from conftest import cap_twin_device
 
 import trainer
 from trainer.device import twin_memory
+from trainer.state.hf_checkpoint import CheckpointError
 from trainer.zero.engine import EngineInferenceError
 
 pytestmark = pytest.mark.slow
@@ -117,3 +118,27 @@ def test_a_model_larger_than_the_device_evaluates_on_the_strict_twin(
         assert 0 < twin_memory.max_memory_allocated() <= twin_memory.memory().capacity_nbytes
     finally:
         engine.destroy()
+
+
+def test_an_inference_engines_checkpoint_gives_a_training_engine_its_weights(
+        tmp_path: Path) -> None:
+    """The other way round: what an engine without an optimizer saved holds no optimizer
+    state, so a full load is refused, naming the option that takes the weights alone."""
+    engine, _, _, _ = trainer.initialize(model=make_model(0), config=base_config(
+        zero_optimization=OFFLOAD), inference=True)
+    try:
+        engine.save_checkpoint(tmp_path, tag="t")
+        expected = _eval_loss(engine)
+    finally:
+        engine.close()
+    training, _, _, _ = trainer.initialize(model=make_model(1), config=base_config(
+        zero_optimization=OFFLOAD))
+    try:
+        with pytest.raises(CheckpointError, match="load_optimizer_states=False"):
+            training.load_checkpoint(tmp_path, tag="t")
+        training.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)
+        assert _eval_loss(training) == expected
+        training.backward(training(*make_batch(0, 0, 0, 4)))  # and it trains on from there
+        training.step()
+    finally:
+        training.close()

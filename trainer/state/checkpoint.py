@@ -297,6 +297,13 @@ def _unit_restorer(engine: Engine, options: LoadOptions) -> UnitRestore:
     its parameters and fp32 master, the moments staying the engine's own."""
 
     def restore(unit: Unit, state: dict[str, torch.Tensor]) -> None:
+        if unit.trainable and "master" not in state:  # saved frozen: an inference engine's
+            if options.optimizer:
+                raise CheckpointError(
+                    f"the checkpoint holds no optimizer state for unit {unit.index} "
+                    f"({unit.name}): it was saved by an engine without an optimizer, or with "
+                    f"the unit frozen. Load its weights with load_optimizer_states=False")
+            state = {"param": state["param"], "master": state["param"].float()}
         if unit.trainable and not options.optimizer:
             state = {**engine.backend.get_state(unit.index),
                      **{kind: state[kind] for kind in ("param", "master") if kind in state}}
