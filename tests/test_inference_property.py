@@ -1,7 +1,8 @@
 """Property test: an engine without an optimizer evaluates as plain torch does, over the
 config space it is built from.
 
-Each example draws the offload device (none / cpu / nvme) x fp32 / bf16 x a job arena
+Each example draws the offload device (none / cpu / nvme) x Twin-Flow's ``ratio`` x
+fp32 / bf16 x a job arena
 that holds the weights or one that forces swapping x units by module class or by size x
 a live-parameter budget that holds every unit or one or two x frozen parameters x one or
 two parameter groups x ``no_grad`` or ``torch.inference_mode`` x a training checkpoint's
@@ -51,6 +52,8 @@ class Case:
     groups: int
     mode: str
     from_checkpoint: bool
+    ratio: float = 1.0
+    """Twin-Flow's split (``offload_optimizer.ratio``): the backend an offloaded run uses."""
 
 
 @st.composite
@@ -61,7 +64,8 @@ def cases(draw: Any) -> Case:
                 by_size=draw(st.booleans()), one_unit_live=draw(st.booleans()),
                 frozen=draw(st.booleans()), groups=draw(st.sampled_from([1, 2])),
                 mode=draw(st.sampled_from(["no_grad", "inference_mode"])),
-                from_checkpoint=draw(st.booleans()))
+                from_checkpoint=draw(st.booleans()),
+                ratio=draw(st.sampled_from([1.0, 0.5])) if offload != "none" else 1.0)
 
 
 def _model(case: Case, seed: int) -> TinyNet:
@@ -86,7 +90,7 @@ def _config(case: Case, shared: SharedDaemon, job: str, *, optimizer: bool) -> d
                             else 10**9, "stage3_prefetch_bucket_size": 20_000}
     if case.offload != "none":
         offload = {"device": case.offload, "nvme_path": shared.shared_dir}
-        zero.update(offload_param=offload, offload_optimizer=offload)
+        zero.update(offload_param=offload, offload_optimizer={**offload, "ratio": case.ratio})
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 4, "zero_optimization": zero,
         "units": {"min_num_params": 20_000} if case.by_size
@@ -184,7 +188,7 @@ def pool() -> Iterator[Any]:
           suppress_health_check=list(HealthCheck))
 @example(Case(offload="nvme", precision="bf16", tight_arena=True, by_size=False,
               one_unit_live=True, frozen=True, groups=2, mode="inference_mode",
-              from_checkpoint=True))
+              from_checkpoint=True, ratio=0.5))
 @example(Case(offload="none", precision="fp32", tight_arena=False, by_size=True,
               one_unit_live=False, frozen=False, groups=1, mode="no_grad",
               from_checkpoint=False))
