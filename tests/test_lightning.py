@@ -65,8 +65,15 @@ def test_strategy_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-5, msg=name)
 
     # Stage 2 on the twin: the kept engine's module must keep its parameters on its
-    # buffers through fit's teardown, or test(ckpt_path=<step 3>) evaluates fit's end
-    stage2, stage2_weights = run(tmp_path / "stage2", "--mode", "offloadd", "--stage", "2")
+    # buffers through fit's teardown, or test(ckpt_path=<step 3>) evaluates fit's end. Its
+    # checkpoints leave the frozen position embeddings out (exclude_frozen_parameters),
+    # and test(ckpt_path=<step 3>) reads one with the module's strict_loading = False.
+    stage2, stage2_weights = run(tmp_path / "stage2", "--mode", "offloadd", "--stage", "2",
+                                 "--exclude-frozen")
+    saved = tmp_path / "stage2" / "checkpoints" / "step=3.ckpt" / "checkpoint"
+    assert json.loads((saved / "meta.json").read_text())["frozen_excluded"] is True
+    untracked = torch.load(saved / "rank_00000.pt", weights_only=False)["untracked"]
+    assert "model.transformer.wpe.weight" not in untracked  # at stage 2 it is untracked
     stage2_predictions = stage2.pop("predict")
     assert stage2_predictions == pytest.approx(predictions, rel=1e-5)
     assert stage2 == pytest.approx(losses, rel=1e-5)

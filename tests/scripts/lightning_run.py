@@ -16,7 +16,11 @@ steps. Before ``fit`` (unless resuming) ``trainer.validate(model)`` gives a base
 it, as Lightning's DeepSpeed guide goes on: ``trainer.test()`` (the
 "best" checkpoint, i.e. the last one), ``trainer.predict()``, ``trainer.validate(model)``
 (the module's weights as fit left them) and ``trainer.test(ckpt_path=<step 3>)``.
-``--stage 2`` puts only the optimizer on NVMe. ``--evaluate CKPT`` instead runs only
+``--stage 2`` puts only the optimizer on NVMe. The position embeddings are frozen in every
+run; ``--exclude-frozen`` leaves them out of the checkpoints
+(``OffloaddStrategy(exclude_frozen_parameters=True)``) and sets the module's
+``strict_loading = False``, as a LoRA run under Lightning's DeepSpeed strategy does.
+``--evaluate CKPT`` instead runs only
 ``trainer.test(fresh_module, ckpt_path=CKPT)`` and ``trainer.predict(that_module)``, as a
 fresh process would (recording whether that engine's units hold only the fp32 weights),
 then ``predict`` of a second Trainer over a second module; rank 0
@@ -50,6 +54,8 @@ parser.add_argument("--ckpt-path", default=None)
 parser.add_argument("--precision", default="32-true")
 parser.add_argument("--evaluate", default=None)
 parser.add_argument("--stage", type=int, default=3, help="ZeRO stage (2: optimizer on NVMe)")
+parser.add_argument("--exclude-frozen", action="store_true",
+                    help="checkpoints without the frozen weights; strict_loading = False")
 args = parser.parse_args()
 out = Path(args.out)
 SEQ = 16
@@ -67,6 +73,8 @@ class LanguageModel(pl.LightningModule):
         self.model = GPT2LMHeadModel(GPT2Config(
             n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=SEQ, resid_pdrop=0.0,
             embd_pdrop=0.0, attn_pdrop=0.0))
+        self.model.transformer.wpe.requires_grad_(False)  # a frozen part, as fine-tunes have
+        self.strict_loading = not args.exclude_frozen
         self.losses: dict[str, float] = {}
 
     def forward(self, batch: torch.Tensor) -> torch.Tensor:
@@ -125,7 +133,7 @@ if args.mode == "offloadd":
         "zero_optimization": {"stage": args.stage, "offload_optimizer": offload,
                               **({"offload_param": offload} if args.stage == 3 else {})},
         "offloadd": {"arena_size": 4 << 20},
-    })
+    }, exclude_frozen_parameters=args.exclude_frozen)
 else:
     strategy = "ddp"
 checkpoints = ModelCheckpoint(dirpath=out / "checkpoints", filename="{step}",

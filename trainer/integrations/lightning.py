@@ -113,8 +113,8 @@ class OffloaddStrategy(DDPStrategy):
     they are built; here the engine places partitions where ``offload_param.device``
     says, so it is checked and kept (``self.remote_device``).
     Buffer, bucket and aio sizes are the daemon's own and pass silently
-    (``trainer.deepspeed_features.SILENT_KEYS``). ``load_full_weights`` and
-    ``exclude_frozen_parameters`` are not supported and raise when set.
+    (``trainer.deepspeed_features.SILENT_KEYS``). ``load_full_weights`` is not supported
+    and raises when set.
     """
 
     strategy_name = "offloadd"
@@ -159,9 +159,10 @@ class OffloaddStrategy(DDPStrategy):
                              "fit(ckpt_path=...) takes the strategy's own checkpoint "
                              "directories; load a single-file model with "
                              "trainer.load_pretrained before fit")
-        if exclude_frozen_parameters:
-            raise ValueError("OffloaddStrategy(exclude_frozen_parameters=True) is not "
-                             "supported: checkpoints hold every parameter; drop it")
+        self.exclude_frozen_parameters = exclude_frozen_parameters
+        """Checkpoints leave frozen parameters out (a LoRA run's base), as DeepSpeed's
+        strategy saves them; they load as the module's ``strict_loading`` says (False:
+        the frozen values the module has are kept)."""
         self.remote_device = remote_device
         logging.getLogger("offloadd.deepspeed").setLevel(logging_level)
         self.loss_scaling = {"loss_scale": loss_scale, "initial_scale_power": initial_scale_power,
@@ -444,7 +445,8 @@ class OffloaddStrategy(DDPStrategy):
         filepath = self.broadcast(str(filepath))
         client_state = {key: value for key, value in checkpoint.items()
                         if key not in ("state_dict", "optimizer_states")}
-        self.engine.save_checkpoint(filepath, tag=CHECKPOINT_TAG, client_state=client_state)
+        self.engine.save_checkpoint(filepath, tag=CHECKPOINT_TAG, client_state=client_state,
+                                    exclude_frozen_parameters=self.exclude_frozen_parameters)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
                         ) -> dict[str, Any]:
@@ -461,10 +463,12 @@ class OffloaddStrategy(DDPStrategy):
         if not (path / CHECKPOINT_TAG).is_dir():
             raise ValueError(f"{path} is not an OffloaddStrategy checkpoint (a directory with "
                              f"a {CHECKPOINT_TAG}/ folder written by save_checkpoint)")
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        module = self.lightning_module
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
         _, client_state = engine_checkpoint.load_checkpoint(
             self.engine, path, CHECKPOINT_TAG,
-            LoadOptions(load_optimizer_states=fitting, load_lr_scheduler_states=fitting),
+            LoadOptions(load_optimizer_states=fitting, load_lr_scheduler_states=fitting,
+                        load_module_strict=module.strict_loading),
             weights_only=bool(weights_only))
         return client_state
 

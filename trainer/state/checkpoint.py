@@ -54,15 +54,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from trainer.state.export import (
     HF_CONFIG_DIR,
     LATEST_FILE,
+    is_frozen,
     latest_tag,
     param_layout,
     rank_file,
     read_meta,
+    untracked_state,
     write_hf_configs,
 )
 from trainer.state.hf_checkpoint import CheckpointError, path_inside
@@ -158,18 +159,6 @@ def _unit_states(engine: Engine, *, exclude_frozen: bool
     return states
 
 
-def _untracked_state(engine: Engine, *, exclude_frozen: bool = False,
-                     keep_vars: bool = False) -> dict[str, torch.Tensor]:
-    """Buffers and the parameters outside units (frozen ones in stages 0-2); without
-    frozen parameters with ``exclude_frozen``."""
-    tracked = {id(slot.param) for unit in engine.units for slot in unit.slots}
-    return {name: value if keep_vars else value.detach().clone()
-            for name, value in engine.module.state_dict(keep_vars=True).items()
-            if id(value) not in tracked and not (exclude_frozen and _frozen(value))}
-
-
-def _frozen(value: torch.Tensor) -> bool:
-    return isinstance(value, nn.Parameter) and not value.requires_grad
 
 
 def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str | None = None,
@@ -190,7 +179,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     exclude = exclude_frozen_parameters
     payload = {"units": _unit_states(engine, exclude_frozen=exclude),
                "engine": _engine_state(engine),
-               "untracked": _untracked_state(engine, exclude_frozen=exclude),
+               "untracked": untracked_state(engine, exclude_frozen=exclude),
                "client_state": client_state or {}}
     _atomic_save(payload, rank_file(tag_dir, engine.collectives.rank))
     if engine.collectives.rank == 0:
@@ -239,13 +228,14 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str],
     saved = _check_meta(engine, tag_dir)
     if saved.get("frozen_excluded") and options.load_module_strict:
         frozen = sum(unit.numel for unit in engine.units if not unit.trainable) + sum(
-            value.numel() for value in _untracked_state(engine, keep_vars=True).values()
-            if _frozen(value))
+            value.numel() for value in untracked_state(engine, keep_vars=True).values()
+            if is_frozen(value))
         raise CheckpointError(
             f"checkpoint {tag_dir} was saved with exclude_frozen_parameters=True: it holds "
             f"none of this model's {frozen} frozen parameter elements. Load it with "
             f"load_module_strict=False to keep the frozen values this engine has (the "
-            f"base model the run was built from)")
+            f"base model the run was built from; in Lightning, set the LightningModule's "
+            f"strict_loading = False)")
     restore = _unit_restorer(engine, options)
     if saved["world_size"] != engine.collectives.world_size:
         payload = load_resharded(engine, tag_dir, saved, restore, weights_only=weights_only)
@@ -347,7 +337,7 @@ def consolidate_fp32_state_dict(engine: Engine) -> dict[str, torch.Tensor]:
             value = full.narrow(0, slot.offset, slot.numel).view(slot.shape).clone()
             for name in names_of.get(id(slot.param), [slot.name]):
                 result[name] = value
-    for name, value in _untracked_state(engine).items():
+    for name, value in untracked_state(engine).items():
         result[name] = value.float() if value.is_floating_point() else value
     return result if engine.collectives.rank == 0 else {}
 

@@ -85,11 +85,21 @@ def param_layout(engine: Engine) -> list[list[dict[str, Any]]]:
             for unit in engine.units]
 
 
-def _untracked(engine: Engine) -> dict[str, torch.Tensor]:
+def untracked_state(engine: Engine, *, exclude_frozen: bool = False,
+                    keep_vars: bool = False) -> dict[str, torch.Tensor]:
+    """Buffers and the parameters outside units (frozen ones at stages 0-2) as host copies
+    (``keep_vars``: the module's own tensors, wherever they are); without frozen parameters
+    with ``exclude_frozen``. Host copies: a checkpoint or export holds no device tensors,
+    so it loads where there is no device (an export on a login node)."""
     tracked = {id(slot.param) for unit in engine.units for slot in unit.slots}
-    return {name: value.detach().clone()
+    return {name: value if keep_vars else value.detach().to("cpu", copy=True)
             for name, value in engine.module.state_dict(keep_vars=True).items()
-            if id(value) not in tracked}
+            if id(value) not in tracked and not (exclude_frozen and is_frozen(value))}
+
+
+def is_frozen(value: torch.Tensor) -> bool:
+    """A parameter no optimizer steps (``requires_grad=False``)."""
+    return isinstance(value, nn.Parameter) and not value.requires_grad
 
 
 def write_hf_configs(module: nn.Module, directory: str | os.PathLike[str],
@@ -134,11 +144,7 @@ def save_16bit_model(engine: Engine, save_dir: str | os.PathLike[str],
     writer: ShardWriter | None = None
     untracked: dict[str, torch.Tensor] = {}
     if engine.collectives.rank == 0:
-        untracked = _untracked(engine)
-        if exclude_frozen_parameters:
-            frozen = {name for name, param in engine.module.named_parameters(
-                remove_duplicate=False) if not param.requires_grad}
-            untracked = {name: value for name, value in untracked.items() if name not in frozen}
+        untracked = untracked_state(engine, exclude_frozen=exclude_frozen_parameters)
         element = torch.empty(0, dtype=engine.precision.dtype).element_size()
         sizes = [(name, slot.numel * element) for unit in engine.units
                  for slot, slot_names in kept[unit.index] for name in slot_names]
