@@ -558,8 +558,8 @@ def shared_daemon(rank: int, swap_dir: str | None = None, *, arena_size: int = 5
     """Rank body helper: rank 0 starts one daemon for every rank; yields its socket path.
 
     On the way out every rank waits for the others before rank 0 stops it, so no rank
-    loses the daemon while another still trains. ``enabled=False`` yields "" (a case
-    without offload) and keeps the closing barrier.
+    loses the daemon while another still trains; a rank whose body raised does not wait.
+    ``enabled=False`` yields "" (a case without offload) and keeps the closing barrier.
     """
     daemon, box = None, [""]
     if rank == 0 and enabled:
@@ -568,13 +568,19 @@ def shared_daemon(rank: int, swap_dir: str | None = None, *, arena_size: int = 5
         daemon = PrivateDaemon.start(arena_size=arena_size,  # its own dir, removed at stop
                                      swap_dirs=[swap_dir] if swap_dir else [])
         box = [daemon.socket_path]
+    failed = True
     try:
         if enabled:
             dist.broadcast_object_list(box, src=0)
         yield box[0]
+        failed = False
     finally:
         try:
-            dist.barrier()  # raises when a peer died: the daemon is stopped all the same
+            # A rank that failed leaves at once: a peer may be inside a collective it will
+            # never join (the barrier would hang both until the test's time-out and hide
+            # the error); the peer's collective then fails as the group goes.
+            if not failed:
+                dist.barrier()  # raises when a peer died: the daemon is stopped all the same
         finally:
             if daemon is not None:
                 daemon.stop()
