@@ -182,17 +182,29 @@ def resume_without_frozen(rank: int, world: int, root: str) -> dict[str, Any]:
         with pytest.raises(CheckpointError, match="load_module_strict=False"):
             engine.load_checkpoint(root)
         engine.load_checkpoint(root, load_module_strict=False)
+        loaded = consolidate_fp32_state_dict(engine)
         losses = [_step(engine, step, rank, world) for step in range(SAVE_AT, STEPS)]
-        return {"params": consolidate_fp32_state_dict(engine), "losses": losses}
+        params = consolidate_fp32_state_dict(engine)
     finally:
         engine.close()
+    # an engine without an optimizer (every unit frozen) reads the trained units the
+    # checkpoint holds, resharded, and keeps the base for those it left out
+    evaluator, _, _, _ = trainer.initialize(model=_frozen_model(2), config=CONFIGS["stage3"],
+                                            inference=True)
+    try:
+        evaluator.load_checkpoint(root, load_module_strict=False, load_optimizer_states=False)
+        evaluated = consolidate_fp32_state_dict(evaluator)
+    finally:
+        evaluator.close()
+    return {"params": params, "losses": losses, "loaded": loaded, "evaluated": evaluated}
 
 
 def test_a_checkpoint_without_its_frozen_parameters_resumes_at_another_world_size() -> None:
     """Saved at 2 ranks with ``exclude_frozen_parameters`` (what HF Trainer asks for a PEFT
     model), resumed at 1 rank over a model with the same frozen base: the frozen units are
     skipped in the reshard and keep the base values; a strict load and an export (not a
-    whole model) are refused with what to do instead."""
+    whole model) are refused with what to do instead. An engine without an optimizer reads
+    the same weights from it."""
     with tempfile.TemporaryDirectory() as root:
         two = run_ranks(save_without_frozen, 2, root)
         one = run_ranks(resume_without_frozen, 1, root)[0]
@@ -201,6 +213,9 @@ def test_a_checkpoint_without_its_frozen_parameters_resumes_at_another_world_siz
     rank_mean = [(a + b) / 2 for a, b in zip(two[0]["losses"], two[1]["losses"], strict=True)]
     assert max(abs(a - b) for a, b in zip(one["losses"], rank_mean, strict=True)) < 1e-5
     assert max_relative_error(one["params"], two[0]["params"]) < 1e-5
+    assert set(one["evaluated"]) == set(one["loaded"])
+    for name, value in one["loaded"].items():
+        assert torch.equal(one["evaluated"][name], value), name
     frozen = make_model(0).inp.state_dict()
     for name, value in frozen.items():
         assert torch.equal(one["params"][f"inp.{name}"], value), name

@@ -13,6 +13,7 @@ from _dist import base_config, make_batch, make_model, run_ranks, shared_daemon
 
 import trainer
 from trainer.state.checkpoint import consolidate_fp32_state_dict
+from trainer.state.hf_checkpoint import CheckpointError
 from trainer.state.reshard import ReshardError
 
 pytestmark = pytest.mark.slow
@@ -100,3 +101,21 @@ def test_load_at_other_world_size_needs_every_rank_file(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="stage=1"):
         engine.load_checkpoint(tmp_path, tag="t")
     assert engine.load_checkpoint(tmp_path / "missing") == (None, {})
+
+
+def test_a_rank_file_missing_a_trained_unit_is_refused(tmp_path: Path) -> None:
+    """Only frozen units of a checkpoint saved without its frozen parameters may be absent
+    (``trainer.state.reshard.check_absent``); a trained unit missing from a rank file is a
+    damaged checkpoint, not weights to keep."""
+    engine, _, _, _ = trainer.initialize(model=make_model(), config=base_config(
+        zero_optimization={"stage": 3}))
+    try:
+        engine.save_checkpoint(tmp_path, tag="t")
+        rank_file = tmp_path / "t" / "rank_00000.pt"
+        payload = torch.load(rank_file, weights_only=True)
+        del payload["units"][1]
+        torch.save(payload, rank_file)
+        with pytest.raises(CheckpointError, match="no state for unit 1"):
+            engine.load_checkpoint(tmp_path, tag="t")
+    finally:
+        engine.close()

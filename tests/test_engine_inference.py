@@ -24,8 +24,10 @@ OFFLOAD = {"stage": 3, "offload_param": {"device": "cpu"}, "offload_optimizer": 
 
 
 def _frozen_input(seed: int) -> torch.nn.Module:
-    """``make_model(seed)`` with its input layer frozen (as a fine-tune freezes a base)."""
+    """``make_model(seed)`` whose input layer is seed 0's and frozen (the base a fine-tune
+    freezes, the same in every run)."""
     model = make_model(seed)
+    model.inp.load_state_dict(make_model(0).inp.state_dict())
     model.inp.requires_grad_(False)
     return model
 
@@ -44,6 +46,7 @@ def test_an_inference_engine_holds_the_weights_only_and_loads_a_training_checkpo
             training.backward(training(*make_batch(step, 0, 0, 4)))
             training.step()
         training.save_checkpoint(tmp_path, tag="t")
+        training.save_checkpoint(tmp_path, tag="lora", exclude_frozen_parameters=True)
         trained_loss = _eval_loss(training)
         training_bytes = training.offload_stats()["shard_nbytes"]
     finally:
@@ -51,7 +54,7 @@ def test_an_inference_engine_holds_the_weights_only_and_loads_a_training_checkpo
 
     model = _frozen_input(1)  # units as training's: the same parameters frozen
     flags = [param.requires_grad for param in model.parameters()]
-    reference = make_model(1)
+    reference = _frozen_input(1)
     engine, _, _, _ = trainer.initialize(model=model, config=base_config(
         zero_optimization=OFFLOAD), inference=True)
     try:
@@ -67,6 +70,11 @@ def test_an_inference_engine_holds_the_weights_only_and_loads_a_training_checkpo
             engine.backward(loss)
         with pytest.raises(EngineInferenceError, match="no optimizer"):
             engine.step()
+        # without its frozen base: every unit is frozen here, yet the trained ones it
+        # holds are read (by presence), the base kept
+        engine.load_checkpoint(tmp_path, tag="lora", load_optimizer_states=False,
+                               load_module_strict=False)
+        assert _eval_loss(engine) == trained_loss
         engine.load_checkpoint(tmp_path, tag="t", load_optimizer_states=False)
         assert _eval_loss(engine) == trained_loss
     finally:

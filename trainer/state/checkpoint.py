@@ -67,7 +67,12 @@ from trainer.state.export import (
     write_hf_configs,
 )
 from trainer.state.hf_checkpoint import CheckpointError, path_inside
-from trainer.state.reshard import UnitRestore, check_reshardable, load_resharded
+from trainer.state.reshard import (
+    UnitRestore,
+    check_absent,
+    check_reshardable,
+    load_resharded,
+)
 from trainer.zero.engine import Engine
 from trainer.zero.init import handover_owner, unmaterialise
 from trainer.zero.partition import Unit
@@ -159,8 +164,6 @@ def _unit_states(engine: Engine, *, exclude_frozen: bool
     return states
 
 
-
-
 def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str | None = None,
                     *, client_state: dict[str, Any] | None = None, save_latest: bool = True,
                     exclude_frozen_parameters: bool = False) -> str:
@@ -245,11 +248,10 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str],
                              weights_only=weights_only)
         for unit in engine.units:
             state = payload["units"].get(unit.index)
-            if state is None and not (unit.trainable or saved.get("frozen_excluded")):
-                raise CheckpointError(f"{tag_dir}'s {own} has no state for unit {unit.index} "
-                                      f"({unit.name})")
-            if state is not None:
-                restore(unit, state)
+            if state is None:
+                check_absent(unit, saved, f"{tag_dir}'s {own}", CheckpointError)
+                continue
+            restore(unit, state)
     if not options.load_module_only:
         _restore_engine(engine, payload["engine"], options)
     _restore_untracked(engine, payload["untracked"])

@@ -58,18 +58,30 @@ UnitRestore = Callable[[Unit, dict[str, torch.Tensor]], None]
 """Writes one unit's state (this rank's partition of each kind) into the engine."""
 
 
+def check_absent(unit: Unit, saved: dict[str, Any], where: str,
+                 error: type[Exception]) -> None:
+    """A unit ``where`` holds no state for is allowed only where the checkpoint left its
+    frozen parameters out (``frozen_excluded``; the caller checked the strict option) and
+    the unit is frozen here; anything else raises ``error``. By presence, not by this
+    engine's flags: an engine without an optimizer has every unit frozen, and must still
+    read the units the checkpoint holds (a LoRA run's adapters)."""
+    if not (saved.get("frozen_excluded") and not unit.trainable):
+        raise error(f"{where} has no state for unit {unit.index} ({unit.name})")
+
+
 def load_resharded(engine: Engine, tag_dir: Path, saved: dict[str, Any],
                    restore: UnitRestore, *, weights_only: bool = True) -> dict[str, Any]:
     """Restore every unit's partition from a checkpoint of another world size through
     ``restore``; returns rank 0's payload for the rest of the state (``engine``,
-    ``untracked``, ``client_state``). A frozen unit a checkpoint saved with
-    ``exclude_frozen_parameters`` left out is skipped (the caller allowed it)."""
+    ``untracked``, ``client_state``). A unit the rank files lack is skipped where
+    ``check_absent`` allows it."""
     ranks = [torch.load(file, mmap=True, weights_only=weights_only, map_location="cpu")
              for file in rank_files(tag_dir, saved["world_size"], ReshardError)]
     for unit, saved_unit in zip(engine.units, saved["units"], strict=True):
-        if saved.get("frozen_excluded") and not unit.trainable:
-            continue
         parts = [payload["units"].get(unit.index) for payload in ranks]
+        if all(part is None for part in parts):
+            check_absent(unit, saved, f"{tag_dir}'s rank files", ReshardError)
+            continue
         if any(part is None for part in parts):
             raise ReshardError(f"a rank file of {tag_dir} has no state for unit "
                                f"{unit.index} ({unit.name})")
