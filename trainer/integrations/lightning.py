@@ -488,9 +488,8 @@ class OffloaddStrategy(DDPStrategy):
 
         Lightning's teardown moves the module to the CPU. A kept engine owns where its
         module's parameters live, so the module stays: on a GPU that move made host copies
-        of the gathered stage-3 parameters (the next ``test`` then mixed devices) and, at
-        stages 0-2, cut the parameters off the engine's flat buffers (a checkpoint read
-        into the engine no longer reached them)."""
+        of parameters the engine keeps on the device, which the next ``test`` mixed with
+        device inputs, at stage 3 and at stage 2)."""
         if self.engine is None:
             super().teardown()
             return

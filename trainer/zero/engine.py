@@ -223,7 +223,7 @@ class Engine(nn.Module):
             with agree(self.collectives, f"registering unit {unit.index} ({unit.name})"):
                 self.backend.register(spec, unit.part_slice(flat).float())
                 self.placement.setup(unit, flat)
-            del flat  # before the next unit's: one full unit on the device at a time
+            del flat  # gone before the next unit's is built (setup's device peak)
         self.state_io.forget_pending(self.module)
         release_kept_values()
 
