@@ -14,7 +14,9 @@ state, against the same script under torch DDP (no DeepSpeed config):
 all with gradient accumulation, clipping, a checkpoint every 3 steps, evaluation and
 ``save_model`` (read back with ``from_pretrained``): the same losses (the first one is the
 start weights' loss), eval loss and weights. Resuming the last run from its step-3
-checkpoint repeats the uninterrupted run's losses and weights bit for bit.
+checkpoint repeats the uninterrupted run's losses and weights bit for bit. That run ends
+with HF's guide's online fp32 recipe (``load_state_dict_from_zero_checkpoint`` on the last
+checkpoint): the trained weights.
 """
 
 from __future__ import annotations
@@ -82,8 +84,13 @@ def test_trainer_matches_ddp_and_resumes_exactly(tmp_path: Path) -> None:
 
     zero3 = ["--mode", "offloadd", "--variant", "config_optim", "--stage", "3",
              "--offload", "nvme", "--init", str(tmp_path / "init")]
-    full = run(tmp_path / "zero3", *zero3)
+    full = run(tmp_path / "zero3", *zero3, "--zero-to-fp32")
     assert_matches(tmp_path / "zero3", tmp_path / "ddp")
+    # HF's online fp32 recipe (deepspeed.utils.zero_to_fp32) on the last checkpoint,
+    # checkpoint-6: the trained fp32 weights, into the model whose engine released them
+    online = torch.load(tmp_path / "zero3" / "zero_to_fp32.pt", weights_only=True)
+    for name, value in final_weights(tmp_path / "zero3").items():
+        assert torch.equal(online[name], value), name
     numel = sum(param.numel() for param in start.parameters())
     for rank in range(2):  # from_pretrained under deepspeed.zero.Init allocated nothing
         built = json.loads((tmp_path / "zero3" / f"built_rank{rank}.json").read_text())

@@ -19,6 +19,10 @@ Rank 0 writes ``DIR/result.json``: the logged training losses, eval loss and the
 inference engine under HF) and writes ``DIR/evaluated.json``: the eval loss, the
 predictions' loss, the engine's units (trainable or not), the elements they hold (padded)
 and the bytes of the daemon's shards, and how many parameters still require grad.
+``--zero-to-fp32`` ends with HF's guide's "online" recipe for the fp32 weights
+(``load_state_dict_from_zero_checkpoint(trainer.model, get_last_checkpoint(...))``,
+imported from ``deepspeed.utils.zero_to_fp32``); rank 0 saves the model's state dict
+then as ``DIR/zero_to_fp32.pt``.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ parser.add_argument("--bf16", action="store_true")
 parser.add_argument("--init", default=None, help="from_pretrained folder of the start weights")
 parser.add_argument("--evaluate-only", action="store_true",
                     help="evaluate() and predict() without training")
+parser.add_argument("--zero-to-fp32", action="store_true",
+                    help="after training, HF's guide's online fp32 weights recipe")
 args = parser.parse_args()
 
 if args.mode == "offloadd":
@@ -140,4 +146,12 @@ if int(os.environ.get("RANK", "0")) == 0:
     (out / "result.json").write_text(json.dumps({
         "losses": losses, "eval_loss": metrics["eval_loss"],
         "global_step": hf_trainer.state.global_step}))
+if args.zero_to_fp32:  # as HF's DeepSpeed guide writes it
+    from deepspeed.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
+    from transformers.trainer_utils import get_last_checkpoint
+
+    checkpoint_dir = get_last_checkpoint(hf_trainer.args.output_dir)
+    fp32_model = load_state_dict_from_zero_checkpoint(hf_trainer.model, checkpoint_dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(fp32_model.state_dict(), out / "zero_to_fp32.pt")
 leave_group()

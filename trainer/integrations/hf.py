@@ -32,6 +32,7 @@ import torch
 from trainer.dist import comm
 from trainer.integrations import ds_facade
 from trainer.integrations.versions import check_versions
+from trainer.state import zero_to_fp32
 from trainer.zero import init as zero_init
 
 FACADE_VERSION = "0.18.0+offloadd"
@@ -94,6 +95,9 @@ def _facade_modules() -> dict[str, types.ModuleType]:
         "deepspeed.zero": _module("deepspeed.zero", Init=zero_init.Init,
                                   GatheredParameters=ds_facade.GatheredParameters),
         "deepspeed.utils": _module("deepspeed.utils", logger=ds_facade.logger),
+        "deepspeed.utils.zero_to_fp32": _module(
+            "deepspeed.utils.zero_to_fp32",
+            **{name: getattr(zero_to_fp32, name) for name in zero_to_fp32.DEEPSPEED_NAMES}),
         "deepspeed.checkpoint": _module("deepspeed.checkpoint"),
         "deepspeed.checkpoint.utils": _module(
             "deepspeed.checkpoint.utils",

@@ -4,10 +4,14 @@ Layout of ``engine.save_checkpoint(save_dir, tag)``::
 
     <save_dir>/
       latest                 text: the tag of the newest complete checkpoint
+      zero_to_fp32.py        DeepSpeed's converter script, for these checkpoints
+                             (``trainer.state.zero_to_fp32``)
       <tag>/
         meta.json            written by rank 0: format version, world size,
-                             ZeRO stage, training dtype, Adam moment format, and
-                             per unit its name, numel, padded_numel and part_numel
+                             ZeRO stage, training dtype, Adam moment format,
+                             per unit its name, numel, padded_numel and part_numel,
+                             each parameter's names, offset and shape (``layout``)
+                             and the names of the frozen ones (``frozen``)
         rank_00000.pt        one torch.save file per rank (see below)
         rank_00001.pt
         ...
@@ -58,6 +62,7 @@ import torch
 from trainer.state.export import (
     HF_CONFIG_DIR,
     LATEST_FILE,
+    frozen_names,
     is_frozen,
     latest_tag,
     param_layout,
@@ -73,6 +78,7 @@ from trainer.state.reshard import (
     check_reshardable,
     load_resharded,
 )
+from trainer.state.zero_to_fp32 import write_script
 from trainer.zero.engine import Engine
 from trainer.zero.init import handover_owner, unmaterialise
 from trainer.zero.partition import Unit
@@ -139,6 +145,7 @@ def _meta(engine: Engine, *, frozen_excluded: bool) -> dict[str, Any]:
                    "padded_numel": u.padded_numel, "part_numel": u.part_numel}
                   for u in engine.units],
         "frozen_excluded": frozen_excluded,
+        "frozen": frozen_names(engine),  # for conversions without them (zero_to_fp32)
     }
 
 
@@ -159,7 +166,9 @@ def _unit_states(engine: Engine, *, exclude_frozen: bool
     for unit in engine.units:
         if exclude_frozen and not unit.trainable:
             continue
-        state = engine.backend.get_state(unit.index)
+        # Host copies, as untracked_state's: an optimizer kept on the device (no offload)
+        # would put device tensors in the file, which then needs a device to load.
+        state = {kind: value.cpu() for kind, value in engine.backend.get_state(unit.index).items()}
         states[unit.index] = {"param": engine.backend.host_params(unit.index), **state}
     return states
 
@@ -189,6 +198,7 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
         write_hf_configs(engine.module, tag_dir / HF_CONFIG_DIR, engine.precision.dtype)
         _atomic_write_text(tag_dir / "meta.json",
                            json.dumps(_meta(engine, frozen_excluded=exclude), indent=2))
+        write_script(save_dir)
     engine.collectives.barrier()
     if save_latest and engine.collectives.rank == 0:
         _atomic_write_text(Path(save_dir) / LATEST_FILE, tag)

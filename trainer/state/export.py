@@ -41,6 +41,7 @@ import os
 import shutil
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeGuard
 
@@ -95,6 +96,18 @@ def untracked_state(engine: Engine, *, exclude_frozen: bool = False,
     return {name: value if keep_vars else value.detach().to("cpu", copy=True)
             for name, value in engine.module.state_dict(keep_vars=True).items()
             if id(value) not in tracked and not (exclude_frozen and is_frozen(value))}
+
+
+def frozen_names(engine: Engine) -> list[str]:
+    """The state-dict names of the parameters no optimizer of ``engine`` steps: its frozen
+    units' (every unit of an engine without an optimizer) and the frozen parameters outside
+    units (stages 0-2). meta.json keeps them (``frozen``) for conversions that leave frozen
+    parameters out (``exclude_frozen``)."""
+    names = _names_of(engine)
+    in_units = [name for unit in engine.units if not unit.trainable for slot in unit.slots
+                for name in names.get(id(slot.param), [slot.name])]
+    return in_units + [name for name, value in untracked_state(engine, keep_vars=True).items()
+                       if is_frozen(value)]
 
 
 def is_frozen(value: torch.Tensor) -> bool:
@@ -320,7 +333,8 @@ def _resolve_tag(save_dir: Path, tag: str | None) -> Path:
     if tag is None:
         tag = latest_tag(save_dir)
         if tag is None:
-            raise ExportError(f"{save_dir} has no 'latest' file; pass --tag")
+            raise ExportError(f"{save_dir} has no 'latest' file; name the checkpoint's tag "
+                              f"(--tag, tag=)")
         what = f"{save_dir}'s '{LATEST_FILE}' file"
     else:
         what = "--tag"
@@ -331,9 +345,10 @@ def _resolve_tag(save_dir: Path, tag: str | None) -> Path:
 
 
 def _open_checkpoint(save_dir: str | os.PathLike[str], tag: str | None, *,
-                     weights_only: bool = True
+                     weights_only: bool = True, whole: bool = True
                      ) -> tuple[Path, dict[str, Any], list[dict[str, Any]]]:
-    """The tag directory, its meta.json and every rank file, memory-mapped."""
+    """The tag directory, its meta.json and every rank file, memory-mapped. ``whole``: a
+    checkpoint saved without its frozen parameters is refused (it is not a whole model)."""
     checkpoint_dir = _resolve_tag(Path(save_dir), tag)
     meta = read_meta(checkpoint_dir)
     if meta.get("layout") is None:
@@ -341,7 +356,7 @@ def _open_checkpoint(save_dir: str | os.PathLike[str], tag: str | None, *,
                           f"exports were supported); load it in an engine and call "
                           f"save_16bit_model instead")
     check_layout(meta, checkpoint_dir / META_FILE)
-    if meta.get("frozen_excluded"):
+    if whole and meta.get("frozen_excluded"):
         raise ExportError(
             f"{checkpoint_dir} was saved with exclude_frozen_parameters=True (HF Trainer "
             f"does for PEFT models): it holds no frozen weights, so it is not a whole model. "
@@ -359,48 +374,94 @@ def iter_units(save_dir: str | os.PathLike[str], tag: str | None = None,
 
     A tied tensor appears once per name, as the same tensor object."""
     _, meta, ranks = _open_checkpoint(save_dir, tag)
-    return _iter_units(meta, ranks, dtype)
+    return _iter_units(meta, ranks, dtype, _Selection.of(meta, ranks))
 
 
 def consolidate_checkpoint(save_dir: str | os.PathLike[str], tag: str | None = None,
-                           dtype: torch.dtype = torch.float32, *, weights_only: bool = True
+                           dtype: torch.dtype = torch.float32, *, weights_only: bool = True,
+                           exclude_frozen: bool = False, whole: bool = True
                            ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The checkpoint's whole state dict (tied tensors once per name, as one object) and
     rank 0's ``client_state``, read once (``weights_only=False``: unpickled unrestricted,
-    for a client state holding the caller's classes; trusted files only)."""
-    _, meta, ranks = _open_checkpoint(save_dir, tag, weights_only=weights_only)
-    return _state_dict(meta, ranks, dtype), ranks[0].get("client_state", {})
+    for a client state holding the caller's classes; trusted files only).
+
+    ``exclude_frozen`` leaves out the parameters the saving engine did not train;
+    ``whole=False`` accepts a checkpoint saved without its frozen parameters and gives
+    what it holds (DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` does both)."""
+    _, meta, ranks = _open_checkpoint(save_dir, tag, weights_only=weights_only, whole=whole)
+    selection = _Selection.of(meta, ranks, exclude_frozen=exclude_frozen)
+    return _state_dict(meta, ranks, dtype, selection), ranks[0].get("client_state", {})
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """What a conversion reads of a checkpoint: the units it skips (absent from every rank
+    file of a checkpoint saved without its frozen parameters) and the names it leaves
+    out (frozen parameters, when asked)."""
+
+    absent: frozenset[int] = frozenset()
+    left_out: frozenset[str] = frozenset()
+
+    @classmethod
+    def of(cls, meta: dict[str, Any], ranks: list[dict[str, Any]], *,
+           exclude_frozen: bool = False) -> _Selection:
+        absent = frozenset(
+            unit["index"] for unit in meta["units"] if meta.get("frozen_excluded")
+            and all(_rank_units(rank).get(unit["index"]) is None for rank in ranks))
+        if not exclude_frozen:
+            return cls(absent)
+        frozen = meta.get("frozen")
+        if not (isinstance(frozen, list) and all(isinstance(name, str) for name in frozen)):
+            raise ExportError(
+                f"this checkpoint's {META_FILE} does not list its frozen parameters "
+                f"('frozen'; checkpoints saved before offloadd kept that list have none), "
+                f"so they cannot be left out: convert it without exclude_frozen_parameters")
+        return cls(absent, frozenset(frozen))
+
+    def slots(self, slots: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[str]]]:
+        """Each slot with its names but those left out; slots left with none dropped."""
+        kept = [(slot, [name for name in slot["names"] if name not in self.left_out])
+                for slot in slots]
+        return [(slot, names) for slot, names in kept if names]
+
+
+def _rank_units(rank: dict[str, Any]) -> dict[Any, Any]:
+    units = rank.get("units") if isinstance(rank, dict) else None
+    return units if isinstance(units, dict) else {}
 
 
 def _state_dict(meta: dict[str, Any], ranks: list[dict[str, Any]],
-                dtype: torch.dtype) -> dict[str, torch.Tensor]:
+                dtype: torch.dtype, selection: _Selection) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
-    for _, tensors in _iter_units(meta, ranks, dtype):
+    for _, tensors in _iter_units(meta, ranks, dtype, selection):
         state.update(tensors)
     return state
 
 
-def _iter_units(meta: dict[str, Any], ranks: list[dict[str, Any]],
-                dtype: torch.dtype) -> Iterator[tuple[int, dict[str, Any]]]:
+def _iter_units(meta: dict[str, Any], ranks: list[dict[str, Any]], dtype: torch.dtype,
+                selection: _Selection) -> Iterator[tuple[int, dict[str, Any]]]:
     for unit, slots in zip(meta["units"], meta["layout"], strict=True):
         index = unit["index"]
+        kept = selection.slots(slots)
+        if index in selection.absent or not kept:
+            continue
         parts = [_saved_part(rank, unit, rank_index) for rank_index, rank in enumerate(ranks)]
         partitioned = unit["part_numel"] != unit["padded_numel"]
         flat = (torch.cat(parts) if partitioned else parts[0]).to(dtype)
         tensors: dict[str, torch.Tensor] = {}
-        for slot in slots:
+        for slot, names in kept:
             value = flat.narrow(0, slot["offset"], slot["numel"]).view(slot["shape"]).clone()
-            for name in slot["names"]:
+            for name in names:
                 tensors[name] = value
         yield index, tensors
-    yield -1, {name: value.clone() for name, value in ranks[0]["untracked"].items()}
+    yield -1, {name: value.clone() for name, value in ranks[0]["untracked"].items()
+               if name not in selection.left_out}
 
 
 def _saved_part(rank: dict[str, Any], unit: dict[str, Any], rank_index: int) -> torch.Tensor:
     """A rank file's fp32 master (or parameter) partition of ``unit``, of the size meta.json
     gives it (``part_numel``): what the layout is then cut from."""
-    units = rank.get("units") if isinstance(rank, dict) else None
-    state = units.get(unit["index"]) if isinstance(units, dict) else None
+    state = _rank_units(rank).get(unit["index"])
     part = state.get("master", state.get("param")) if isinstance(state, dict) else None
     if not isinstance(part, torch.Tensor) or part.dim() != 1 \
             or part.numel() != unit["part_numel"]:
@@ -415,33 +476,45 @@ def export_checkpoint(save_dir: str | os.PathLike[str], out: str | os.PathLike[s
                       tag: str | None = None, dtype: torch.dtype = torch.float32,
                       weights_name: str = SAFE_WEIGHTS,
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-                      config_dir: str | os.PathLike[str] | None = None) -> Path:
+                      config_dir: str | os.PathLike[str] | None = None,
+                      exclude_frozen: bool = False, weights_only: bool = False,
+                      directory: bool | None = None) -> Path:
     """Convert a ZeRO checkpoint into one state dict file (``out`` ending in .bin/.pt/.pth)
     or an HF model directory that ``from_pretrained`` loads (see module docstring).
 
     The configs come from ``config_dir`` when given, else from the checkpoint (models with
     an HF config); a directory without ``config.json`` raises ``ExportError`` after the
-    weights are written, naming ``--config``."""
+    weights are written, naming ``--config``. ``weights_only``: the weight files alone, as
+    DeepSpeed's ``zero_to_fp32`` writes them (also of a checkpoint saved without its frozen
+    parameters: what it holds); ``exclude_frozen`` leaves out the parameters the saving
+    engine did not train. ``directory``: a directory even where ``out``'s name ends in a
+    weight file's suffix (None: by the suffix)."""
     out = Path(out)
-    tag_dir, meta, ranks = _open_checkpoint(save_dir, tag)
-    if out.suffix in (".bin", ".pt", ".pth"):
+    tag_dir, meta, ranks = _open_checkpoint(save_dir, tag, whole=not weights_only)
+    selection = _Selection.of(meta, ranks, exclude_frozen=exclude_frozen)
+    if not directory and out.suffix in (".bin", ".pt", ".pth"):
         out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(_state_dict(meta, ranks, dtype), out)
+        torch.save(_state_dict(meta, ranks, dtype, selection), out)
         return out
     fmt = weights_format(weights_name)
     element = torch.empty(0, dtype=dtype).element_size()
-    sizes = [(name, slot["numel"] * element) for slots in meta["layout"] for slot in slots
-             for name in _export_names(slot["names"], fmt)]
+    sizes = [(name, slot["numel"] * element)
+             for unit, slots in zip(meta["units"], meta["layout"], strict=True)
+             if unit["index"] not in selection.absent
+             for slot, names in selection.slots(slots) for name in _export_names(names, fmt)]
     sizes += [(name, value.numel() * value.element_size())
-              for name, value in ranks[0]["untracked"].items()]
+              for name, value in ranks[0]["untracked"].items()
+              if name not in selection.left_out]
     writer = _open_writer(out, sizes, weights_name, max_shard_size)
-    for _, tensors in _iter_units(meta, ranks, dtype):
+    for _, tensors in _iter_units(meta, ranks, dtype, selection):
         written: set[int] = set()
         for name, value in tensors.items():
             if fmt == "bin" or id(value) not in written:
                 writer.add(name, value)
                 written.add(id(value))
     writer.finish()
+    if weights_only:
+        return out
     if config_dir is not None:
         _copy_configs(Path(config_dir), out, dtype)
     else:
