@@ -8,8 +8,8 @@ fp32 x HF activation checkpointing x a frozen first block x built under
 Twin-Flow's ``ratio`` (all offloaded, or half kept on the device) x an evaluation
 before every micro-step and after the last (none, under ``torch.no_grad``, or under
 ``torch.inference_mode`` as Lightning validates on NCCL and as ``generate`` runs).
-It trains on 2 gloo ranks (one pair of long-lived rank processes runs every
-example, with one shared daemon) and is compared with single-process torch
+It trains on 2 gloo ranks on the strict device twin (one pair of long-lived rank
+processes runs every example, with one shared daemon) and is compared with single-process torch
 AdamW from the same initial weights: the losses of every micro-step, the final
 parameters and every evaluation loss (see ``check`` for the tolerances of fp32 and
 of bf16, which runs forward/backward in bf16 against an fp32 reference).
@@ -152,7 +152,8 @@ def evaluation(engine: Any, mode: str, rank: int) -> list[float]:
     engine.eval()
     with context:
         ids = probe_tokens(rank)
-        loss = engine(input_ids=ids, labels=ids).loss.item()
+        loss = engine(input_ids=ids.to(engine.collectives.device), labels=ids.to(
+            engine.collectives.device)).loss.item()
     engine.train()
     return [loss]
 
@@ -194,11 +195,12 @@ def train_case(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
     engine, _, _, _ = trainer.initialize(model=model, config=config,
                                          model_parameters=param_groups(case)(model))
     try:
+        assert engine.collectives.device.type == "twin", engine.collectives.device
         initial = consolidate_fp32_state_dict(engine)
         losses, probes = [], []
         for micro in range(STEPS * case.accumulation):
             probes += evaluation(engine, case.evaluate, rank)
-            ids = tokens(micro, rank)
+            ids = tokens(micro, rank).to(engine.collectives.device)
             loss = engine(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
@@ -219,8 +221,10 @@ def train_case(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[Any]:
-    with rank_pools(2, SharedDaemon) as get:
-        yield get
+    with pytest.MonkeyPatch.context() as patch:  # the ranks train on the strict twin
+        patch.setenv("OFFLOADD_TWIN_DEVICE", "strict")
+        with rank_pools(2, SharedDaemon) as get:
+            yield get
 
 
 def reference(case: Case, initial: dict[str, torch.Tensor],
