@@ -257,6 +257,34 @@ def test_a_marker_cannot_name_a_dir_outside_its_own_chain(tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kept.txt", "sibling"]
 
 
+def test_a_parent_another_daemon_removed_is_made_again(tmp_path: Path) -> None:
+    """Two engines (or jobs) on one ``nvme_path`` that neither found: the first one's
+    daemon, exiting, removes the parent it made once it is empty, which it is between the
+    next launcher's ``make_dirs`` and its scratch dir. Seen in Lightning's validate-then-fit
+    under load: ``FileNotFoundError`` for the new scratch dir. The parent is made again and
+    the scratch dir records it as made for it, so its daemon removes it in turn."""
+    from offloadd.swap.swapdirs import (
+        claim_scratch_dir,
+        make_dirs,
+        make_scratch_dir,
+        release_scratch_dir,
+    )
+
+    swap = tmp_path / "run" / "swap"
+    made = make_dirs(swap)
+    assert made == [str(swap), str(swap.parent)]
+    first = claim_scratch_dir(Path(make_scratch_dir(swap, "first-", made)))
+    second_made = make_dirs(swap)  # the next engine: the parent is there, not its own
+    assert second_made == []
+    release_scratch_dir(first)  # the first daemon's exit removes what it made
+    assert not swap.parent.exists()
+    second = claim_scratch_dir(Path(make_scratch_dir(swap, "second-", second_made)))
+    assert second.path.parent == swap
+    assert second.made_parents == (swap, swap.parent)
+    release_scratch_dir(second)
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_relative_nvme_path_and_workdir_are_the_launchers_cwds(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``nvme_path: "nvme/x"`` and ``workdir: "work"``, relative as DeepSpeed takes them:

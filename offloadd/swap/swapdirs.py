@@ -265,6 +265,10 @@ MADE_PARENT_KEY = "made_parent="
 """A marker line naming a dir above the scratch dir that its launcher created for it."""
 
 
+_PARENT_ATTEMPTS = 8
+"""Times ``make_scratch_dir`` makes its parent again after another daemon removed it."""
+
+
 def make_dirs(path: str | os.PathLike[str]) -> list[str]:
     """``mkdir -p path``; returns the dirs it created, deepest first (for
     ``make_scratch_dir(made_parents=...)``)."""
@@ -285,10 +289,25 @@ def make_scratch_dir(parent: str | os.PathLike[str] | None = None,
     ``made_parents``: dirs above it the launcher created for it (``make_dirs``); the
     daemon removes those that are empty once it deleted the scratch dir, so a mistyped
     path leaves no tree of empty dirs behind. Only dirs above the scratch dir are taken.
+
+    Hazard: another daemon of the node that made the same parent (two jobs, or one
+    engine after another, with one ``nvme_path``) removes it at its exit when it finds it
+    empty, which it is between the caller's ``make_dirs`` and the scratch dir made here.
+    The parent is then made again, as this dir's own; once the scratch dir is in it, no
+    other daemon's ``rmdir`` can take it.
     """
-    path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    made = list(made_parents or ())
+    for attempt in range(_PARENT_ATTEMPTS):
+        try:
+            path = tempfile.mkdtemp(prefix=prefix, dir=parent)
+            break
+        except FileNotFoundError:
+            if parent is None or attempt == _PARENT_ATTEMPTS - 1:
+                raise
+            made = sorted(set(made) | set(make_dirs(parent)),
+                          key=lambda dir_path: Path(dir_path).absolute().parts, reverse=True)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | FILE_FLAGS
-    parents = "".join(f"{MADE_PARENT_KEY}{made}\n" for made in made_parents or ())
+    parents = "".join(f"{MADE_PARENT_KEY}{dir_path}\n" for dir_path in made)
     with open(os.path.join(path, SCRATCH_MARKER), "x", opener=lambda name, _: os.open(
             name, flags, 0o600)) as marker:
         marker.write(f"{SCRATCH_MAGIC}made_by_pid={os.getpid()}\n{parents}")
