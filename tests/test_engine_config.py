@@ -55,10 +55,33 @@ def test_parse_deepspeed_config_round_trip(tmp_path: Path) -> None:
     assert config.offloadd.arena_size == 1 << 30
 
 
+def test_deepspeeds_deprecated_keys_are_read_as_deepspeed_reads_them() -> None:
+    """Configs from DeepSpeed's tutorials carry old names it still takes (CIFAR-10's
+    ``"cpu_offload": false``): read the same way, each with a warning naming the new key."""
+    with pytest.warns(UserWarning) as caught:
+        config = parse_config(base_config(
+            bfloat16={"enabled": True},
+            zero_optimization={"stage": 3, "cpu_offload": True, "cpu_offload_params": True,
+                               "cpu_offload_use_pin_memory": True,
+                               "stage3_gather_fp16_weights_on_model_save": False}))
+    assert config.dtype_name == "bfloat16"
+    assert config.zero_optimization.offload_optimizer.device == "cpu"
+    assert config.zero_optimization.offload_param.device == "cpu"
+    said = " | ".join(str(warning.message) for warning in caught)
+    for old in ("bfloat16", "cpu_offload", "cpu_offload_params", "cpu_offload_use_pin_memory",
+                "stage3_gather_fp16_weights_on_model_save"):
+        assert f"{old} is DeepSpeed's deprecated name" in said, old
+    with pytest.warns(UserWarning, match="read as no zero_optimization.offload_optimizer"):
+        off = parse_config(base_config(zero_optimization={"stage": 2, "cpu_offload": False}))
+    assert off.zero_optimization.offload_optimizer.device == "none"
+
+
 @pytest.mark.parametrize(("patch", "message"), [
     ({"zero_optimization": {"stgae": 2}}, "did you mean zero_optimization.stage"),
     ({"train_batch_szie": 8}, "did you mean train_batch_size"),
-    ({"zero_optimization": {"cpu_offload": True}}, "renamed: use zero_optimization.offload"),
+    ({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "nvme"}}},
+     "zero_optimization.cpu_offload and zero_optimization.offload_optimizer are both set"),
+    ({"zero_optimization": {"cpu_offload": "yes"}}, "zero_optimization.cpu_offload='yes'"),
     ({"zero_optimization": {"stage": 4}}, "zero_optimization.stage=4"),
     ({"optimizer": {"type": "SGD", "params": {}}}, "optimizer.type='SGD'"),
     ({"optimizer": {"type": "Adam", "params": {"betas": [0.9, 1.5]}}}, "betas"),

@@ -38,7 +38,8 @@ TRAINER_BASE = frozenset({"trainer.config", "trainer.config_schedulers", "traine
 client."""
 TRAINER_LAYERS = ("device", "dist", "offload", "zero", "state", "api", "integrations", "demo")
 """The rank side's layers, lowest first (``api`` is the module with ``initialize``)."""
-TRAINER_ENTRY = frozenset({"trainer", "trainer.hf", "trainer.lightning", "trainer.export"})
+TRAINER_ENTRY = frozenset({"trainer", "trainer.hf", "trainer.deepspeed", "trainer.lightning",
+                           "trainer.export"})
 """What users import by name (``import trainer.hf``, ``python -m trainer.export``): above
 every layer, and imported by none."""
 

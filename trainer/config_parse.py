@@ -19,6 +19,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from collections.abc import Iterator
 from typing import Any, Literal, Union
 
@@ -42,17 +43,21 @@ AUTO_DEFAULT_KEYS = frozenset({
 # Old DeepSpeed spellings that silently did nothing in some versions: refused
 # here with the new name, so a typo'd config cannot run without its intent.
 RENAMED_KEYS: dict[str, str] = {
-    "zero_optimization.cpu_offload": "zero_optimization.offload_optimizer.device",
-    "zero_optimization.cpu_offload_params": "zero_optimization.offload_param.device",
-    "zero_optimization.cpu_offload_use_pin_memory": (
-        "zero_optimization.offload_optimizer.pin_memory"
-    ),
-    "zero_optimization.stage3_gather_fp16_weights_on_model_save": (
-        "zero_optimization.stage3_gather_16bit_weights_on_model_save"
-    ),
     "optimizer.params.thread_count": "aio (ignored: the daemon owns IO threads)",
-    "bfloat16": "bf16",
 }
+DEPRECATED_KEYS: dict[str, tuple[str, str]] = {
+    "zero_optimization.cpu_offload": ("offload_optimizer", "a section"),
+    "zero_optimization.cpu_offload_params": ("offload_param", "a section"),
+    "zero_optimization.cpu_offload_use_pin_memory": ("", "ignored"),
+    "zero_optimization.stage3_gather_fp16_weights_on_model_save": (
+        "stage3_gather_16bit_weights_on_model_save", "renamed"),
+    "bfloat16": ("bf16", "renamed"),
+}
+"""DeepSpeed's old names it still reads, as it reads them (its configs and tutorials carry
+them: the CIFAR-10 one has ``"cpu_offload": false``), each with a warning naming the new
+key. ``cpu_offload``/``cpu_offload_params`` true is ``{"device": "cpu"}`` in the new
+section; ``cpu_offload_use_pin_memory`` DeepSpeed ignores; the others are renamed. Given
+with their new key, they are refused."""
 
 
 def check_value(ok: bool, key: str, value: object, accepted: str) -> None:
@@ -137,7 +142,34 @@ def _key_path(prefix: str, key: str) -> str:
     return prefix + key
 
 
+def _translate_deprecated(data: dict[str, Any], prefix: str) -> None:
+    """``DEPRECATED_KEYS`` in ``data`` (a copy of the section at ``prefix``) become their
+    new keys, as DeepSpeed reads them."""
+    for key in list(data):
+        dotted = prefix + key
+        if dotted not in DEPRECATED_KEYS:
+            continue
+        new, how = DEPRECATED_KEYS[dotted]
+        value = data.pop(key)
+        if new in data:
+            raise ValueError(f"config keys {dotted} and {prefix}{new} are both set: "
+                             f"{dotted} is DeepSpeed's old name, drop it")
+        if how == "a section":
+            check_value(isinstance(value, bool), dotted, value, "true or false")
+            if value:
+                data[new] = {"device": "cpu"}
+            told = f"{prefix}{new}.device=\"cpu\"" if value else f"no {prefix}{new}"
+        elif how == "renamed":
+            data[new] = value
+            told = prefix + new
+        else:
+            told = "nothing (DeepSpeed ignores it too)"
+        warnings.warn(f"config key {dotted} is DeepSpeed's deprecated name: read as {told}",
+                      UserWarning, stacklevel=4)
+
+
 def _reject_renamed_and_drop_ignored(data: dict[str, Any], prefix: str) -> None:
+    _translate_deprecated(data, prefix)
     check_unsupported(data, prefix)
     for key in list(data):
         dotted = prefix + key

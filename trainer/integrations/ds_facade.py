@@ -228,6 +228,31 @@ class DeepSpeedEngine(nn.Module):
     def get_lr(self) -> list[float]:
         return self.engine.get_lr()
 
+    @property
+    def local_rank(self) -> int:
+        return self.engine.local_rank
+
+    @property
+    def global_rank(self) -> int:
+        return self.engine.global_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.engine.world_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.device
+
+    def bfloat16_enabled(self) -> bool:
+        return self.engine.bfloat16_enabled()
+
+    def fp16_enabled(self) -> bool:
+        return self.engine.fp16_enabled()
+
+    def zero_optimization_stage(self) -> int:
+        return self.engine.zero_optimization_stage()
+
     def gradient_accumulation_steps(self) -> int:
         return self.engine.gradient_accumulation_steps()
 
@@ -483,7 +508,13 @@ class Accelerator:
         return str(resolve_device("auto").device)
 
     def device_name(self, device_index: int | None = None) -> str:
-        return self.current_device_name().split(":")[0]
+        """DeepSpeed's: the device type, or with an index (a local rank) that device,
+        ``cuda:<index>``. A device of one per process (the strict twin's) or the CPU has no
+        other index: its own name."""
+        current = torch.device(self.current_device_name())
+        if device_index is None:
+            return current.type
+        return f"cuda:{device_index}" if current.type == "cuda" else str(current)
 
     def communication_backend_name(self) -> str:
         return default_backend()

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from trainer import api
 from trainer.dist import comm
 from trainer.integrations import ds_facade
 from trainer.integrations.versions import check_versions
@@ -118,6 +119,7 @@ def _facade_modules() -> dict[str, types.ModuleType]:
     }
     root = _module("deepspeed", __version__=FACADE_VERSION, initialize=ds_facade.initialize,
                    init_distributed=ds_facade.init_distributed,
+                   add_config_arguments=api.add_config_arguments,
                    DeepSpeedEngine=ds_facade.DeepSpeedEngine, OFFLOADD_FACADE=True)
     for name, module in modules.items():
         parent, _, leaf = name.rpartition(".")

@@ -457,6 +457,34 @@ class Engine(nn.Module):
     def skipped_steps(self) -> int:
         return self.optimizer.skipped_steps
 
+    # DeepSpeed's engine attributes its tutorials read (CIFAR-10: the device and the
+    # dtype its inputs are moved to)
+    @property
+    def local_rank(self) -> int:
+        return self.collectives.local_rank
+
+    @property
+    def global_rank(self) -> int:
+        return self.collectives.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.collectives.world_size
+
+    @property
+    def device(self) -> torch.device:
+        """The rank's compute device, where the engine wants its inputs."""
+        return self.collectives.device
+
+    def bfloat16_enabled(self) -> bool:
+        return self.precision.dtype == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        return self.precision.dtype == torch.float16
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero_optimization.stage
+
     @property
     def loss_scale(self) -> float:
         return self.precision.scaler.scale
