@@ -55,6 +55,23 @@ def test_parse_deepspeed_config_round_trip(tmp_path: Path) -> None:
     assert config.offloadd.arena_size == 1 << 30
 
 
+def test_offloaded_parameters_without_an_offloaded_optimizer_only_without_training() -> None:
+    """An engine that trains needs the optimizer offloaded where the parameters are (its
+    step writes them); one without an optimizer (ZeRO-Inference configs set only
+    ``offload_param``) gets its parameters through the daemon all the same."""
+    config = parse_config(base_config(zero_optimization={
+        "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/swap"},
+        "stage3_prefetch_bucket_size": 0.9 * 1000 * 1000 + 0.5}))
+    assert config.zero_optimization.stage3_prefetch_bucket_size == 900_000  # rounded down
+    with pytest.raises(ValueError, match="unless offload_optimizer.device is cpu or nvme"):
+        config.zero_optimization.check_trains()
+    inference = config.zero_optimization.for_inference()
+    assert inference.offloaded and inference.offload_optimizer.device == "nvme"
+    assert inference.offload_optimizer.nvme_path == "/swap"
+    with pytest.raises(ValueError, match="stage3_max_live_parameters=-1.5"):
+        parse_config(base_config(zero_optimization={"stage3_max_live_parameters": -1.5}))
+
+
 def test_deepspeeds_deprecated_keys_are_read_as_deepspeed_reads_them() -> None:
     """Configs from DeepSpeed's tutorials carry old names it still takes (CIFAR-10's
     ``"cpu_offload": false``): read the same way, each with a warning naming the new key."""
@@ -88,8 +105,6 @@ def test_deepspeeds_deprecated_keys_are_read_as_deepspeed_reads_them() -> None:
     ({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}}, "device='gpu'"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}},
      "'none' unless zero_optimization.stage is 3"),
-    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}},
-     "unless offload_optimizer.device is cpu or nvme"),
     ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, "bf16.enabled"),
     ({"fp16": {"enabled": True, "hysteresis": 0}}, "fp16.hysteresis"),
     ({"gradient_clipping": -1}, "gradient_clipping"),

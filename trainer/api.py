@@ -9,6 +9,7 @@ Everything below it is a layer of its own (``device``, ``dist``, ``offload``, ``
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from collections.abc import Iterable
@@ -69,6 +70,11 @@ def initialize(
                          "('optimizer' and 'scheduler' sections), not as objects")
     source = config_source(args, config, config_params)
     parsed = parse_config(source if not isinstance(source, os.PathLike) else Path(source))
+    if inference:
+        parsed = dataclasses.replace(parsed,
+                                     zero_optimization=parsed.zero_optimization.for_inference())
+    else:
+        parsed.zero_optimization.check_trains()
     _check_model(model)
     _release_previous_engines(model)
     groups = resolve_param_groups(model, model_parameters, parsed.optimizer)

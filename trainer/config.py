@@ -20,6 +20,7 @@ The ``scheduler`` sections live in ``trainer.config_schedulers`` and the parsing
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field
@@ -242,10 +243,6 @@ class ZeroConfig:
         check_value(param_device == "none" or self.stage == 3,
                     "zero_optimization.offload_param.device", param_device,
                     "'none' unless zero_optimization.stage is 3")
-        check_value(param_device == "none" or self.offload_optimizer.device != "none",
-                    "zero_optimization.offload_param.device", param_device,
-                    "'none' unless offload_optimizer.device is cpu or nvme too "
-                    "(the daemon's optimizer step writes the offloaded parameters)")
         state_dtype = self.offload_optimizer.state_dtype
         check_value(state_dtype == "fp32" or self.offload_optimizer.device != "none",
                     "zero_optimization.offload_optimizer.state_dtype", state_dtype,
@@ -256,6 +253,26 @@ class ZeroConfig:
     def offloaded(self) -> bool:
         """True when any state goes through the daemon."""
         return self.offload_optimizer.device != "none"
+
+    def check_trains(self) -> None:
+        """What an engine that trains needs of this section: offloaded parameters only with
+        the optimizer offloaded too (the daemon's optimizer step writes them). An engine
+        without an optimizer (``initialize(inference=True)``) needs no such thing."""
+        param_device = self.offload_param.device
+        check_value(param_device == "none" or self.offload_optimizer.device != "none",
+                    "zero_optimization.offload_param.device", param_device,
+                    "'none' unless offload_optimizer.device is cpu or nvme too "
+                    "(the daemon's optimizer step writes the offloaded parameters)")
+
+    def for_inference(self) -> ZeroConfig:
+        """This section for an engine without an optimizer: offloaded parameters go through
+        the daemon (as the optimizer's state would) even where ``offload_optimizer`` is
+        unset, as ZeRO-Inference configs leave it (HF's non-Trainer example)."""
+        if self.offload_param.device == "none" or self.offload_optimizer.device != "none":
+            return self
+        return dataclasses.replace(self, offload_optimizer=dataclasses.replace(
+            self.offload_optimizer, device=self.offload_param.device,
+            nvme_path=self.offload_param.nvme_path or self.offload_optimizer.nvme_path))
 
 
 @dataclass(kw_only=True, frozen=True)

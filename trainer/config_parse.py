@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import math
 import types
 import typing
 import warnings
@@ -58,6 +59,14 @@ them: the CIFAR-10 one has ``"cpu_offload": false``), each with a warning naming
 key. ``cpu_offload``/``cpu_offload_params`` true is ``{"device": "cpu"}`` in the new
 section; ``cpu_offload_use_pin_memory`` DeepSpeed ignores; the others are renamed. Given
 with their new key, they are refused."""
+
+
+ELEMENT_COUNTS = frozenset({"zero_optimization.stage3_prefetch_bucket_size",
+                            "zero_optimization.stage3_max_live_parameters",
+                            "zero_optimization.stage3_max_reuse_distance"})
+"""Sizes of the stage-3 prefetch heuristics, in elements: a fraction is rounded down. HF's
+ZeRO-Inference example writes ``0.9 * hidden_size * hidden_size`` (DeepSpeed's pydantic
+schema refuses it; HF's Trainer rounds its own "auto" value)."""
 
 
 def check_value(ok: bool, key: str, value: object, accepted: str) -> None:
@@ -262,6 +271,8 @@ def _coerce_scalar(hint: Any, value: Any, key: str) -> Any:
     if hint is int:
         # DeepSpeed configs often spell counts as 5e8; accept integral floats.
         integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+        if key in ELEMENT_COUNTS and isinstance(value, float) and value >= 0:
+            integral, value = True, math.floor(value)
         check_value(integral and not isinstance(value, bool), key, value, "an integer")
         return int(value)
     if hint is float:
