@@ -152,7 +152,12 @@ def test_idle_metrics_connections_are_bounded_and_time_out(tmp_path: Path) -> No
         host, port = daemon.metrics_addr.rsplit(":", 1)
         idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(40)]
         most_threads = max(daemon_threads(daemon) for _ in range(20))
-        assert most_threads <= threads_before + 4
+        # 4 handler threads, and one that is ending: the server joins an evicted handler
+        # before starting the next, but join() returns once the thread's Python state is
+        # gone and the OS thread exits a moment after, so /proc can count it beside its
+        # successor (seen once, 7 for 2 + 4, with the suite on 3 workers). Unbounded, 40
+        # idle connections would hold 40 threads.
+        assert most_threads <= threads_before + 4 + 1
         assert all(closed_by_peer(sock) for sock in idle)  # refused, or timed out
         for sock in idle:
             sock.close()
