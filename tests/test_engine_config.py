@@ -63,12 +63,12 @@ def test_offloaded_parameters_without_an_offloaded_optimizer_only_without_traini
         "stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/swap"},
         "stage3_prefetch_bucket_size": 0.9 * 1000 * 1000 + 0.5}))
     assert config.zero_optimization.stage3_prefetch_bucket_size == 900_000  # rounded down
-    with pytest.raises(ValueError, match="unless offload_optimizer.device is cpu or nvme"):
+    with pytest.raises(ValueError, match=r"unless offload_optimizer.device is cpu or nvme"):
         config.zero_optimization.check_trains()
     inference = config.zero_optimization.for_inference()
     assert inference.offloaded and inference.offload_optimizer.device == "nvme"
     assert inference.offload_optimizer.nvme_path == "/swap"
-    with pytest.raises(ValueError, match="stage3_max_live_parameters=-1.5"):
+    with pytest.raises(ValueError, match=r"stage3_max_live_parameters=-1\.5"):
         parse_config(base_config(zero_optimization={"stage3_max_live_parameters": -1.5}))
 
 

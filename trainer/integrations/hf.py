@@ -116,6 +116,11 @@ def _facade_modules() -> dict[str, types.ModuleType]:
                                       DeepSpeedCPUAdam=ds_facade.DeepSpeedCPUAdam),
         "deepspeed.accelerator": _module("deepspeed.accelerator",
                                          get_accelerator=ds_facade.get_accelerator),
+        # accelerate launch reads it before it starts torchrun (its multi-node pdsh
+        # launcher writes the file; torchrun's, the one offloadd runs under, does not)
+        "deepspeed.launcher": _module("deepspeed.launcher"),
+        "deepspeed.launcher.runner": _module("deepspeed.launcher.runner",
+                                             DEEPSPEED_ENVIRONMENT_NAME=".deepspeed_env"),
     }
     root = _module("deepspeed", __version__=FACADE_VERSION, initialize=ds_facade.initialize,
                    init_distributed=ds_facade.init_distributed,
@@ -142,6 +147,19 @@ def _check_import_order() -> None:
             f"{', '.join(late)} was imported before trainer.hf and has already decided that "
             "DeepSpeed is absent: put `import trainer.hf` before importing transformers' "
             "Trainer/TrainingArguments or accelerate")
+
+
+def accelerate_main(argv: list[str] | None = None) -> int:
+    """``accelerate <argv>`` with ``deepspeed`` meaning offloadd in this process too:
+    ``python -m trainer.hf launch --config_file ds.yaml train.py`` is ``accelerate launch``
+    of a DeepSpeed config, whose launcher looks for DeepSpeed before it starts torchrun
+    (``ImportError: DeepSpeed is not installed`` without it). The training script still
+    says ``import trainer.hf`` first, as every process that uses the facade does."""
+    from accelerate.commands.accelerate_cli import main
+
+    sys.argv = ["accelerate", *(sys.argv[1:] if argv is None else argv)]
+    main()
+    return 0
 
 
 def install() -> None:
