@@ -100,3 +100,46 @@ def test_a_config_file_from_the_environment_or_a_path(tmp_path: Path,
     with pytest.raises(ValueError, match=r"config names .*bad.json, which is not JSON"):
         OffloaddStrategy(config=str(tmp_path / "bad.json"))
     assert OffloaddStrategy().config["zero_optimization"]["stage"] == 2
+
+
+def _fit_without_a_daemon(rank: int, world: int) -> tuple[str, str]:
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+
+    from trainer.lightning import OffloaddStrategy
+
+    class Module(pl.LightningModule):
+        def configure_model(self) -> None:  # under zero.Init: on meta until the engine
+            self.net = nn.Linear(4, 4)
+
+        def training_step(self, batch: Any, index: int) -> Any:
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW(self.parameters())
+
+    offload = {"device": "cpu"}
+    strategy = OffloaddStrategy(config={
+        "train_micro_batch_size_per_gpu": 1, "offloadd": {"socket": "/nonexistent/sock"},
+        "zero_optimization": {"stage": 3, "offload_param": offload, "offload_optimizer": offload}})
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    data = torch.utils.data.TensorDataset(torch.randn(4, 4))
+    try:
+        trainer.fit(Module(), torch.utils.data.DataLoader(data, batch_size=1))
+    except Exception as error:  # what the user sees is the point
+        return type(error).__name__, str(error)
+    return "", "fit passed"
+
+
+def test_a_setup_that_fails_surfaces_its_own_error() -> None:
+    """A config naming a daemon that is not there, with the model built in
+    ``configure_model`` (on meta): Lightning's teardown moved the module to the CPU and
+    raised "Cannot copy out of meta tensor" over the setup's error."""
+    from _dist import run_ranks
+
+    kind, message = run_ranks(_fit_without_a_daemon, 1)[0]
+    assert kind == "RuntimeError", message
+    assert "config key offloadd.socket" in message
