@@ -463,6 +463,10 @@ def _pool_main(rank: int, world_size: int, port: int, setup: Callable[..., Any],
     _exit_without_teardown(results)
 
 
+STRICT_TWIN = {"OFFLOADD_COPY_ENGINE": "twin", "OFFLOADD_TWIN_DEVICE": "strict"}
+"""A rank environment whose compute device is the strict twin (``trainer.device.twin``)."""
+
+
 class RankPool:
     """``world_size`` gloo ranks started once that run one function after another.
 
@@ -473,7 +477,8 @@ class RankPool:
     is not reused (peers may be stuck in a collective): ``broken`` turns True.
     """
 
-    def __init__(self, world_size: int, setup: Callable[..., Any]) -> None:
+    def __init__(self, world_size: int, setup: Callable[..., Any],
+                 env: dict[str, str] | None = None) -> None:
         context = rank_context()
         self.world_size = world_size
         self.results = context.Queue()
@@ -481,7 +486,7 @@ class RankPool:
         self.rendezvous = RendezvousStore(world_size)
         self.procs = [context.Process(target=_pool_main, args=(
             rank, world_size, self.rendezvous.port, setup, self.inboxes[rank], self.results,
-            dict(os.environ)))
+            {**os.environ, **(env or {})}))
             for rank in range(world_size)]
         for proc in self.procs:
             proc.start()
@@ -532,9 +537,11 @@ class SharedDaemon:
 
 
 @contextmanager
-def rank_pools(world_size: int, setup: Callable[..., Any]) -> Iterator[Callable[[], RankPool]]:
+def rank_pools(world_size: int, setup: Callable[..., Any], env: dict[str, str] | None = None
+               ) -> Iterator[Callable[[], RankPool]]:
     """A module fixture's body: ``get()`` gives the live pool, or starts one (again after a
-    failure broke the last); every pool is closed at the end."""
+    failure broke the last); every pool is closed at the end. ``env``: the ranks'
+    environment over this process's (``STRICT_TWIN``: they compute on the strict twin)."""
     pools: list[RankPool] = []
 
     def get() -> RankPool:
@@ -542,7 +549,7 @@ def rank_pools(world_size: int, setup: Callable[..., Any]) -> Iterator[Callable[
             return pools[-1]
         if pools:
             pools.pop().close()
-        pools.append(RankPool(world_size, setup))
+        pools.append(RankPool(world_size, setup, env))
         return pools[-1]
 
     try:

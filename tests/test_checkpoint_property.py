@@ -33,7 +33,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import Block, SharedDaemon, TinyNet, make_batch, rank_pools
+from _dist import STRICT_TWIN, Block, SharedDaemon, TinyNet, make_batch, rank_pools
 
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
@@ -172,10 +172,12 @@ def ds_config(case: Case, swap_dir: str, socket_path: str, job: str) -> dict[str
 
 
 def _train(engine: Any, rank: int, steps: range) -> list[float]:
+    assert engine.collectives.device.type == "twin", engine.collectives.device
     losses = []
     for step in steps:
         for micro in range(engine.gradient_accumulation_steps()):
-            loss = engine(*make_batch(step, micro, rank, engine.train_micro_batch_size_per_gpu()))
+            batch = make_batch(step, micro, rank, engine.train_micro_batch_size_per_gpu())
+            loss = engine(*[part.to(engine.collectives.device) for part in batch])
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
@@ -245,7 +247,7 @@ def round_trip(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[Any]:
-    with rank_pools(2, SharedDaemon) as get:
+    with rank_pools(2, SharedDaemon, STRICT_TWIN) as get:  # the ranks on the strict twin
         yield get
 
 

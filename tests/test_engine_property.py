@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import SharedDaemon, lm_adamw_run, lm_tokens, max_relative_error, rank_pools
+from _dist import STRICT_TWIN, SharedDaemon, lm_adamw_run, lm_tokens, max_relative_error, rank_pools
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed")
@@ -229,10 +229,8 @@ def train_case(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[Any]:
-    with pytest.MonkeyPatch.context() as patch:  # the ranks train on the strict twin
-        patch.setenv("OFFLOADD_TWIN_DEVICE", "strict")
-        with rank_pools(2, SharedDaemon) as get:
-            yield get
+    with rank_pools(2, SharedDaemon, STRICT_TWIN) as get:  # the ranks on the strict twin
+        yield get
 
 
 def reference(case: Case, initial: dict[str, torch.Tensor],

@@ -28,7 +28,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _dist import Block, SharedDaemon, TinyNet, make_batch, rank_pools
+from _dist import STRICT_TWIN, Block, SharedDaemon, TinyNet, make_batch, rank_pools
 
 hypothesis = pytest.importorskip("hypothesis", reason="hypothesis is not installed")
 from hypothesis import HealthCheck, example, given, settings  # noqa: E402
@@ -157,6 +157,7 @@ def evaluate(rank: int, world: int, shared: SharedDaemon, fields: dict[str, Any]
         if case.from_checkpoint:
             engine.load_checkpoint(save_dir, tag="t", load_optimizer_states=False)
         engine.eval()
+        assert engine.collectives.device.type == "twin", engine.collectives.device
         losses = _evaluate(engine, rank, case, engine.collectives.device)
         trainable = [unit.trainable for unit in engine.units]
         held = engine.offload_stats().get("shard_nbytes") if case.offload != "none" else None
@@ -180,7 +181,7 @@ def _inputs(rank: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
 
 @pytest.fixture(scope="module")
 def pool() -> Iterator[Any]:
-    with rank_pools(2, SharedDaemon) as get:
+    with rank_pools(2, SharedDaemon, STRICT_TWIN) as get:  # the ranks on the strict twin
         yield get
 
 
