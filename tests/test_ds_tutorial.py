@@ -1,11 +1,12 @@
-"""DeepSpeed's own CIFAR-10 tutorial runs on offloadd with one line added
-(``import trainer.deepspeed``; ``tests/scripts/ds_tutorial_cifar.py``): its
-``from deepspeed.accelerator import get_accelerator``, ``add_config_arguments``,
-``initialize(..., training_data=)`` with the loader it returns, ``model_engine.local_rank``,
-``bfloat16_enabled()``/``fp16_enabled()`` and its config as written (``"cpu_offload":
-false`` among DeepSpeed's deprecated keys). Before: ``ModuleNotFoundError`` with ``import
-trainer as deepspeed``; the facade lacked ``add_config_arguments`` and the engine's
-attributes, and the config was refused.
+"""DeepSpeed's own CIFAR-10 tutorial runs on offloadd unchanged
+(``tests/scripts/ds_tutorial_cifar.py``), launched as DeepSpeed's launcher does it
+(``python -m trainer.deepspeed --num_gpus 2``: the facade is ``deepspeed`` in every rank,
+``--local_rank`` passed): its ``from deepspeed.accelerator import get_accelerator``,
+``add_config_arguments``, ``initialize(..., training_data=)`` with the loader it returns,
+``model_engine.local_rank``, ``bfloat16_enabled()``/``fp16_enabled()`` and its config as
+written (``"cpu_offload": false`` among DeepSpeed's deprecated keys). Before: no launcher,
+``ModuleNotFoundError`` with ``import trainer as deepspeed``; the facade lacked
+``add_config_arguments`` and the engine's attributes, and the config was refused.
 
 2 torchrun ranks on the strict device twin, ZeRO-3 in fp32, against the same steps in
 plain torch (AdamW with decoupled weight decay, which DeepSpeed's ``"Adam"`` is; WarmupLR's
@@ -20,13 +21,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _dist import max_relative_error
-from _torchrun import torchrun
+from _dist import free_port, max_relative_error
 from torch.utils.data import DistributedSampler
 
 from trainer.state.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -76,8 +79,14 @@ def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def run(out: Path, stage: int, dtype: str) -> tuple[list[float], dict[str, torch.Tensor]]:
-    torchrun(SCRIPTS / "ds_tutorial_cifar.py",
-             ["--stage", str(stage), "--dtype", dtype, "--out", str(out)], out)
+    out.mkdir(parents=True)
+    command = [sys.executable, "-m", "trainer.deepspeed", "--num_gpus", str(RANKS),
+               "--master_port", str(free_port()), str(SCRIPTS / "ds_tutorial_cifar.py"),
+               "--stage", str(stage), "--dtype", dtype, "--out", str(out)]
+    with open(out / "launch.log", "wb") as log:
+        code = subprocess.call(command, stdout=log, stderr=log, cwd=out, timeout=280, env={
+            **os.environ, "PYTHONPATH": str(SCRIPTS.parent.parent), "OMP_NUM_THREADS": "1"})
+    assert code == 0, (out / "launch.log").read_text(errors="replace")[-4000:]
     losses = json.loads((out / "losses.json").read_text())["losses"]
     return losses, get_fp32_state_dict_from_zero_checkpoint(out / "ckpt")
 
@@ -104,3 +113,16 @@ def test_deepspeeds_cifar_tutorial_runs_unchanged_and_trains_as_torch(tmp_path: 
     theirs = torch.cat([(expected[name] - initial[name]).flatten() for name in names])
     assert torch.nn.functional.cosine_similarity(ours, theirs, dim=0) > 0.99
     assert (ours - theirs).abs().max() < theirs.abs().max()
+
+
+def test_the_launcher_refuses_what_it_cannot_do(capsys: pytest.CaptureFixture[str]) -> None:
+    from trainer.integrations.ds_launch import parse
+
+    for argv in (["--num_nodes", "2", "train.py"], ["--hostfile", "hosts", "--num_nodes", "2",
+                                                   "train.py"], ["--num_gpus", "0", "train.py"]):
+        with pytest.raises(SystemExit):
+            parse(argv)
+    assert "one node only" in capsys.readouterr().err
+    args = parse(["--num_gpus", "2", "--no_local_rank", "train.py", "--lr", "3", "--x"])
+    assert (args.num_gpus, args.no_local_rank, args.user_script) == (2, True, "train.py")
+    assert args.user_args == ["--lr", "3", "--x"]

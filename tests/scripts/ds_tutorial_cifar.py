@@ -1,8 +1,9 @@
 """DeepSpeed's CIFAR-10 tutorial (DeepSpeedExamples ``training/cifar``) as its users run it:
-the same calls in the same order, with one line added first (``import trainer.deepspeed``).
+the same calls in the same order, and no line for offloadd. DeepSpeed's launcher runs it,
+``python -m trainer.deepspeed`` here (offloadd's facade is ``deepspeed`` in every rank):
 
-    torchrun --nproc-per-node 2 tests/scripts/ds_tutorial_cifar.py --stage 3 --dtype fp32 \
-        --out DIR
+    python -m trainer.deepspeed --num_gpus 2 tests/scripts/ds_tutorial_cifar.py \
+        --stage 3 --dtype fp32 --out DIR
 
 What differs from the tutorial, for a test: synthetic images instead of the download
 (64 to train, 16 to test), a seeded model, and ``--out``: rank 0 writes ``DIR/losses.json``
@@ -13,10 +14,8 @@ model_parameters=, training_data=, config=)`` returning its data loader,
 ``get_accelerator().device_name(model_engine.local_rank)``,
 ``model_engine.bfloat16_enabled()``/``fp16_enabled()`` for the input dtype, the config as
 the tutorial writes it (``"Adam"``, ``WarmupLR``, ``"cpu_offload": false``, the fp16
-loss-scale knobs).
+loss-scale knobs), and its ``--local_rank`` argument, which the launcher passes.
 """
-
-import trainer.deepspeed  # noqa: F401, I001  - the one line a DeepSpeed script adds
 
 import argparse
 import json
