@@ -37,10 +37,12 @@ def torchrun(script: Path, args: list[str], log_dir: Path, *, nproc: int = 2,
 
 
 def process_gone(pid: int) -> bool:
-    """Exited: no such process, or a zombie (an orphan's reaper may not be init)."""
+    """Exited: no such process, or a zombie (an orphan's reaper may not be init). A process
+    that ends between the open and the read of its stat file reads as ESRCH
+    (``ProcessLookupError``; seen once in CI, in test_journey): gone too."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
         return True
     return stat.rpartition(")")[2].split()[0] == "Z"
 
