@@ -82,11 +82,10 @@ def _run_rank(argv: list[str]) -> None:
     if "no_local_rank" not in options:
         script_args.append(f"--local_rank={os.environ.get('LOCAL_RANK', '0')}")
     install()
+    sys.argv = [script, *script_args]
     if "module" in options:
-        sys.argv = [script, *script_args]
         runpy.run_module(script, run_name="__main__", alter_sys=True)
         return
-    sys.argv = [script, *script_args]
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
     runpy.run_path(script, run_name="__main__")
 

@@ -491,15 +491,13 @@ class OffloaddStrategy(DDPStrategy):
         of parameters the engine keeps on the device, which the next ``test`` mixed with
         device inputs, at stage 3 and at stage 2)."""
         if self.engine is None:
+            # Setup failed before the engine materialised what configure_model built under
+            # zero.Init: moving it would raise over the setup's error (a config typo
+            # surfaced as "Cannot copy out of meta tensor").
             module = self.lightning_module
-            if module is not None and any(param.is_meta for param in module.parameters()):
-                # Setup failed before the engine materialised what configure_model built
-                # under zero.Init: moving it would raise over the setup's error (a config
-                # typo surfaced as "Cannot copy out of meta tensor").
-                with _stays_put(module):
-                    super().teardown()
-                return
-            super().teardown()
+            with (_stays_put(module) if module is not None and any(
+                    param.is_meta for param in module.parameters()) else contextlib.nullcontext()):
+                super().teardown()
             return
         module = self.lightning_module
         assert module is not None

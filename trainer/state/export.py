@@ -51,6 +51,7 @@ from torch import nn
 from trainer.state.hf_checkpoint import (
     BIN_WEIGHTS,
     SAFE_WEIGHTS,
+    TORCH_SAVE_SUFFIXES,
     CheckpointError,
     ShardWriter,
     parse_size,
@@ -418,11 +419,16 @@ class _Selection:
                 f"so they cannot be left out: convert it without exclude_frozen_parameters")
         return cls(absent, frozenset(frozen))
 
-    def slots(self, slots: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[str]]]:
-        """Each slot with its names but those left out; slots left with none dropped."""
-        kept = [(slot, [name for name in slot["names"] if name not in self.left_out])
-                for slot in slots]
-        return [(slot, names) for slot, names in kept if names]
+    def units(self, meta: dict[str, Any]
+              ) -> Iterator[tuple[dict[str, Any], list[tuple[dict[str, Any], list[str]]]]]:
+        """Each unit read, with its slots and their names but those left out (slots left
+        with none dropped; units left with none, or absent, skipped)."""
+        for unit, slots in zip(meta["units"], meta["layout"], strict=True):
+            kept = [(slot, [name for name in slot["names"] if name not in self.left_out])
+                    for slot in slots]
+            kept = [(slot, names) for slot, names in kept if names]
+            if kept and unit["index"] not in self.absent:
+                yield unit, kept
 
 
 def _rank_units(rank: dict[str, Any]) -> dict[Any, Any]:
@@ -440,11 +446,8 @@ def _state_dict(meta: dict[str, Any], ranks: list[dict[str, Any]],
 
 def _iter_units(meta: dict[str, Any], ranks: list[dict[str, Any]], dtype: torch.dtype,
                 selection: _Selection) -> Iterator[tuple[int, dict[str, Any]]]:
-    for unit, slots in zip(meta["units"], meta["layout"], strict=True):
+    for unit, kept in selection.units(meta):
         index = unit["index"]
-        kept = selection.slots(slots)
-        if index in selection.absent or not kept:
-            continue
         parts = [_saved_part(rank, unit, rank_index) for rank_index, rank in enumerate(ranks)]
         partitioned = unit["part_numel"] != unit["padded_numel"]
         flat = (torch.cat(parts) if partitioned else parts[0]).to(dtype)
@@ -487,21 +490,19 @@ def export_checkpoint(save_dir: str | os.PathLike[str], out: str | os.PathLike[s
     weights are written, naming ``--config``. ``weights_only``: the weight files alone, as
     DeepSpeed's ``zero_to_fp32`` writes them (also of a checkpoint saved without its frozen
     parameters: what it holds); ``exclude_frozen`` leaves out the parameters the saving
-    engine did not train. ``directory``: a directory even where ``out``'s name ends in a
-    weight file's suffix (None: by the suffix)."""
+    engine did not train. ``directory``: True, a directory even where ``out``'s name ends
+    in .bin/.pt/.pth; False, one file whatever its name; None, by the suffix."""
     out = Path(out)
     tag_dir, meta, ranks = _open_checkpoint(save_dir, tag, whole=not weights_only)
     selection = _Selection.of(meta, ranks, exclude_frozen=exclude_frozen)
-    if not directory and out.suffix in (".bin", ".pt", ".pth"):
+    if directory is False or (directory is None and out.suffix in TORCH_SAVE_SUFFIXES):
         out.parent.mkdir(parents=True, exist_ok=True)
         torch.save(_state_dict(meta, ranks, dtype, selection), out)
         return out
     fmt = weights_format(weights_name)
     element = torch.empty(0, dtype=dtype).element_size()
-    sizes = [(name, slot["numel"] * element)
-             for unit, slots in zip(meta["units"], meta["layout"], strict=True)
-             if unit["index"] not in selection.absent
-             for slot, names in selection.slots(slots) for name in _export_names(names, fmt)]
+    sizes = [(name, slot["numel"] * element) for _, kept in selection.units(meta)
+             for slot, names in kept for name in _export_names(names, fmt)]
     sizes += [(name, value.numel() * value.element_size())
               for name, value in ranks[0]["untracked"].items()
               if name not in selection.left_out]

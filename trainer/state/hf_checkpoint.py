@@ -353,11 +353,15 @@ class ShardWriter:
         return self.files
 
 
+TORCH_SAVE_SUFFIXES = (".bin", ".pt", ".pth")
+"""Names of torch.save weight files (a state dict in one file, or HF's ``.bin`` shards)."""
+
+
 def weights_format(weights_name: str) -> str:
     """``"safetensors"`` or ``"bin"`` (torch.save) from a weight file's name."""
     if weights_name.endswith(".safetensors"):
         return "safetensors"
-    if weights_name.endswith((".bin", ".pt", ".pth")):
+    if weights_name.endswith(TORCH_SAVE_SUFFIXES):
         return "bin"
     raise ValueError(f"weight file name {weights_name!r} must end in .safetensors (HF's "
                      f"default) or .bin/.pt/.pth (torch.save)")

@@ -46,7 +46,12 @@ import torch
 from torch import nn
 
 from trainer.state.export import ExportError, consolidate_checkpoint, export_checkpoint
-from trainer.state.hf_checkpoint import BIN_WEIGHTS, SAFE_WEIGHTS, CheckpointError
+from trainer.state.hf_checkpoint import (
+    BIN_WEIGHTS,
+    SAFE_WEIGHTS,
+    TORCH_SAVE_SUFFIXES,
+    CheckpointError,
+)
 
 SCRIPT_NAME = "zero_to_fp32.py"
 """The converter script ``save_checkpoint`` leaves in a save directory."""
@@ -65,7 +70,6 @@ from trainer.state.zero_to_fp32 import main
 if __name__ == "__main__":
     sys.exit(main())
 '''
-_FILE_SUFFIXES = (".bin", ".pt", ".pth")
 DEEPSPEED_NAMES = ("get_fp32_state_dict_from_zero_checkpoint",
                    "convert_zero_checkpoint_to_fp32_state_dict",
                    "load_state_dict_from_zero_checkpoint")
@@ -97,13 +101,10 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         raise TypeError("convert_zero_checkpoint_to_fp32_state_dict() takes output_dir "
                         "(a directory) or output_file (one state dict file), one of them")
     out = Path(output_file if output_file is not None else output_dir)  # type: ignore[arg-type]
-    if output_file is not None or (out.suffix in _FILE_SUFFIXES and not out.is_dir()):
-        out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(get_fp32_state_dict_from_zero_checkpoint(
-            checkpoint_dir, tag, exclude_frozen_parameters), out)
-        return out
+    one_file = output_file is not None or (out.suffix in TORCH_SAVE_SUFFIXES
+                                           and not out.is_dir())
     return export_checkpoint(
-        checkpoint_dir, out, tag=tag, weights_only=True, directory=True,
+        checkpoint_dir, out, tag=tag, weights_only=True, directory=not one_file,
         weights_name=SAFE_WEIGHTS if safe_serialization else BIN_WEIGHTS,
         max_shard_size=sys.maxsize if max_shard_size is None else max_shard_size,
         exclude_frozen=exclude_frozen_parameters)
