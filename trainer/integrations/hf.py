@@ -35,6 +35,7 @@ from trainer.integrations import ds_facade
 from trainer.integrations.versions import check_versions
 from trainer.state import zero_to_fp32
 from trainer.zero import init as zero_init
+from trainer.zero import param_state
 
 FACADE_VERSION = "0.18.0+offloadd"
 """The DeepSpeed version the facade reports: the API level accelerate/transformers
@@ -95,7 +96,8 @@ def _facade_modules() -> dict[str, types.ModuleType]:
         "deepspeed.comm": comm_module,
         "deepspeed.zero": _module("deepspeed.zero", Init=zero_init.Init,
                                   GatheredParameters=ds_facade.GatheredParameters),
-        "deepspeed.utils": _module("deepspeed.utils", logger=ds_facade.logger),
+        "deepspeed.utils": _module("deepspeed.utils", logger=ds_facade.logger,
+                                   **param_state.DEEPSPEED_NAMES),
         "deepspeed.utils.zero_to_fp32": _module(
             "deepspeed.utils.zero_to_fp32",
             **{name: getattr(zero_to_fp32, name) for name in zero_to_fp32.DEEPSPEED_NAMES}),

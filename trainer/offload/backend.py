@@ -73,6 +73,10 @@ class StepRedo:
     grad_scale: float
 
 
+class GradientUnavailableError(RuntimeError):
+    """A unit's gradient was asked for after the backend gave it up."""
+
+
 class StepHandle(Protocol):
     """An optimizer step in flight; ``wait()`` re-raises its failure."""
 
@@ -104,6 +108,13 @@ class StateBackend(abc.ABC):
         """Copy (``first``) or add ``grad`` into the unit's grad; return its squared L2 norm
         (float64 scalar, inf/nan on overflow) when ``want_sq_norm``. ``last``: the window's
         final micro-batch (the sum must be in the grad shard when this returns)."""
+
+    @abc.abstractmethod
+    def read_grad(self, unit: int) -> torch.Tensor:
+        """A copy of the unit's gradient partition as summed so far in the window
+        (``grad_dtype``; the loss scale and the sum over ranks still in it), on the host or
+        the compute device. Raises ``GradientUnavailableError`` where a step that ran
+        already gave it up (the NVMe tier frees a consumed gradient)."""
 
     undo_budget_nbytes: int = 0
     """Bytes of undo data (``undo_nbytes``) undoable steps may hold at once; 0: none."""
@@ -239,12 +250,12 @@ class _UnitState:
         self.undo: tuple[torch.Tensor, ...] | None = None
         """Master and moments before an undoable step, until it is committed or reverted."""
 
-    def step(self, redo: StepRedo, *, keep_grad: bool) -> None:
+    def step(self, redo: StepRedo) -> None:
         grad = self.grad
-        if grad.dtype != torch.float32:  # Adam runs in fp32; a new tensor, scaled in place
-            grad, keep_grad = grad.float(), False
-        if redo.grad_scale != 1.0:
-            grad = grad * redo.grad_scale if keep_grad else grad.mul_(redo.grad_scale)
+        if grad.dtype != torch.float32 or redo.grad_scale != 1.0:
+            # Adam runs on fp32 scaled by grad_scale: a new tensor, so the window's sum stays
+            # as summed (an undoable step runs again from it; ``read_grad`` reads it)
+            grad = grad.to(torch.float32, copy=True).mul_(redo.grad_scale)
         adam_update(self.master, grad, self.exp_avg, self.exp_avg_sq, step=redo.step,
                     hyper=redo.hyper)
 
@@ -276,8 +287,11 @@ class InProcessBackend(StateBackend):
         state = self._units[unit]
         if undoable:
             state.undo = tuple(getattr(state, kind).clone() for kind in STATE_KINDS)
-        state.step(StepRedo(step=step, hyper=hyper, grad_scale=grad_scale), keep_grad=undoable)
+        state.step(StepRedo(step=step, hyper=hyper, grad_scale=grad_scale))
         return FinishedStep()
+
+    def read_grad(self, unit: int) -> torch.Tensor:
+        return self._units[unit].grad.clone()
 
     def undo_nbytes(self, unit: int) -> int:
         return 3 * self._units[unit].master.nbytes
@@ -295,7 +309,7 @@ class InProcessBackend(StateBackend):
             getattr(state, kind).copy_(saved)
         state.undo = None
         if redo is not None:
-            state.step(redo, keep_grad=False)
+            state.step(redo)
         return FinishedStep()
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ from trainer.offload.backend import (
     MOMENT_KINDS,
     STATE_KINDS,
     AdamHyper,
+    GradientUnavailableError,
     StateBackend,
     StepHandle,
     StepRedo,
@@ -474,6 +475,25 @@ class DaemonBackend(StateBackend):
             self.moved_nbytes += target.nbytes
             return squared_norm(target) if want_sq_norm else None
 
+    def read_grad(self, unit: int) -> torch.Tensor:
+        """The window's running sum where it is: on the compute device while the window
+        goes on there (``_sum_on_device``), else in the gradient shard, read once the
+        unit's step in flight (which reads it too) and our copies into it are done."""
+        held = self._device_sums.get(unit)
+        if held is not None:
+            return held.clone()
+        self.steps.settle(unit)
+        if unit in self.steps.dropped_grads:
+            raise GradientUnavailableError(
+                f"the gradient of unit {unit} is gone: its optimizer step already ran (it "
+                "starts during backward when nothing global is needed first) and the NVMe "
+                "tier frees a gradient once its step consumed it. Read gradients between "
+                "backward and step with gradient_clipping set (steps then wait for the "
+                "global norm) or with offload_optimizer.device \"cpu\"")
+        self._drain_copies()
+        with self._acquire(self._names[unit][1], "r") as lease:
+            return lease.tensor(self._specs[unit].grad_dtype).clone()
+
     def step_async(self, unit: int, *, step: int, hyper: AdamHyper, grad_scale: float,
                    undoable: bool = False) -> StepHandle:
         """Start the step; it is waited for at the unit's next use (or ``wait_steps``).
@@ -487,7 +507,8 @@ class DaemonBackend(StateBackend):
         if undoable:
             self._undoable[unit], undo = redo, "keep"
         return self.steps.submit(unit, lambda: self._send_step(unit, redo, undo),
-                                 defer=not self._grad_copied(unit))
+                                 defer=not self._grad_copied(unit),
+                                 drops_grad=self._drops_grad(undo))
 
     def step_runs_async(self, unit: int) -> bool:
         return True
@@ -522,13 +543,15 @@ class DaemonBackend(StateBackend):
     def commit_step(self, unit: int) -> None:
         """Sent without waiting: the daemon runs it after the unit's speculative step."""
         redo = self._undoable.pop(unit)
-        self.steps.chain(unit, lambda: self._step_request(unit, redo, "commit"))
+        self.steps.chain(unit, lambda: self._step_request(unit, redo, "commit"),
+                         drops_grad=self._drops_grad("commit"))
 
     def revert_step(self, unit: int, redo: StepRedo | None) -> StepHandle:
         kept = self._undoable.pop(unit)
         self._before_param_write(unit)
-        return self.steps.chain(unit, lambda: self._step_request(
-            unit, redo or kept, "redo" if redo is not None else "revert"))
+        undo: StepUndo = "redo" if redo is not None else "revert"
+        return self.steps.chain(unit, lambda: self._step_request(unit, redo or kept, undo),
+                                drops_grad=self._drops_grad(undo))
 
     def _grad_copied(self, unit: int) -> bool:
         """No copy in flight holds the unit's gradient lease: a step reads the committed grad."""
@@ -561,7 +584,12 @@ class DaemonBackend(StateBackend):
             self._names[unit][0], step=redo.step, lr=hyper.lr, beta1=hyper.beta1,
             beta2=hyper.beta2, eps=hyper.eps, weight_decay=hyper.weight_decay,
             decoupled_weight_decay=hyper.decoupled_weight_decay, grad_scale=redo.grad_scale,
-            drop_grad=self.swaps and undo != "keep", undo=undo)
+            drop_grad=self._drops_grad(undo), undo=undo)
+
+    def _drops_grad(self, undo: StepUndo) -> bool:
+        """The request frees the gradient shard once it ran: on the NVMe tier (the next
+        window re-creates it), unless a redo may still read it (a speculative step)."""
+        return self.swaps and undo != "keep"
 
     def read_params(self, unit: int, out: torch.Tensor) -> None:
         self.steps.settle(unit)

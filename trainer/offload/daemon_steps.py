@@ -42,8 +42,9 @@ class DaemonStepQueue:
         """Arena bytes this rank's queued optimizer steps may pin (beyond the first two);
         without NVMe the whole working set is resident and nothing needs bounding."""
         self._inflight_step_nbytes: dict[int, int] = {}
-        self.drops_grads = swaps
-        """Each step asks the daemon to drop its gradient shard (NVMe only)."""
+        self._drops: dict[int, bool] = {}
+        """Units whose step in flight asked the daemon to drop its gradient shard (NVMe
+        only, and not a speculative step's: its redo may still read the gradient)."""
         self.dropped_grads: set[int] = set()
         """Units whose ``u{N}.grad`` shard the daemon forgot after its step, or never made
         (NVMe only): the next gradient window re-creates it."""
@@ -61,7 +62,7 @@ class DaemonStepQueue:
                 handle.wait()  # a deferred step is sent first
             finally:
                 self._inflight_step_nbytes.pop(unit, None)
-            if self.drops_grads:  # the step asked the daemon to drop it (``drop_grad``)
+            if self._drops.pop(unit, False):  # the step asked the daemon to (``drop_grad``)
                 self.dropped_grads.add(unit)
 
     def settle_all(self) -> None:
@@ -75,9 +76,11 @@ class DaemonStepQueue:
         if failure is not None:
             raise failure
 
-    def submit(self, unit: int, send: Callable[[], StepHandle], *, defer: bool) -> StepHandle:
+    def submit(self, unit: int, send: Callable[[], StepHandle], *, defer: bool,
+               drops_grad: bool) -> StepHandle:
         """Queue the unit's step: sent now, or, with ``defer`` (its gradient's D2H is in
-        flight), by the first ``send_deferred`` that finds the copy done (or when waited for)."""
+        flight), by the first ``send_deferred`` that finds the copy done (or when waited for).
+        ``drops_grad``: the step asks the daemon to drop the gradient shard."""
         handle: StepHandle
         if defer:
             handle = _DeferredStep(send)
@@ -85,9 +88,11 @@ class DaemonStepQueue:
         else:
             handle = send()
         self._steps[unit] = handle
+        self._drops[unit] = drops_grad
         return handle
 
-    def chain(self, unit: int, send: Callable[[], StepHandle]) -> StepHandle:
+    def chain(self, unit: int, send: Callable[[], StepHandle], *,
+              drops_grad: bool) -> StepHandle:
         """Send a follow-up of the unit's step in flight (a speculative step's commit or
         revert) now, without waiting for it: the daemon runs a unit's requests in the order
         they came. A deferred step is sent first, so it comes first."""
@@ -98,6 +103,7 @@ class DaemonStepQueue:
         if previous is not None:
             handle = _ChainedSteps(previous, handle)
         self._steps[unit] = handle
+        self._drops[unit] = drops_grad
         return handle
 
     def pending(self, unit: int) -> bool:

@@ -182,6 +182,9 @@ class SplitBackend(StateBackend):
         return self._owner(unit).accumulate_grad(unit, grad, first=first,
                                                  want_sq_norm=want_sq_norm, last=last)
 
+    def read_grad(self, unit: int) -> torch.Tensor:
+        return self._owner(unit).read_grad(unit)
+
     def step_async(self, unit: int, *, step: int, hyper: AdamHyper, grad_scale: float,
                    undoable: bool = False) -> StepHandle:
         handle = self._owner(unit).step_async(unit, step=step, hyper=hyper,

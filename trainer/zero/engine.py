@@ -132,6 +132,8 @@ class Engine(nn.Module):
         self.precision = Precision(config)
         self.global_steps = 0
         self.micro_steps = 0
+        self.window_backwards = 0
+        """Backwards run in the open accumulation window (``trainer.zero.param_state``)."""
         self.global_samples = 0
         self._inflight: list[tuple[Unit, ReducedGrad]] = []
         self._backward_done: set[int] = set()
@@ -363,6 +365,7 @@ class Engine(nn.Module):
                 self._hold_or_release(unit)
         assert self.reduce_order.complete
         self._drain_reductions(block=True)
+        self.window_backwards += 1
         return loss
 
     def _on_grads_ready(self, unit: Unit) -> None:
@@ -429,6 +432,7 @@ class Engine(nn.Module):
             if applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.backend.end_window()
+            self.window_backwards = 0
             self.global_steps += 1
             self.global_samples += self.batch.train_batch_size
         self.micro_steps += 1

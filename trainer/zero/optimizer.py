@@ -118,9 +118,9 @@ class ZeroOptimizer:
         if sq_norm is not None:
             self._sq_norms.append(sq_norm)
         if self.eager:
-            self._start(unit, self._redo(unit, self._base_grad_scale()))
+            self._start(unit, self._redo(unit, self.base_grad_scale()))
         elif self._may_speculate(unit):
-            self._speculated[unit] = self._start(unit, self._redo(unit, self._base_grad_scale()),
+            self._speculated[unit] = self._start(unit, self._redo(unit, self.base_grad_scale()),
                                                  undoable=True)
             self.speculated_units += 1
         else:
@@ -164,7 +164,7 @@ class ZeroOptimizer:
         norm = self._global_grad_norm()
         self.last_grad_norm = norm
         applied = math.isfinite(norm)
-        grad_scale = self._base_grad_scale()
+        grad_scale = self.base_grad_scale()
         if self.clip_norm > 0 and applied:
             grad_scale *= min(1.0, self.clip_norm / (norm + 1e-6))
         # Many speculative steps still running when the backward is done: the CPU is the
@@ -212,9 +212,9 @@ class ZeroOptimizer:
         self._sq_norms.clear()
         if self.partitioned:
             self.collectives.all_reduce(total)
-        return math.sqrt(float(total)) * self._base_grad_scale()
+        return math.sqrt(float(total)) * self.base_grad_scale()
 
-    def _base_grad_scale(self) -> float:
+    def base_grad_scale(self) -> float:
         """Undo the loss scale and turn the sum over ranks into a mean."""
         return 1.0 / (self.scaler.scale * self.collectives.world_size)
 

@@ -297,6 +297,11 @@ class AllReduceReducer(Reducer):
         pending = self.collectives.all_reduce(total, async_op=async_op)
         return ReducedGrad(pending, lambda: unit.part_slice(total))
 
+    def local_sum(self, unit: Unit) -> torch.Tensor | None:
+        """This rank's own gradient sum of the window so far (not reduced yet); None at
+        the window's start and once its last micro-batch was reduced."""
+        return self._local.get(unit.index)
+
 
 class ReduceScatterReducer(Reducer):
     """Stages 2-3: reduce-scatter every micro-batch; the backend accumulates partitions."""
