@@ -45,6 +45,9 @@ import trainer
 model = transformers.GPT2LMHeadModel(gpt2_config)
 config = {"train_micro_batch_size_per_gpu": 2}
 """,
+    "from trainer.zero.estimate import ModelCounts, estimate": _GPT2 + """
+model = transformers.GPT2LMHeadModel(gpt2_config)
+""",
     "with trainer.zero.Init(config_dict_or_path=config):": _GPT2 + """
 import trainer
 config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}

@@ -34,8 +34,8 @@ from trainer.dist import comm
 from trainer.integrations import ds_facade
 from trainer.integrations.versions import check_versions
 from trainer.state import zero_to_fp32
+from trainer.zero import estimate, param_state
 from trainer.zero import init as zero_init
-from trainer.zero import param_state
 
 FACADE_VERSION = "0.18.0+offloadd"
 """The DeepSpeed version the facade reports: the API level accelerate/transformers
@@ -111,6 +111,12 @@ def _facade_modules() -> dict[str, types.ModuleType]:
             "deepspeed.runtime.zero.partition_parameters",
             zero_wrapper_for_fp_tensor_constructor=ds_facade.zero_wrapper_for_fp_tensor_constructor,
             _orig_torch_arange=torch.arange, get_accelerator=ds_facade.get_accelerator),
+        "deepspeed.runtime.zero.stage3": _module(
+            "deepspeed.runtime.zero.stage3",
+            **{name: getattr(estimate, name) for name in estimate.ZERO3_NAMES}),
+        "deepspeed.runtime.zero.stage_1_and_2": _module(
+            "deepspeed.runtime.zero.stage_1_and_2",
+            **{name: getattr(estimate, name) for name in estimate.ZERO2_NAMES}),
         "deepspeed.runtime.lr_schedules": _module(
             "deepspeed.runtime.lr_schedules", VALID_LR_SCHEDULES=ds_facade.VALID_LR_SCHEDULES),
         "deepspeed.ops": _module("deepspeed.ops"),
