@@ -58,10 +58,10 @@ class Block(torch.nn.Module):
 class Net(torch.nn.Module):
     """Parameters dominate: a micro-batch of one row makes the activations small."""
 
-    def __init__(self) -> None:
+    def __init__(self, depth: int = DEPTH) -> None:
         super().__init__()
         self.inp = torch.nn.Linear(8, WIDTH)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(DEPTH))
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(depth))
         self.head = torch.nn.Linear(WIDTH, 4)
 
     def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -99,18 +99,20 @@ def _activation_nbytes() -> int:
     return twin_memory.max_memory_allocated() - 2 * params
 
 
-def _train_within(rank: int, world: int, zeros: list[dict[str, Any]], factor: float
-                  ) -> list[str]:
+def _train_within(rank: int, world: int, zeros: list[dict[str, Any]], factor: float,
+                  depth: int = DEPTH, copy_gbps: float | None = None) -> list[str]:
     """Rank body: each case on a twin of ``factor`` x the estimate (+ activations);
-    "trained" or the out-of-memory error."""
+    "trained" or the out-of-memory error. ``copy_gbps``: the twin's copies are timed."""
     import trainer
     from trainer.device import twin_memory
 
+    if copy_gbps is not None:
+        os.environ["OFFLOADD_TWIN_GBPS"] = str(copy_gbps)
     outcomes = []
     slack = _activation_nbytes() + SMALL_NBYTES
     for zero in zeros:
         torch.manual_seed(0)
-        model = Net()
+        model = Net(depth)
         config = _config({**zero})
         figures = estimate(ModelCounts.of(model), config, gpus_per_node=world)
         gc.collect()  # the last case's engine and model
@@ -150,6 +152,16 @@ def test_the_device_estimate_is_enough_for_each_of_two_ranks() -> None:
     zeros = [CASES[1], CASES[3], CASES[5], CASES[6]]
     for outcomes in run_ranks(_train_within, 2, zeros, 1.0):
         assert outcomes == ["trained"] * len(zeros), list(zip(zeros, outcomes, strict=True))
+
+
+@pytest.mark.usefixtures("strict_device_twin")
+def test_the_estimate_holds_where_the_gradient_copies_are_slow() -> None:
+    """A backward that outruns its gradients' D2H copies (a slow link, small micro-batches)
+    keeps at most two units' gradient sums on the device waiting for theirs (it held
+    every unit's the link had not taken yet: four of twelve at 50 MB/s here)."""
+    zeros = [CASES[3]]  # stage 2: every unit's gradient crosses to the daemon's arena
+    outcomes = run_ranks(_train_within, 1, zeros, 1.0, 12, 0.05)[0]
+    assert outcomes == ["trained"], outcomes
 
 
 def _arena(rank: int, world: int) -> tuple[int, int]:

@@ -59,6 +59,12 @@ NEXT_KINDS = tuple(f"next.{kind}" for kind in STATE_KINDS)
 step)."""
 UNDO_ARENA_SLACK_FRACTION = 8
 """Undo data leaves 1/8 of the rank's arena share free."""
+GRAD_COPIES_IN_FLIGHT = 2
+"""Gradient D2H copies a rank lets run at once. Each keeps its unit's gradient sum on the
+device until it lands: a backward that outruns the copies (small micro-batches, a slow
+link) would otherwise hold every unit's at once (the timed twin at 50 MB/s held four of
+twelve; 4 B per parameter of the model on a GPU). With two, the next unit's reduction
+still overlaps the last copy (``trainer.zero.estimate`` counts two)."""
 PIN_WAIT_WINDOW_S = 0.25
 """How often a rank about to pin the arena reads the daemon's backing progress."""
 PIN_WAIT_HORIZON_S = 1.0
@@ -95,6 +101,8 @@ class DaemonBackend(StateBackend):
         """Leases whose copies are in flight: released/committed only after their event."""
         self._leased_for_copy: set[str] = set()
         """Shard ids with a release waiting in ``releases``."""
+        self._grad_copies: collections.deque[str] = collections.deque()
+        """Gradient shards written by D2H copies maybe still in flight, oldest first."""
         self.arena_pinned = "not_attempted"
         """cudaHostRegister of this rank's arena mapping: pinned | failed | skipped (the
         node has no memory for the pages pinning would fault in) | not_attempted."""
@@ -393,7 +401,20 @@ class DaemonBackend(StateBackend):
         self._release_after(event, lease)
         self.moved_nbytes += target.nbytes
         self._poll_copies()
+        self._bound_grad_copies(self._names[unit][1])
         return squared_norm(total) if want_sq_norm else None
+
+    def _bound_grad_copies(self, grad_id: str) -> None:
+        """Wait for the oldest gradient copies beyond ``GRAD_COPIES_IN_FLIGHT``."""
+        self._grad_copies.append(grad_id)
+        while True:
+            inflight = [shard for shard in self._grad_copies if shard in self._leased_for_copy]
+            self._grad_copies = collections.deque(inflight)
+            if len(inflight) <= GRAD_COPIES_IN_FLIGHT:
+                return
+            started = time.perf_counter()
+            self._settle_copies_of(inflight[0])
+            self.wait_s += time.perf_counter() - started
 
     def _accumulate_by_daemon(self, daemon_copies: DaemonCopies, unit: int, grad: torch.Tensor,
                               *, first: bool, want_sq_norm: bool) -> torch.Tensor | None:
