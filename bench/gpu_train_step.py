@@ -66,6 +66,7 @@ from trainer.demo.train import TinyGPT
 from trainer.device import twin, twin_memory
 from trainer.device.compute import resolve_device
 from trainer.offload.daemon_connect import trainable_nbytes
+from trainer.zero.estimate import ModelCounts, estimate
 
 
 def _offload(device: str, swap_dir: str) -> dict:
@@ -312,10 +313,15 @@ def run_ours(args: argparse.Namespace, swap_dir: str, *,
     # Ours only: DeepSpeed refuses a ratio below 1 with NVMe and keeps the full offload.
     config["zero_optimization"]["offload_optimizer"]["ratio"] = args.offload_ratio
     config["zero_optimization"]["offload_optimizer"]["speculative_step"] = speculative
+    # What the engine's estimate says the device needs for the model states (before
+    # initialize: stage 3 empties the parameters), beside the peak measured below; Twin-
+    # Flow's device units are not in it.
+    counts = ModelCounts.of(model)
     engine, _, _, _ = trainer.initialize(model=model, config=config)
     _progress("initialized")
     device = engine.collectives.device
     one_step = _stepper(engine, args, device)
+    estimated = estimate(counts, engine.config, gpus_per_node=engine.collectives.world_size)
 
     try:
         step_s = _timed(one_step, device, args.warmup, args.steps)
@@ -341,6 +347,8 @@ def run_ours(args: argparse.Namespace, swap_dir: str, *,
         engine.close()
     return {"device": str(device), "num_params": num_params, "step_s": step_s, **_peaks(device),
             "world_size": engine.collectives.world_size, **profiled,
+            "estimated_device_bytes": estimated.device_nbytes if args.offload_ratio == 1.0
+            else None,
             "adam_s": adam["step_s"], "adam_unit_steps": adam["steps"], **pcie,
             "gathers_per_unit_per_step": gathers_per_unit,
             "speculated_units": stats.get("speculated_units"),
@@ -610,6 +618,7 @@ def _summary(args: argparse.Namespace, results: dict[str, dict[str, Any]]) -> di
         "gathers_per_unit_per_step": ours.get("gathers_per_unit_per_step"),
         "profiled_step_s": ours.get("profiled_step_s"),
         "peak_device_bytes": ours.get("peak_device_bytes"),
+        "estimated_device_bytes": ours.get("estimated_device_bytes"),
         "peak_host_rss_bytes": ours.get("peak_host_rss_bytes"),
         "deepspeed_step_s": peer.get("step_s") if peer else None,
         "deepspeed_step_s_median": peer_s,
