@@ -60,11 +60,12 @@ step)."""
 UNDO_ARENA_SLACK_FRACTION = 8
 """Undo data leaves 1/8 of the rank's arena share free."""
 GRAD_COPIES_IN_FLIGHT = 2
-"""Gradient D2H copies a rank lets run at once. Each keeps its unit's gradient sum on the
-device until it lands: a backward that outruns the copies (small micro-batches, a slow
-link) would otherwise hold every unit's at once (the timed twin at 50 MB/s held four of
-twelve; 4 B per parameter of the model on a GPU). With two, the next unit's reduction
-still overlaps the last copy (``trainer.zero.estimate`` counts two)."""
+"""Gradient sums a rank keeps on the device for their D2H copies, the one being made
+included. Each stays there until its copy lands: a backward that outruns the copies
+(small micro-batches, a slow link) would otherwise hold every unit's at once (the timed
+twin at 50 MB/s held four of twelve; 4 B per parameter of the model on a GPU). With two,
+one unit's copy still overlaps the next one's reduction (``trainer.zero.estimate`` counts
+two)."""
 PIN_WAIT_WINDOW_S = 0.25
 """How often a rank about to pin the arena reads the daemon's backing progress."""
 PIN_WAIT_HORIZON_S = 1.0
@@ -383,6 +384,7 @@ class DaemonBackend(StateBackend):
             return self._accumulate_by_daemon(daemon_copies, unit, grad, first=first,
                                               want_sq_norm=want_sq_norm)
         grad_dtype = self._specs[unit].grad_dtype
+        self._await_grad_copy_room()  # before this sum takes its device buffer
         lease = self._acquire(self._names[unit][1], "w")
         try:
             target = lease.tensor(grad_dtype)
@@ -400,17 +402,17 @@ class DaemonBackend(StateBackend):
             raise
         self._release_after(event, lease)
         self.moved_nbytes += target.nbytes
+        self._grad_copies.append(self._names[unit][1])
         self._poll_copies()
-        self._bound_grad_copies(self._names[unit][1])
         return squared_norm(total) if want_sq_norm else None
 
-    def _bound_grad_copies(self, grad_id: str) -> None:
-        """Wait for the oldest gradient copies beyond ``GRAD_COPIES_IN_FLIGHT``."""
-        self._grad_copies.append(grad_id)
+    def _await_grad_copy_room(self) -> None:
+        """Wait for the oldest gradient copies until fewer than ``GRAD_COPIES_IN_FLIGHT``
+        are in flight, so a new sum makes at most that many on the device."""
         while True:
             inflight = [shard for shard in self._grad_copies if shard in self._leased_for_copy]
             self._grad_copies = collections.deque(inflight)
-            if len(inflight) <= GRAD_COPIES_IN_FLIGHT:
+            if len(inflight) < GRAD_COPIES_IN_FLIGHT:
                 return
             started = time.perf_counter()
             self._settle_copies_of(inflight[0])
