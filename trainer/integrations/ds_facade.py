@@ -191,6 +191,14 @@ class DeepSpeedEngine(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.engine(*args, **kwargs)
 
+    def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None,
+                schedule: Any = None) -> None:
+        self.engine.compile(backend=backend, compile_kwargs=compile_kwargs, schedule=schedule)
+
+    @property
+    def is_compiled(self) -> bool:
+        return self.engine.is_compiled
+
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """accelerate's protocol: the next ``backward`` ends a window iff ``is_boundary``."""
         if is_boundary != self.engine.is_gradient_accumulation_boundary():

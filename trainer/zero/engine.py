@@ -134,6 +134,7 @@ class Engine(nn.Module):
         self.micro_steps = 0
         self.window_backwards = 0
         """Backwards run in the open accumulation window (``trainer.zero.param_state``)."""
+        self._compiled = False
         self.global_samples = 0
         self._inflight: list[tuple[Unit, ReducedGrad]] = []
         self._backward_done: set[int] = set()
@@ -439,6 +440,25 @@ class Engine(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are consumed by each backward; kept for DeepSpeed API parity."""
+
+    def compile(self, backend: str = "inductor", compile_kwargs: dict[str, Any] | None = None,
+                schedule: Any = None) -> None:
+        """DeepSpeed's ``engine.compile`` (Accelerate calls it under ``--dynamo_backend``):
+        ``torch.compile`` in place, region by region: each unit's module but the root
+        (``module.compile()``, so its hooks stay on the call path and run eagerly,
+        ``trainer.zero.hooks``), or the whole module where the root is the only unit.
+        ``schedule`` (DeepSpeed's DeepCompile passes) is refused."""
+        if schedule is not None:
+            raise ValueError("engine.compile(schedule=...): DeepSpeed's DeepCompile "
+                             "schedules are not supported by offloadd; leave it None")
+        regions = [unit.module for unit in self.units if unit.module is not self.module]
+        for module in dict.fromkeys(regions) or [self.module]:  # units split by group: once
+            module.compile(backend=backend, **(compile_kwargs or {}))
+        self._compiled = True
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._compiled
 
     # ------------------------------------------------------------- accessors
 

@@ -133,17 +133,25 @@ class UnitHooks:
 
     def install_forward(self, *, pre_forward: UnitCallback, post_forward: UnitCallback,
                         pre_backward: UnitCallback) -> None:
-        """Forward/pre-backward hooks (only stage 3 needs them)."""
+        """Forward/pre-backward hooks (only stage 3 needs them).
+
+        Each runs eagerly, never traced (``torch._dynamo.disable``): a unit compiled in
+        place (``engine.compile``, Accelerate's regional ``module.compile()``) calls its
+        hooks inside the compiled ``_call_impl``, and traced there the gather's swap of
+        the parameters' storage was lost: the graph ran on the released, empty parameters.
+        Disabled, dynamo breaks the graph at the hook and compiles the forward between."""
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_pre_hook(
-                lambda _module, _args, unit=unit: _outside_inference_mode(pre_forward, unit)))
-            self._handles.append(unit.module.register_forward_hook(
-                self._post_forward_hook(unit, post_forward, pre_backward)))
+            self._handles.append(unit.module.register_forward_pre_hook(torch._dynamo.disable(
+                lambda _module, _args, unit=unit: _outside_inference_mode(pre_forward, unit))))
+            self._handles.append(unit.module.register_forward_hook(torch._dynamo.disable(
+                self._post_forward_hook(unit, post_forward, pre_backward))))
             if not unit.trainable and self.on_frozen_backward_done is not None:
                 done = self.on_frozen_backward_done
                 self._handles.append(unit.module.register_forward_pre_hook(
-                    lambda _module, args, kwargs, unit=unit, done=done: attach_post_backward(
-                        args, kwargs, lambda: done(unit)), with_kwargs=True))
+                    torch._dynamo.disable(
+                        lambda _module, args, kwargs, unit=unit, done=done:
+                        attach_post_backward(args, kwargs, lambda: done(unit))),
+                    with_kwargs=True))
 
     def start_backward(self) -> None:
         """Arm the post-backward counters for one backward pass."""
