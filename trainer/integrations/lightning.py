@@ -63,6 +63,7 @@ from lightning.pytorch.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities import deepspeed as lightning_deepspeed
 from torch import nn
 
 from trainer.api import initialize
@@ -642,3 +643,8 @@ def _default_config(*, zero_optimization: bool, stage: int, offload_optimizer: b
 
 
 OffloaddStrategy.register_strategies(StrategyRegistry)
+# Lightning's guide converts with its own function of that name, which needs DeepSpeed
+# and its checkpoint layout (without them: "Requirement 'deepspeed' not met ... pip install
+# deepspeed"): from here on that name is this module's, for this strategy's checkpoints.
+lightning_deepspeed.convert_zero_checkpoint_to_fp32_state_dict = (
+    convert_zero_checkpoint_to_fp32_state_dict)
