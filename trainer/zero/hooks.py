@@ -25,6 +25,7 @@ every later training step, may not write.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -115,6 +116,28 @@ def attach_post_backward(args: Any, kwargs: Any,
     return _replace(tuple(args), swap), _replace(dict(kwargs), swap)
 
 
+class _EagerHook:
+    """A forward hook that runs eagerly, never traced by ``torch.compile``.
+
+    A unit compiled in place (``engine.compile``, Accelerate's regional
+    ``module.compile()``) calls its hooks inside the compiled ``_call_impl``; traced there,
+    the gather's swap of the parameters' storage was lost and the graph ran on the
+    released, empty parameters. Behind ``torch._dynamo.disable``, dynamo breaks the graph
+    at the hook, runs it as Python and compiles the forward around it. The wrapper is made
+    only once dynamo is loaded (``UnitHooks.follow_dynamo``): importing it takes ~70 MB and
+    a second, which a run that never compiles should not pay at ``initialize``."""
+
+    def __init__(self, hook: Callable[..., Any]) -> None:
+        self.hook = hook
+        self._call = hook
+
+    def disable_tracing(self) -> None:
+        self._call = torch._dynamo.disable(self.hook)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+
 class UnitHooks:
     """Installs the hooks and turns them into per-unit callbacks."""
 
@@ -126,6 +149,8 @@ class UnitHooks:
         self.on_frozen_backward_done = on_frozen_backward_done
         self._waiting: dict[int, int] = {}
         self._handles: list[RemovableHandle] = []
+        self._eager_hooks: list[_EagerHook] = []
+        """Forward hooks not yet kept out of dynamo's tracing (``follow_dynamo``)."""
         for unit in self.trainable:
             for slot in unit.slots:
                 self._handles.append(slot.param.register_post_accumulate_grad_hook(
@@ -133,25 +158,30 @@ class UnitHooks:
 
     def install_forward(self, *, pre_forward: UnitCallback, post_forward: UnitCallback,
                         pre_backward: UnitCallback) -> None:
-        """Forward/pre-backward hooks (only stage 3 needs them).
-
-        Each runs eagerly, never traced (``torch._dynamo.disable``): a unit compiled in
-        place (``engine.compile``, Accelerate's regional ``module.compile()``) calls its
-        hooks inside the compiled ``_call_impl``, and traced there the gather's swap of
-        the parameters' storage was lost: the graph ran on the released, empty parameters.
-        Disabled, dynamo breaks the graph at the hook and compiles the forward between."""
+        """Forward/pre-backward hooks (only stage 3 needs them), each an ``_EagerHook``."""
         for unit in self.units:
-            self._handles.append(unit.module.register_forward_pre_hook(torch._dynamo.disable(
+            self._handles.append(unit.module.register_forward_pre_hook(self._eager(
                 lambda _module, _args, unit=unit: _outside_inference_mode(pre_forward, unit))))
-            self._handles.append(unit.module.register_forward_hook(torch._dynamo.disable(
+            self._handles.append(unit.module.register_forward_hook(self._eager(
                 self._post_forward_hook(unit, post_forward, pre_backward))))
             if not unit.trainable and self.on_frozen_backward_done is not None:
                 done = self.on_frozen_backward_done
-                self._handles.append(unit.module.register_forward_pre_hook(
-                    torch._dynamo.disable(
-                        lambda _module, args, kwargs, unit=unit, done=done:
-                        attach_post_backward(args, kwargs, lambda: done(unit))),
-                    with_kwargs=True))
+                self._handles.append(unit.module.register_forward_pre_hook(self._eager(
+                    lambda _module, args, kwargs, unit=unit, done=done: attach_post_backward(
+                        args, kwargs, lambda: done(unit))), with_kwargs=True))
+
+    def _eager(self, hook: Callable[..., Any]) -> _EagerHook:
+        eager = _EagerHook(hook)
+        self._eager_hooks.append(eager)
+        return eager
+
+    def follow_dynamo(self) -> None:
+        """Keep the forward hooks out of ``torch.compile``'s graphs once dynamo is loaded
+        (``_EagerHook``); called before each forward, outside any compiled code."""
+        if self._eager_hooks and "torch._dynamo" in sys.modules:
+            for hook in self._eager_hooks:
+                hook.disable_tracing()
+            self._eager_hooks.clear()
 
     def start_backward(self) -> None:
         """Arm the post-backward counters for one backward pass."""
