@@ -193,6 +193,7 @@ def train_case(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
                ) -> dict[str, Any]:
     import trainer
     from trainer.state.checkpoint import consolidate_fp32_state_dict
+    from trainer.zero.param_state import full_fp32_param
 
     case = Case(**case_fields)
     shared.examples += 1
@@ -215,6 +216,14 @@ def train_case(rank: int, world: int, shared: SharedDaemon, case_fields: dict[st
             losses.append(loss.item())
         probes += evaluation(engine, case.evaluate, rank)
         final = consolidate_fp32_state_dict(engine)
+        # DeepSpeed's per-parameter read (safe_get_full_fp32_param) is the consolidated
+        # master, bit for bit, whatever the example; None for frozen parameters.
+        for name, param in model.named_parameters():
+            value = full_fp32_param(param)
+            if not param.requires_grad:
+                assert value is None, name
+            elif name in final:
+                assert value is not None and torch.equal(value.cpu(), final[name]), name
         stats = engine.offload_stats() if case.offload != "none" else {}
     finally:
         engine.close()
