@@ -119,3 +119,31 @@ def test_a_rank_file_missing_a_trained_unit_is_refused(tmp_path: Path) -> None:
             engine.load_checkpoint(tmp_path, tag="t")
     finally:
         engine.close()
+
+
+def test_a_non_string_tag_names_its_directory_as_deepspeed_does(tmp_path: Path) -> None:
+    """DeepSpeed's getting-started guide saves under ``ckpt_id = loss.item()`` and loads
+    that tag back; a tag is its text, and only ever inside the save directory."""
+    model = make_model(0)
+    engine, _, _, _ = trainer.initialize(model=model, model_parameters=model.parameters(),
+                                         config=base_config())
+    try:
+        loss = engine(*make_batch(0, 0, 0, 4))
+        engine.backward(loss)
+        engine.step()
+        ckpt_id = loss.item()
+        engine.save_checkpoint(tmp_path, ckpt_id, client_state={"step": 1})
+        assert (tmp_path / str(ckpt_id) / "meta.json").exists()
+        assert (tmp_path / "latest").read_text().strip() == str(ckpt_id)
+        trained = consolidate_fp32_state_dict(engine)
+        _train(engine, 0, range(1, 3))
+        path, client = engine.load_checkpoint(tmp_path, ckpt_id)
+        assert path == str(tmp_path / str(ckpt_id)) and client == {"step": 1}
+        restored = consolidate_fp32_state_dict(engine)
+        assert all(torch.equal(restored[name], value) for name, value in trained.items())
+        for outside in ("../elsewhere", str(tmp_path.parent / "abs")):
+            with pytest.raises(CheckpointError, match="not inside"):
+                engine.save_checkpoint(tmp_path, outside)
+        assert not (tmp_path.parent / "elsewhere").exists()
+    finally:
+        engine.close()

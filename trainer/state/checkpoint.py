@@ -183,8 +183,10 @@ def save_checkpoint(engine: Engine, save_dir: str | os.PathLike[str], tag: str |
     optimizer state, not the base model: HF Trainer asks for it for PEFT models), and
     meta.json says so (``frozen_excluded``): such a checkpoint loads with
     ``load_module_strict=False`` into an engine that has the frozen weights already."""
-    tag = tag if tag is not None else f"global_step{engine.global_steps}"
-    tag_dir = Path(save_dir) / tag
+    # Any tag names a directory by its text, as DeepSpeed's: its getting-started guide saves
+    # under ``ckpt_id = loss.item()``. Inside ``save_dir`` only (no "..", not absolute).
+    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    tag_dir = path_inside(save_dir, tag, what="the tag passed to save_checkpoint")
     tag_dir.mkdir(parents=True, exist_ok=True)
     if engine.config.zero_optimization.offload_optimizer.device == "nvme":
         engine.backend.flush(tag)
@@ -231,6 +233,7 @@ def load_checkpoint(engine: Engine, load_dir: str | os.PathLike[str],
     in its meta.json is checked before it sizes anything (``CheckpointError`` otherwise).
     """
     what = "the tag passed to load_checkpoint"
+    tag = str(tag) if tag is not None else None  # as save_checkpoint names it
     if tag is None:
         tag = latest_tag(Path(load_dir))
         if tag is None:
