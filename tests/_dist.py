@@ -281,15 +281,24 @@ def base_config(**overrides: Any) -> dict[str, Any]:
     return config
 
 
+def zero_section(stage: int, device: str) -> dict[str, Any]:
+    """A ``zero_optimization`` section: ``stage``, the optimizer (and at stage 3 the
+    parameters) offloaded to ``device`` unless it is "none"."""
+    section: dict[str, Any] = {"stage": stage}
+    if device != "none":
+        section["offload_optimizer"] = {"device": device}
+        if stage == 3:
+            section["offload_param"] = {"device": device}
+    return section
+
+
 def with_offload(config: dict[str, Any], device: str, socket_path: str, job: str,
                  arena_size: int = 8 << 20) -> dict[str, Any]:
     """``config`` with its optimizer (and at stage 3 its parameters) offloaded to ``device``
     in job ``job`` of the daemon at ``socket_path``; unchanged for ``device`` "none"."""
     if device != "none":
         zero = config["zero_optimization"]
-        zero["offload_optimizer"] = {"device": device}
-        if zero["stage"] == 3:
-            zero["offload_param"] = {"device": device}
+        zero.update(zero_section(zero["stage"], device))
         config["offloadd"] = {"socket": socket_path, "job": job, "arena_size": arena_size}
     return config
 

@@ -22,6 +22,7 @@ from _dist import (
     reference_train,
     run_ranks,
     shared_daemon,
+    zero_section,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device_twin")]
@@ -31,23 +32,14 @@ WORLD = 2
 HAS_NVME_TIER = importlib.util.find_spec("offloadd.swap.nvme") is not None
 
 
-def _zero(stage: int, device: str) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": stage}
-    if device != "none":
-        zero["offload_optimizer"] = {"device": device}
-        if stage == 3:
-            zero["offload_param"] = {"device": device}
-    return zero
-
-
 def parity_cases(device: str) -> list[dict[str, Any]]:
     cases = []
     for stage in (0, 1, 2, 3):
-        cases.append(base_config(zero_optimization=_zero(stage, device)))
-        cases.append(base_config(zero_optimization=_zero(stage, device),
+        cases.append(base_config(zero_optimization=zero_section(stage, device)))
+        cases.append(base_config(zero_optimization=zero_section(stage, device),
                                  gradient_accumulation_steps=2, gradient_clipping=0.3))
     # Stage 3 freeing every unit after its forward: backward re-gathers with prefetch.
-    regather = {**_zero(3, device), "stage3_max_reuse_distance": 0,
+    regather = {**zero_section(3, device), "stage3_max_reuse_distance": 0,
                 "stage3_prefetch_bucket_size": 1000}
     cases.append(base_config(zero_optimization=regather, gradient_accumulation_steps=2))
     return cases
@@ -85,8 +77,8 @@ def _check_parity(device: str, extra: list[dict[str, Any]] | None = None) -> lis
 
 def bf16_cases(device: str) -> list[dict[str, Any]]:
     """fp32 then bf16 stage 3 on a repeated batch: the loss must fall and track fp32."""
-    fp32 = base_config(zero_optimization=_zero(3, device), _steps=20, _cycle=1)
-    bf16 = base_config(zero_optimization=_zero(3, device), _steps=20, _cycle=1,
+    fp32 = base_config(zero_optimization=zero_section(3, device), _steps=20, _cycle=1)
+    bf16 = base_config(zero_optimization=zero_section(3, device), _steps=20, _cycle=1,
                        bf16={"enabled": True})
     return [fp32, bf16]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import base_config, make_batch, make_model, run_ranks, shared_daemon
+from _dist import base_config, make_batch, make_model, run_ranks, shared_daemon, zero_section
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device_twin")]
 
@@ -31,26 +31,18 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _cases() -> list[tuple[str, dict[str, Any]]]:
-    def zero(stage: int, device: str) -> dict[str, Any]:
-        section: dict[str, Any] = {"stage": stage}
-        if device != "none":
-            section["offload_optimizer"] = {"device": device}
-            if stage == 3:
-                section["offload_param"] = {"device": device}
-        return section
-
-    cases = [(f"stage{stage}-{device}", base_config(zero_optimization=zero(stage, device),
+    cases = [(f"stage{stage}-{device}", base_config(zero_optimization=zero_section(stage, device),
                                                       gradient_accumulation_steps=ACCUMULATION))
              for stage, device in ((0, "none"), (1, "cpu"), (2, "cpu"), (3, "cpu"),
                                    (3, "none"))]
     # Twin-Flow: the first units' optimizer state on the device, the rest in the daemon.
-    split = zero(3, "cpu")
+    split = zero_section(3, "cpu")
     split["offload_optimizer"]["ratio"] = 0.5
     cases.append(("stage3-cpu-ratio", base_config(zero_optimization=split,
                                                   gradient_accumulation_steps=ACCUMULATION)))
     # The NVMe tier frees a gradient its step consumed: with clipping the steps wait for
     # engine.step() (speculative ones keep theirs until then), so it is there to read.
-    cases.append(("stage2-nvme", base_config(zero_optimization=zero(2, "nvme"),
+    cases.append(("stage2-nvme", base_config(zero_optimization=zero_section(2, "nvme"),
                                              gradient_accumulation_steps=ACCUMULATION,
                                              gradient_clipping=1e6)))
     return cases

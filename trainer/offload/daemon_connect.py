@@ -45,21 +45,35 @@ DTYPE_ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of each training and gradient dtype tag."""
 
 
+ARENA_ALIGN_NBYTES = 2 * MIB
+"""Arena sizes are rounded up to this (a huge page)."""
+NVME_ARENA_FLOOR_NBYTES = 64 * MIB
+"""The least arena an NVMe-tier job gets: the DRAM cache in front of its swap."""
+
+
 def estimate_rank_nbytes(model: nn.Module, config: EngineConfig, world_size: int) -> int:
-    """Bytes of daemon shards one rank needs (the fp32 master, the gradient in the dtype
-    the engine keeps it in, the moments in their ``state_dtype``, the param copy, and the
-    param copy of frozen parameters under stage 3)."""
+    """Bytes of daemon shards one rank needs for ``model`` (``rank_state_nbytes``)."""
+    return rank_state_nbytes(
+        sum(p.numel() for p in model.parameters() if p.requires_grad),
+        sum(p.numel() for p in model.parameters() if not p.requires_grad), config, world_size,
+        accumulation=config.batch_sizes(world_size).gradient_accumulation_steps)
+
+
+def rank_state_nbytes(trainable: int, frozen: int, config: EngineConfig, world_size: int, *,
+                      accumulation: int) -> int:
+    """Bytes of daemon shards one rank needs for a model of ``trainable`` and ``frozen``
+    elements (the fp32 master, the gradient in the dtype the engine keeps it in at
+    ``accumulation``, the moments in their ``state_dtype``, the param copy, and the param
+    copy of frozen parameters under stage 3)."""
     parts = world_size if config.zero_optimization.stage >= 1 else 1
     itemsize = DTYPE_ITEMSIZES[config.dtype_name]
-    accumulation = config.batch_sizes(world_size).gradient_accumulation_steps
     grad_itemsize = DTYPE_ITEMSIZES[config.grad_dtype_name(accumulation)]
-    frozen = 0  # stage 3 keeps frozen parameters' partitions in the daemon too (no state)
-    if config.zero_optimization.stage == 3:
-        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
-    part = _trainable_part_numel(model, config, world_size)
-    return (trainable_nbytes(part, config.zero_optimization.offload_optimizer.moment_format,
+    # stage 3 keeps frozen parameters' partitions in the daemon too (no state)
+    frozen_part = -(-frozen // parts) if config.zero_optimization.stage == 3 else 0
+    return (trainable_nbytes(-(-trainable // parts),
+                             config.zero_optimization.offload_optimizer.moment_format,
                              itemsize, grad_itemsize=grad_itemsize)
-            + -(-frozen // parts) * itemsize)
+            + frozen_part * itemsize)
 
 
 def trainable_nbytes(numel: int, moment_format: MomentFormat, param_itemsize: int, *,
@@ -104,7 +118,7 @@ def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Co
     available = int(collectives.node_leader_value(available_memory_nbytes()))
     wanted = arena_with_slack(node_nbytes, available)
     if config.zero_optimization.offload_optimizer.device == "nvme":
-        wanted = max(64 * MIB, min(wanted, available // 2))
+        wanted = max(NVME_ARENA_FLOOR_NBYTES, min(wanted, available // 2))
     else:
         with agree(collectives, "sizing the DRAM arena"):
             _check_dram(node_nbytes, available, config, collectives.world_size)
@@ -114,7 +128,12 @@ def default_arena_nbytes(model: nn.Module, config: EngineConfig, collectives: Co
             undo_nbytes = undo_rank_nbytes(model, config, collectives.world_size)
             undo_nbytes *= _node_world_size(collectives)
             wanted += max(0, min(undo_nbytes, available * 3 // 4 - wanted))
-    return -(-wanted // (2 * MIB)) * 2 * MIB
+    return round_arena(wanted)
+
+
+def round_arena(nbytes: int) -> int:
+    """``nbytes`` rounded up to ``ARENA_ALIGN_NBYTES``."""
+    return -(-nbytes // ARENA_ALIGN_NBYTES) * ARENA_ALIGN_NBYTES
 
 
 def _check_dram(node_nbytes: int, available_nbytes: int, config: EngineConfig,

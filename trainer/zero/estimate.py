@@ -3,7 +3,7 @@ the device, per node the daemon's DRAM arena and the host memory ``initialize`` 
 model in, and the NVMe swap, for a given config and cluster shape.
 
 The figures come from the engine's own sizing, not from a rule of thumb: the daemon's
-bytes per element are ``trainable_nbytes`` and the arena ``arena_with_slack``
+bytes per element are ``rank_state_nbytes`` and the arena ``arena_with_slack``
 (``trainer.offload.daemon_connect``, which sizes the real arena), and the units are the
 ones ``trainer.zero.partition`` would build. Device figures count what the engine keeps
 on the device: replicated parameters (stages 0-2), the stage-3 working set of gathered
@@ -29,11 +29,15 @@ from typing import Any
 from torch import nn
 
 from trainer.config import EngineConfig, UnitsConfig, parse_config
-from trainer.offload.daemon_connect import DTYPE_ITEMSIZES, MIB, arena_with_slack, trainable_nbytes
+from trainer.offload.daemon_connect import (
+    DTYPE_ITEMSIZES,
+    NVME_ARENA_FLOOR_NBYTES,
+    arena_with_slack,
+    rank_state_nbytes,
+    round_arena,
+)
 from trainer.zero.partition import assign_params, find_unit_modules
 
-NVME_ARENA_FLOOR_NBYTES = 64 * MIB
-"""The least arena the engine gives an NVMe-tier job (``default_arena_nbytes``)."""
 _UNBOUNDED = 1 << 62
 
 
@@ -86,22 +90,14 @@ def estimate(counts: ModelCounts, config: EngineConfig | dict[str, Any], *,
     config = parse_config(config)
     zero = config.zero_optimization
     world = gpus_per_node * nodes
-    parts = world if zero.stage >= 1 else 1
-    accumulation = config.gradient_accumulation_steps or 1
-    param_size = DTYPE_ITEMSIZES[config.dtype_name]
-    grad_size = DTYPE_ITEMSIZES[config.grad_dtype_name(accumulation)]
-    trainable_part = -(-counts.trainable // parts)
-    frozen_part = -(-counts.frozen // parts) if zero.stage == 3 else 0
-    state_nbytes = (trainable_nbytes(trainable_part, zero.offload_optimizer.moment_format,
-                                     param_size, grad_itemsize=grad_size)
-                    + frozen_part * param_size)
-    node_nbytes = state_nbytes * gpus_per_node
+    node_nbytes = gpus_per_node * rank_state_nbytes(
+        counts.trainable, counts.frozen, config, world,
+        accumulation=config.gradient_accumulation_steps or 1)
     arena = nvme = 0
-    if zero.offloaded:
-        arena = arena_with_slack(node_nbytes, _UNBOUNDED)
-        if zero.offload_optimizer.device == "nvme":
-            nvme, arena = node_nbytes, NVME_ARENA_FLOOR_NBYTES
-        arena = -(-arena // (2 * MIB)) * 2 * MIB
+    if zero.offloaded and zero.offload_optimizer.device == "nvme":
+        nvme, arena = node_nbytes, NVME_ARENA_FLOOR_NBYTES
+    elif zero.offloaded:
+        arena = round_arena(arena_with_slack(node_nbytes, _UNBOUNDED))
     built = counts.largest_unit if zero_init else counts.trainable + counts.frozen
     return MemoryEstimate(device_nbytes=_device_nbytes(counts, config, world),
                           arena_nbytes=arena, build_nbytes=4 * built * gpus_per_node,
@@ -154,8 +150,14 @@ def _row_config(stage: int, offload_optimizer: bool, offload_param: bool) -> Eng
     return parse_config({**_DEEPSPEED_DEFAULTS, "zero_optimization": section})
 
 
-def _table(counts: ModelCounts, stage: int, gpus_per_node: int, nodes: int,
-           rows: list[tuple[bool, bool, bool]]) -> list[str]:
+_ROWS = {3: [(True, True, True), (True, True, False), (True, False, True),
+             (True, False, False), (False, False, True), (False, False, False)],
+         2: [(True, False, False), (False, False, False)]}
+"""Per stage, the rows of DeepSpeed's table: (offload_optimizer, offload_param,
+zero_init)."""
+
+
+def _print_table(counts: ModelCounts, stage: int, gpus_per_node: int, nodes: int) -> None:
     total = counts.trainable + counts.frozen
     lines = [
         "Estimated memory needed for params, optim states and gradients (offloadd) for a:",
@@ -164,7 +166,7 @@ def _table(counts: ModelCounts, stage: int, gpus_per_node: int, nodes: int,
         f"SW: Model with {total // 10**6}M total params, {counts.largest_unit // 10**6}M "
         "largest layer params.",
         "  per CPU  |  per GPU |   Options"]
-    for offload_optimizer, offload_param, zero_init in rows:
+    for offload_optimizer, offload_param, zero_init in _ROWS[stage]:
         figures = estimate(counts, _row_config(stage, offload_optimizer, offload_param),
                            gpus_per_node=gpus_per_node, nodes=nodes, zero_init=zero_init)
         options = [f"offload_optimizer={'cpu ' if offload_optimizer else 'none'}"]
@@ -173,10 +175,6 @@ def _table(counts: ModelCounts, stage: int, gpus_per_node: int, nodes: int,
                        f"zero_init={int(zero_init)}"]
         lines.append(f" {figures.host_nbytes / 2**30:7.2f}GB | "
                      f"{figures.device_nbytes / 2**30:6.2f}GB | {', '.join(options)}")
-    return lines
-
-
-def _print(lines: list[str]) -> None:
     print("\n".join(lines))
 
 
@@ -188,9 +186,7 @@ def estimate_zero3_model_states_mem_needs_all_cold(
     del additional_buffer_factor  # the arena's own slack is in the figures
     counts = ModelCounts(trainable=int(total_params), frozen=0,
                          largest_unit=int(largest_layer_params))
-    rows = [(True, True, True), (True, True, False), (True, False, True),
-            (True, False, False), (False, False, True), (False, False, False)]
-    _print(_table(counts, 3, num_gpus_per_node, num_nodes, rows))
+    _print_table(counts, 3, num_gpus_per_node, num_nodes)
 
 
 def estimate_zero3_model_states_mem_needs_all_live(
@@ -199,10 +195,7 @@ def estimate_zero3_model_states_mem_needs_all_live(
     """DeepSpeed's ZeRO-3 table for ``model`` (its units as the engine builds them; frozen
     parameters take no optimizer state), in offloadd's figures."""
     del additional_buffer_factor
-    counts = ModelCounts.of(model)
-    rows = [(True, True, True), (True, True, False), (True, False, True),
-            (True, False, False), (False, False, True), (False, False, False)]
-    _print(_table(counts, 3, num_gpus_per_node, num_nodes, rows))
+    _print_table(ModelCounts.of(model), 3, num_gpus_per_node, num_nodes)
 
 
 def estimate_zero2_model_states_mem_needs_all_cold(
@@ -212,8 +205,7 @@ def estimate_zero2_model_states_mem_needs_all_cold(
     gradients flattened a whole model at a time, the worst case), in offloadd's figures."""
     del additional_buffer_factor
     counts = ModelCounts(trainable=int(total_params), frozen=0, largest_unit=int(total_params))
-    _print(_table(counts, 2, num_gpus_per_node, num_nodes, [(True, False, False),
-                                                             (False, False, False)]))
+    _print_table(counts, 2, num_gpus_per_node, num_nodes)
 
 
 def estimate_zero2_model_states_mem_needs_all_live(
@@ -221,8 +213,7 @@ def estimate_zero2_model_states_mem_needs_all_live(
         additional_buffer_factor: float = 1.5) -> None:
     """DeepSpeed's ZeRO-2 table for ``model``, in offloadd's figures."""
     del additional_buffer_factor
-    _print(_table(ModelCounts.of(model), 2, num_gpus_per_node, num_nodes,
-                  [(True, False, False), (False, False, False)]))
+    _print_table(ModelCounts.of(model), 2, num_gpus_per_node, num_nodes)
 
 
 def model_to_params(model: nn.Module) -> tuple[int, int]:
