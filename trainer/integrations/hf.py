@@ -34,7 +34,7 @@ from trainer.dist import comm
 from trainer.integrations import ds_facade
 from trainer.integrations.versions import check_versions
 from trainer.state import zero_to_fp32
-from trainer.zero import estimate, param_state
+from trainer.zero import estimate, external, param_state
 from trainer.zero import init as zero_init
 
 FACADE_VERSION = "0.18.0+offloadd"
@@ -94,8 +94,10 @@ def _facade_modules() -> dict[str, types.ModuleType]:
                           **{**comm_names, "init_distributed": ds_facade.init_distributed})
     modules = {
         "deepspeed.comm": comm_module,
-        "deepspeed.zero": _module("deepspeed.zero", Init=zero_init.Init,
-                                  GatheredParameters=ds_facade.GatheredParameters),
+        "deepspeed.zero": _module(
+            "deepspeed.zero", Init=zero_init.Init, GatheredParameters=ds_facade.GatheredParameters,
+            register_external_parameter=external.register_external_parameter,
+            unregister_external_parameter=external.unregister_external_parameter),
         "deepspeed.utils": _module("deepspeed.utils", logger=ds_facade.logger,
                                    **param_state.DEEPSPEED_NAMES),
         "deepspeed.utils.zero_to_fp32": _module(

@@ -5,7 +5,9 @@ Imports ``device``, ``dist``, ``offload`` and the rank side's config; what it ne
 checkpoints and pretrained weights is handed in (``StateIO``, ``WeightSource``).
 """
 
+from trainer.zero.external import register_external_parameter, unregister_external_parameter
 from trainer.zero.gathered import GatheredParameters
 from trainer.zero.init import Init
 
-__all__ = ["GatheredParameters", "Init"]
+__all__ = ["GatheredParameters", "Init", "register_external_parameter",
+           "unregister_external_parameter"]

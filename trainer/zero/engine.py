@@ -34,6 +34,8 @@ from trainer.device.twin import adopt_module
 from trainer.dist.agreement import agree
 from trainer.dist.collectives import Collectives
 from trainer.offload.backend import StateBackend, UnitSpec
+from trainer.zero.external import ExternalParams
+from trainer.zero.gather import GatherState
 from trainer.zero.groups import ParamGroups, resolve_param_groups
 from trainer.zero.hooks import UnitHooks, outside_inference_mode
 from trainer.zero.init import (
@@ -195,9 +197,15 @@ class Engine(nn.Module):
         self.hooks = UnitHooks(self.units, on_grads_ready=self._on_grads_ready,
                                on_frozen_backward_done=self._hold_or_release)
         self.trace: GatherTrace | None = None
+        self.external: ExternalParams | None = None
+        """Stage 3: parameters used outside their unit's forward (``trainer.zero.external``)."""
         if isinstance(self.placement, Sharded):
             self.trace = GatherTrace(collectives, self.units)
             self.placement.full.before_gather = self.trace.before_gather
+            full = self.placement.full
+            self.external = ExternalParams(
+                model, self.units, gather=self._gather_for_use, release=self.placement.release,
+                is_ready=lambda unit: full.state(unit) is GatherState.READY)
             self.hooks.install_forward(pre_forward=self._pre_forward,
                                        post_forward=self._post_forward,
                                        pre_backward=self._pre_backward)
@@ -256,6 +264,8 @@ class Engine(nn.Module):
         with outside_inference_mode():  # what begin_step allocates outlives this pass
             self.backend.begin_step()
         self._forward_depth = 0  # a forward that raised half-way must not skew the next one
+        if self.external is not None:
+            self.external.begin_pass()
         if self.trace is not None:
             self.trace.begin("forward", training=self.module.training)
         output = self.module(*self.precision.cast_inputs(args),
@@ -271,6 +281,7 @@ class Engine(nn.Module):
             # An activation-checkpoint recompute: not a pass to learn the order from; the
             # units needed next are the backward's.
             self.placement.gather(unit)
+            self._enter_external(unit)
             self._prefetch_after(unit, backward=True)
             return
         if self._forward_depth == 0:
@@ -279,9 +290,22 @@ class Engine(nn.Module):
         self._forward_depth += 1
         self.placement.take(unit)
         self.placement.gather(unit)
+        self._enter_external(unit)
         self._prefetch_after(unit, backward=False)
 
+    def _enter_external(self, unit: Unit) -> None:
+        if self.external is not None:
+            self.external.enter(unit)
+
+    def _gather_for_use(self, unit: Unit) -> None:
+        """Gather ``unit`` for a use outside its own forward (``trainer.zero.external``)."""
+        self.placement.take(unit)
+        self.placement.gather(unit)
+
     def _post_forward(self, unit: Unit) -> None:
+        if self.external is not None:
+            self.external.leave(unit, pass_ends_without_backward=not self._in_backward and (
+                not self._pass_trains or self.inference))
         if self._in_backward:
             return  # the recomputed ops' backward reads these parameters next; grads free them
         self._forward_depth -= 1
@@ -309,13 +333,15 @@ class Engine(nn.Module):
         keep = (self._pass_trains and self.module.training
                 and live + self._largest_numel <= zero.stage3_max_live_parameters
                 and (live <= self._hold_limit_numel or near))
-        if not keep:
+        if not keep and not (self.external is not None and self.external.in_use(unit)):
             self.placement.release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:
         if self.trace is not None:
             self.trace.visit(unit)
         self.placement.gather(unit)
+        if self.external is not None:
+            self.external.before_backward(unit, self._backward_done)
         self._prefetch_after(unit, backward=True)
 
     def _prefetch_after(self, unit: Unit, *, backward: bool) -> None:
@@ -581,6 +607,8 @@ class Engine(nn.Module):
             return
         self.closed = True
         self.hooks.remove()
+        if self.external is not None:
+            self.external.unwatch()
         self.backend.close()
         if self._reduce_collectives is not None:
             self._reduce_collectives.close()

@@ -1,0 +1,197 @@
+"""Parameters a unit's forward uses that another unit owns (``trainer.zero.external``),
+against plain torch.
+
+DeepSpeed's ZeRO-3 tutorial has a parent module reuse its child's weight after the child
+ran; models also read a later block's weight before that block runs, or keep a parameter
+in a module that is never called. Under stage 3 with ``stage3_max_live_parameters`` so
+small that every unit is released after its forward, such reads met an empty tensor
+(``size mismatch``). 2 gloo ranks on the strict twin train ``ExternalNet`` (all of those
+uses, a frozen parameter used from another unit, the user's block recomputed by activation
+checkpointing) and must end where a single-process torch AdamW on the union of their
+micro-batches ends; one use is declared the tutorial's way, through the facade's
+``deepspeed.zero.register_external_parameter``, and is never gathered on demand; the
+others are found once each, on the first pass. An evaluation forward afterwards gives
+torch's outputs and leaves nothing gathered.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _dist import base_config, run_ranks, shared_daemon
+from torch.utils.checkpoint import checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device_twin")]
+
+WIDTH = 6
+WORLD = 2
+STEPS = 3
+ACCUMULATION = 2
+FOUND_ON_DEMAND = 3
+"""Uses ``ExternalNet``'s first pass gathers on demand: layer2 reads layer3's weight and
+the bank's two units (trainable and frozen). layer3 reads the bank while layer2's use
+still holds it; the root's reuse of layer1 is declared."""
+
+
+class Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(WIDTH, WIDTH)
+        self.peer: Layer | None = None
+        self.bank: Bank | None = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = torch.tanh(self.lin(hidden))
+        if self.peer is not None:  # a later unit's weight, before that unit runs
+            out = out + hidden @ self.peer.lin.weight.t()
+        if self.bank is not None:  # a never-called module's parameters
+            out = out * self.bank.scale + self.bank.shift
+        return out
+
+
+class Bank(torch.nn.Module):
+    """Holds parameters other units read; its own forward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+        self.shift = torch.nn.Parameter(torch.linspace(-0.1, 0.1, WIDTH), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("never called")
+
+
+class ExternalNet(torch.nn.Module):
+    def __init__(self, register: Callable[[torch.nn.Module, torch.nn.Parameter], None] | None,
+                 recompute: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(7, WIDTH)
+        self.layer1, self.layer2, self.layer3 = Layer(), Layer(), Layer()
+        self.bank = Bank()
+        self.head = torch.nn.Linear(WIDTH, 5)
+        self.recompute = recompute
+        # plain attributes, not submodules: the parameters keep one owner each
+        object.__setattr__(self.layer2, "peer", self.layer3)
+        object.__setattr__(self.layer2, "bank", self.bank)
+        object.__setattr__(self.layer3, "bank", self.bank)
+        if register is not None:  # the tutorial's declaration of the parent's reuse
+            register(self, self.layer1.lin.weight)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = self.layer1(self.inp(features))
+        second = (checkpoint(self.layer2, hidden, use_reentrant=False) if self.recompute
+                  else self.layer2(hidden))
+        hidden = second + hidden @ self.layer1.lin.weight.t()  # the parent reuses its child's
+        hidden = self.layer3(hidden)
+        return torch.nn.functional.cross_entropy(self.head(hidden).float(), labels)
+
+
+def _batch(step: int, micro: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
+    return torch.randn(4, 7, generator=generator), torch.randint(0, 5, (4,), generator=generator)
+
+
+def _config(device: str, socket: str) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": 3, "stage3_max_live_parameters": 64,
+                            "stage3_prefetch_bucket_size": 0}
+    config = base_config(zero_optimization=zero, gradient_accumulation_steps=ACCUMULATION,
+                         units={"module_classes": ["Layer", "Bank"]})
+    if device != "none":
+        zero["offload_param"] = zero["offload_optimizer"] = {"device": device}
+        config["offloadd"] = {"socket": socket, "job": f"external-{device}",
+                              "arena_size": 8 << 20}
+    return config
+
+
+def _run(rank: int, world: int, device: str, recompute: bool) -> dict[str, Any]:
+    import trainer.hf
+
+    trainer.hf.install()  # deepspeed.zero is offloadd's in this rank, as in a user's script
+    return _train(rank, device, recompute)
+
+
+def _train(rank: int, device: str, recompute: bool) -> dict[str, Any]:
+    from deepspeed.zero import GatheredParameters, register_external_parameter
+
+    import trainer
+    from trainer.zero.external import is_watched
+
+    with shared_daemon(rank, enabled=device != "none") as socket:
+        model = ExternalNet(register_external_parameter, recompute)
+        engine, *_ = trainer.initialize(model=model, model_parameters=model.parameters(),
+                                        config=_config(device, socket))
+        assert engine.external is not None
+        for step in range(STEPS):
+            for micro in range(ACCUMULATION):
+                batch = [t.to(engine.device) for t in _batch(step, micro, rank)]
+                engine.backward(engine(*batch))
+                engine.step()
+            if step == 0:
+                first_pass_found = engine.external.num_found
+        engine.eval()
+        with torch.no_grad():
+            eval_loss = engine(*[t.to(engine.device) for t in _batch(99, 0, rank)]).item()
+        live_after_eval = engine.placement.live_numel
+        engine.train()
+        state = {}
+        with GatheredParameters(list(model.parameters())):
+            for name, param in model.named_parameters():
+                state[name] = param.detach().cpu().clone()
+        plain = type(copy.deepcopy(model).__dict__["_parameters"]) is dict
+        engine.close()
+        return {"state": state, "eval_loss": eval_loss, "found": engine.external.num_found,
+                "first_pass_found": first_pass_found, "live_after_eval": live_after_eval,
+                "copy_is_plain": plain, "watched_after_close": is_watched(model)}
+
+
+def _reference(recompute: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = ExternalNet(None, recompute)
+    params = base_config()["optimizer"]["params"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=params["betas"],
+                                  eps=params["eps"], weight_decay=params["weight_decay"])
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for micro in range(ACCUMULATION):
+            for rank in range(WORLD):
+                (model(*_batch(step, micro, rank)) / (ACCUMULATION * WORLD)).backward()
+        optimizer.step()
+    with torch.no_grad():
+        model.eval()
+        eval_losses = [model(*_batch(99, 0, rank)).item() for rank in range(WORLD)]
+    return {name: param.detach().clone() for name, param in model.named_parameters()}, eval_losses
+
+
+@pytest.mark.parametrize(("device", "recompute"), [("none", True), ("cpu", False)])
+def test_units_reading_other_units_parameters_train_as_torch(device: str,
+                                                             recompute: bool) -> None:
+    results = run_ranks(_run, WORLD, device, recompute)
+    reference, eval_losses = _reference(recompute)
+    for rank, result in enumerate(results):
+        assert set(result["state"]) == set(reference)
+        for name, expected in reference.items():
+            torch.testing.assert_close(result["state"][name], expected, rtol=2e-5, atol=2e-6,
+                                       msg=f"rank {rank} {name}")
+        assert result["eval_loss"] == pytest.approx(eval_losses[rank], rel=1e-5, abs=1e-6)
+        # found on the first pass, once each; the declared use never on demand
+        assert result["first_pass_found"] == result["found"] == FOUND_ON_DEMAND
+        assert result["live_after_eval"] == 0
+        assert result["copy_is_plain"] and not result["watched_after_close"]
+
+
+def test_registration_checks_its_arguments() -> None:
+    from trainer.zero.external import register_external_parameter, unregister_external_parameter
+
+    module = torch.nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"must be a torch\.nn\.Parameter"):
+        register_external_parameter(module, torch.zeros(2))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"must be a torch\.nn\.Module"):
+        register_external_parameter(object(), module.weight)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="was not registered"):
+        unregister_external_parameter(module, module.weight)
+    register_external_parameter(module, module.bias)
+    unregister_external_parameter(module, module.bias)
