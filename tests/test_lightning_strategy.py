@@ -9,7 +9,8 @@ with the model built in ``configure_model`` (the guide's "Shard Model Instantly"
 parameters are ``meta`` there, ``zero.Init``) both train with the losses of
 ``strategy="ddp"``, without warnings (none about the buffer/aio sizes the keywords write,
 none from torch's LR scheduler). All three start from the weights the engine gave the
-``configure_model`` run.
+``configure_model`` run. The model summary, on as the guide leaves it, counts the
+partitioned parameters as DDP's counts the whole ones (it counted 0 before).
 """
 
 from __future__ import annotations
@@ -45,10 +46,13 @@ def test_deepspeed_keywords_and_registered_names_match_ddp(tmp_path: Path) -> No
     reference = run(tmp_path / "ddp", "ddp", *initial)
     assert reference["strategy"] == "DDPStrategy" and reference["device"] == "cpu"
     assert sharded["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    # the model summary counts the partitioned parameters whole, as DDP's does
+    assert sharded["summary"] == reference["summary"] and reference["summary"]["total"] > 0
     ours = run(tmp_path / "keywords", "keywords", *initial)
     assert ours["strategy"] == "OffloaddStrategy" and ours["device"] == "twin:0"
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert ours["warnings"] == []
+    assert ours["summary"] == reference["summary"]
     # nvme_path reached the daemon: it swapped into a dir of its own there
     swap = tmp_path / "keywords" / "swap"
     assert [d for d in ours["scratch_dirs"] if Path(d).parent == swap], ours

@@ -15,7 +15,9 @@ smaller than the state. The same script under torch DDP is the reference:
 - the Trainer's checkpoints (``save_steps``) hold the adapters' state and none of the base
   model (HF asks for ``exclude_frozen_parameters`` for PEFT models), and
   ``train(resume_from_checkpoint=...)`` (which loads with ``load_module_strict=False``)
-  continues bit for bit.
+  continues bit for bit;
+- PEFT's ``get_nb_trainable_parameters`` (``print_trainable_parameters``) counts the
+  partitioned parameters as DDP's whole ones (DeepSpeed's ``ds_numel``).
 """
 
 from __future__ import annotations
@@ -65,6 +67,8 @@ def test_lora_under_zero3_matches_ddp_and_the_adapter_loads(tmp_path: Path) -> N
     assert ours["global_step"] == reference["global_step"] == STEPS
     assert ours["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert ours["eval_loss"] == pytest.approx(reference["eval_loss"], rel=1e-5)
+    # PEFT counts partitioned parameters from their ds_numel (0 each before)
+    assert ours["peft_counts"] == reference["peft_counts"]
 
     stats = ours["offload_stats"]
     assert stats["swap"]["dirs"][0]["written_nbytes"] > 0  # the state really went to NVMe

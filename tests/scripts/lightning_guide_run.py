@@ -101,6 +101,20 @@ class ScratchDirs(pl.Callback):
         ScratchDirs.dirs = list(daemon.scratch_dirs) if daemon is not None else []
 
 
+class SummaryCounts(pl.Callback):
+    """What the model summary (on by default, as the guide leaves it) counts at the start
+    of fitting: at ZeRO-3 the parameters are partitioned then."""
+
+    counts: dict[str, int] = {}
+
+    def on_fit_start(self, trainer_: Any, module: Any) -> None:
+        summary_callback = next(callback for callback in trainer_.callbacks
+                                if isinstance(callback, pl.callbacks.ModelSummary))
+        summary = summary_callback._summary(trainer_, module)
+        SummaryCounts.counts = {"total": summary.total_parameters,
+                                "trainable": summary.trainable_parameters}
+
+
 strategy: Any = args.strategy
 if args.strategy == "keywords":
     strategy = OffloaddStrategy(stage=3, offload_optimizer=True, offload_parameters=True,
@@ -113,8 +127,8 @@ lightning_trainer = pl.Trainer(
     accelerator=TwinAccelerator() if twin else "cpu",
     devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")), strategy=strategy,
     max_steps=args.steps, gradient_clip_val=0.5, logger=False, enable_progress_bar=False,
-    enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
-    callbacks=[ScratchDirs()])
+    enable_checkpointing=False, num_sanity_val_steps=0,
+    callbacks=[ScratchDirs(), SummaryCounts()])
 lightning_trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(tokens,
                                                                              batch_size=2))
 caught.__exit__(None, None, None)
@@ -125,6 +139,7 @@ if lightning_trainer.is_global_zero:
         "built_meta": module.built_meta,
         "losses": module.losses,
         "scratch_dirs": ScratchDirs.dirs,
+        "summary": SummaryCounts.counts,
         "warnings": [f"{item.category.__name__}: {item.message}" for item in raised
                      if "offloadd" in str(item.message) or "lr_scheduler" in str(item.message)]}))
 leave_group()

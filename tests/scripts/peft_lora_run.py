@@ -103,6 +103,8 @@ result: dict[str, Any] = {"eval_loss": metrics["eval_loss"],
                           "losses": {entry["step"]: entry["loss"]
                                      for entry in hf_trainer.state.log_history
                                      if "loss" in entry}}
+if not args.full:  # PEFT's count (print_trainable_parameters), parameters partitioned
+    result["peft_counts"] = list(model.get_nb_trainable_parameters())
 engine = getattr(hf_trainer.model_wrapped, "engine", None)
 if engine is not None:
     result["offload_stats"] = engine.offload_stats()

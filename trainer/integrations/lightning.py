@@ -58,12 +58,14 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch import LightningModule
 from lightning.pytorch import Trainer as LightningTrainer
 from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import ModelSummary
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import DeepSpeedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities import deepspeed as lightning_deepspeed
+from lightning.pytorch.utilities.model_summary import DeepSpeedSummary
 from torch import nn
 
 from trainer.api import initialize
@@ -300,6 +302,8 @@ class OffloaddStrategy(DDPStrategy):
             self.model = self.engine  # the engine that trained this module evaluates it
         else:
             self._initialize_evaluation_engine(trainer_)
+        if self._stage_3:
+            _summarize_partitioned(trainer_)
         self.barrier()
 
     def _module_to_device(self) -> None:
@@ -530,6 +534,27 @@ def _stays_put(module: nn.Module) -> Iterator[None]:
         yield
     finally:
         del module.cpu
+
+
+def _summarize_partitioned(trainer_: LightningTrainer) -> None:
+    """The model summary callbacks (on by default) count ZeRO-3's partitioned parameters
+    as ``DeepSpeedStrategy`` has them do (``DeepSpeedSummary``: whole sizes from
+    ``ds_numel``, a "Params per Device" column): Lightning picks that summary by the
+    strategy's class, and its default one counts ``numel()``, 0 between gathers."""
+    for callback in trainer_.callbacks:  # type: ignore[attr-defined]
+        if isinstance(callback, ModelSummary):
+            callback._summary = _PartitionedSummary(  # type: ignore[method-assign,assignment]
+                callback._max_depth)
+
+
+class _PartitionedSummary:
+    """``ModelSummary._summary`` for a ZeRO-3 module."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+
+    def __call__(self, _trainer: Any, module: LightningModule) -> DeepSpeedSummary:
+        return DeepSpeedSummary(module, max_depth=self.max_depth)
 
 
 class TwinAccelerator(Accelerator):

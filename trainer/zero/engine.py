@@ -224,11 +224,14 @@ class Engine(nn.Module):
                           param_dtype=self.precision.dtype, trainable=unit.trainable,
                           grad_dtype=self.grad_dtype) for unit in self.units]
         self.backend.plan(specs)
+        next_id = 0
         for unit, spec in zip(self.units, specs, strict=True):
             materialise_unit(self.module, unit, self.collectives, pretrained)
             for slot in unit.slots:  # how zero.GatheredParameters and load_pretrained find us
                 slot.param._zero_engine = weakref.ref(self)  # type: ignore[attr-defined]
                 slot.param._zero_unit = unit  # type: ignore[attr-defined]
+            if self.config.zero_optimization.stage == 3:
+                next_id = unit.describe_sharded(next_id)
             flat = unit.flatten_params(self.precision.dtype)
             self.collectives.broadcast(flat)
             with agree(self.collectives, f"registering unit {unit.index} ({unit.name})"):

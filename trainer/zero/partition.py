@@ -24,6 +24,7 @@ slice: ``[index * part_numel, (index + 1) * part_numel)``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -106,11 +107,45 @@ class Unit:
         for slot in self.slots:
             slot.param.data = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
 
+    def fragment_numel(self, slot: ParamSlot) -> int:
+        """Elements of ``slot``'s parameter inside this rank's partition."""
+        begin = self.part_index * self.part_numel
+        end = min(slot.offset + slot.numel, begin + self.part_numel)
+        return max(0, end - max(slot.offset, begin))
+
+    def describe_sharded(self, first_id: int) -> int:
+        """Give each parameter DeepSpeed's ZeRO-3 description of a partitioned parameter,
+        which libraries read where ``numel()`` is 0 between gathers: ``ds_numel`` and
+        ``ds_shape`` (the whole parameter: HF Trainer's and PEFT's parameter counts, PEFT's
+        layer shapes), ``ds_id`` (unique, from ``first_id``) and ``partition_numel()`` (its
+        elements in this rank's partition: Lightning's ZeRO-3 model summary). Returns the
+        next free id."""
+        for offset, slot in enumerate(self.slots):
+            param: Any = slot.param
+            param.ds_numel = slot.numel
+            param.ds_shape = slot.shape
+            param.ds_id = first_id + offset
+            param.partition_numel = _Constant(self.fragment_numel(slot))
+        return first_id + len(self.slots)
+
     def release_params(self) -> None:
         """Drop the parameters' storage; they become empty until the next gather."""
         empty = torch.empty(0, dtype=self.slots[0].param.dtype, device=self.device)
         for slot in self.slots:
             slot.param.data = empty
+
+
+class _Constant:
+    """A call that returns one number (``partition_numel``; not a closure, so a parameter's
+    attributes stay simple to pickle)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __call__(self) -> int:
+        return self.value
 
 
 DEFAULT_MIN_NUM_PARAMS = 1_000_000
