@@ -4,8 +4,9 @@ Each example draws: HF Llama or GPT-2 (tiny, from a config) x ZeRO stage 0-3 x
 offload none / cpu / nvme x README's no-decay param groups x stage-3 prefetch
 bucket (0, small, default) x gradient accumulation 1 / 3 x clipping x bf16 /
 fp16 (dynamic loss scaling) / fp32 x HF activation checkpointing x a frozen first
-block x built under ``zero.Init`` x a job arena that holds the state or one that forces swapping x
-Twin-Flow's ``ratio`` (all offloaded, or half kept on the device) x an evaluation
+block x built under ``zero.Init`` x stage 3's ``stage3_max_live_parameters`` below one
+block x a job arena that holds the state or one that forces swapping x Twin-Flow's
+``ratio`` (all offloaded, or half kept on the device) x an evaluation
 before every micro-step and after the last (none, under ``torch.no_grad``, or under
 ``torch.inference_mode`` as Lightning validates on NCCL and as ``generate`` runs).
 It trains on 2 gloo ranks on the strict device twin (one pair of long-lived rank
@@ -48,6 +49,8 @@ ROOMY_ARENA = 64 << 20
 TIGHT_ARENA = 2 << 20
 """The smallest job arena (one huge page), below these models' ~2.5 MB of state."""
 VOCAB = 128
+TIGHT_LIVE = 1_000
+"""Elements: below one block of these models (~50k)."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,9 @@ class Case:
     evaluate: str = "none"
     """An eval-mode forward before each micro-step and at the end: ``none``, ``no_grad``
     or ``inference`` (``torch.inference_mode``)."""
+    tight_live: bool = False
+    """Stage 3 with ``stage3_max_live_parameters`` below one block: every unit is released
+    after its forward and gathered again for its backward, nothing is held or prefetched."""
 
 
 @st.composite
@@ -87,7 +93,8 @@ def cases(draw: Any) -> Case:
                 frozen=draw(st.booleans()), zero_init=draw(st.booleans()),
                 tight_arena=offload == "nvme" and draw(st.booleans()),
                 ratio=draw(st.sampled_from([1.0, 0.5])) if offload != "none" else 1.0,
-                evaluate=draw(st.sampled_from(["none", "no_grad", "inference"])))
+                evaluate=draw(st.sampled_from(["none", "no_grad", "inference"])),
+                tight_live=stage == 3 and draw(st.booleans()))
 
 
 def hf_config(name: str) -> Any:
@@ -171,6 +178,8 @@ def ds_config(case: Case, swap_dir: str, socket_path: str, job: str) -> dict[str
             zero["offload_param"] = {"device": case.offload, "nvme_path": swap_dir}
     if case.bucket != "default":
         zero["stage3_prefetch_bucket_size"] = 0 if case.bucket == "zero" else SMALL_BUCKET
+    if case.tight_live:
+        zero["stage3_max_live_parameters"] = TIGHT_LIVE
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": case.accumulation,
         "gradient_clipping": CLIP if case.clip else 0.0,
