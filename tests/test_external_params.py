@@ -9,8 +9,9 @@ small that every unit is released after its forward, such reads met an empty ten
 uses, a frozen parameter used from another unit, the user's block recomputed by activation
 checkpointing) and must end where a single-process torch AdamW on the union of their
 micro-batches ends; one use is declared the tutorial's way, through the facade's
-``deepspeed.zero.register_external_parameter``, and is never gathered on demand; the
-others are found once each, on the first pass. An evaluation forward afterwards gives
+``deepspeed.zero.register_external_parameter``, one through ``GatheredParameters``'
+``fwd_module`` (as PEFT passes it), and are never gathered on demand; the others are
+found once each, on the first pass. An evaluation forward afterwards gives
 torch's outputs and leaves nothing gathered.
 """
 
@@ -31,10 +32,11 @@ WIDTH = 6
 WORLD = 2
 STEPS = 3
 ACCUMULATION = 2
-FOUND_ON_DEMAND = 3
-"""Uses ``ExternalNet``'s first pass gathers on demand: layer2 reads layer3's weight and
-the bank's two units (trainable and frozen). layer3 reads the bank while layer2's use
-still holds it; the root's reuse of layer1 is declared."""
+FOUND_ON_DEMAND = 2
+"""Uses ``ExternalNet``'s first pass gathers on demand: layer2 reads the bank's two units
+(trainable and frozen). layer3 reads the bank while layer2's use still holds it; the
+root's reuse of layer1 is declared in ``__init__`` and layer2's read of layer3's weight
+through ``GatheredParameters(fwd_module=layer2)`` after ``initialize``."""
 
 
 class Layer(torch.nn.Module):
@@ -126,6 +128,8 @@ def _train(rank: int, device: str, recompute: bool) -> dict[str, Any]:
         engine, *_ = trainer.initialize(model=model, model_parameters=model.parameters(),
                                         config=_config(device, socket))
         assert engine.external is not None
+        with GatheredParameters([model.layer3.lin.weight], fwd_module=model.layer2):
+            pass
         for step in range(STEPS):
             for micro in range(ACCUMULATION):
                 batch = [t.to(engine.device) for t in _batch(step, micro, rank)]

@@ -1,6 +1,8 @@
 """``zero.GatheredParameters``: full parameters outside forward on every rank, found through
 the engine that manages them (each parameter keeps a weak reference to it), with
-``modifier_rank``'s edits written back into the partitions and the fp32 master."""
+``modifier_rank``'s edits written back into the partitions and the fp32 master.
+``fwd_module`` declares the parameters used in that module's forward, as DeepSpeed's does
+(``trainer.zero.external.register_external_parameter``)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 from torch import nn
 
 from trainer.zero.engine import Engine
+from trainer.zero.external import register_external_parameter
 from trainer.zero.init import ZeroInitError, unmaterialised
 from trainer.zero.partition import Unit
 
@@ -26,6 +29,11 @@ class GatheredParameters:
                  enabled: bool = True) -> None:
         if isinstance(params, torch.Tensor):
             params = [params]
+        params = list(params)
+        if fwd_module is not None and enabled:  # DeepSpeed's meaning: used in its forward
+            for param in params:
+                if isinstance(param, nn.Parameter):
+                    register_external_parameter(fwd_module, param)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._targets: list[tuple[Engine, Unit]] = []
@@ -41,7 +49,7 @@ class GatheredParameters:
             engine = ref() if ref is not None else None
             if engine is None:
                 continue
-            unit: Unit = param._zero_unit  # type: ignore[union-attr]
+            unit: Unit = param._zero_unit  # type: ignore[attr-defined]
             if (id(engine), unit.index) not in seen:
                 seen.add((id(engine), unit.index))
                 self._targets.append((engine, unit))
