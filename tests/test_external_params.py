@@ -7,8 +7,9 @@ in a module that is never called. Under stage 3 with ``stage3_max_live_parameter
 small that every unit is released after its forward, such reads met an empty tensor
 (``size mismatch``). 2 gloo ranks on the strict twin train ``ExternalNet`` (all of those
 uses, a frozen parameter used from another unit, the user's block recomputed by activation
-checkpointing) and must end where a single-process torch AdamW on the union of their
-micro-batches ends; one use is declared the tutorial's way, through the facade's
+checkpointing, in one case each module split into a unit per parameter group) and must
+end where a single-process torch AdamW on the union of their micro-batches ends. One use
+is declared the tutorial's way, through the facade's
 ``deepspeed.zero.register_external_parameter``, one through ``GatheredParameters``'
 ``fwd_module`` (as PEFT passes it), and are never gathered on demand; the others are
 found once each, on the first pass. An evaluation forward afterwards gives
@@ -110,14 +111,23 @@ def _config(device: str, socket: str) -> dict[str, Any]:
     return config
 
 
-def _run(rank: int, world: int, device: str, recompute: bool) -> dict[str, Any]:
+def _groups(model: torch.nn.Module, split: bool) -> list[dict[str, Any]]:
+    """README's no-decay groups (each module then has a unit per group) or one group."""
+    params = list(model.parameters())
+    if not split:
+        return [{"params": params}]
+    return [{"params": [p for p in params if p.ndim >= 2]},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def _run(rank: int, world: int, device: str, recompute: bool, groups: bool) -> dict[str, Any]:
     import trainer.hf
 
     trainer.hf.install()  # deepspeed.zero is offloadd's in this rank, as in a user's script
-    return _train(rank, device, recompute)
+    return _train(rank, device, recompute, groups)
 
 
-def _train(rank: int, device: str, recompute: bool) -> dict[str, Any]:
+def _train(rank: int, device: str, recompute: bool, groups: bool) -> dict[str, Any]:
     from deepspeed.zero import GatheredParameters, register_external_parameter
 
     import trainer
@@ -125,7 +135,7 @@ def _train(rank: int, device: str, recompute: bool) -> dict[str, Any]:
 
     with shared_daemon(rank, enabled=device != "none") as socket:
         model = ExternalNet(register_external_parameter, recompute)
-        engine, *_ = trainer.initialize(model=model, model_parameters=model.parameters(),
+        engine, *_ = trainer.initialize(model=model, model_parameters=_groups(model, groups),
                                         config=_config(device, socket))
         assert engine.external is not None
         with GatheredParameters([model.layer3.lin.weight], fwd_module=model.layer2):
@@ -153,10 +163,10 @@ def _train(rank: int, device: str, recompute: bool) -> dict[str, Any]:
                 "copy_is_plain": plain, "watched_after_close": is_watched(model)}
 
 
-def _reference(recompute: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+def _reference(recompute: bool, groups: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = ExternalNet(None, recompute)
     params = base_config()["optimizer"]["params"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=params["betas"],
+    optimizer = torch.optim.AdamW(_groups(model, groups), lr=params["lr"], betas=params["betas"],
                                   eps=params["eps"], weight_decay=params["weight_decay"])
     for step in range(STEPS):
         optimizer.zero_grad()
@@ -170,11 +180,12 @@ def _reference(recompute: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
     return {name: param.detach().clone() for name, param in model.named_parameters()}, eval_losses
 
 
-@pytest.mark.parametrize(("device", "recompute"), [("none", True), ("cpu", False)])
-def test_units_reading_other_units_parameters_train_as_torch(device: str,
-                                                             recompute: bool) -> None:
-    results = run_ranks(_run, WORLD, device, recompute)
-    reference, eval_losses = _reference(recompute)
+@pytest.mark.parametrize(("device", "recompute", "groups"),
+                         [("none", True, True), ("cpu", False, False)])
+def test_units_reading_other_units_parameters_train_as_torch(device: str, recompute: bool,
+                                                             groups: bool) -> None:
+    results = run_ranks(_run, WORLD, device, recompute, groups)
+    reference, eval_losses = _reference(recompute, groups)
     for rank, result in enumerate(results):
         assert set(result["state"]) == set(reference)
         for name, expected in reference.items():

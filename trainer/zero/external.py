@@ -176,8 +176,12 @@ class ExternalParams:
         self._gather_owners(self.uses.get(unit.index, ()))
 
     def leave(self, unit: Unit, *, pass_ends_without_backward: bool) -> None:
-        if self.stack and self.stack[-1] is unit:
-            self.stack.pop()
+        # A module split into several units (parameter groups) ends their forwards in the
+        # order it began them: the first to leave is not the innermost.
+        for position in range(len(self.stack) - 1, -1, -1):
+            if self.stack[position] is unit:
+                del self.stack[position]
+                break
         if pass_ends_without_backward and not self.stack:
             for owner in self.gathered.values():
                 self._release(owner)
