@@ -27,6 +27,7 @@ from trainer.dist.distributed import init_distributed
 from trainer.offload.backend import InProcessBackend, StateBackend
 from trainer.offload.split import SplitBackend
 from trainer.state.engine_io import EngineStateIO
+from trainer.zero import checkpointing
 from trainer.zero.engine import Engine
 from trainer.zero.groups import resolve_param_groups
 from trainer.zero.optimizer import ZeroOptimizer
@@ -76,6 +77,7 @@ def initialize(
     else:
         parsed.zero_optimization.check_trains()
     _check_model(model)
+    checkpointing.adopt_section(parsed.activation_checkpointing)
     _release_previous_engines(model)
     groups = resolve_param_groups(model, model_parameters, parsed.optimizer)
     groups.inference = inference

@@ -346,6 +346,30 @@ class UnitsConfig:
 
 
 @dataclass(kw_only=True, frozen=True)
+class ActivationCheckpointingConfig:
+    """The ``activation_checkpointing`` section: how ``deepspeed.checkpointing.checkpoint``
+    (``trainer.zero.checkpointing``) keeps the inputs of the blocks it recomputes.
+    Blocks checkpointed with ``torch.utils.checkpoint`` directly are not affected."""
+
+    cpu_checkpointing: bool = False
+    """Keep the checkpointed inputs in host memory (pinned on CUDA) until the backward
+    recomputes the block, instead of on the device."""
+    partition_activations: bool = False
+    """DeepSpeed splits the kept inputs over the model-parallel ranks; without model
+    parallelism (offloadd has none) each rank keeps its whole inputs, as DeepSpeed's
+    ranks do at a model-parallel size of 1."""
+    contiguous_memory_optimization: bool = False
+    """DeepSpeed's preallocated buffer for partitioned inputs; inputs are ordinary
+    tensors here."""
+    number_checkpoints: int | None = None
+    """The size of that buffer, in checkpoints."""
+    synchronize_checkpoint_boundary: bool = False
+    """Synchronize the device before and after each checkpointed forward (timing aid)."""
+    profile: bool = False
+    """DeepSpeed's per-checkpoint timers: not kept here (a warning says so)."""
+
+
+@dataclass(kw_only=True, frozen=True)
 class BatchSizes:
     """Resolved batch sizes (samples), consistent with the world size."""
 
@@ -380,6 +404,9 @@ class EngineConfig:
     """Daemon connection."""
     units: UnitsConfig = field(default_factory=UnitsConfig)
     """Unit (flat parameter) construction."""
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig)
+    """``deepspeed.checkpointing.checkpoint``'s settings (``trainer.zero.checkpointing``)."""
     data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
     """The dtype gradients are accumulated in."""
     device: Literal["auto", "cpu", "cuda"] = "auto"

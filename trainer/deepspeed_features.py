@@ -165,7 +165,6 @@ IGNORED_KEYS: dict[str, str] = {
     "csv_monitor": "monitoring backends are not built in",
     "comms_logger": "monitoring backends are not built in",
     "flops_profiler": "no flops profiler here",
-    "activation_checkpointing": "use torch.utils.checkpoint in the model",
     "aio": "the daemon owns NVMe IO settings (block size, queue depth)",
     "fp16.auto_cast": "inputs are cast to the training dtype unconditionally",
     "zero_optimization.contiguous_gradients": "gradients are always contiguous flat buffers",

@@ -21,6 +21,10 @@ that would fail on a GPU fails here:
 Hazard (what it cannot see): autograd's backward kernels run in C++, not
 through ``__torch_function__``, so a host tensor captured by a custom backward
 is not caught; gradients that reach Python (``param.grad``) are device tensors.
+A tensor that comes back from C++ as a new object of the host type (a saved tensor
+after ``save_on_cpu`` or reentrant checkpointing brought it back) is known by its
+storage, which the twin's memory counts: it is a device tensor again at its first op
+with one (``_is_host``).
 """
 
 from __future__ import annotations
@@ -184,13 +188,29 @@ def _tensors(values: Any) -> Iterator[torch.Tensor]:
 def _host_operand(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
     """The first host tensor with data (not a 0-dim scalar) among the operands."""
     for tensor in _tensors(args):
-        if not isinstance(tensor, DeviceTensor) and tensor.dim() and not tensor.is_meta:
+        if _is_host(tensor):
             return tensor
     if kwargs:
         for tensor in _tensors(kwargs.values()):
-            if not isinstance(tensor, DeviceTensor) and tensor.dim() and not tensor.is_meta:
+            if _is_host(tensor):
                 return tensor
     return None
+
+
+def _is_host(tensor: torch.Tensor) -> bool:
+    """A host tensor with data. A tensor object of the host type over device memory is a
+    device tensor whose type was lost on a way through C++ (autograd hands saved tensors
+    back so: ``save_on_cpu`` and checkpointing's unpack): it gets its type back, as on
+    CUDA, where the device belongs to the memory and not to the Python object."""
+    if isinstance(tensor, DeviceTensor) or not tensor.dim() or tensor.is_meta:
+        return False
+    if not twin_memory.memory().holds(tensor):
+        return True
+    if type(tensor) is torch.Tensor:
+        tensor.__class__ = DeviceTensor
+    elif type(tensor) is nn.Parameter:
+        tensor.__class__ = DeviceParameter
+    return False
 
 
 def _refuse_mix(func: Any, host: torch.Tensor) -> HostDeviceMixError:

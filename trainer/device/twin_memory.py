@@ -117,6 +117,16 @@ class TwinMemory:
             record[1] = nbytes
             return result
 
+    def holds(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s storage is live device memory (whatever its Python type)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            if tensor.is_meta:
+                return False
+            key = tensor.untyped_storage()._cdata
+        with self._lock:
+            record = self._records.get(key)
+            return record is not None and not torch.UntypedStorage._expired(record[0])
+
     def allocated(self) -> int:
         """The bytes of live device storages now (exact)."""
         with self._lock:

@@ -34,7 +34,7 @@ from trainer.dist import comm
 from trainer.integrations import ds_facade
 from trainer.integrations.versions import check_versions
 from trainer.state import zero_to_fp32
-from trainer.zero import estimate, external, param_state
+from trainer.zero import checkpointing, estimate, external, param_state
 from trainer.zero import init as zero_init
 
 FACADE_VERSION = "0.18.0+offloadd"
@@ -98,6 +98,9 @@ def _facade_modules() -> dict[str, types.ModuleType]:
             "deepspeed.zero", Init=zero_init.Init, GatheredParameters=ds_facade.GatheredParameters,
             register_external_parameter=external.register_external_parameter,
             unregister_external_parameter=external.unregister_external_parameter),
+        "deepspeed.checkpointing": _module(
+            "deepspeed.checkpointing",
+            **{name: getattr(checkpointing, name) for name in checkpointing.DEEPSPEED_NAMES}),
         "deepspeed.utils": _module("deepspeed.utils", logger=ds_facade.logger,
                                    **param_state.DEEPSPEED_NAMES),
         "deepspeed.utils.zero_to_fp32": _module(
