@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import base_config, run_ranks
+from _dist import Block, base_config, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device_twin")]
 
@@ -35,22 +35,12 @@ MEASURED_STEPS = (1, 2)
 """Steps whose forward is measured: the first with CPU checkpointing, the second without."""
 
 
-class Block(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(WIDTH, 2 * WIDTH)
-        self.fc2 = torch.nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden + self.fc2(torch.tanh(self.fc1(hidden)))
-
-
 class Net(torch.nn.Module):
     def __init__(self, checkpoint: Any) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.inp = torch.nn.Linear(7, WIDTH)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(DEPTH))
+        self.blocks = torch.nn.ModuleList(Block(WIDTH) for _ in range(DEPTH))
         self.head = torch.nn.Linear(WIDTH, 5)
         self.checkpoint = checkpoint
 
