@@ -263,7 +263,7 @@ class Engine(nn.Module):
             raise EngineClosedError("this engine was closed (engine.close(), or "
                                     "engine.destroy() as Accelerate's free_memory calls it): "
                                     "build a new one with trainer.initialize over the model")
-        self.hooks.follow_dynamo()  # a unit compiled in place runs its hooks eagerly
+        self._follow_dynamo()  # a unit compiled in place runs its hooks eagerly
         with outside_inference_mode():  # what begin_step allocates outlives this pass
             self.backend.begin_step()
         self._forward_depth = 0  # a forward that raised half-way must not skew the next one
@@ -295,6 +295,12 @@ class Engine(nn.Module):
         self.placement.gather(unit)
         self._enter_external(unit)
         self._prefetch_after(unit, backward=False)
+
+    def _follow_dynamo(self) -> None:
+        """Keep the hooks and the watch on parameter reads out of dynamo's graphs."""
+        self.hooks.follow_dynamo()
+        if self.external is not None:
+            self.external.follow_dynamo()
 
     def _enter_external(self, unit: Unit) -> None:
         if self.external is not None:
@@ -484,7 +490,7 @@ class Engine(nn.Module):
         regions = [unit.module for unit in self.units if unit.module is not self.module]
         for module in dict.fromkeys(regions) or [self.module]:  # units split by group: once
             module.compile(backend=backend, **(compile_kwargs or {}))
-        self.hooks.follow_dynamo()
+        self._follow_dynamo()
         self._compiled = True
 
     @property

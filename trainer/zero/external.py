@@ -27,10 +27,12 @@ engine's forward see the released parameter, as in DeepSpeed: gather it with
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from trainer.zero.partition import Unit
@@ -132,6 +134,7 @@ class ExternalParams:
 
     def _watch(self, model: nn.Module) -> None:
         callback = _weak_method(self._on_released)
+        self._eager = False
         for module in model.modules():
             params = module.__dict__["_parameters"]
             if isinstance(params, _WatchedParameters) or not any(
@@ -139,6 +142,19 @@ class ExternalParams:
                 continue
             module.__dict__["_parameters"] = _WatchedParameters(params, callback)
             self._watched.append((module, params))
+
+    def follow_dynamo(self) -> None:
+        """Once dynamo is loaded: a read traced inside a compiled unit calls the watch
+        eagerly (``torch._dynamo.disable``: the graph breaks there), as the unit hooks do
+        (``trainer.zero.hooks._EagerHook``); traced, the on-demand gather became part of
+        the graph, which then ran on the parameter's released shape."""
+        if self._eager or "torch._dynamo" not in sys.modules:
+            return
+        self._eager = True
+        for module, _ in self._watched:
+            params = module.__dict__["_parameters"]
+            if isinstance(params, _WatchedParameters):
+                params.on_released = torch._dynamo.disable(params.on_released)
 
     def unwatch(self) -> None:
         """Give the modules plain ``_parameters`` back (the engine is closing)."""
