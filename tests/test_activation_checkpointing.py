@@ -147,6 +147,8 @@ def test_configure_reads_deepspeeds_arguments_and_refuses_model_parallelism(
         assert not checkpointing.settings().cpu_checkpointing
         with pytest.raises(UnsupportedFeatureError, match="model-parallel size of 2"):
             checkpointing.configure(Mpu(2))
+        with pytest.raises(ValueError, match=r"number_checkpoints=0 is invalid"):
+            checkpointing.configure(num_checkpoints=0)
         with pytest.raises(ValueError, match=r"did you mean activation_checkpointing\.cpu_"):
             checkpointing.configure(deepspeed_config={
                 "activation_checkpointing": {"cpu_checkpoint": True}})

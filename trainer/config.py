@@ -368,6 +368,11 @@ class ActivationCheckpointingConfig:
     profile: bool = False
     """DeepSpeed's per-checkpoint timers: not kept here (a warning says so)."""
 
+    def __post_init__(self) -> None:
+        check_value(self.number_checkpoints is None or self.number_checkpoints >= 1,
+                    "activation_checkpointing.number_checkpoints", self.number_checkpoints,
+                    ">= 1 (or unset)")
+
 
 @dataclass(kw_only=True, frozen=True)
 class BatchSizes:
