@@ -95,6 +95,28 @@ def test_each_unit_is_gathered_once_per_step_and_training_is_unchanged(
     assert max_relative_error(held, expected) < 1e-5
 
 
+def test_empty_partition_cache_drops_what_is_held_and_training_is_unchanged() -> None:
+    """DeepSpeed's ``engine.empty_partition_cache()`` between micro-batches and after each
+    step: nothing stays gathered, the next forward gathers again, and the weights are
+    those of a run that never called it."""
+    held, _ = _train(_config())
+    model = make_model()
+    engine, _, _, _ = trainer.initialize(model=model, config=_config())
+    try:
+        for step in range(STEPS):
+            for micro in range(ACCUMULATION):
+                _micro_step(engine, step, micro)
+                kept = engine.placement.live_numel
+                engine.empty_partition_cache()
+                assert engine.placement.live_numel == 0
+                assert kept > 0 or micro == ACCUMULATION - 1  # within a window, units are held
+        emptied = consolidate_fp32_state_dict(engine)
+    finally:
+        engine.close()
+    for name, value in emptied.items():
+        assert torch.equal(held[name], value), name
+
+
 def test_a_frozen_unit_is_gathered_once_and_stays_current() -> None:
     held, gathers = _train(_config(), freeze_first_block=True)
     units = len(make_model().blocks) + 1

@@ -230,6 +230,9 @@ class DeepSpeedEngine(nn.Module):
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.engine.is_gradient_accumulation_boundary()
 
+    def empty_partition_cache(self) -> None:
+        self.engine.empty_partition_cache()
+
     def get_global_grad_norm(self) -> float | None:
         return self.engine.get_global_grad_norm()
 

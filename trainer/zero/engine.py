@@ -474,6 +474,18 @@ class Engine(nn.Module):
             self.global_samples += self.batch.train_batch_size
         self.micro_steps += 1
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: drop every full parameter stage 3 holds gathered (kept for the next
+        micro-batch or prefetched), so the device memory is free for something else (an
+        evaluation or generation with another model); the next forward gathers again.
+        Nothing to drop below stage 3. Refused inside a forward or backward, whose
+        parameters are in use."""
+        if self._in_backward or self._forward_depth > 0:
+            raise RuntimeError("empty_partition_cache() inside a forward or backward: call "
+                               "it between training steps or micro-batches")
+        if isinstance(self.placement, Sharded):
+            self.placement.full.free_all()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are consumed by each backward; kept for DeepSpeed API parity."""
 
