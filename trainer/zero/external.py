@@ -124,7 +124,10 @@ class ExternalParams:
         """The units whose forward runs now, innermost last."""
         self.gathered: dict[int, Unit] = {}
         """Owners gathered for a use in the current pass."""
-        self._watched: list[tuple[nn.Module, dict[str, Any]]] = []
+        self._watched: list[nn.Module] = []
+        """Modules whose ``_parameters`` are ``_WatchedParameters`` (``unwatch`` undoes it)."""
+        self._eager = False
+        """The watch runs outside dynamo's tracing (``follow_dynamo``)."""
         self.num_found = 0
         """Uses found by a read of a released parameter (each gathers on demand once)."""
         self._watch(model)
@@ -134,14 +137,13 @@ class ExternalParams:
 
     def _watch(self, model: nn.Module) -> None:
         callback = _weak_method(self._on_released)
-        self._eager = False
         for module in model.modules():
             params = module.__dict__["_parameters"]
             if isinstance(params, _WatchedParameters) or not any(
                     id(param) in self._owner for param in params.values() if param is not None):
                 continue
             module.__dict__["_parameters"] = _WatchedParameters(params, callback)
-            self._watched.append((module, params))
+            self._watched.append(module)
 
     def follow_dynamo(self) -> None:
         """Once dynamo is loaded: a read traced inside a compiled unit calls the watch
@@ -151,14 +153,14 @@ class ExternalParams:
         if self._eager or "torch._dynamo" not in sys.modules:
             return
         self._eager = True
-        for module, _ in self._watched:
+        for module in self._watched:
             params = module.__dict__["_parameters"]
             if isinstance(params, _WatchedParameters):
                 params.on_released = torch._dynamo.disable(params.on_released)
 
     def unwatch(self) -> None:
         """Give the modules plain ``_parameters`` back (the engine is closing)."""
-        for module, _ in self._watched:
+        for module in self._watched:
             current = module.__dict__["_parameters"]
             if isinstance(current, _WatchedParameters):
                 module.__dict__["_parameters"] = dict(current)
