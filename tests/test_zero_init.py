@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 from _dist import (
+    base_config,
     lm_adamw_reference,
     lm_engine_train,
     lm_tokens,
@@ -215,3 +216,90 @@ def test_an_hf_model_inside_a_wrapper_gets_hf_init() -> None:
     materialise(wrapped, wrapped, [wrapped.head.weight, wrapped.head.bias], "<root>")
     assert wrapped.head.weight.abs().max() <= 32 ** -0.5  # Linear.reset_parameters' bound
     assert wrapped.head.weight.std() > 0.05
+
+
+def test_weight_normed_modules_get_the_plain_modules_init() -> None:
+    """A module parametrized under Init (``weight_norm``, as Wav2Vec2's positional conv)
+    keeps its magnitude and direction as ``original0``/``original1``: its init now runs
+    on the plain weight and the parametrization takes it apart (``right_inverse``), so
+    the weight is the plain module's, draw for draw. They were left as whatever bytes
+    the allocator had (Wav2Vec2 from a config trained on NaN)."""
+    from trainer.zero.init import materialise
+
+    def build(normed: bool) -> torch.nn.Module:
+        with Init(config_dict_or_path={}, seed=5):
+            model = torch.nn.Sequential(torch.nn.Linear(16, 16))
+            if normed:
+                torch.nn.utils.parametrizations.weight_norm(model[0])
+        materialise(model, model, list(model.parameters()), "root")
+        return model
+
+    plain, normed = build(False), build(True)
+    assert torch.equal(normed[0].bias, plain[0].bias)
+    with torch.no_grad():
+        torch.testing.assert_close(normed[0].weight, plain[0].weight)
+
+
+def test_a_parameter_no_init_covers_is_refused_at_initialize() -> None:
+    """A module whose reset_parameters() leaves one of its parameters alone: built under
+    Init, that parameter had no values (training started from stale allocator bytes);
+    ``initialize`` now refuses it, naming its shape and the way out."""
+
+    class Partial(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(3))
+            self.extra = torch.nn.Parameter(torch.ones(2))
+
+        def reset_parameters(self) -> None:
+            torch.nn.init.uniform_(self.weight)
+
+    with Init(config_dict_or_path={}):
+        model = Partial()
+    with pytest.raises(ZeroInitError, match=r"1 parameter\(s\) of unit <root> .* \(2,\)"):
+        trainer.initialize(model=model, config=base_config(zero_optimization={"stage": 3},
+                                                           units={}))
+
+
+def _wav2vec2_from_config(rank: int, world: int) -> dict[str, Any]:
+    import trainer.hf
+
+    trainer.hf.install()
+    return _train_wav2vec2_from_config()
+
+
+def _train_wav2vec2_from_config() -> dict[str, Any]:
+    import deepspeed
+    from test_external_params import _speech, _wav2vec2_config
+    from transformers.integrations import HfDeepSpeedConfig
+
+    config = {"train_micro_batch_size_per_gpu": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3}}
+    hf_config = HfDeepSpeedConfig(config)  # noqa: F841  - kept alive: ZeRO-3 _from_config
+    model = transformers.Wav2Vec2ForCTC._from_config(_wav2vec2_config())
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=config)
+    conv = model.wav2vec2.encoder.pos_conv_embed.conv
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        magnitude = conv.parametrizations.weight.original0.detach().clone()
+        direction = conv.parametrizations.weight.original1.detach().clone()
+    losses = []
+    for step in range(2):
+        inputs, labels = _speech(step, 0)
+        loss = engine(input_values=inputs.to(engine.device), labels=labels.to(engine.device)).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.close()
+    return {"magnitude": magnitude, "direction": direction, "losses": losses}
+
+
+def test_wav2vec2_from_a_config_under_zero3_trains_on_a_weight_normed_conv() -> None:
+    result = run_ranks(_wav2vec2_from_config, 1)[0]
+    direction = result["direction"]
+    # weight norm over dim 2: the magnitude is the direction's norm over the other dims
+    expected = direction.norm(dim=(0, 1), keepdim=True)
+    torch.testing.assert_close(result["magnitude"], expected)
+    assert torch.isfinite(direction).all() and direction.std() > 0
+    assert all(torch.isfinite(torch.tensor(result["losses"])))

@@ -63,6 +63,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
+from torch.nn.utils import parametrize
 from torch.utils.hooks import RemovableHandle
 
 from trainer.dist.agreement import agree
@@ -288,25 +289,33 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
     custom = owner.param_init_fn if owner is not None else None
     init_fns = _hf_inits(model, root, seed_name)
     to_init = {key: p for key, p in wanted.items() if key not in kept}
-    modules = [m for m in _post_order(root) if any(id(p) in to_init for p in m.parameters())]
+    modules = [m for m in _post_order(root) if any(id(p) in to_init for p in m.parameters())
+               and not isinstance(m, parametrize.ParametrizationList)]  # set by their owner
     steps: list[Callable[[], None]] = []
     for module in modules:
         init_fn = custom or init_fns.get(id(module))
-        if init_fn is not None:
-            steps.append(functools.partial(init_fn, module))
-        elif any(id(p) in to_init for p in module.parameters(recurse=False)):
+        own = [p for p in module.parameters(recurse=False)] + _originals(module)
+        if init_fn is None and any(id(p) in to_init for p in own):
             reset = getattr(module, "reset_parameters", None)
             if not callable(reset):
                 raise ZeroInitError(
                     f"{type(module).__name__} was built under zero.Init but has no "
                     f"reset_parameters() and no enclosing model has _init_weights(); pass "
                     f"zero.Init(param_init_fn=...) to initialise it")
-            steps.append(reset)
+            init_fn = type(module).reset_parameters  # type: ignore[attr-defined]
+        if init_fn is None:
+            continue
+        if any(id(p) in to_init for p in _originals(module)):
+            steps.append(functools.partial(_init_unparametrized, module, init_fn))
+        else:
+            steps.append(functools.partial(init_fn, module))
     for param in wanted.values():
         # A meta tensor cannot take CPU ``.data``; swapping keeps the Parameter object
         # (tied weights, the units' slots and the user's references all stay valid).
         real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
                             requires_grad=param.requires_grad)
+        if real.is_floating_point():
+            real.data.fill_(UNSET)  # what no init writes stays NaN (``check_initialised``)
         torch.utils.swap_tensors(param, real)
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(_unit_seed(owner, seed_name))
@@ -314,6 +323,60 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
             step()
         for key, value in kept.items():  # moved to meta after it was built: its own values
             wanted[key].copy_(value)
+
+
+UNSET = float("nan")
+"""A materialised parameter's value until an init writes it."""
+
+
+def _originals(module: nn.Module) -> list[nn.Parameter]:
+    """The ``original*`` parameters behind ``module``'s parametrized tensors (weight norm)."""
+    if not parametrize.is_parametrized(module):
+        return []
+    lists: nn.ModuleDict = module.parametrizations  # type: ignore[assignment]
+    return [param for plist in lists.values() for param in plist.parameters(recurse=False)]
+
+
+def _init_unparametrized(module: nn.Module, init_fn: ParamInitFn) -> None:
+    """Run ``init_fn`` on ``module`` as it was before parametrization, then set its
+    parametrized tensors from the values it wrote (each parametrization's
+    ``right_inverse``: weight norm's magnitude and direction).
+
+    Hazard: ``torch.nn.utils.parametrize`` gives the module a subclass whose properties
+    compute the tensors from the originals; an init writing ``module.weight`` in place
+    would write a temporary. DeepSpeed's zero.Init builds the plain weight first and
+    parametrizes real values; here they are meta until now."""
+    parametrized_class = type(module)
+    with torch.no_grad():
+        lists: nn.ModuleDict = module.parametrizations  # type: ignore[assignment]
+        plain = {name: nn.Parameter(torch.empty_like(getattr(module, name))) for name in lists}
+    module.__class__ = parametrized_class.__bases__[0]
+    params = module.__dict__["_parameters"]
+    params.update(plain)
+    try:
+        init_fn(module)
+    finally:
+        for name in plain:
+            del params[name]
+        module.__class__ = parametrized_class
+    with torch.no_grad():
+        for name, value in plain.items():
+            setattr(module, name, value.detach())
+
+
+def check_initialised(params: Iterable[torch.Tensor], where: str) -> None:
+    """Refuse parameters no init wrote (still ``UNSET``): training would start from
+    whatever bytes the allocator left there."""
+    unset = [param for param in params if param.is_floating_point() and not param.is_meta
+             and bool(torch.isnan(param).any())]
+    if unset:
+        names = ", ".join(f"{tuple(param.shape)}" for param in unset[:4])
+        raise ZeroInitError(
+            f"{len(unset)} parameter(s) of {where} built under zero.Init were not initialised "
+            f"by the model's init (shapes {names}): no _init_weights branch, "
+            f"reset_parameters() or checkpoint tensor covers them. Pass "
+            f"zero.Init(param_init_fn=...) that initialises every parameter of a module, or "
+            f"load pretrained weights that hold them")
 
 
 def _hf_inits(model: nn.Module, root: nn.Module, root_name: str) -> dict[int, ParamInitFn]:
@@ -382,12 +445,16 @@ def materialise_untracked(model: nn.Module, units: Sequence[Unit], collectives: 
     tracked = {id(slot.param) for unit in units for slot in unit.slots}
     rest = [p for p in model.parameters() if id(p) not in tracked]
     meta = {id(p) for p in rest if p.is_meta}
+    built = _initialised_here([p for p in rest if id(p) in meta])
     materialise(model, model, rest, "<untracked>", collectives.device)
     if pretrained is not None:
         with agree(collectives, "loading pretrained weights outside the units"):
             if collectives.rank == 0:
-                _fill(pretrained, [p for p in rest if id(p) in meta])
+                _fill(pretrained, built)
                 pretrained.fill_buffers(model)
+                check_initialised(built, "the parameters outside every unit")
+    else:  # every rank ran the same seeded init: every rank finds the same
+        check_initialised(built, "the parameters outside every unit")
 
 
 def materialise_unit(model: nn.Module, unit: Unit, collectives: Collectives,
@@ -398,12 +465,16 @@ def materialise_unit(model: nn.Module, unit: Unit, collectives: Collectives,
     meta = [slot.param for slot in unit.slots if slot.param.is_meta]
     if meta:
         _return_free_heap()  # the previous unit's buffers, before this unit's are allocated
+    built = _initialised_here(meta)
     materialise(model, unit.module, [slot.param for slot in unit.slots], unit.name,
                 collectives.device)
     if pretrained is not None and meta:
         with agree(collectives, f"loading pretrained weights into unit {unit.name}"):
             if collectives.rank == 0:
                 _fill(pretrained, meta)
+                check_initialised(built, f"unit {unit.name}")
+    else:  # every rank ran the same seeded init: every rank finds the same
+        check_initialised(built, f"unit {unit.name}")
 
 
 # ---------------------------------------------------------------------------
@@ -435,6 +506,14 @@ def handover_owner() -> Init:
 
 def _leave_uninitialised(_module: nn.Module) -> None:
     """``handover_owner``'s init: nothing (the broadcast fills the parameters)."""
+
+
+def _initialised_here(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """Of meta ``params``, those an init here must give values (not a handover's, which
+    rank 0's broadcast fills)."""
+    return [param for param in params
+            if getattr(getattr(param, "_zero_init", None), "param_init_fn", None)
+            is not _leave_uninitialised]
 
 
 def unmaterialised(param: torch.Tensor) -> bool:
