@@ -24,7 +24,7 @@ from test_engine_parity import HAS_NVME_TIER
 import trainer
 from trainer.state.checkpoint import consolidate_fp32_state_dict
 from trainer.zero import GatheredParameters, Init
-from trainer.zero.init import ZeroInitError
+from trainer.zero.init import KEEP_CONSTRUCTED_NUMEL, ZeroInitError
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
@@ -240,25 +240,39 @@ def test_weight_normed_modules_get_the_plain_modules_init() -> None:
         torch.testing.assert_close(normed[0].weight, plain[0].weight)
 
 
-def test_a_parameter_no_init_covers_is_refused_at_initialize() -> None:
-    """A module whose reset_parameters() leaves one of its parameters alone: built under
-    Init, that parameter had no values (training started from stale allocator bytes);
-    ``initialize`` now refuses it, naming its shape and the way out."""
+class Partial(torch.nn.Module):
+    """reset_parameters() writes ``weight`` only: ``scale`` keeps its constructor's value
+    (as CLIP's ``logit_scale``), ``extra`` (large, ``torch.empty``) gets nothing."""
 
-    class Partial(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.empty(3))
-            self.extra = torch.nn.Parameter(torch.ones(2))
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(3))
+        self.scale = torch.nn.Parameter(torch.full((2,), 2.5))
+        if extra:
+            self.extra = torch.nn.Parameter(torch.empty(KEEP_CONSTRUCTED_NUMEL + 1))
 
-        def reset_parameters(self) -> None:
-            torch.nn.init.uniform_(self.weight)
+    def reset_parameters(self) -> None:
+        torch.nn.init.uniform_(self.weight)
 
+
+def test_parameters_no_init_covers_keep_their_values_or_are_refused() -> None:
+    """Built under Init, a parameter the model's init leaves alone had no values (training
+    started from stale allocator bytes; CLIP's ``logit_scale``): a small one now keeps the
+    value it was constructed with, as an eager build does, and a large one is refused at
+    ``initialize``, naming its shape and the way out."""
+    config = base_config(zero_optimization={"stage": 3}, units={})
     with Init(config_dict_or_path={}):
-        model = Partial()
-    with pytest.raises(ZeroInitError, match=r"1 parameter\(s\) of unit <root> .* \(2,\)"):
-        trainer.initialize(model=model, config=base_config(zero_optimization={"stage": 3},
-                                                           units={}))
+        model = Partial(extra=False)
+    engine, *_ = trainer.initialize(model=model, config=config)
+    with GatheredParameters(list(model.parameters())):
+        assert torch.equal(model.scale.detach().cpu(), torch.full((2,), 2.5))
+        assert torch.isfinite(model.weight).all()
+    engine.close()
+    with Init(config_dict_or_path={}):
+        model = Partial(extra=True)
+    with pytest.raises(ZeroInitError, match=rf"1 parameter\(s\) of unit <root> .*"
+                                            rf"\({KEEP_CONSTRUCTED_NUMEL + 1},\)"):
+        trainer.initialize(model=model, config=config)
 
 
 def _wav2vec2_from_config(rank: int, world: int) -> dict[str, Any]:

@@ -92,12 +92,23 @@ class ZeroInitError(RuntimeError):
 
 def _meta_param_new(cls: type, data: torch.Tensor | None = None,
                     requires_grad: bool = True) -> nn.Parameter:
+    constructed = None
     if _ACTIVE and data is not None and data.device.type != "meta":
+        if data.numel() <= KEEP_CONSTRUCTED_NUMEL:
+            constructed = data.detach().clone()
         data = data.to("meta")
     param: Any = _original_param_new(cls, data, requires_grad)
     if _ACTIVE and param.device.type == "meta":
         param._zero_init = _ACTIVE[-1]
+        param._zero_constructed = constructed
     return param
+
+
+KEEP_CONSTRUCTED_NUMEL = 1 << 16
+"""Parameters up to this many elements keep the values they were constructed with
+(``nn.Parameter(torch.tensor(2.66))``, ``torch.ones(dim)``), as an eager build does where
+the model's init does not overwrite them (CLIP's ``logit_scale``); larger ones start
+unset and must be written by an init or a checkpoint (``check_initialised``)."""
 
 
 class Init:
@@ -314,9 +325,13 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
         # (tied weights, the units' slots and the user's references all stay valid).
         real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device),
                             requires_grad=param.requires_grad)
-        if real.is_floating_point():
+        constructed = getattr(param, "_zero_constructed", None)
+        if constructed is not None and constructed.shape == param.shape:
+            real.data.copy_(constructed)
+        elif real.is_floating_point():
             real.data.fill_(UNSET)  # what no init writes stays NaN (``check_initialised``)
         torch.utils.swap_tensors(param, real)
+        param.__dict__.pop("_zero_constructed", None)  # used: the copy goes
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.manual_seed(_unit_seed(owner, seed_name))
         for step in steps:
