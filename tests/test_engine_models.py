@@ -136,6 +136,42 @@ def test_hf_models_match_adamw_with_default_units() -> None:
             raise AssertionError(f"{model_name} stage {stage} offload {offload}") from error
 
 
+def make_mixtral(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    config = transformers.MixtralConfig(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=SEQ)
+    return transformers.MixtralForCausalLM(config)
+
+
+def mixtral_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
+    config = ds_config("llama", 3, "none", None)
+    config["zero_optimization"]["stage3_max_live_parameters"] = 10  # every unit released
+    engine, _, _, _ = trainer.initialize(model=make_mixtral(), config=config)
+    try:
+        for step in range(STEPS):
+            ids = tokens("llama", step, rank).to(engine.device)
+            engine.backward(engine(input_ids=ids, labels=ids).loss)
+            engine.step()
+        return consolidate_fp32_state_dict(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.usefixtures("strict_device_twin")
+def test_a_mixture_of_experts_trains_under_zero3_on_the_strict_twin() -> None:
+    """Mixtral's expert routing counts tokens per expert with ``torch.histc`` on integers
+    wherever the device is not the CPU (transformers' ``integrations/moe.py``), as CUDA
+    allows; the strict twin ran that on the CPU kernel, which refuses integers, and
+    failed where a GPU trains (it now counts as CUDA does)."""
+    state = run_ranks(mixtral_rank, 2)[0]
+    expected = lm_adamw_reference(make_mixtral(), STEPS,
+                                  lambda step, rank: tokens("llama", step, rank), LR,
+                                  weight_decay=0.01)
+    assert max_relative_error(state, expected) < 1e-4
+
+
 def finetune_groups(model: nn.Module) -> list[dict[str, Any]]:
     """Fine-tuning a frozen base: norms (no decay, own lr) and MLPs train; attention,
     embeddings and the head stay frozen."""

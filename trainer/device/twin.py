@@ -358,7 +358,22 @@ def _backward(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                          accumulate_grad=True)
 
 
+def _histc(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """CUDA's ``histc`` counts integer tensors too; the CPU kernel refuses them, and code
+    that sees a device that is not the CPU takes that path (transformers' MoE routing,
+    ``integrations/moe.py``): count in fp32 and give the input's dtype, as CUDA does."""
+    tensor = args[0]
+    if tensor.is_floating_point():
+        with torch._C.DisableTorchFunctionSubclass():
+            return _wrap(func(*args, **kwargs), args)
+    with torch._C.DisableTorchFunctionSubclass():
+        counts = func(tensor.float(), *args[1:], **kwargs).to(tensor.dtype)
+    return _wrap(counts, args)
+
+
 _RULES: dict[Any, Any] = {
+    torch.histc: _histc,
+    torch.Tensor.histc: _histc,
     torch.Tensor.backward: _backward,
     torch.autograd.backward: _backward,
     torch.Tensor.to: _to,
