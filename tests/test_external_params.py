@@ -131,8 +131,6 @@ def _train(rank: int, device: str, recompute: bool, groups: bool) -> dict[str, A
     from deepspeed.zero import GatheredParameters, register_external_parameter
 
     import trainer
-    from trainer.zero.external import is_watched
-
     with shared_daemon(rank, enabled=device != "none") as socket:
         model = ExternalNet(register_external_parameter, recompute)
         engine, *_ = trainer.initialize(model=model, model_parameters=_groups(model, groups),
@@ -160,7 +158,8 @@ def _train(rank: int, device: str, recompute: bool, groups: bool) -> dict[str, A
         engine.close()
         return {"state": state, "eval_loss": eval_loss, "found": engine.external.num_found,
                 "first_pass_found": first_pass_found, "live_after_eval": live_after_eval,
-                "copy_is_plain": plain, "watched_after_close": is_watched(model)}
+                "copy_is_plain": plain,
+                "watched_after_close": type(model.__dict__["_parameters"]) is not dict}
 
 
 def _reference(recompute: bool, groups: bool) -> tuple[dict[str, torch.Tensor], list[float]]:

@@ -363,11 +363,9 @@ def _histc(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     that sees a device that is not the CPU takes that path (transformers' MoE routing,
     ``integrations/moe.py``): count in fp32 and give the input's dtype, as CUDA does."""
     tensor = args[0]
-    if tensor.is_floating_point():
-        with torch._C.DisableTorchFunctionSubclass():
-            return _wrap(func(*args, **kwargs), args)
     with torch._C.DisableTorchFunctionSubclass():
-        counts = func(tensor.float(), *args[1:], **kwargs).to(tensor.dtype)
+        counted = tensor if tensor.is_floating_point() else tensor.float()
+        counts = func(counted, *args[1:], **kwargs).to(tensor.dtype)
     return _wrap(counts, args)
 
 

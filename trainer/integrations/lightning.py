@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
+import functools
 import json
 import logging
 import os
@@ -543,18 +544,13 @@ def _summarize_partitioned(trainer_: LightningTrainer) -> None:
     strategy's class, and its default one counts ``numel()``, 0 between gathers."""
     for callback in trainer_.callbacks:  # type: ignore[attr-defined]
         if isinstance(callback, ModelSummary):
-            callback._summary = _PartitionedSummary(  # type: ignore[method-assign,assignment]
-                callback._max_depth)
+            callback._summary = functools.partial(  # type: ignore[method-assign]
+                _partitioned_summary, max_depth=callback._max_depth)
 
 
-class _PartitionedSummary:
-    """``ModelSummary._summary`` for a ZeRO-3 module."""
-
-    def __init__(self, max_depth: int) -> None:
-        self.max_depth = max_depth
-
-    def __call__(self, _trainer: Any, module: LightningModule) -> DeepSpeedSummary:
-        return DeepSpeedSummary(module, max_depth=self.max_depth)
+def _partitioned_summary(_trainer: Any, module: LightningModule, *,
+                         max_depth: int) -> DeepSpeedSummary:
+    return DeepSpeedSummary(module, max_depth=max_depth)
 
 
 class TwinAccelerator(Accelerator):

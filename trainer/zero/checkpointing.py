@@ -22,6 +22,7 @@ is initialised, or from ``configure`` (DeepSpeed's arguments); they are per proc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -115,23 +116,24 @@ def settings() -> ActivationCheckpointingConfig:
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)`` with its activations recomputed in the backward (DeepSpeed's
     ``deepspeed.checkpointing.checkpoint``); see the module docstring."""
-    current = settings()
-    _boundary(current)
-    if current.cpu_checkpointing:
-        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
-            outputs = torch_checkpoint(function, *args, use_reentrant=True)
-    else:
-        outputs = torch_checkpoint(function, *args, use_reentrant=True)
-    _boundary(current)
-    return outputs
+    return _checkpointed(function, args, reentrant=True)
 
 
 def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """DeepSpeed's non-reentrant variant: gradients reach the block's parameters even
     when no input requires one. Its inputs stay where they are (on the device)."""
+    return _checkpointed(function, args, reentrant=False)
+
+
+def _checkpointed(function: Callable[..., Any], args: tuple[Any, ...], *,
+                  reentrant: bool) -> Any:
     current = settings()
+    # the reentrant checkpoint saves its inputs for the backward: there they can go to host
+    offload = (torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+               if reentrant and current.cpu_checkpointing else contextlib.nullcontext())
     _boundary(current)
-    outputs = torch_checkpoint(function, *args, use_reentrant=False)
+    with offload:
+        outputs = torch_checkpoint(function, *args, use_reentrant=reentrant)
     _boundary(current)
     return outputs
 

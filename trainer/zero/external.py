@@ -265,9 +265,3 @@ def _weak_method(method: Callable[[nn.Parameter], None]) -> Callable[[nn.Paramet
         if bound is not None:
             bound(param)
     return call
-
-
-def is_watched(module: nn.Module) -> bool:
-    """Whether ``module``'s parameter reads are watched by an engine (tests)."""
-    return isinstance(module.__dict__.get("_parameters"), _WatchedParameters)
-

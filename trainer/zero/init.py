@@ -305,7 +305,8 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
     steps: list[Callable[[], None]] = []
     for module in modules:
         init_fn = custom or init_fns.get(id(module))
-        own = [p for p in module.parameters(recurse=False)] + _originals(module)
+        originals = _originals(module)
+        own = [*module.parameters(recurse=False), *originals]
         if init_fn is None and any(id(p) in to_init for p in own):
             reset = getattr(module, "reset_parameters", None)
             if not callable(reset):
@@ -316,7 +317,7 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
             init_fn = type(module).reset_parameters  # type: ignore[attr-defined]
         if init_fn is None:
             continue
-        if any(id(p) in to_init for p in _originals(module)):
+        if any(id(p) in to_init for p in originals):
             steps.append(functools.partial(_init_unparametrized, module, init_fn))
         else:
             steps.append(functools.partial(init_fn, module))

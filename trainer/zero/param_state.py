@@ -82,13 +82,12 @@ def _place(param: torch.Tensor) -> _Place | None:
     if not unit.trainable:
         return None
     slot = next(slot for slot in unit.slots if slot.param is param)
-    part_begin = unit.part_index * unit.part_numel
-    begin = max(slot.offset, part_begin)
-    end = min(slot.offset + slot.numel, part_begin + unit.part_numel)
-    if end <= begin:  # this rank's partition holds none of the parameter
+    begin, end = unit.fragment_span(slot)
+    if end == begin:  # this rank's partition holds none of the parameter
         return _Place(engine=engine, unit=unit, slot=slot, part_start=0, param_start=0,
                       numel=0)
-    return _Place(engine=engine, unit=unit, slot=slot, part_start=begin - part_begin,
+    return _Place(engine=engine, unit=unit, slot=slot,
+                  part_start=begin - unit.part_index * unit.part_numel,
                   param_start=begin - slot.offset, numel=end - begin)
 
 

@@ -107,11 +107,13 @@ class Unit:
         for slot in self.slots:
             slot.param.data = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
 
-    def fragment_numel(self, slot: ParamSlot) -> int:
-        """Elements of ``slot``'s parameter inside this rank's partition."""
-        begin = self.part_index * self.part_numel
-        end = min(slot.offset + slot.numel, begin + self.part_numel)
-        return max(0, end - max(slot.offset, begin))
+    def fragment_span(self, slot: ParamSlot) -> tuple[int, int]:
+        """``[begin, end)`` in the flat buffer where ``slot``'s parameter meets this rank's
+        partition (``begin == end``: the partition holds none of it)."""
+        part_begin = self.part_index * self.part_numel
+        begin = max(slot.offset, part_begin)
+        end = min(slot.offset + slot.numel, part_begin + self.part_numel)
+        return begin, max(begin, end)
 
     def describe_sharded(self, first_id: int) -> int:
         """Give each parameter DeepSpeed's ZeRO-3 description of a partitioned parameter,
@@ -125,7 +127,8 @@ class Unit:
             param.ds_numel = slot.numel
             param.ds_shape = slot.shape
             param.ds_id = first_id + offset
-            param.partition_numel = _Constant(self.fragment_numel(slot))
+            begin, end = self.fragment_span(slot)
+            param.partition_numel = _Constant(end - begin)
         return first_id + len(self.slots)
 
     def release_params(self) -> None:
