@@ -197,6 +197,94 @@ def test_units_reading_other_units_parameters_train_as_torch(device: str, recomp
         assert result["copy_is_plain"] and not result["watched_after_close"]
 
 
+class SharedScaleNet(torch.nn.Module):
+    """The root's ``scale`` is read by the head and, through a plain attribute, inside a
+    block checkpointed reentrantly: it accumulates twice in one backward (the checkpoint
+    runs a backward of its own), before the root's input layer gets its gradient."""
+
+    def __init__(self, reentrant_reads_other_unit: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(7, WIDTH)
+        self.scale = torch.nn.Parameter(torch.linspace(0.5, 1.5, WIDTH))
+        self.layer1, self.layer2 = Layer(), Layer()
+        self.head = torch.nn.Linear(WIDTH, 5)
+        object.__setattr__(self.layer1, "bank", _ScaleOnly(self))
+        if reentrant_reads_other_unit:  # layer1's recompute also reads layer2's weight
+            object.__setattr__(self.layer1, "peer", self.layer2)
+
+    def forward(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden = checkpoint(self.layer1, self.inp(features), use_reentrant=True)
+        hidden = self.layer2(hidden) * self.scale
+        return torch.nn.functional.cross_entropy(self.head(hidden).float(), labels)
+
+
+class _ScaleOnly:
+    """What ``Layer`` reads as its bank: the root's scale, no shift."""
+
+    def __init__(self, root: SharedScaleNet) -> None:
+        self.root = root
+        self.shift = 0.0
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.root.scale
+
+
+def _run_shared(rank: int, world: int, reentrant_reads_other_unit: bool) -> Any:
+    import trainer
+
+    model = SharedScaleNet(reentrant_reads_other_unit)
+    config = _config("none", "")
+    config["gradient_accumulation_steps"] = 1
+    engine, *_ = trainer.initialize(model=model, model_parameters=model.parameters(),
+                                    config=config)
+    try:
+        for step in range(STEPS):
+            batch = [t.to(engine.device) for t in _batch(step, 0, rank)]
+            engine.backward(engine(*batch))
+            engine.step()
+        with engine_gathered(model):
+            return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+    except Exception as error:  # the typed error, by name, for the test to check
+        return type(error).__name__
+    finally:
+        engine.close()
+
+
+def engine_gathered(model: torch.nn.Module) -> Any:
+    from trainer.zero import GatheredParameters
+
+    return GatheredParameters(list(model.parameters()))
+
+
+def test_a_parameter_accumulated_twice_in_one_backward_counts_once() -> None:
+    """Counted per accumulation, the root's unit was reduced and released one parameter
+    early, and the input layer's backward met its released weight (``size mismatch``);
+    the weights must be torch's."""
+    results = run_ranks(_run_shared, WORLD, False)
+    model = SharedScaleNet(False)
+    params = base_config()["optimizer"]["params"]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=params["betas"],
+                                  eps=params["eps"], weight_decay=params["weight_decay"])
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        for rank in range(WORLD):
+            (model(*_batch(step, 0, rank)) / WORLD).backward()
+        optimizer.step()
+    for rank, state in enumerate(results):
+        for name, expected in model.named_parameters():
+            torch.testing.assert_close(state[name], expected.detach(), rtol=2e-5, atol=2e-6,
+                                       msg=f"rank {rank} {name}")
+
+
+def test_a_reentrant_recompute_reading_another_units_weight_is_refused() -> None:
+    """layer1's reentrant recompute reads layer2's weight after layer2's gradients were
+    reduced: that gradient would be lost (training silently off by ~8%); it raises
+    LateGradientError naming the fix instead."""
+    assert run_ranks(_run_shared, WORLD, True) == ["LateGradientError"] * WORLD
+
+
 def _wav2vec2_config() -> Any:
     import transformers
 

@@ -138,6 +138,10 @@ class _EagerHook:
         return self._call(*args, **kwargs)
 
 
+class LateGradientError(RuntimeError):
+    """A parameter's gradient arrived after its unit's gradients were reduced."""
+
+
 class UnitHooks:
     """Installs the hooks and turns them into per-unit callbacks."""
 
@@ -147,7 +151,12 @@ class UnitHooks:
         self.trainable = [unit for unit in units if unit.trainable]
         self.on_grads_ready = on_grads_ready
         self.on_frozen_backward_done = on_frozen_backward_done
-        self._waiting: dict[int, int] = {}
+        self._waiting: dict[int, set[int]] = {}
+        """Trainable unit index -> ids of its parameters whose gradient is not final yet,
+        in the backward running now. A set, not a count: a parameter may accumulate twice
+        in one backward (a reentrant activation checkpoint runs a backward of its own)."""
+        self._fired: set[int] = set()
+        """Units whose gradients were handed on in the backward running now."""
         self._handles: list[RemovableHandle] = []
         self._eager_hooks: list[_EagerHook] = []
         """Forward hooks not yet kept out of dynamo's tracing (``follow_dynamo``)."""
@@ -185,13 +194,16 @@ class UnitHooks:
 
     def start_backward(self) -> None:
         """Arm the post-backward counters for one backward pass."""
-        self._waiting = {unit.index: len(unit.slots) for unit in self.trainable}
+        self._waiting = {unit.index: {id(slot.param) for slot in unit.slots}
+                         for unit in self.trainable}
+        self._fired = set()
 
     def finish_backward(self) -> None:
         """Fire the post-backward callback of every unit that has not fired yet."""
         for unit in self.trainable:
             if self._waiting.pop(unit.index, None) is not None:
                 self.on_grads_ready(unit)
+        self._fired = set()  # a backward outside the engine's is not checked
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -200,13 +212,24 @@ class UnitHooks:
 
     def _grad_hook(self, unit: Unit) -> Callable[[torch.Tensor], None]:
         def hook(_param: torch.Tensor) -> None:
-            left = self._waiting.get(unit.index)
-            if left is None:
+            pending = self._waiting.get(unit.index)
+            if pending is None:
+                if unit.index in self._fired:
+                    raise LateGradientError(
+                        f"a parameter of unit {unit.index} ({unit.name}) got more gradient "
+                        f"after the unit's gradients were reduced in this backward: a "
+                        f"reentrant activation checkpoint (torch's use_reentrant=True, "
+                        f"deepspeed.checkpointing.checkpoint) recomputes a block that reads "
+                        f"this unit's parameter, in a backward of its own. Checkpoint that "
+                        f"block non-reentrantly (use_reentrant=False, "
+                        f"deepspeed.checkpointing.non_reentrant_checkpoint), or put the "
+                        f"block and the parameter in one unit (units.module_classes)")
                 return
-            if left > 1:
-                self._waiting[unit.index] = left - 1
+            pending.discard(id(_param))
+            if pending:
                 return
             del self._waiting[unit.index]
+            self._fired.add(unit.index)
             self.on_grads_ready(unit)
         return hook
 
