@@ -317,3 +317,72 @@ def test_wav2vec2_from_a_config_under_zero3_trains_on_a_weight_normed_conv() -> 
     torch.testing.assert_close(result["magnitude"], expected)
     assert torch.isfinite(direction).all() and direction.std() > 0
     assert all(torch.isfinite(torch.tensor(result["losses"])))
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(24, 24)
+        self.norm = torch.nn.LayerNorm(24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.relu(self.fc(x)) + x)
+
+
+def _no_decay_groups(model: torch.nn.Module) -> list[dict[str, Any]]:
+    """The README's groups: matrices decay, vectors (biases, norms) do not."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _groups_under_init(rank: int, world: int) -> dict[str, Any]:
+    from trainer.state.checkpoint import consolidate_fp32_state_dict
+
+    config = base_config(zero_optimization={"stage": 3}, units={"module_classes": ["_Block"]},
+                         optimizer={"type": "AdamW", "params": {"lr": 1e-2,
+                                                                "weight_decay": 0.5}})
+    with Init(config_dict_or_path=config, seed=3):
+        model = torch.nn.Sequential(*(_Block() for _ in range(3)), torch.nn.Linear(24, 4))
+    engine, *_ = trainer.initialize(model=model, config=config,
+                                    model_parameters=_no_decay_groups(model))
+    initial = consolidate_fp32_state_dict(engine)
+    for step in range(3):
+        x = torch.randn(4, 24, generator=torch.Generator().manual_seed(step * 2 + rank))
+        loss = engine(x.to(engine.device)).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    final = consolidate_fp32_state_dict(engine)
+    engine.close()
+    return {"initial": initial, "final": final}
+
+
+def test_readme_no_decay_groups_under_init_split_a_linear_across_units() -> None:
+    """Stage 3 under Init with the README's decay/no-decay groups puts each Linear's weight
+    and bias in two units: the bias's unit ran ``Linear.reset_parameters`` again, which
+    reads the weight's fan-in, after the weight's unit had been partitioned and released
+    ("Fan in and fan out can not be computed"). Both get the plain module's bounds and the
+    run trains as torch AdamW with the same groups."""
+    results = run_ranks(_groups_under_init, 2)
+    initial = results[0]["initial"]
+    for name, value in initial.items():
+        assert torch.isfinite(value).all(), name
+        if name.endswith("fc.weight") or name.endswith("fc.bias"):
+            assert value.abs().max() <= 24 ** -0.5 and value.std() > 0.05, name
+        if name.endswith("norm.weight"):
+            assert torch.equal(value, torch.ones(24))
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*(_Block() for _ in range(3)), torch.nn.Linear(24, 4))
+    model = model.to_empty(device="cpu")
+    model.load_state_dict(initial)
+    optimizer = torch.optim.AdamW(_no_decay_groups(model), lr=1e-2, weight_decay=0.5)
+    for step in range(3):
+        x = torch.cat([torch.randn(4, 24, generator=torch.Generator().manual_seed(step * 2 + r))
+                       for r in range(2)])
+        losses = [model(part).pow(2).mean() for part in x.split(4)]
+        optimizer.zero_grad()
+        (sum(losses) / 2).backward()
+        optimizer.step()
+    expected = dict(model.state_dict())
+    assert max_relative_error(results[0]["final"], expected) < 1e-5
+    assert not torch.equal(results[0]["final"]["0.fc.weight"], initial["0.fc.weight"])

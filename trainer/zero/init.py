@@ -49,6 +49,7 @@ facade that transformers' ZeRO-3 loading calls passes over them instead:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -56,7 +57,7 @@ import json
 import os
 import weakref
 import zlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -333,12 +334,51 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
             real.data.fill_(UNSET)  # what no init writes stays NaN (``check_initialised``)
         torch.utils.swap_tensors(param, real)
         param.__dict__.pop("_zero_constructed", None)  # used: the copy goes
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), _released_as_meta(modules):
         torch.manual_seed(_unit_seed(owner, seed_name))
         for step in steps:
             step()
         for key, value in kept.items():  # moved to meta after it was built: its own values
             wanted[key].copy_(value)
+
+
+@contextlib.contextmanager
+def _released_as_meta(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """Stand meta tensors of the full shape in for the released parameters of ``modules``
+    while their init runs.
+
+    A module's parameters can sit in two units (parameter groups put a ``Linear``'s weight
+    with the decayed and its bias with the rest): the unit materialised second runs the
+    module's init again, and that init reads the other unit's parameter, already
+    partitioned and released (``Linear.reset_parameters`` takes the bias bound from the
+    weight's fan-in). A meta stand-in answers shape questions and swallows the writes;
+    the real parameter keeps the values its own unit's init gave it."""
+    swapped: list[tuple[dict[str, Any], str, nn.Parameter]] = []
+    for module in modules:
+        holders = [module, *(_parametrization_lists(module))]
+        for holder in holders:
+            params = holder.__dict__["_parameters"]
+            for name, param in list(params.items()):
+                shape = getattr(param, "ds_shape", None)
+                if param is None or param.is_meta or shape is None or param.numel() != 0 \
+                        or torch.Size(shape).numel() == 0:
+                    continue
+                stand_in = nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
+                                        requires_grad=param.requires_grad)
+                dict.__setitem__(params, name, stand_in)
+                swapped.append((params, name, param))
+    try:
+        yield
+    finally:
+        for params, name, param in swapped:
+            dict.__setitem__(params, name, param)
+
+
+def _parametrization_lists(module: nn.Module) -> list[nn.Module]:
+    if not parametrize.is_parametrized(module):
+        return []
+    lists: nn.ModuleDict = module.parametrizations  # type: ignore[assignment]
+    return list(lists.values())
 
 
 UNSET = float("nan")
@@ -347,10 +387,8 @@ UNSET = float("nan")
 
 def _originals(module: nn.Module) -> list[nn.Parameter]:
     """The ``original*`` parameters behind ``module``'s parametrized tensors (weight norm)."""
-    if not parametrize.is_parametrized(module):
-        return []
-    lists: nn.ModuleDict = module.parametrizations  # type: ignore[assignment]
-    return [param for plist in lists.values() for param in plist.parameters(recurse=False)]
+    return [param for plist in _parametrization_lists(module)
+            for param in plist.parameters(recurse=False)]
 
 
 def _init_unparametrized(module: nn.Module, init_fn: ParamInitFn) -> None:
