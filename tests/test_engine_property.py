@@ -1,6 +1,7 @@
 """Property test over the config space users combine (issue 19, item 7).
 
-Each example draws: HF Llama or GPT-2 (tiny, from a config) x ZeRO stage 0-3 x
+Each example draws: HF Llama or GPT-2 (tiny, from a config) or a plain-torch LM of
+``nn.TransformerEncoderLayer`` blocks x ZeRO stage 0-3 x
 offload none / cpu / nvme x README's no-decay param groups x stage-3 prefetch
 bucket (0, small, default) x gradient accumulation 1 / 3 x clipping x bf16 /
 fp16 (dynamic loss scaling) / fp32 x HF activation checkpointing x a frozen first
@@ -25,6 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -84,7 +86,8 @@ def cases(draw: Any) -> Case:
     stage = draw(st.integers(0, 3))
     offload = draw(st.sampled_from(["none", "cpu", "nvme"])) if stage else "none"
     precision = draw(st.sampled_from(["fp32", "bf16", "fp16"]))
-    return Case(model=draw(st.sampled_from(["llama", "gpt2"])), stage=stage, offload=offload,
+    return Case(model=draw(st.sampled_from(["llama", "gpt2", "torch"])), stage=stage,
+                offload=offload,
                 groups=draw(st.booleans()),
                 bucket=draw(st.sampled_from(["zero", "small", "default"])),
                 accumulation=draw(st.sampled_from([1, 3])), clip=draw(st.booleans()),
@@ -108,18 +111,59 @@ def hf_config(name: str) -> Any:
                                    attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
 
 
+class TorchLM(torch.nn.Module):
+    """A causal LM of torch's own layers (``nn.TransformerEncoderLayer``: its
+    ``MultiheadAttention`` has only ``_reset_parameters``), called as HF's are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        width = 64
+        self.embed = torch.nn.Embedding(VOCAB, width)
+        self.position = torch.nn.Parameter(torch.zeros(16, width))
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(width, 4, 2 * width, dropout=0.0, batch_first=True,
+                                             norm_first=True) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(width)
+        self.head = torch.nn.Linear(width, VOCAB, bias=False)
+        self.checkpointing = False
+
+    def gradient_checkpointing_enable(self) -> None:
+        self.checkpointing = True
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        length = input_ids.shape[1]
+        x = self.embed(input_ids) + self.position[:length]
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(length, device=x.device)
+        for layer in self.layers:
+            if self.checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(layer, x, mask, None, True,
+                                                      use_reentrant=False)
+            else:
+                x = layer(x, src_mask=mask, is_causal=True)
+        logits = self.head(self.norm(x))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB),
+                                                 labels[:, 1:].reshape(-1))
+        return SimpleNamespace(loss=loss, logits=logits)
+
+
 def build_model(case: Case, config: dict[str, Any] | None = None) -> Any:
     """The model, built under ``zero.Init`` when the case (and a config) says so."""
     import trainer
 
     torch.manual_seed(0)
-    cls = (transformers.LlamaForCausalLM if case.model == "llama"
-           else transformers.GPT2LMHeadModel)
+
+    def construct() -> torch.nn.Module:
+        if case.model == "torch":
+            return TorchLM()
+        cls = (transformers.LlamaForCausalLM if case.model == "llama"
+               else transformers.GPT2LMHeadModel)
+        return cls(hf_config(case.model))
+
     if case.zero_init and config is not None:
         with trainer.zero.Init(config_dict_or_path=config):
-            model = cls(hf_config(case.model))
+            model = construct()
     else:
-        model = cls(hf_config(case.model))
+        model = construct()
     if case.frozen:
         for param in first_block(model).parameters():
             param.requires_grad_(False)
@@ -127,7 +171,14 @@ def build_model(case: Case, config: dict[str, Any] | None = None) -> Any:
 
 
 def first_block(model: Any) -> Any:
+    if isinstance(model, TorchLM):
+        return model.layers[0]
     return model.model.layers[0] if hasattr(model, "model") else model.transformer.h[0]
+
+
+ZERO_GRADIENT = ("c_attn.bias", "self_attn.in_proj_bias")
+"""Attention biases whose key part has an exactly-zero true gradient (softmax is shift
+invariant): Adam turns their float noise into lr-sized steps (see test_engine_hf)."""
 
 
 def param_groups(case: Case) -> Any:
@@ -282,9 +333,8 @@ def check(case: Case, ranks: list[dict[str, Any]]) -> None:
     expected_probes: list[list[float]] = []
     expected, expected_losses = reference(case, initial, probes=expected_probes)
     final = ranks[0]["final"]
-    # GPT-2's key part of c_attn.bias has an exactly-zero true gradient (softmax is shift
-    # invariant): Adam turns its float noise into lr-sized steps (see test_engine_hf).
-    exact = {name: value for name, value in expected.items() if "c_attn.bias" not in name}
+    exact = {name: value for name, value in expected.items()
+             if not any(part in name for part in ZERO_GRADIENT)}
     if case.bf16 or case.fp16:
         cosine = update_cosine(initial, final, exact)
         assert cosine >= 0.95, (case, cosine)
@@ -307,7 +357,7 @@ def check(case: Case, ranks: list[dict[str, Any]]) -> None:
         assert worst <= 2 * LR * STEPS, (case, name, worst)
     if case.frozen:
         for name, value in initial.items():
-            if ".layers.0." in name or ".h.0." in name:
+            if any(f"{prefix}.0." in f".{name}" for prefix in (".layers", ".h")):
                 assert torch.equal(final[name], value), (case, name)
     tolerance = 3e-2 if case.bf16 or case.fp16 else 1e-5
     for rank, result in enumerate(ranks):
@@ -343,6 +393,13 @@ PRECISION = Case(model="llama", stage=0, offload="none", groups=False, bucket="z
 """Found by a random sample: fp32 rounding alone puts the reference 6.1e-5 from ours
 (``check`` asks fp64 then)."""
 
+TORCH_LAYERS = Case(model="torch", stage=3, offload="cpu", groups=True, bucket="small",
+                    accumulation=1, clip=False, bf16=False, checkpointing=True, frozen=False,
+                    zero_init=True, tight_arena=False, evaluate="no_grad")
+"""torch's own layers under zero.Init with the README's groups: ``MultiheadAttention`` has
+no ``reset_parameters`` (refused), and a ``Linear`` split over two units re-read its
+released weight (initialize failed)."""
+
 
 @settings(max_examples=EXAMPLES, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -350,6 +407,7 @@ PRECISION = Case(model="llama", stage=0, offload="none", groups=False, bucket="z
 @example(case=EVERYTHING)
 @example(case=PRECISION)
 @example(case=EVALUATE)
+@example(case=TORCH_LAYERS)
 @given(case=cases())
 def test_training_matches_torch_adamw(case: Case, pool: Any) -> None:
     ranks = pool().run(train_case, asdict(case))

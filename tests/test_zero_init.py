@@ -170,23 +170,31 @@ def test_plain_modules_use_reset_parameters_and_seeded_units() -> None:
 
 
 def test_module_without_init_names_param_init_fn() -> None:
+    """A module with no init of its own: a large parameter is refused, naming
+    ``param_init_fn``; a small one keeps its constructor's value, as built eagerly (a
+    plain model's ``nn.Parameter(torch.zeros(...))`` position table)."""
     from trainer.zero.init import materialise
 
     class Bare(torch.nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, numel: int) -> None:
             super().__init__()
-            self.scale = torch.nn.Parameter(torch.ones(3))
+            self.scale = torch.nn.Parameter(torch.ones(numel))
 
     with Init(config_dict_or_path={}):
-        model = Bare()
+        model = Bare(KEEP_CONSTRUCTED_NUMEL + 1)
     with pytest.raises(ZeroInitError, match="param_init_fn"):
         materialise(model, model, list(model.parameters()), "root")
 
+    with Init(config_dict_or_path={}):
+        model = Bare(3)
+    materialise(model, model, list(model.parameters()), "root")
+    assert torch.equal(model.scale.detach(), torch.ones(3))
+
     with Init(config_dict_or_path={}, param_init_fn=lambda m: torch.nn.init.constant_(
             m.scale, 2.0) if isinstance(m, Bare) else None):
-        model = Bare()
+        model = Bare(KEEP_CONSTRUCTED_NUMEL + 1)
     materialise(model, model, list(model.parameters()), "root")
-    assert torch.equal(model.scale.detach(), torch.full((3,), 2.0))
+    assert torch.equal(model.scale.detach(), torch.full((KEEP_CONSTRUCTED_NUMEL + 1,), 2.0))
 
 
 def test_an_hf_model_inside_a_wrapper_gets_hf_init() -> None:
@@ -386,3 +394,38 @@ def test_readme_no_decay_groups_under_init_split_a_linear_across_units() -> None
     expected = dict(model.state_dict())
     assert max_relative_error(results[0]["final"], expected) < 1e-5
     assert not torch.equal(results[0]["final"]["0.fc.weight"], initial["0.fc.weight"])
+
+
+def test_torch_transformer_layers_get_their_constructors_init() -> None:
+    """torch's ``MultiheadAttention`` has no ``reset_parameters`` (its constructor runs
+    ``_reset_parameters``: refused before), and ``nn.Transformer``'s constructor
+    re-initialises every matrix its layers built with Xavier: unit by unit, each unit
+    gets what the eager constructors give, in distribution."""
+    config = base_config(zero_optimization={"stage": 3},
+                         units={"module_classes": ["TransformerEncoderLayer",
+                                                   "TransformerDecoderLayer"]})
+
+    def build() -> torch.nn.Module:
+        return torch.nn.Transformer(d_model=64, nhead=4, num_encoder_layers=2,
+                                    num_decoder_layers=2, dim_feedforward=256, dropout=0.0,
+                                    batch_first=True)
+
+    torch.manual_seed(0)
+    eager = build()
+    with Init(config_dict_or_path=config):
+        model = build()
+    engine, *_ = trainer.initialize(model=model, config=config)
+    with GatheredParameters(list(model.parameters())):
+        ours = {name: param.detach().cpu().clone() for name, param in model.named_parameters()}
+    engine.close()
+    for name, reference in eager.named_parameters():
+        value = ours[name]
+        assert torch.isfinite(value).all(), name
+        if reference.dim() > 1:  # Xavier over the whole model (Linear's own: 1/sqrt(fan-in))
+            bound = (6 / sum(reference.shape[:2])) ** 0.5
+            assert value.abs().max() <= bound, name
+            assert value.abs().max() > 0.9 * reference.abs().max(), name
+        elif torch.all(reference == reference.flatten()[0]):  # zero biases, unit norms
+            assert torch.equal(value, reference), name
+        else:  # Linear biases: uniform within their fan-in's bound, as the eager draw
+            assert 0.8 < value.abs().max() / reference.abs().max() < 1.25, name

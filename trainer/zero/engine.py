@@ -311,7 +311,10 @@ class Engine(nn.Module):
         self.placement.take(unit)
         self.placement.gather(unit)
 
-    def _post_forward(self, unit: Unit) -> None:
+    def _post_forward(self, unit: Unit, signalled: bool = True) -> None:
+        """After ``unit``'s forward; ``signalled`` False when its output hid its tensors
+        from the hooks (``trainer.zero.hooks.PostForward``): it then stays gathered for its
+        backward, which nothing would gather it for."""
         if self.external is not None:
             self.external.leave(unit, pass_ends_without_backward=not self._in_backward and (
                 not self._pass_trains or self.inference))
@@ -342,7 +345,8 @@ class Engine(nn.Module):
         keep = (self._pass_trains and self.module.training
                 and live + self._largest_numel <= zero.stage3_max_live_parameters
                 and (live <= self._hold_limit_numel or near))
-        if not keep and not (self.external is not None and self.external.in_use(unit)):
+        if not keep and signalled and not (self.external is not None
+                                           and self.external.in_use(unit)):
             self.placement.release(unit)
 
     def _pre_backward(self, unit: Unit) -> None:

@@ -25,7 +25,10 @@ every later training step, may not write.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import sys
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -35,6 +38,9 @@ from torch.utils.hooks import RemovableHandle
 from trainer.zero.partition import Unit
 
 UnitCallback = Callable[[Unit], None]
+PostForward = Callable[[Unit, bool], None]
+"""Called after a unit's forward with whether its backward will be signalled
+(``pre_backward``): False when grad is on and its output holds no tensor to route."""
 
 
 def outside_inference_mode() -> contextlib.AbstractContextManager[Any]:
@@ -80,6 +86,30 @@ def _tensors_needing_grad(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from _tensors_needing_grad(item)
+    elif _is_record(value):
+        for item in vars(value).values():
+            yield from _tensors_needing_grad(item)
+
+
+def _opaque(value: Any) -> bool:
+    """``value`` holds something ``_tensors_needing_grad`` cannot look into."""
+    if isinstance(value, (torch.Tensor, int, float, complex, str, bytes, type(None))):
+        return False
+    if isinstance(value, (list, tuple)):
+        return any(_opaque(item) for item in value)
+    if isinstance(value, dict):
+        return any(_opaque(item) for item in value.values())
+    if _is_record(value):
+        return any(_opaque(item) for item in vars(value).values())
+    return True
+
+
+def _is_record(value: Any) -> bool:
+    """A dataclass instance or a ``SimpleNamespace``: outputs of plain torch models
+    (``SimpleNamespace(loss=..., logits=...)``) as HF's ``ModelOutput`` is a dict."""
+    record = ((dataclasses.is_dataclass(value) and not isinstance(value, type))
+              or isinstance(value, types.SimpleNamespace))
+    return record and hasattr(value, "__dict__")  # not a slotted dataclass
 
 
 def _replace(value: Any, swap: dict[int, torch.Tensor]) -> Any:
@@ -93,6 +123,10 @@ def _replace(value: Any, swap: dict[int, torch.Tensor]) -> Any:
     if isinstance(value, dict):
         for key in list(value):  # in place: keeps dict subclasses (HF ModelOutput) intact
             value[key] = _replace(value[key], swap)
+    elif _is_record(value):
+        value = copy.copy(value)  # a copy: a caller's input record is left as it was
+        for name, item in vars(value).items():
+            object.__setattr__(value, name, _replace(item, swap))  # frozen dataclasses too
     return value
 
 
@@ -165,7 +199,7 @@ class UnitHooks:
                 self._handles.append(slot.param.register_post_accumulate_grad_hook(
                     self._grad_hook(unit)))
 
-    def install_forward(self, *, pre_forward: UnitCallback, post_forward: UnitCallback,
+    def install_forward(self, *, pre_forward: UnitCallback, post_forward: PostForward,
                         pre_backward: UnitCallback) -> None:
         """Forward/pre-backward hooks (only stage 3 needs them), each an ``_EagerHook``."""
         for unit in self.units:
@@ -234,9 +268,14 @@ class UnitHooks:
         return hook
 
     @staticmethod
-    def _post_forward_hook(unit: Unit, post_forward: UnitCallback,
+    def _post_forward_hook(unit: Unit, post_forward: PostForward,
                            pre_backward: UnitCallback) -> Callable[..., Any]:
         def hook(_module: Any, _args: Any, output: Any) -> Any:
-            _outside_inference_mode(post_forward, unit)
-            return attach_pre_backward(output, lambda: pre_backward(unit))
+            # Under grad, an output hiding its tensors in an object of the model's own
+            # gives no signal when the unit's backward starts.
+            signalled = not torch.is_grad_enabled() or not _opaque(output)
+            routed = attach_pre_backward(output, lambda: pre_backward(unit))
+            with outside_inference_mode():
+                post_forward(unit, signalled)
+            return routed
         return hook

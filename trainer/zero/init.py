@@ -12,7 +12,8 @@ cannot be recomputed later).
 ``Engine._adopt_parameters`` (``materialise_unit``): the unit's meta
 parameters get real CPU storage, the model's own init runs on the unit's
 submodules (``param_init_fn(module)`` when given, else HF
-``model._init_weights(module)``, else ``module.reset_parameters()``) with
+``model._init_weights(module)``, else ``module.reset_parameters()`` or torch's
+``_reset_parameters()``, children before parents as constructors run them) with
 an RNG seeded from the unit's name (so it does not depend on rank or on
 which units were materialised before), the engine broadcasts rank 0's
 values and hands the partition to the backend, and stage 3 frees the full
@@ -290,7 +291,9 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
     model's init over ``root``'s subtree.
 
     The init visits the modules of ``root`` that hold one of ``params`` (directly or below),
-    children first; parameters of other units there are still meta, so it leaves them be.
+    children first, then the enclosing modules whose constructor re-initialises below
+    (``_reset_parameters``, torch's ``Transformer``); every other parameter there stands in
+    as meta meanwhile (``_others_as_meta``), so the init writes only ``params``.
     """
     wanted = {id(p): p for p in params if p.device.type == "meta"}
     if not wanted:
@@ -299,23 +302,28 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
     owner: Init | None = next((getattr(p, "_zero_init", None) for p in wanted.values()
                                if getattr(p, "_zero_init", None) is not None), None)
     custom = owner.param_init_fn if owner is not None else None
-    init_fns = _hf_inits(model, root, seed_name)
+    path = _path_to(model, root, seed_name)
+    init_fns = _hf_inits(path)
     to_init = {key: p for key, p in wanted.items() if key not in kept}
     modules = [m for m in _post_order(root) if any(id(p) in to_init for p in m.parameters())
                and not isinstance(m, parametrize.ParametrizationList)]  # set by their owner
+    if custom is None and not any(_own_init(m) for m in path[:-1]):
+        # torch's Transformer re-initialises what its layers built, from above
+        modules += [m for m in reversed(path[:-1]) if _own_reset(m, holds=False) is not None]
     steps: list[Callable[[], None]] = []
     for module in modules:
         init_fn = custom or init_fns.get(id(module))
         originals = _originals(module)
         own = [*module.parameters(recurse=False), *originals]
-        if init_fn is None and any(id(p) in to_init for p in own):
-            reset = getattr(module, "reset_parameters", None)
-            if not callable(reset):
-                raise ZeroInitError(
-                    f"{type(module).__name__} was built under zero.Init but has no "
-                    f"reset_parameters() and no enclosing model has _init_weights(); pass "
-                    f"zero.Init(param_init_fn=...) to initialise it")
-            init_fn = type(module).reset_parameters  # type: ignore[attr-defined]
+        if init_fn is None:
+            init_fn = _own_reset(module, any(id(p) in to_init for p in own))
+        # a small parameter keeps what its constructor gave it (``KEEP_CONSTRUCTED_NUMEL``)
+        if init_fn is None and any(id(p) in to_init and getattr(p, "_zero_constructed", None)
+                                   is None for p in own):
+            raise ZeroInitError(
+                f"{type(module).__name__} was built under zero.Init but has no "
+                f"reset_parameters() and no enclosing model has _init_weights(); pass "
+                f"zero.Init(param_init_fn=...) to initialise it")
         if init_fn is None:
             continue
         if any(id(p) in to_init for p in originals):
@@ -334,7 +342,8 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
             real.data.fill_(UNSET)  # what no init writes stays NaN (``check_initialised``)
         torch.utils.swap_tensors(param, real)
         param.__dict__.pop("_zero_constructed", None)  # used: the copy goes
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), _released_as_meta(modules):
+    scope = next((m for m in path[:-1] if any(m is step for step in modules)), root)
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), _others_as_meta(scope, wanted):
         torch.manual_seed(_unit_seed(owner, seed_name))
         for step in steps:
             step()
@@ -343,35 +352,48 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
 
 
 @contextlib.contextmanager
-def _released_as_meta(modules: Iterable[nn.Module]) -> Iterator[None]:
-    """Stand meta tensors of the full shape in for the released parameters of ``modules``
-    while their init runs.
+def _others_as_meta(scope: nn.Module, wanted: dict[int, nn.Parameter]) -> Iterator[None]:
+    """Stand meta tensors of the full shape in for the real parameters under ``scope`` that
+    are not ``wanted`` while the inits run: they write only the parameters being
+    materialised.
 
     A module's parameters can sit in two units (parameter groups put a ``Linear``'s weight
     with the decayed and its bias with the rest): the unit materialised second runs the
     module's init again, and that init reads the other unit's parameter, already
     partitioned and released (``Linear.reset_parameters`` takes the bias bound from the
-    weight's fan-in). A meta stand-in answers shape questions and swallows the writes;
-    the real parameter keeps the values its own unit's init gave it."""
+    weight's fan-in); a Transformer's init re-initialises every layer's matrices, of units
+    already built. A meta stand-in answers shape questions and swallows the writes; the
+    real parameter keeps the values its own unit's init gave it."""
     swapped: list[tuple[dict[str, Any], str, nn.Parameter]] = []
-    for module in modules:
-        holders = [module, *(_parametrization_lists(module))]
-        for holder in holders:
-            params = holder.__dict__["_parameters"]
-            for name, param in list(params.items()):
-                shape = getattr(param, "ds_shape", None)
-                if param is None or param.is_meta or shape is None or param.numel() != 0 \
-                        or torch.Size(shape).numel() == 0:
-                    continue
-                stand_in = nn.Parameter(torch.empty(shape, dtype=param.dtype, device="meta"),
-                                        requires_grad=param.requires_grad)
-                dict.__setitem__(params, name, stand_in)
-                swapped.append((params, name, param))
+    for module in scope.modules():
+        params = module.__dict__["_parameters"]
+        for name, param in list(params.items()):
+            if param is None or param.is_meta or id(param) in wanted:
+                continue
+            shape = getattr(param, "ds_shape", None) if param.numel() == 0 else None
+            stand_in = nn.Parameter(
+                torch.empty(param.shape if shape is None else shape, dtype=param.dtype,
+                            device="meta"), requires_grad=param.requires_grad)
+            dict.__setitem__(params, name, stand_in)
+            swapped.append((params, name, param))
     try:
         yield
     finally:
         for params, name, param in swapped:
             dict.__setitem__(params, name, param)
+
+
+def _own_reset(module: nn.Module, holds: bool = True) -> ParamInitFn | None:
+    """The module's own init: ``reset_parameters`` where it ``holds`` parameters to
+    initialise, or ``_reset_parameters``, which torch's constructors run
+    (``nn.MultiheadAttention`` has only that; ``nn.Transformer``'s re-initialises what its
+    layers built and ``MultiheadAttention``'s zeroes its ``out_proj`` bias: run after the
+    children's, as the constructors did)."""
+    for name in ("reset_parameters", "_reset_parameters")[0 if holds else 1:]:
+        method = getattr(type(module), name, None)
+        if callable(method):
+            return method
+    return None
 
 
 def _parametrization_lists(module: nn.Module) -> list[nn.Module]:
@@ -433,11 +455,9 @@ def check_initialised(params: Iterable[torch.Tensor], where: str) -> None:
             f"load pretrained weights that hold them")
 
 
-def _hf_inits(model: nn.Module, root: nn.Module, root_name: str) -> dict[int, ParamInitFn]:
-    """Module -> the HF ``_init_weights`` of the outermost model enclosing it (itself
-    included), for ``root``'s subtree: the root's where it has one (an HF model, as
-    always), else that of the HF model a wrapper holds (a LightningModule's
-    ``configure_model``, a classifier around an HF backbone), not none."""
+def _path_to(model: nn.Module, root: nn.Module, root_name: str) -> list[nn.Module]:
+    """``model``, the modules down to ``root`` (its dotted path ``root_name`` when that
+    names it) and ``root``."""
     path = [model]
     if root is not model:
         try:
@@ -451,6 +471,15 @@ def _hf_inits(model: nn.Module, root: nn.Module, root_name: str) -> dict[int, Pa
         path += [model.get_submodule(".".join(parts[:i])) for i in range(1, len(parts) + 1)]
         if path[-1] is not root:
             path.append(root)
+    return path
+
+
+def _hf_inits(path: list[nn.Module]) -> dict[int, ParamInitFn]:
+    """Module -> the HF ``_init_weights`` of the outermost model enclosing it (itself
+    included), for the subtree of ``path``'s last module (``_path_to``): the root's where
+    it has one (an HF model, as always), else that of the HF model a wrapper holds (a
+    LightningModule's ``configure_model``, a classifier around an HF backbone), not none."""
+    root = path[-1]
     inherited: ParamInitFn | None = None
     for module in path[:-1]:
         inherited = inherited or _own_init(module)
