@@ -10,6 +10,12 @@ torch AdamW on the union of the ranks' micro-batches, with the same edits, is th
 reference: every read must equal torch's ``param.grad`` (the loss divided by the
 accumulation steps) and ``optimizer.state``, before and after the edit, and the ranks'
 fragments side by side must be the whole parameter.
+
+At the last step it replaces the window's gradients between the backward that ends it
+and ``engine.step()`` (``safe_set_full_grad``, ``safe_set_local_grad``), as a gradient
+surgery would, and torch's step on the same edited ``param.grad`` is the reference.
+Without clipping each unit's step starts during that backward (``step_in_backward``):
+there the write is refused, naming the setting that makes the steps wait.
 """
 
 from __future__ import annotations
@@ -27,16 +33,19 @@ WORLD = 2
 STEPS = 3
 ACCUMULATION = 2
 EDIT_AFTER_STEP = 1
+EDIT_GRADS_AT_STEP = STEPS - 1
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def _cases() -> list[tuple[str, dict[str, Any]]]:
-    cases = [(f"stage{stage}-{device}", base_config(zero_optimization=zero_section(stage, device),
-                                                      gradient_accumulation_steps=ACCUMULATION))
-             for stage, device in ((0, "none"), (1, "cpu"), (2, "cpu"), (3, "cpu"),
-                                   (3, "none"))]
+    cases = []
+    for stage, device, in_backward in ((0, "none", False), (1, "cpu", False), (2, "cpu", True),
+                                       (3, "cpu", False), (3, "none", False)):
+        zero = {**zero_section(stage, device), "step_in_backward": in_backward}
+        cases.append((f"stage{stage}-{device}", base_config(
+            zero_optimization=zero, gradient_accumulation_steps=ACCUMULATION)))
     # Twin-Flow: the first units' optimizer state on the device, the rest in the daemon.
-    split = zero_section(3, "cpu")
+    split = {**zero_section(3, "cpu"), "step_in_backward": False}
     split["offload_optimizer"]["ratio"] = 0.5
     cases.append(("stage3-cpu-ratio", base_config(zero_optimization=split,
                                                   gradient_accumulation_steps=ACCUMULATION)))
@@ -46,6 +55,12 @@ def _cases() -> list[tuple[str, dict[str, Any]]]:
                                              gradient_accumulation_steps=ACCUMULATION,
                                              gradient_clipping=1e6)))
     return cases
+
+
+def _edits_grads(config: dict[str, Any]) -> bool:
+    """The case's steps wait for engine.step(): its gradients can be replaced."""
+    return (config.get("gradient_clipping", 0) > 0
+            or not config["zero_optimization"].get("step_in_backward", True))
 
 
 def _edit(name_index: int, value: torch.Tensor, kind: str) -> torch.Tensor:
@@ -100,6 +115,12 @@ def _train(rank: int, world: int, name: str, config: dict[str, Any], socket: str
                         out["write_in_step"] = "accepted"
                     except ParamStateTimingError as error:
                         out["write_in_step"] = str(error)
+                if micro == ACCUMULATION - 1 and step == EDIT_GRADS_AT_STEP:
+                    try:
+                        _edit_grads(named, rank, world)
+                        out["edited_grads"] = {n: safe_get_full_grad(p).cpu() for n, p in named}
+                    except ParamStateTimingError as error:
+                        out["edited_grads"] = str(error)
                 engine.step()
             out["grad_after_step"] = [safe_get_full_grad(p) for _, p in named]
             out["states"].append({n: [safe_get_full_fp32_param(p).cpu(),
@@ -136,6 +157,25 @@ def _train(rank: int, world: int, name: str, config: dict[str, Any], socket: str
         return out
     finally:
         engine.close()
+
+
+def _edit_grads(named: list[tuple[str, torch.Tensor]], rank: int, world: int) -> None:
+    """The reference's gradient edit: half the parameters whole, half by fragment."""
+    from deepspeed.utils import (
+        safe_get_full_grad,
+        safe_get_local_grad,
+        safe_set_full_grad,
+        safe_set_local_grad,
+    )
+
+    for index, (_, param) in enumerate(named):
+        edited = _edit(index, safe_get_full_grad(param), "grad")
+        if index % 2 == 0:
+            safe_set_full_grad(param, edited)
+            continue
+        local = safe_get_local_grad(param)
+        start = _fragment_start(edited, local, rank, world)
+        safe_set_local_grad(param, edited.reshape(-1)[start:start + local.numel()])
 
 
 def _fragment_start(whole: torch.Tensor, local: torch.Tensor, rank: int, world: int) -> int:
@@ -206,6 +246,11 @@ def _reference(config: dict[str, Any]) -> dict[str, Any]:
                 loss = model(*batch)
                 (loss / (ACCUMULATION * WORLD)).backward()
             out["grads"].append({n: p.grad.clone() for n, p in named})
+        if step == EDIT_GRADS_AT_STEP and _edits_grads(config):
+            for index, (_, param) in enumerate(named):
+                assert param.grad is not None
+                param.grad.copy_(_edit(index, param.grad, "grad"))
+            out["edited_grads"] = {n: p.grad.clone() for n, p in named}
         optimizer.step()
         out["states"].append({n: [p.detach().clone(), *[optimizer.state[p][k].clone()
                                                          for k in MOMENTS]] for n, p in named})
@@ -236,6 +281,11 @@ def test_per_parameter_state_matches_torch_and_its_edits_train_as_torchs() -> No
             assert run["grad_after_step"] == [None] * len(run["grad_after_step"])
             assert "engine.step()" in run["write_in_step"], (name, run["write_in_step"])
             assert "exp_avg" in run["bad_key"]
+            if _edits_grads(config):
+                for param, value in reference["edited_grads"].items():
+                    _close(run["edited_grads"][param], value, f"{name} edited grad {param}")
+            else:
+                assert "step_in_backward" in run["edited_grads"], (name, run["edited_grads"])
             for micro, expected in enumerate(reference["grads"]):
                 for param, value in expected.items():
                     _close(run["grads"][micro][param], value, f"{name} grad {micro} {param}")

@@ -226,6 +226,11 @@ class ZeroConfig:
     stage3_max_reuse_distance: int = 1_000_000_000
     """A unit whose next use (its backward) comes within this many gathered elements stays
     gathered after its forward instead of being freed and gathered again; >= 0."""
+    step_in_backward: bool = True
+    """Without gradient clipping and fp16 overflow checks, start each unit's optimizer step
+    during the backward that ends a window, as soon as its gradient is reduced (the step
+    needs nothing global). False: steps wait for ``engine.step()``, so gradients can be
+    replaced in between (DeepSpeed's ``safe_set_full_grad``); the result is the same."""
 
     def __post_init__(self) -> None:
         check_value(self.stage in (0, 1, 2, 3), "zero_optimization.stage", self.stage,

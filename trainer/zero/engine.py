@@ -177,7 +177,8 @@ class Engine(nn.Module):
                                        unit_groups={unit.index: unit.group or 0
                                                     for unit in trainable},
                                        before_step=self._before_unit_step,
-                                       speculative=zero.offload_optimizer.speculative_step)
+                                       speculative=zero.offload_optimizer.speculative_step,
+                                       step_in_backward=zero.step_in_backward)
         self.lr_scheduler: LRSchedule | None = build_scheduler(self.optimizer, config.scheduler)
         self.prefetch = PrefetchPlanner(config.zero_optimization.stage3_prefetch_bucket_size,
                                         config.zero_optimization.stage3_max_live_parameters)

@@ -54,7 +54,7 @@ class ZeroOptimizer:
                  partitioned: bool, groups: list[dict[str, Any]] | None = None,
                  unit_groups: dict[int, int] | None = None,
                  before_step: Callable[[int], None] | None = None,
-                 speculative: bool = True) -> None:
+                 speculative: bool = True, step_in_backward: bool = True) -> None:
         self.backend = backend
         self.before_step = before_step
         """Called with a unit's index right before its step starts (the engine lets go of
@@ -75,7 +75,13 @@ class ZeroOptimizer:
         """Adam's t: applied steps so far (skipped overflow steps do not count)."""
         self.skipped_steps = 0
         self.last_grad_norm: float | None = None
-        self._sq_norms: list[torch.Tensor] = []
+        self._sq_norms: dict[int, torch.Tensor] = {}
+        """Unit -> its window gradient's squared norm (in hand-over order)."""
+        self._edited: set[int] = set()
+        """Units whose gradient was replaced after the window's backward (``replace_grad``)."""
+        self.step_in_backward = step_in_backward
+        """Steps may start during the backward that ends a window when nothing global is
+        needed first (``zero_optimization.step_in_backward``)."""
         self._ready: list[int] = []
         self._speculated: dict[int, StepRedo] = {}
         """Units stepped speculatively this window, with the arguments they were run with."""
@@ -98,7 +104,8 @@ class ZeroOptimizer:
     @property
     def eager(self) -> bool:
         """Steps can start per unit during backward: nothing global is needed first."""
-        return self.clip_norm == 0 and not self.scaler.checks_overflow
+        return (self.step_in_backward and self.clip_norm == 0
+                and not self.scaler.checks_overflow)
 
     def hyper(self, group_index: int = 0) -> AdamHyper:
         """The step's hyper-parameters for one param group (the scheduler writes ``lr``)."""
@@ -116,7 +123,7 @@ class ZeroOptimizer:
         if not boundary:
             return
         if sq_norm is not None:
-            self._sq_norms.append(sq_norm)
+            self._sq_norms[unit] = sq_norm
         if self.eager:
             self._start(unit, self._redo(unit, self.base_grad_scale()))
         elif self._may_speculate(unit):
@@ -125,6 +132,23 @@ class ZeroOptimizer:
             self.speculated_units += 1
         else:
             self._ready.append(unit)
+
+    def grad_editable(self, unit: int) -> bool:
+        """``unit``'s window gradient can still be replaced: handed over at the window's end
+        and its step not begun for good (waiting for the norm, or speculative)."""
+        return unit in self._ready or unit in self._speculated
+
+    def replace_grad(self, unit: int, grad: torch.Tensor) -> None:
+        """Make ``grad`` (this rank's partition, as the backend sums it: loss scale and the
+        sum over ranks in it) the window's gradient of ``unit`` (``grad_editable``); its
+        norm joins the global norm, and a speculative step of it is undone and run again
+        at ``step()``."""
+        assert self.grad_editable(unit), unit
+        sq_norm = self.backend.accumulate_grad(unit, grad, first=True, want_sq_norm=True)
+        assert sq_norm is not None
+        self._sq_norms[unit] = sq_norm
+        if unit in self._speculated:
+            self._edited.add(unit)
 
     def _may_speculate(self, unit: int) -> bool:
         """Start the unit's step before the norm is known: it runs off the rank, recent
@@ -150,6 +174,7 @@ class ZeroOptimizer:
             applied = self._step_all_with_norm()
         self._ready.clear()
         self._speculated.clear()
+        self._edited.clear()
         self._undo_nbytes = 0
         self.scaler.update(not applied)
         if applied:
@@ -178,7 +203,7 @@ class ZeroOptimizer:
             if speculated is None:
                 if redo is not None:
                     self._start(unit, redo)
-            elif speculated == redo:
+            elif speculated == redo and unit not in self._edited:
                 self.backend.commit_step(unit)
             else:
                 self._revert(unit, redo)
@@ -207,7 +232,7 @@ class ZeroOptimizer:
 
     def _global_grad_norm(self) -> float:
         device = self.collectives.device  # a split backend's norms come from two places
-        total = (torch.stack([norm.to(device) for norm in self._sq_norms]).sum()
+        total = (torch.stack([norm.to(device) for norm in self._sq_norms.values()]).sum()
                  if self._sq_norms else torch.zeros((), dtype=torch.float64, device=device))
         self._sq_norms.clear()
         if self.partitioned:

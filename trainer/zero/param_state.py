@@ -18,11 +18,17 @@ scale taken out, in fp32; under torch DDP with the loss divided by the accumulat
 steps, ``param.grad``. Mid-window at stages 0-1 (where each rank sums its own until the
 window ends) a read reduces a copy of the sums.
 
+Gradients are written (``set_full_grad``, ``set_local_grad``) between the backward that
+ends a window and ``engine.step()``, as in DeepSpeed: the step uses them, the clipping
+norm included (a step begun speculatively on the old gradient is undone and run again).
+
 Where this differs from DeepSpeed: a unit's optimizer step may run during the backward
 that ends a window (when nothing global is needed first, ``ZeroOptimizer.eager``), so
 masters and moments read between that backward and ``engine.step()`` may already be
 the step's; and writes are refused there (``ParamStateTimingError``), where DeepSpeed
-would let the step overwrite them.
+would let the step overwrite them. A gradient written there is refused too, naming
+``zero_optimization.step_in_backward: false``, which makes the steps wait for
+``engine.step()``.
 """
 
 from __future__ import annotations
@@ -127,30 +133,66 @@ def _grad_part(place: _Place) -> torch.Tensor | None:
     return part.to(torch.float32) * engine.optimizer.base_grad_scale()
 
 
+def _window_ended(engine: Engine) -> bool:
+    """The backward that ends a window has run and ``engine.step()`` has not."""
+    return (engine.window_backwards > engine.micro_steps % engine.gradient_accumulation_steps()
+            and engine.is_gradient_accumulation_boundary())
+
+
+def _fragment_of(place: _Place, value: torch.Tensor, *, whole: bool) -> torch.Tensor:
+    """This rank's fragment of ``value`` (the whole parameter's values, or with ``whole``
+    False the fragment's, any shape)."""
+    fragment = _cut(place, value) if whole else value
+    if fragment.numel() != place.numel:
+        raise ValueError(f"the value has {fragment.numel()} elements; this rank's fragment "
+                         f"of {place.slot.name} has {place.numel}")
+    return fragment.reshape(-1)
+
+
 def _write(place: _Place, key: str | None, value: torch.Tensor, *, whole: bool) -> None:
     """Put ``value`` (the whole parameter's values, or with ``whole`` False the fragment's,
     any shape) into this rank's partition of the master or moment ``key``; the
     training-dtype parameters follow a new master."""
     engine, unit = place.engine, place.unit
-    if (engine.window_backwards > engine.micro_steps % engine.gradient_accumulation_steps()
-            and engine.is_gradient_accumulation_boundary()):
+    if _window_ended(engine):
         raise ParamStateTimingError(
             "partitioned state was written between the backward that ends a window and "
             "engine.step(): the optimizer steps of that window may already be running. "
             "Write it before that backward or after engine.step()")
-    fragment = _cut(place, value) if whole else value
-    if fragment.numel() != place.numel:
-        raise ValueError(f"the value has {fragment.numel()} elements; this rank's fragment "
-                         f"of {place.slot.name} has {place.numel}")
+    fragment = _fragment_of(place, value, whole=whole)
     state = engine.backend.get_state(unit.index)  # copies
     state.pop("param", None)  # set_state derives it from the master
     name = "master" if key is None else key
     target = _decoded(state[name], key, unit)  # the other moment stays as stored
-    place.fragment(target).copy_(fragment.reshape(-1).to(target.device, torch.float32))
+    place.fragment(target).copy_(fragment.to(target.device, torch.float32))
     state[name] = target
     engine.backend.set_state(unit.index, state)
     if key is None:  # the parameters in use follow the new master
         engine.placement.after_step(unit)
+
+
+def _write_grad(place: _Place, value: torch.Tensor, *, whole: bool) -> None:
+    """Make ``value`` (as ``_write`` takes it) the parameter's gradient of the window that
+    ``engine.step()`` will end, in the form ``_grad_part`` reads (averaged over ranks, the
+    loss scale out); this rank keeps its fragment."""
+    engine, unit = place.engine, place.unit
+    if not _window_ended(engine):
+        raise ParamStateTimingError(
+            f"the gradient of {place.slot.name} was written before the backward that ends "
+            f"the gradient accumulation window: the window's gradient is complete only then. "
+            f"Write it between that backward and engine.step()")
+    if not engine.optimizer.grad_editable(unit.index):
+        raise ParamStateTimingError(
+            f"the gradient of {place.slot.name} was written after its unit's optimizer step "
+            f"had begun: with no gradient_clipping and no fp16 loss scaling each unit's step "
+            f"starts during the backward that ends the window. Set "
+            f"zero_optimization.step_in_backward to false to replace gradients between "
+            f"backward and engine.step()")
+    fragment = _fragment_of(place, value, whole=whole)
+    part = engine.backend.read_grad(unit.index).to(engine.collectives.device)
+    scaled = fragment.to(part.device, torch.float32) / engine.optimizer.base_grad_scale()
+    place.fragment(part).copy_(scaled)
+    engine.optimizer.replace_grad(unit.index, part)
 
 
 def _cut(place: _Place, value: torch.Tensor) -> torch.Tensor:
@@ -192,6 +234,15 @@ def set_full_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
         _write(place, None, value, whole=True)
 
 
+def set_full_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Replace the parameter's gradient of the window, between the backward that ends it
+    and ``engine.step()``: every rank passes the whole gradient (as ``full_grad`` gives
+    it) and keeps its fragment; the step, its clipping norm included, uses it."""
+    place = _place(param)
+    if place is not None:
+        _write_grad(place, value, whole=True)
+
+
 def set_full_optimizer_state(param: nn.Parameter, value: torch.Tensor, key: str) -> None:
     """Give the parameter a new ``exp_avg`` or ``exp_avg_sq``; collective, as
     ``set_full_fp32_param``."""
@@ -225,6 +276,14 @@ def local_grad(param: nn.Parameter) -> torch.Tensor | None:
     return None if place is None or part is None else place.fragment(part).clone()
 
 
+def set_local_grad(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Replace this rank's fragment of the parameter's gradient of the window (as
+    ``local_grad`` gives it), between the backward that ends it and ``engine.step()``."""
+    place = _place(param)
+    if place is not None:
+        _write_grad(place, value, whole=False)
+
+
 def set_local_fp32_param(param: nn.Parameter, value: torch.Tensor) -> None:
     """Write this rank's fragment of the parameter's fp32 master (and, at stages 0-2, the
     replicated parameters: collective there, every rank calling)."""
@@ -247,11 +306,13 @@ DEEPSPEED_NAMES = {
     "safe_get_full_optimizer_state": full_optimizer_state,
     "safe_get_full_grad": full_grad,
     "safe_set_full_fp32_param": set_full_fp32_param,
+    "safe_set_full_grad": set_full_grad,
     "safe_set_full_optimizer_state": set_full_optimizer_state,
     "safe_get_local_fp32_param": local_fp32_param,
     "safe_get_local_optimizer_state": local_optimizer_state,
     "safe_get_local_grad": local_grad,
     "safe_set_local_fp32_param": set_local_fp32_param,
+    "safe_set_local_grad": set_local_grad,
     "safe_set_local_optimizer_state": set_local_optimizer_state,
 }
 """``deepspeed.utils``' names for these (the facade registers them; same arguments)."""
