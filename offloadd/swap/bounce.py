@@ -194,8 +194,11 @@ def _touch(slot: memoryview) -> None:
     ctypes.memset(buffer_address(slot), 0, len(slot))
 
 
-PIECE_NBYTES = 512 << 10
-"""Bytes copied then hashed at a time: the hash reads them from cache, not DRAM."""
+PIECE_NBYTES = 4 << 20
+"""Bytes copied then hashed at a time (a default chunk: one memmove, one hash): each call
+gives up the GIL and must take it back from the event loop, so pieces of 512 KiB (16
+handoffs a chunk) cost 5-15% of the daemon's swap throughput where the CPU bounds it
+(bench/README.md, twenty-first session); the hash still reads the piece from the caches."""
 
 
 def copy_and_checksum(dst: memoryview, src: memoryview, hashed: memoryview, seed: int) -> int:
