@@ -8,7 +8,9 @@ gave no signal, and with its unit released after the forward
 (``stage3_max_live_parameters`` below one unit) the backward read the released
 parameters ("setStorage: ... out of bounds for storage of size 0"). Dataclasses and
 namespaces are now looked into; an object of any other class keeps its unit gathered
-for the backward. Each trains as torch AdamW does."""
+for the backward, unless a tensor beside it signals (HF's output with its cache object).
+Each trains as torch AdamW does, and only the opaque outputs keep anything gathered
+between forward and backward."""
 
 from __future__ import annotations
 
@@ -47,6 +49,8 @@ def wrap(kind: str, hidden: torch.Tensor) -> Any:
         return types.SimpleNamespace(hidden=hidden, aux=[hidden.detach()])
     if kind == "dataclass":
         return Frozen(hidden=hidden, aux={"scale": 2})
+    if kind == "beside":  # a tensor in sight beside an object: the tensor signals
+        return Frozen(hidden=hidden, aux=Box(hidden.detach()))
     return Box(hidden)
 
 
@@ -83,20 +87,23 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(6, 4, generator=generator), torch.randn(6, 2, generator=generator)
 
 
-def train(rank: int, world: int, kind: str, live: int) -> dict[str, torch.Tensor]:
+def train(rank: int, world: int, kind: str, live: int) -> tuple[dict[str, torch.Tensor],
+                                                                  list[int]]:
     config = {"train_micro_batch_size_per_gpu": 6,
               "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
               "zero_optimization": {"stage": 3, "stage3_max_live_parameters": live},
               "units": {"module_classes": ["Block"]}}
     engine, *_ = trainer.initialize(model=Net(kind), config=config)
+    live_before_backward = []
     for step in range(STEPS):
         features, target = batch(step, rank)
         loss = engine(features.to(engine.device), target.to(engine.device)).hidden
+        live_before_backward.append(engine.placement.live_numel)
         engine.backward(loss)
         engine.step()
     state = consolidate_fp32_state_dict(engine)
     engine.close()
-    return state
+    return state, live_before_backward
 
 
 def reference(kind: str) -> dict[str, torch.Tensor]:
@@ -111,7 +118,11 @@ def reference(kind: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("live", [10, 10**9], ids=["released", "kept"])
-@pytest.mark.parametrize("kind", ["namespace", "dataclass", "opaque"])
+@pytest.mark.parametrize("kind", ["namespace", "dataclass", "beside", "opaque"])
 def test_outputs_in_objects_train_as_torch(kind: str, live: int) -> None:
-    ours = run_ranks(train, 2, kind, live)[0]
+    ours, live_numel = run_ranks(train, 2, kind, live)[0]
     assert max_relative_error(ours, reference(kind)) < 1e-5
+    if live == 10:  # every unit released after its forward, unless nothing would gather
+        # it for its backward
+        assert all(numel > 0 for numel in live_numel) == (kind == "opaque"), live_numel
+        assert all(numel == 0 for numel in live_numel) == (kind != "opaque"), live_numel

@@ -271,9 +271,12 @@ class UnitHooks:
     def _post_forward_hook(unit: Unit, post_forward: PostForward,
                            pre_backward: UnitCallback) -> Callable[..., Any]:
         def hook(_module: Any, _args: Any, output: Any) -> Any:
-            # Under grad, an output hiding its tensors in an object of the model's own
-            # gives no signal when the unit's backward starts.
-            signalled = not torch.is_grad_enabled() or not _opaque(output)
+            # Under grad, an output whose tensors all hide in objects of the model's own
+            # gives no signal when the unit's backward starts. One with a tensor in sight
+            # does (an HF output beside its cache object, say).
+            signalled = (not torch.is_grad_enabled()
+                         or next(_tensors_needing_grad(output), None) is not None
+                         or not _opaque(output))
             routed = attach_pre_backward(output, lambda: pre_backward(unit))
             with outside_inference_mode():
                 post_forward(unit, signalled)
