@@ -8,13 +8,16 @@ dropped after its forward and recomputed in the backward, and only its inputs ar
 
 ``checkpoint`` is torch's reentrant checkpoint (DeepSpeed's ``CheckpointFunction`` is
 one too: the block's parameters get gradients through inputs that require them, the RNG
-state is replayed in the recompute). With ``cpu_checkpointing`` the kept inputs go to
-host memory, pinned on CUDA, until the backward brings them back to recompute the
-block: the device then holds no activation of a checkpointed block between its forward
-and its backward. DeepSpeed applies that only together with ``partition_activations``;
-here it is what it says in either case, since there is no model parallelism to split
-the inputs over (``partition_activations`` is accepted and splits nothing, as DeepSpeed
-at a model-parallel size of 1).
+state is replayed in the recompute). Where no input requires a gradient (the first
+block, fed the batch: Lightning's guide checkpoints just that) a reentrant checkpoint's
+output needs none either, and the block's parameters silently get no gradient, under
+DeepSpeed too; here that call runs non-reentrant instead, so they do. With
+``cpu_checkpointing`` the kept inputs go to host memory, pinned on CUDA, until the
+backward brings them back to recompute the block: the device then holds no activation of
+a checkpointed block between its forward and its backward. DeepSpeed applies that only
+together with ``partition_activations``; here it is what it says in either case, since
+there is no model parallelism to split the inputs over (``partition_activations`` is
+accepted and splits nothing, as DeepSpeed at a model-parallel size of 1).
 
 The settings come from the config's ``activation_checkpointing`` section when an engine
 is initialised, or from ``configure`` (DeepSpeed's arguments); they are per process.
@@ -116,7 +119,8 @@ def settings() -> ActivationCheckpointingConfig:
 def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)`` with its activations recomputed in the backward (DeepSpeed's
     ``deepspeed.checkpointing.checkpoint``); see the module docstring."""
-    return _checkpointed(function, args, reentrant=True)
+    needs_grad = any(isinstance(arg, torch.Tensor) and arg.requires_grad for arg in args)
+    return _checkpointed(function, args, reentrant=needs_grad or not torch.is_grad_enabled())
 
 
 def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any) -> Any:
