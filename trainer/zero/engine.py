@@ -268,6 +268,7 @@ class Engine(nn.Module):
         with outside_inference_mode():  # what begin_step allocates outlives this pass
             self.backend.begin_step()
         self._forward_depth = 0  # a forward that raised half-way must not skew the next one
+        self.hooks.begin_pass(trains=torch.is_grad_enabled())
         if self.external is not None:
             self.external.begin_pass()
         if self.trace is not None:
@@ -389,7 +390,7 @@ class Engine(nn.Module):
         released again in backward."""
         self._check_trains("backward")
         scale = self.precision.scaler.scale / self.batch.gradient_accumulation_steps
-        self.hooks.start_backward()
+        self.hooks.start_backward(also_defer=self.external.owners() if self.external else ())
         self._backward_done.clear()
         self.reduce_order.start()
         if self.trace is not None:

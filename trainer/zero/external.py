@@ -205,6 +205,10 @@ class ExternalParams:
                 self._release(owner)
             self.gathered.clear()
 
+    def owners(self) -> set[int]:
+        """Indices of the units whose parameters other units' forwards use."""
+        return {owner for owners in self.uses.values() for owner in owners}
+
     def in_use(self, unit: Unit) -> bool:
         """A unit whose forward runs now uses ``unit``'s parameters: keep them gathered
         past ``unit``'s own forward (DeepSpeed's external parameters stay gathered for

@@ -9,7 +9,12 @@
   unit's parameters whose gradient is final; the last one triggers the
   unit's gradient reduction. Units with unused parameters never reach the
   count and are finished by ``finish_backward`` in unit order (the engine's
-  ``ReduceOrder`` then launches reductions in one order on every rank);
+  ``ReduceOrder`` then launches reductions in one order on every rank). A unit
+  whose parameters may accumulate in several backwards of their own waits for
+  ``finish_backward`` too (*deferred*): one whose forward ran more than once in the
+  pass (a block applied repeatedly, each application checkpointed reentrantly, runs a
+  backward per application) and the owners of parameters other units read
+  (``start_backward(also_defer=...)``: a reentrant recompute of the reader adds to them);
 - a frozen unit (stage 3) has no gradients to count: its forward inputs pass
   through an identity Function whose backward fires once the unit's backward
   has produced the inputs' gradients, which is when its gathered parameters
@@ -29,7 +34,7 @@ import copy
 import dataclasses
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -194,10 +199,29 @@ class UnitHooks:
         self._handles: list[RemovableHandle] = []
         self._eager_hooks: list[_EagerHook] = []
         """Forward hooks not yet kept out of dynamo's tracing (``follow_dynamo``)."""
+        self._forwards: dict[int, int] = {}
+        """Trainable unit index -> its forwards under grad since the last backward."""
+        self._deferred: set[int] = set()
+        """Units whose gradients are handed on at ``finish_backward`` in this backward."""
+        self._in_backward = False
+        self._counting = True
+        """The engine's current pass trains (``begin_pass``): its forwards are counted."""
         for unit in self.trainable:
             for slot in unit.slots:
                 self._handles.append(slot.param.register_post_accumulate_grad_hook(
                     self._grad_hook(unit)))
+            self._handles.append(unit.module.register_forward_pre_hook(self._eager(
+                lambda _module, _args, index=unit.index: self._count_forward(index))))
+
+    def _count_forward(self, index: int) -> None:
+        # under no_grad too: a reentrant checkpoint runs its block so; not a recompute
+        if self._counting and not self._in_backward:
+            self._forwards[index] = self._forwards.get(index, 0) + 1
+
+    def begin_pass(self, *, trains: bool) -> None:
+        """The engine's forward starts; a pass that does not train (an evaluation under
+        ``no_grad``) is not counted."""
+        self._counting = trains
 
     def install_forward(self, *, pre_forward: UnitCallback, post_forward: PostForward,
                         pre_backward: UnitCallback) -> None:
@@ -226,18 +250,25 @@ class UnitHooks:
                 hook.disable_tracing()
             self._eager_hooks.clear()
 
-    def start_backward(self) -> None:
-        """Arm the post-backward counters for one backward pass."""
+    def start_backward(self, also_defer: Iterable[int] = ()) -> None:
+        """Arm the post-backward counters for one backward pass; the units in
+        ``also_defer`` hand their gradients on at ``finish_backward`` (see the module)."""
         self._waiting = {unit.index: {id(slot.param) for slot in unit.slots}
                          for unit in self.trainable}
         self._fired = set()
+        self._deferred = {index for index, count in self._forwards.items() if count > 1}
+        self._deferred.update(also_defer)
+        self._in_backward = True
 
     def finish_backward(self) -> None:
         """Fire the post-backward callback of every unit that has not fired yet."""
+        self._in_backward = False
+        self._forwards.clear()
         for unit in self.trainable:
             if self._waiting.pop(unit.index, None) is not None:
                 self.on_grads_ready(unit)
         self._fired = set()  # a backward outside the engine's is not checked
+        self._deferred = set()
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -254,13 +285,14 @@ class UnitHooks:
                         f"after the unit's gradients were reduced in this backward: a "
                         f"reentrant activation checkpoint (torch's use_reentrant=True, "
                         f"deepspeed.checkpointing.checkpoint) recomputes a block that reads "
-                        f"this unit's parameter, in a backward of its own. Checkpoint that "
-                        f"block non-reentrantly (use_reentrant=False, "
-                        f"deepspeed.checkpointing.non_reentrant_checkpoint), or put the "
-                        f"block and the parameter in one unit (units.module_classes)")
+                        f"this unit's parameter, in a backward of its own (stage 3 finds such "
+                        f"reads; stages 0-2 do not). Checkpoint that block non-reentrantly "
+                        f"(use_reentrant=False, deepspeed.checkpointing."
+                        f"non_reentrant_checkpoint), or put the block and the parameter in "
+                        f"one unit (units.module_classes)")
                 return
             pending.discard(id(_param))
-            if pending:
+            if pending or unit.index in self._deferred:
                 return
             del self._waiting[unit.index]
             self._fired.add(unit.index)
