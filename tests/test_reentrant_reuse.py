@@ -38,9 +38,10 @@ class Block(nn.Module):
 class Universal(nn.Module):
     """``shared`` applied three times, then two blocks of their own, all checkpointed."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpointed: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.checkpointed = checkpointed
         self.inp = nn.Linear(8, 16)
         self.shared = Block()
         self.blocks = nn.ModuleList(Block() for _ in range(2))
@@ -48,10 +49,9 @@ class Universal(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         hidden = self.inp(features)
-        for _ in range(3):
-            hidden = checkpoint(self.shared, hidden, use_reentrant=True)
-        for block in self.blocks:
-            hidden = checkpoint(block, hidden, use_reentrant=True)
+        for block in [self.shared] * 3 + list(self.blocks):
+            hidden = (checkpoint(block, hidden, use_reentrant=True) if self.checkpointed
+                      else block(hidden))
         return self.out(hidden).pow(2).mean()
 
 
@@ -86,3 +86,33 @@ def test_a_block_reused_under_reentrant_checkpoints_trains_as_torch(stage: int,
             (model(batch(step, rank)) / 2).backward()
         optimizer.step()
     assert max_relative_error(ours, dict(model.state_dict())) < 1e-5
+
+
+def deferred_units(rank: int, world: int, checkpointed: bool, passes: int) -> list[str]:
+    """The units that waited for the end of the backward, after ``passes`` training
+    forwards whose losses one backward sums."""
+    config = {"train_micro_batch_size_per_gpu": 6, "units": {"module_classes": ["Block"]},
+              "optimizer": {"type": "AdamW", "params": {"lr": LR}},
+              "zero_optimization": {"stage": 3}}
+    engine, *_ = trainer.initialize(model=Universal(checkpointed), config=config)
+    seen: list[str] = []
+    finish = engine.hooks.finish_backward
+
+    def observed() -> None:
+        seen.extend(sorted(engine.units[index].name for index in engine.hooks._deferred))
+        finish()
+
+    engine.hooks.finish_backward = observed
+    loss = sum(engine(batch(index, rank).to(engine.device)) for index in range(passes))
+    engine.backward(loss)
+    engine.close()
+    return seen
+
+
+def test_only_units_whose_parameters_meet_several_backwards_wait() -> None:
+    """Waiting holds a unit's gradients to the end of the backward: only the reused block
+    under reentrant checkpoints waits, not every unit of two plain forwards summed (a
+    contrastive or preference loss), whose parameters meet one backward."""
+    assert run_ranks(deferred_units, 1, True, 1)[0] == ["shared"]
+    assert run_ranks(deferred_units, 1, False, 2)[0] == []
+    assert run_ranks(deferred_units, 1, True, 2)[0] == ["blocks.0", "blocks.1", "shared"]

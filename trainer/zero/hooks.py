@@ -11,9 +11,10 @@
   count and are finished by ``finish_backward`` in unit order (the engine's
   ``ReduceOrder`` then launches reductions in one order on every rank). A unit
   whose parameters may accumulate in several backwards of their own waits for
-  ``finish_backward`` too (*deferred*): one whose forward ran more than once in the
-  pass (a block applied repeatedly, each application checkpointed reentrantly, runs a
-  backward per application) and the owners of parameters other units read
+  ``finish_backward`` too (*deferred*): one whose parameters meet more than one backward
+  (a block applied repeatedly, each application checkpointed reentrantly: the
+  checkpoint runs the block under ``no_grad`` and a backward of its own for each
+  application) and the owners of parameters other units read
   (``start_backward(also_defer=...)``: a reentrant recompute of the reader adds to them);
 - a frozen unit (stage 3) has no gradients to count: its forward inputs pass
   through an identity Function whose backward fires once the unit's backward
@@ -199,8 +200,9 @@ class UnitHooks:
         self._handles: list[RemovableHandle] = []
         self._eager_hooks: list[_EagerHook] = []
         """Forward hooks not yet kept out of dynamo's tracing (``follow_dynamo``)."""
-        self._forwards: dict[int, int] = {}
-        """Trainable unit index -> its forwards under grad since the last backward."""
+        self._forwards: dict[int, list[int]] = {}
+        """Trainable unit index -> its forwards in training passes since the last backward,
+        [under no_grad (each a reentrant checkpoint's: a backward of its own), under grad]."""
         self._deferred: set[int] = set()
         """Units whose gradients are handed on at ``finish_backward`` in this backward."""
         self._in_backward = False
@@ -214,9 +216,8 @@ class UnitHooks:
                 lambda _module, _args, index=unit.index: self._count_forward(index))))
 
     def _count_forward(self, index: int) -> None:
-        # under no_grad too: a reentrant checkpoint runs its block so; not a recompute
-        if self._counting and not self._in_backward:
-            self._forwards[index] = self._forwards.get(index, 0) + 1
+        if self._counting and not self._in_backward:  # a recompute is not counted
+            self._forwards.setdefault(index, [0, 0])[torch.is_grad_enabled()] += 1
 
     def begin_pass(self, *, trains: bool) -> None:
         """The engine's forward starts; a pass that does not train (an evaluation under
@@ -256,7 +257,9 @@ class UnitHooks:
         self._waiting = {unit.index: {id(slot.param) for slot in unit.slots}
                          for unit in self.trainable}
         self._fired = set()
-        self._deferred = {index for index, count in self._forwards.items() if count > 1}
+        # backwards a unit's parameters meet: one per reentrant application, one for the rest
+        self._deferred = {index for index, (apart, inline) in self._forwards.items()
+                          if apart + min(inline, 1) > 1}
         self._deferred.update(also_defer)
         self._in_backward = True
 
