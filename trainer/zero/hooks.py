@@ -10,12 +10,11 @@
   unit's gradient reduction. Units with unused parameters never reach the
   count and are finished by ``finish_backward`` in unit order (the engine's
   ``ReduceOrder`` then launches reductions in one order on every rank). A unit
-  whose parameters may accumulate in several backwards of their own waits for
-  ``finish_backward`` too (*deferred*): one whose parameters meet more than one backward
-  (a block applied repeatedly, each application checkpointed reentrantly: the
-  checkpoint runs the block under ``no_grad`` and a backward of its own for each
-  application) and the owners of parameters other units read
-  (``start_backward(also_defer=...)``: a reentrant recompute of the reader adds to them);
+  whose parameters meet more than one backward waits for ``finish_backward`` too
+  (*deferred*): one applied repeatedly under reentrant checkpoints (each application
+  runs under ``no_grad`` and gets a backward of its own), and an owner of parameters
+  other units read (``start_backward(also_defer=...)``: a reentrant recompute of the
+  reader adds to them in the reader's own backward);
 - a frozen unit (stage 3) has no gradients to count: its forward inputs pass
   through an identity Function whose backward fires once the unit's backward
   has produced the inputs' gradients, which is when its gathered parameters
@@ -221,8 +220,10 @@ class UnitHooks:
 
     def begin_pass(self, *, trains: bool) -> None:
         """The engine's forward starts; a pass that does not train (an evaluation under
-        ``no_grad``) is not counted."""
+        ``no_grad``) is not counted. (No backward runs now: one that raised did not
+        finish.)"""
         self._counting = trains
+        self._in_backward = False
 
     def install_forward(self, *, pre_forward: UnitCallback, post_forward: PostForward,
                         pre_backward: UnitCallback) -> None:
