@@ -429,3 +429,19 @@ def test_torch_transformer_layers_get_their_constructors_init() -> None:
             assert torch.equal(value, reference), name
         else:  # Linear biases: uniform within their fan-in's bound, as the eager draw
             assert 0.8 < value.abs().max() / reference.abs().max() < 1.25, name
+
+
+def test_init_of_a_built_module_keeps_its_values_for_initialize() -> None:
+    """``deepspeed.zero.Init(module=model)`` converts a model built already (DeepSpeed's
+    docs; it was refused): the model is left as it is and ``initialize`` partitions it
+    with the values it was built with."""
+    config = base_config(zero_optimization={"stage": 3}, units={})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    built = {name: value.detach().clone() for name, value in model.state_dict().items()}
+    Init(module=model, config_dict_or_path=config)
+    engine, *_ = trainer.initialize(model=model, config=config)
+    assert consolidate_fp32_state_dict(engine).keys() == built.keys()
+    for name, value in consolidate_fp32_state_dict(engine).items():
+        assert torch.equal(value, built[name]), name
+    engine.close()

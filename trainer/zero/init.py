@@ -55,6 +55,7 @@ import ctypes
 import ctypes.util
 import functools
 import json
+import logging
 import os
 import weakref
 import zlib
@@ -120,7 +121,8 @@ class Init:
     checked to be a ZeRO config. ``param_init_fn(module)`` initialises one
     module's own parameters when the model has neither HF ``_init_weights``
     nor ``reset_parameters``. ``seed`` is the base of the per-unit seeds.
-    ``enabled=False`` makes the context do nothing (as in DeepSpeed).
+    ``enabled=False`` makes the context do nothing (as in DeepSpeed). ``module``, a model
+    built already, needs nothing here: ``initialize`` partitions it as it is.
     """
 
     def __init__(self, module: nn.Module | None = None, *,
@@ -129,9 +131,10 @@ class Init:
                  param_init_fn: ParamInitFn | None = None, seed: int = 0,
                  enabled: bool = True, **_deepspeed_kwargs: Any) -> None:
         if module is not None:
-            raise ZeroInitError("zero.Init(module=...) converts an already built model, which "
-                                "this engine does not need: build the model inside "
-                                "`with trainer.zero.Init(...)` or pass it to initialize() as is")
+            # DeepSpeed partitions a built model here; initialize does that with any model
+            logging.getLogger("offloadd.zero").info(
+                "zero.Init(module=%s): the built model is partitioned by initialize; its "
+                "values are kept", type(module).__name__)
         source = config_dict_or_path if config_dict_or_path is not None else config
         if isinstance(source, (str, os.PathLike)):
             source = json.loads(Path(source).read_text(encoding="utf-8"))
