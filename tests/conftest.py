@@ -199,6 +199,10 @@ def test_tmpdir(monkeypatch: pytest.MonkeyPatch,
     os.chmod(root, 0o755)  # other uids' clients (the trust tests) reach sockets under it
     monkeypatch.setenv("TMPDIR", root)
     monkeypatch.setattr(tempfile, "tempdir", root)
+    # inductor puts the cache dir it first derives into the environment, where the next
+    # test's ranks found it (the previous test's root, removed): it was made again, and
+    # left in /tmp
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", os.path.join(root, "torchinductor"))
     try:
         yield Path(root)
     finally:
