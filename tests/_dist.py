@@ -303,24 +303,42 @@ def with_offload(config: dict[str, Any], device: str, socket_path: str, job: str
     return config
 
 
-def reference_train(config: dict[str, Any], steps: int, world_size: int,
-                    seed: int = 0) -> dict[str, torch.Tensor]:
-    """Single-process torch.optim.AdamW on the union of every rank's micro-batches."""
-    model = make_model(seed)
-    params = config["optimizer"]["params"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=params["betas"],
-                                  eps=params["eps"], weight_decay=params["weight_decay"])
-    accumulation = config.get("gradient_accumulation_steps", 1)
-    micro_batch = config["train_micro_batch_size_per_gpu"]
+def config_adamw(params: Any, config: dict[str, Any] | None = None) -> torch.optim.AdamW:
+    """torch's AdamW over ``params`` with the hyper-parameters of ``config``'s optimizer
+    section (``base_config()``'s by default): the reference the engine is compared with."""
+    hyper = (config if config is not None else base_config())["optimizer"]["params"]
+    return torch.optim.AdamW(params, lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
+                             weight_decay=hyper["weight_decay"])
+
+
+def adamw_steps(model: torch.nn.Module, steps: int,
+                loss: Callable[[int, int, int], torch.Tensor], *, world_size: int,
+                accumulation: int = 1, params: Any = None,
+                config: dict[str, Any] | None = None, clip: float = 0.0) -> None:
+    """``steps`` single-process ``config_adamw`` steps of ``model`` (over ``params``, its
+    parameters by default), each on the union of every rank's micro-batches:
+    ``loss(step, micro, rank)`` divided by the micro-batches summed, as data-parallel
+    training with gradient accumulation averages them; with ``clip``, norm clipping."""
+    optimizer = config_adamw(model.parameters() if params is None else params, config)
     for step in range(steps):
         optimizer.zero_grad()
         for micro in range(accumulation):
             for rank in range(world_size):
-                loss = model(*make_batch(step, micro, rank, micro_batch))
-                (loss / (accumulation * world_size)).backward()
-        if config.get("gradient_clipping", 0):
-            torch.nn.utils.clip_grad_norm_(model.parameters(), config["gradient_clipping"])
+                (loss(step, micro, rank) / (accumulation * world_size)).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
+
+
+def reference_train(config: dict[str, Any], steps: int, world_size: int,
+                    seed: int = 0) -> dict[str, torch.Tensor]:
+    """Single-process torch.optim.AdamW on the union of every rank's micro-batches."""
+    model = make_model(seed)
+    micro_batch = config["train_micro_batch_size_per_gpu"]
+    adamw_steps(model, steps,
+                lambda step, micro, rank: model(*make_batch(step, micro, rank, micro_batch)),
+                world_size=world_size, accumulation=config.get("gradient_accumulation_steps", 1),
+                config=config, clip=config.get("gradient_clipping", 0))
     return {name: value.detach().clone() for name, value in model.state_dict().items()}
 
 

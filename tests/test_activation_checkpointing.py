@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import Block, base_config, run_ranks
+from _dist import Block, adamw_steps, base_config, run_ranks
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device_twin")]
 
@@ -99,14 +99,8 @@ def _train(rank: int) -> dict[str, Any]:
 
 def _reference() -> dict[str, torch.Tensor]:
     model = Net(None)
-    params = base_config()["optimizer"]["params"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=params["betas"],
-                                  eps=params["eps"], weight_decay=params["weight_decay"])
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        for rank in range(WORLD):
-            (model(*_batch(step, rank)) / WORLD).backward()
-        optimizer.step()
+    adamw_steps(model, STEPS, lambda step, _micro, rank: model(*_batch(step, rank)),
+                world_size=WORLD)
     return {name: param.detach().clone() for name, param in model.named_parameters()}
 
 

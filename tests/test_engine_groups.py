@@ -17,7 +17,14 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import make_batch, make_model, max_relative_error, run_ranks, shared_daemon
+from _dist import (
+    adamw_steps,
+    make_batch,
+    make_model,
+    max_relative_error,
+    run_ranks,
+    shared_daemon,
+)
 from torch import nn
 
 import trainer
@@ -130,14 +137,8 @@ def reference(kind: str) -> dict[str, torch.Tensor]:
     model = make_model()
     selected = SELECT[kind](model)
     groups = selected if kind == "groups" else [{"params": selected}]
-    params = OPTIMIZER["params"]
-    optimizer = torch.optim.AdamW(groups, lr=params["lr"], betas=params["betas"],
-                                  eps=params["eps"], weight_decay=params["weight_decay"])
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        for rank in range(2):
-            (model(*make_batch(step, 0, rank, 4)) / 2).backward()
-        optimizer.step()
+    adamw_steps(model, STEPS, lambda step, _micro, rank: model(*make_batch(step, 0, rank, 4)),
+                world_size=2, params=groups, config={"optimizer": OPTIMIZER})
     return model.state_dict()
 
 

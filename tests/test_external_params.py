@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import base_config, run_ranks, shared_daemon
+from _dist import adamw_steps, base_config, run_ranks, shared_daemon
 from torch.utils.checkpoint import checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device_twin")]
@@ -164,15 +164,8 @@ def _train(rank: int, device: str, recompute: bool, groups: bool) -> dict[str, A
 
 def _reference(recompute: bool, groups: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = ExternalNet(None, recompute)
-    params = base_config()["optimizer"]["params"]
-    optimizer = torch.optim.AdamW(_groups(model, groups), lr=params["lr"], betas=params["betas"],
-                                  eps=params["eps"], weight_decay=params["weight_decay"])
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        for micro in range(ACCUMULATION):
-            for rank in range(WORLD):
-                (model(*_batch(step, micro, rank)) / (ACCUMULATION * WORLD)).backward()
-        optimizer.step()
+    adamw_steps(model, STEPS, lambda step, micro, rank: model(*_batch(step, micro, rank)),
+                world_size=WORLD, accumulation=ACCUMULATION, params=_groups(model, groups))
     with torch.no_grad():
         model.eval()
         eval_losses = [model(*_batch(99, 0, rank)).item() for rank in range(WORLD)]
@@ -275,14 +268,8 @@ def test_a_reentrant_recompute_reading_another_units_weight_trains_as_torch() ->
 
 def _check_shared(results: list[Any], reentrant_reads_other_unit: bool) -> None:
     model = SharedScaleNet(reentrant_reads_other_unit)
-    params = base_config()["optimizer"]["params"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=params["betas"],
-                                  eps=params["eps"], weight_decay=params["weight_decay"])
-    for step in range(STEPS):
-        optimizer.zero_grad()
-        for rank in range(WORLD):
-            (model(*_batch(step, 0, rank)) / WORLD).backward()
-        optimizer.step()
+    adamw_steps(model, STEPS, lambda step, _micro, rank: model(*_batch(step, 0, rank)),
+                world_size=WORLD)
     for rank, state in enumerate(results):
         for name, expected in model.named_parameters():
             torch.testing.assert_close(state[name], expected.detach(), rtol=2e-5, atol=2e-6,

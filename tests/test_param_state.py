@@ -25,7 +25,15 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import base_config, make_batch, make_model, run_ranks, shared_daemon, zero_section
+from _dist import (
+    base_config,
+    config_adamw,
+    make_batch,
+    make_model,
+    run_ranks,
+    shared_daemon,
+    zero_section,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("strict_device_twin")]
 
@@ -233,9 +241,7 @@ def _reference(config: dict[str, Any]) -> dict[str, Any]:
     """torch AdamW over every rank's micro-batches: grads after each micro-batch, state
     after each step, the same edits after step EDIT_AFTER_STEP."""
     model = make_model(0)
-    params = config["optimizer"]["params"]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=params["lr"], betas=params["betas"],
-                                  eps=params["eps"], weight_decay=params["weight_decay"])
+    optimizer = config_adamw(model.parameters(), config)
     named = list(model.named_parameters())
     out: dict[str, Any] = {"grads": [], "states": []}
     for step in range(STEPS):
