@@ -310,9 +310,10 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
     to_init = {key: p for key, p in wanted.items() if key not in kept}
     modules = [m for m in _post_order(root) if any(id(p) in to_init for p in m.parameters())
                and not isinstance(m, parametrize.ParametrizationList)]  # set by their owner
+    enclosing: list[nn.Module] = []  # torch's Transformer re-initialises its layers' matrices
     if custom is None and not any(_own_init(m) for m in path[:-1]):
-        # torch's Transformer re-initialises what its layers built, from above
-        modules += [m for m in reversed(path[:-1]) if _own_reset(m, holds=False) is not None]
+        enclosing = [m for m in reversed(path[:-1]) if _own_reset(m, holds=False) is not None]
+    modules += enclosing
     steps: list[Callable[[], None]] = []
     for module in modules:
         init_fn = custom or init_fns.get(id(module))
@@ -345,7 +346,7 @@ def materialise(model: nn.Module, root: nn.Module, params: Iterable[nn.Parameter
             real.data.fill_(UNSET)  # what no init writes stays NaN (``check_initialised``)
         torch.utils.swap_tensors(param, real)
         param.__dict__.pop("_zero_constructed", None)  # used: the copy goes
-    scope = next((m for m in path[:-1] if any(m is step for step in modules)), root)
+    scope = enclosing[-1] if enclosing else root  # the outermost module an init runs on
     with torch.random.fork_rng(devices=[]), torch.no_grad(), _others_as_meta(scope, wanted):
         torch.manual_seed(_unit_seed(owner, seed_name))
         for step in steps:
