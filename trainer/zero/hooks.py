@@ -135,13 +135,19 @@ def _replace(value: Any, swap: dict[int, torch.Tensor]) -> Any:
     return value
 
 
-def attach_pre_backward(output: Any, callback: Callable[[], None]) -> Any:
-    """``output`` with its grad-requiring tensors routed through ``_BackwardCallback``."""
+def attach_pre_backward(output: Any, callback: Callable[[], None]) -> tuple[Any, bool]:
+    """``output`` with its grad-requiring tensors routed through ``_BackwardCallback``, and
+    whether ``callback`` will be called when a backward starts there: under grad, not
+    when every tensor hides in objects of the model's own (one beside a tensor in sight,
+    an HF output's cache object, does not matter)."""
+    if not torch.is_grad_enabled():
+        return output, True  # no backward follows
     tensors = list(_tensors_needing_grad(output))
-    if not tensors or not torch.is_grad_enabled():
-        return output
+    if not tensors:
+        return output, not _opaque(output)
     routed = _BackwardCallback.apply(callback, *tensors)
-    return _replace(output, {id(old): new for old, new in zip(tensors, routed, strict=True)})
+    swap = {id(old): new for old, new in zip(tensors, routed, strict=True)}
+    return _replace(output, swap), True
 
 
 def attach_post_backward(args: Any, kwargs: Any,
@@ -307,13 +313,7 @@ class UnitHooks:
     def _post_forward_hook(unit: Unit, post_forward: PostForward,
                            pre_backward: UnitCallback) -> Callable[..., Any]:
         def hook(_module: Any, _args: Any, output: Any) -> Any:
-            # Under grad, an output whose tensors all hide in objects of the model's own
-            # gives no signal when the unit's backward starts. One with a tensor in sight
-            # does (an HF output beside its cache object, say).
-            signalled = (not torch.is_grad_enabled()
-                         or next(_tensors_needing_grad(output), None) is not None
-                         or not _opaque(output))
-            routed = attach_pre_backward(output, lambda: pre_backward(unit))
+            routed, signalled = attach_pre_backward(output, lambda: pre_backward(unit))
             with outside_inference_mode():
                 post_forward(unit, signalled)
             return routed
