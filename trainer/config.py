@@ -76,8 +76,17 @@ class OptimizerConfig:
     """Weight decay coefficient (dimensionless); must be >= 0."""
     adam_w_mode: bool = True
     """True: decoupled decay (torch AdamW). False: L2 added to the gradient (torch Adam)."""
+    bias_correction: bool = True
+    """DeepSpeed's Adam flag; only true (the moments' bias is always corrected)."""
+    amsgrad: bool = False
+    """torch's and DeepSpeed's flag; only false (no AMSGrad variant is built)."""
 
     def __post_init__(self) -> None:
+        check_value(self.bias_correction, "optimizer.params.bias_correction",
+                    self.bias_correction, "true only: offloadd's Adam always corrects the "
+                    "moments' bias")
+        check_value(not self.amsgrad, "optimizer.params.amsgrad", self.amsgrad,
+                    "false only: offloadd has no AMSGrad")
         check_value(self.lr >= 0, "optimizer.params.lr", self.lr, ">= 0")
         for beta in self.betas:
             check_value(0 <= beta < 1, "optimizer.params.betas", self.betas, "each in [0, 1)")

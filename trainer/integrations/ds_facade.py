@@ -65,30 +65,77 @@ VALID_LR_SCHEDULES = ["WarmupLR", "WarmupDecayLR"]
 _HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
-class DeepSpeedCPUAdam:
-    """What accelerate builds from a torch Adam/AdamW when the optimizer is offloaded.
+class DeepSpeedCPUAdam(torch.optim.Optimizer):
+    """DeepSpeed's CPU Adam, as scripts build it before ``deepspeed.initialize`` (DeepSpeed-Chat's
+    ``DeepSpeedCPUAdam(grouped_params, lr=..., betas=...)``) and as accelerate builds it from a
+    torch Adam/AdamW when the optimizer is offloaded.
 
-    Only a description: the step runs in offloadd (the daemon's CPU Adam).
+    Only a description: ``initialize`` turns it into the config's ``optimizer`` section and
+    param groups (``optimizer_section``), and the step runs in offloadd (the daemon's CPU
+    Adam). It is a ``torch.optim.Optimizer`` with complete groups, as DeepSpeed's is, so an
+    LR scheduler can be built over it first (torch's, ``transformers.get_scheduler``) and
+    passed as ``lr_scheduler=``: the groups are then the engine's (``link_groups``).
     """
 
-    def __init__(self, model_params: Any, lr: float = 1e-3,
+    ADAMW_KEYWORD = "adamw_mode"
+
+    def __init__(self, model_params: Any, lr: float = 1e-3, bias_correction: bool = True,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False, adamw_mode: bool = True,
-                 **_unused: Any) -> None:
+                 weight_decay: float = 0.0, amsgrad: bool = False, **options: Any) -> None:
+        name = type(self).__name__
+        adamw_mode = bool(options.pop(self.ADAMW_KEYWORD, True))
         if amsgrad:
-            raise ValueError("DeepSpeedCPUAdam(amsgrad=True) is not supported by offloadd: "
-                             "use amsgrad=False")
-        self.defaults = {"lr": lr, "betas": tuple(betas), "eps": eps,
-                         "weight_decay": weight_decay}
+            raise ValueError(f"{name}(amsgrad=True) is not supported by offloadd: use "
+                             "amsgrad=False")
+        if not bias_correction:
+            raise ValueError(f"{name}(bias_correction=False) is not supported by offloadd: its "
+                             "Adam always corrects the moments' bias")
+        _bare_optimizer(self, {"lr": lr, "betas": tuple(betas), "eps": eps,
+                               "weight_decay": weight_decay})
         self.adamw_mode = adamw_mode
         groups = model_params if isinstance(model_params, list) else list(model_params)
         if groups and not isinstance(groups[0], dict):
             groups = [{"params": groups}]
-        self.param_groups: list[dict[str, Any]] = groups
+        for group in groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+        self._param_groups: list[dict[str, Any]] = groups
         """As given: accelerate passes the torch optimizer's own list (see ``link_groups``)."""
         self.client: Any = _optimizer_owning(groups)
         """The torch optimizer whose ``param_groups`` list this is (the one the user's LR
         scheduler holds), or None."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self._param_groups
+
+    def step(self, closure: Callable[[], Any] | None = None) -> None:  # type: ignore[override]
+        raise RuntimeError(f"{type(self).__name__} only describes the optimizer: step the engine "
+                           "deepspeed.initialize returned (engine.step())")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in offloadd and are overwritten each window."""
+
+
+class FusedAdam(DeepSpeedCPUAdam):
+    """DeepSpeed's GPU Adam (``deepspeed.ops.adam.FusedAdam``), which DeepSpeed-Chat builds when
+    the optimizer is not offloaded: offloadd steps every optimizer on the host, so it is the
+    same description as ``DeepSpeedCPUAdam`` (its decoupled-decay switch is ``adam_w_mode``)."""
+
+    ADAMW_KEYWORD = "adam_w_mode"
+
+
+def _bare_optimizer(optimizer: torch.optim.Optimizer, defaults: dict[str, Any]) -> None:
+    """What torch's LR schedulers and optimizer hooks read from an optimizer, set without
+    ``torch.optim.Optimizer.__init__`` (whose param groups would be new dicts)."""
+    optimizer.defaults = defaults
+    optimizer.state = defaultdict(dict)
+    optimizer._optimizer_step_pre_hooks = OrderedDict()
+    optimizer._optimizer_step_post_hooks = OrderedDict()
+    optimizer._optimizer_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_state_dict_post_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
 
 
 def _optimizer_owning(groups: list[dict[str, Any]]) -> torch.optim.Optimizer | None:
@@ -118,8 +165,6 @@ def optimizer_section(optimizer: Any) -> tuple[dict[str, Any], list[dict[str, An
     if any(group.get("amsgrad") for group in optimizer.param_groups):
         raise ValueError("amsgrad=True is not supported by offloadd: use amsgrad=False")
     defaults = {key: optimizer.defaults[key] for key in _HYPER_KEYS}
-    if isinstance(optimizer, DeepSpeedCPUAdam):
-        optimizer.param_groups[:] = [{**defaults, **group} for group in optimizer.param_groups]
     section = {"type": "AdamW" if decoupled else "Adam",
                "params": {**defaults, "betas": list(defaults["betas"]),
                           "adam_w_mode": decoupled}}
@@ -139,15 +184,8 @@ class OptimizerView(torch.optim.Optimizer):
 
     def __init__(self, zero: ZeroOptimizer) -> None:  # no super().__init__: no params here
         self.zero = zero
-        self.defaults = {key: value for key, value in zero.param_groups[0].items()
-                         if key != "params"}
-        self.state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
-        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        _bare_optimizer(self, {key: value for key, value in zero.param_groups[0].items()
+                               if key != "params"})
         self.overflow = False
         """The last boundary's step was skipped (fp16 overflow); accelerate reads it."""
 
@@ -348,9 +386,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
             raise ValueError("got both an optimizer object and an 'optimizer' config "
                              "section: remove one of them")
         settings["optimizer"], model_parameters = optimizer_section(optimizer)
+    _check_client_scheduler(lr_scheduler, optimizer, settings)
     stage = settings.get("zero_optimization", {}).get("stage", 0)
     inference = "optimizer" not in settings and stage == 3
-    engine, zero, loader, scheduler = api.initialize(
+    engine, zero, loader, _built = api.initialize(
         model=model, model_parameters=model_parameters, config=settings,
         training_data=training_data, collate_fn=collate_fn,
         dist_init_required=dist_init_required, inference=inference)
@@ -359,8 +398,9 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         link_groups(client if client is not None else optimizer, zero)
     view = OptimizerView(zero)
     mark_stepped_by(zero, view)  # HF builds its scheduler over the view (lr_scheduler=)
-    if lr_scheduler is not None:
-        engine.lr_scheduler = _client_scheduler(lr_scheduler, view, scheduler)
+    if lr_scheduler is not None:  # the object itself, or the callable's over the view
+        engine.lr_scheduler = (lr_scheduler if hasattr(lr_scheduler, "step")
+                               else lr_scheduler(view))
     wrapped = DeepSpeedEngine(engine, settings, view)
     return wrapped, view, loader, wrapped.lr_scheduler
 
@@ -399,15 +439,28 @@ def mark_stepped_by(zero: ZeroOptimizer, optimizer: Any) -> None:
     zero.after_step.append(mark_stepped)
 
 
-def _client_scheduler(lr_scheduler: Any, view: OptimizerView, built: Any) -> Any:
-    if built is not None:
+def _check_client_scheduler(lr_scheduler: Any, optimizer: Any, settings: dict[str, Any]) -> None:
+    """Refuse, before anything is built, an ``lr_scheduler=`` the engine cannot step.
+
+    DeepSpeed takes a callable (built here over the engine's optimizer) or a scheduler
+    object; an object must have been built over the ``optimizer=`` object, whose groups
+    become the engine's (``link_groups``), or its ``lr`` writes would never reach a step."""
+    if lr_scheduler is None:
+        return
+    if "scheduler" in settings:
         raise ValueError("got both an lr_scheduler and a 'scheduler' config section: "
                          "remove one of them")
-    if not callable(lr_scheduler) or hasattr(lr_scheduler, "step"):
-        raise ValueError("pass lr_scheduler as a callable taking the optimizer (the engine "
-                         "builds the scheduler over its own optimizer), or use a 'scheduler' "
-                         "config section")
-    return lr_scheduler(view)
+    if hasattr(lr_scheduler, "step"):
+        bound = getattr(lr_scheduler, "optimizer", None)
+        linked = (optimizer, getattr(optimizer, "client", None))
+        if bound is None or not any(bound is candidate for candidate in linked):
+            raise ValueError("the lr_scheduler object was not built over the optimizer passed as "
+                             "optimizer=, so its learning rates would never reach offloadd's "
+                             "steps: build it over that optimizer, pass a callable taking the "
+                             "optimizer, or use a 'scheduler' config section")
+    elif not callable(lr_scheduler):
+        raise ValueError("pass lr_scheduler as a scheduler built over the optimizer= object, a "
+                         "callable taking the optimizer, or use a 'scheduler' config section")
 
 
 def _read_json(path: Any) -> dict[str, Any]:

@@ -126,7 +126,8 @@ def _facade_modules() -> dict[str, types.ModuleType]:
             "deepspeed.runtime.lr_schedules", VALID_LR_SCHEDULES=ds_facade.VALID_LR_SCHEDULES),
         "deepspeed.ops": _module("deepspeed.ops"),
         "deepspeed.ops.adam": _module("deepspeed.ops.adam",
-                                      DeepSpeedCPUAdam=ds_facade.DeepSpeedCPUAdam),
+                                      DeepSpeedCPUAdam=ds_facade.DeepSpeedCPUAdam,
+                                      FusedAdam=ds_facade.FusedAdam),
         "deepspeed.accelerator": _module("deepspeed.accelerator",
                                          get_accelerator=ds_facade.get_accelerator),
         # accelerate launch reads it before it starts torchrun (its multi-node pdsh
