@@ -13,12 +13,18 @@ config's Adam params was an unknown key, and ``bias_correction=False`` was silen
 the module's daemon, against torch AdamW with the same groups and the same scheduler on the
 union of both ranks' micro-batches: every step's learning rates and the final weights; for
 ``DeepSpeedCPUAdam`` the run is cut by a checkpoint, and the second half is a fresh process
-state (new model, optimizer and scheduler objects) that loads it.
+state (new model, optimizer and scheduler objects) that loads it. The weights are saved as
+DeepSpeed-Chat's ``save_zero_three_model`` does (``GatheredParameters`` over the parameters
+whose ``ds_status`` is ``ZeroParamStatus.NOT_AVAILABLE``, imported from
+``deepspeed.runtime.zero.partition_parameters``), which before found neither the name nor
+the attribute; ``ds_status`` says whether the full value is there, inside each forward and
+between steps.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import pytest
@@ -67,8 +73,42 @@ def train(engine: Any, steps: range, rank: int) -> list[list[float]]:
     return lrs
 
 
+def save_zero_three_model(model_ema: Any, global_rank: int, save_dir: str) -> None:
+    """DeepSpeed-Chat's ``utils.save_zero_three_model`` at stage 3, as written there."""
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    def _z3_params_to_fetch(param_list: list[Any]) -> list[Any]:
+        return [p for p in param_list
+                if hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+
+    output_model_file = os.path.join(save_dir, "pytorch_model.bin")
+    model_to_save = model_ema.module if hasattr(model_ema, "module") else model_ema
+    output_state_dict = {}
+    for k, v in model_to_save.named_parameters():
+        if hasattr(v, "ds_id"):
+            with deepspeed.zero.GatheredParameters(_z3_params_to_fetch([v]), enabled=True):
+                v_p = v.data.cpu()
+        else:
+            v_p = v.cpu()
+        if global_rank == 0 and "lora" not in k:
+            output_state_dict[k] = v_p
+    if global_rank == 0:
+        torch.save(output_state_dict, output_model_file)
+
+
+def status_matches_storage(module: torch.nn.Module, seen: list[str]) -> None:
+    """Record each parameter's ``ds_status`` and whether it says what its storage holds."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    for name, param in module.named_parameters():
+        whole = param.numel() == param.ds_numel
+        assert (param.ds_status == ZeroParamStatus.AVAILABLE) == whole, (name, param.ds_status)
+        seen.append(param.ds_status.name)
+
+
 def chat_style(rank: int, world: int, socket: str, tmp: str, kind: str, cut: int
-               ) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+               ) -> tuple[list[list[float]], dict[str, torch.Tensor], list[str]]:
     import trainer.deepspeed  # noqa: F401  - the line a DeepSpeed script adds, first
 
     # isort: split
@@ -85,7 +125,11 @@ def chat_style(rank: int, world: int, socket: str, tmp: str, kind: str, cut: int
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                           lr_scheduler=schedule(optimizer), config=config,
                                           dist_init_required=True)
+        block = model.blocks[1]  # a unit; its fc1 runs while it is gathered
+        block.fc1.register_forward_pre_hook(lambda *_: status_matches_storage(block, seen))
         return engine
+
+    seen: list[str] = []
 
     engine = initialize()
     try:
@@ -96,7 +140,9 @@ def chat_style(rank: int, world: int, socket: str, tmp: str, kind: str, cut: int
             engine = initialize()
             engine.load_checkpoint(tmp, tag="cut")
         lrs += train(engine, range(cut, STEPS), rank)
-        return lrs, consolidate_fp32_state_dict(engine.engine)
+        status_matches_storage(engine.module, seen)
+        save_zero_three_model(engine, rank, tmp)
+        return lrs, consolidate_fp32_state_dict(engine.engine), seen
     finally:
         engine.close()
 
@@ -123,12 +169,15 @@ def test_optimizer_and_scheduler_objects_train_as_torch(daemon: Any, tmp_path: A
     expected_lrs, expected = reference()
     assert expected_lrs[0] != expected_lrs[-1]  # the schedule moves: warm-up, then cosine
     results = run_ranks(chat_style, RANKS, str(daemon.socket_path), str(tmp_path), kind, cut)
-    for lrs, _ in results:
+    for lrs, _, seen in results:
         assert len(lrs) == STEPS
         for ours, theirs in zip(lrs, expected_lrs, strict=True):
             assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(ours, theirs,
                                                                          strict=True))
+        assert {"AVAILABLE", "NOT_AVAILABLE"} <= set(seen)
     assert max_relative_error(results[0][1], expected) < 2e-5
+    saved = torch.load(tmp_path / "pytorch_model.bin")
+    assert max_relative_error(saved, expected) < 2e-5
 
 
 def test_a_scheduler_over_another_optimizer_or_an_unsupported_adam_names_the_fix() -> None:

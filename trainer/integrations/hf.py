@@ -36,6 +36,7 @@ from trainer.integrations.versions import check_versions
 from trainer.state import zero_to_fp32
 from trainer.zero import checkpointing, estimate, external, param_state
 from trainer.zero import init as zero_init
+from trainer.zero.partition import ZeroParamStatus
 
 FACADE_VERSION = "0.18.0+offloadd"
 """The DeepSpeed version the facade reports: the API level accelerate/transformers
@@ -111,11 +112,15 @@ def _facade_modules() -> dict[str, types.ModuleType]:
             "deepspeed.checkpoint.utils",
             clone_tensors_for_torch_save=ds_facade.clone_tensors_for_torch_save),
         "deepspeed.runtime": _module("deepspeed.runtime"),
-        "deepspeed.runtime.zero": _module("deepspeed.runtime.zero"),
+        "deepspeed.runtime.zero": _module(
+            "deepspeed.runtime.zero", ZeroParamStatus=ZeroParamStatus, Init=zero_init.Init,
+            GatheredParameters=ds_facade.GatheredParameters),
         "deepspeed.runtime.zero.partition_parameters": _module(
             "deepspeed.runtime.zero.partition_parameters",
             zero_wrapper_for_fp_tensor_constructor=ds_facade.zero_wrapper_for_fp_tensor_constructor,
-            _orig_torch_arange=torch.arange, get_accelerator=ds_facade.get_accelerator),
+            _orig_torch_arange=torch.arange, get_accelerator=ds_facade.get_accelerator,
+            ZeroParamStatus=ZeroParamStatus, Init=zero_init.Init,
+            GatheredParameters=ds_facade.GatheredParameters),
         "deepspeed.runtime.zero.stage3": _module(
             "deepspeed.runtime.zero.stage3",
             **{name: getattr(estimate, name) for name in estimate.ZERO3_NAMES}),

@@ -81,7 +81,7 @@ from trainer.state.reshard import (
 from trainer.state.zero_to_fp32 import write_script
 from trainer.zero.engine import Engine
 from trainer.zero.init import handover_owner, unmaterialise
-from trainer.zero.partition import Unit
+from trainer.zero.partition import Unit, ZeroParamStatus
 
 
 @dataclass(frozen=True)
@@ -378,6 +378,8 @@ def restore_module(engine: Engine, *, handover: bool = False) -> None:
             if owner is None or not unmaterialise(param, slot.shape, owner):
                 param.data = full.narrow(0, slot.offset, slot.numel).view(slot.shape).to(
                     param.dtype, copy=True)
+        unit.set_status(ZeroParamStatus.AVAILABLE)
+        unit.described = False  # the module's own now: no gather or release will follow
 
 
 def _gather_master(engine: Engine, unit: Any) -> torch.Tensor:

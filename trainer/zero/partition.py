@@ -23,6 +23,7 @@ slice: ``[index * part_numel, (index + 1) * part_numel)``.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,17 @@ import torch
 from torch import nn
 
 from trainer.config import UnitsConfig
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's ``ds_status`` of a ZeRO-3 parameter: whether its full value is there now.
+    Scripts read it to gather only what is partitioned (DeepSpeed-Chat's and OpenRLHF's
+    ``_z3_params_to_fetch``: ``GatheredParameters`` over the ``NOT_AVAILABLE`` ones)."""
+
+    AVAILABLE = 1
+    NOT_AVAILABLE = 2
+    INFLIGHT = 3
+    """DeepSpeed's state for a gather in flight; offloadd's gathers set the value at once."""
 
 
 @dataclass(kw_only=True)
@@ -65,6 +77,9 @@ class Unit:
     """Full flat parameters in the training dtype, when materialised."""
     compute_device: torch.device | None = None
     """Where the full parameters and gradients live; None: where the parameters are."""
+    described: bool = False
+    """Its parameters carry DeepSpeed's ZeRO-3 attributes (``describe_sharded``), whose
+    ``ds_status`` follows every gather and release."""
 
     @property
     def trainable(self) -> bool:
@@ -106,6 +121,7 @@ class Unit:
         """Make every parameter a view into ``flat`` (the full buffer)."""
         for slot in self.slots:
             slot.param.data = flat.narrow(0, slot.offset, slot.numel).view(slot.shape)
+        self.set_status(ZeroParamStatus.AVAILABLE)
 
     def fragment_span(self, slot: ParamSlot) -> tuple[int, int]:
         """``[begin, end)`` in the flat buffer where ``slot``'s parameter meets this rank's
@@ -120,8 +136,9 @@ class Unit:
         which libraries read where ``numel()`` is 0 between gathers: ``ds_numel`` and
         ``ds_shape`` (the whole parameter: HF Trainer's and PEFT's parameter counts, PEFT's
         layer shapes), ``ds_id`` (unique, from ``first_id``) and ``partition_numel()`` (its
-        elements in this rank's partition: Lightning's ZeRO-3 model summary). Returns the
-        next free id."""
+        elements in this rank's partition: Lightning's ZeRO-3 model summary), and
+        ``ds_status`` (``ZeroParamStatus``, kept by every gather and release from now on).
+        Returns the next free id."""
         for offset, slot in enumerate(self.slots):
             param: Any = slot.param
             param.ds_numel = slot.numel
@@ -129,13 +146,22 @@ class Unit:
             param.ds_id = first_id + offset
             begin, end = self.fragment_span(slot)
             param.partition_numel = _Constant(end - begin)
+            param.ds_status = (ZeroParamStatus.AVAILABLE if param.numel() == slot.numel
+                               else ZeroParamStatus.NOT_AVAILABLE)
+        self.described = True
         return first_id + len(self.slots)
+
+    def set_status(self, status: ZeroParamStatus) -> None:
+        if self.described:
+            for slot in self.slots:
+                slot.param.ds_status = status  # type: ignore[attr-defined]
 
     def release_params(self) -> None:
         """Drop the parameters' storage; they become empty until the next gather."""
         empty = torch.empty(0, dtype=self.slots[0].param.dtype, device=self.device)
         for slot in self.slots:
             slot.param.data = empty
+        self.set_status(ZeroParamStatus.NOT_AVAILABLE)
 
 
 class _Constant:
