@@ -181,13 +181,8 @@ def test_optimizer_and_scheduler_objects_train_as_torch(daemon: Any, tmp_path: A
 
 
 def test_a_scheduler_over_another_optimizer_or_an_unsupported_adam_names_the_fix() -> None:
-    import trainer.deepspeed  # noqa: F401
-
-    # isort: split
-    from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
-
     from trainer.config import parse_config
-    from trainer.integrations.ds_facade import initialize
+    from trainer.integrations.ds_facade import DeepSpeedCPUAdam, FusedAdam, initialize
 
     model = make_model()
     stray = schedule(torch.optim.AdamW(model.parameters(), lr=1e-3))

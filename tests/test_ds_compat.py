@@ -200,3 +200,44 @@ def test_accelerate_free_memory_destroys_the_engine_and_keeps_the_weights() -> N
     pytest.importorskip("accelerate", reason="the hf extra is not installed")
     same = run_ranks(free_memory_then_prepare_again, 2)[0]
     assert same and all(same), same
+
+
+def test_the_engine_answers_deepspeeds_step_and_config_accessors() -> None:
+    """What training loops read from DeepSpeed's engine besides ``global_steps``
+    (Megatron-DeepSpeed's ``global_samples``, loggers' ``skipped_steps`` and ``get_mom``,
+    ``was_step_applied``, ``training_dataloader``, the ``zero_*``/batch getters): each
+    answers from the run, in fp16 where one step overflows. Before: AttributeError."""
+    from trainer.integrations.ds_facade import initialize
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "betas": [0.8, 0.95]}},
+              "fp16": {"enabled": True, "initial_scale_power": 4},
+              "gradient_clipping": 0.5, "steps_per_print": 7,
+              "zero_optimization": {"stage": 2}}
+    data = [make_batch(0, index, 0, 1) for index in range(16)]
+    model = make_model()
+    engine, _, loader, _ = initialize(model=model, model_parameters=model.parameters(),
+                                      config=config, training_data=data)
+    applied = []
+    try:
+        assert engine.training_dataloader is loader
+        for step in range(3):
+            for micro in range(2):
+                loss = engine(*make_batch(step, micro, 0, 4))
+                if step == 1:
+                    loss = loss * float("inf")  # the window's gradients overflow
+                engine.backward(loss)
+                engine.step()
+                applied.append(engine.was_step_applied())
+        assert applied == [False, True, False, False, False, True]
+        assert (engine.global_steps, engine.skipped_steps, engine.global_samples) == (3, 1, 24)
+        assert engine.get_mom() == [(0.8, 0.95)]
+        assert engine.get_batch_info() == (8, 4, 2) and engine.gradient_clipping() == 0.5
+        assert engine.steps_per_print() == 7 and not engine.wall_clock_breakdown()
+        assert (engine.dp_world_size, engine.mp_world_size) == (1, 1)
+        assert not (engine.zero_offload_optimizer() or engine.zero_offload_param()
+                    or engine.zero_cpu_offload() or engine.zero_optimization_partition_weights())
+        with pytest.raises(AttributeError, match="DeepSpeedEngine has no attribute 'no_such'"):
+            engine.no_such  # noqa: B018
+    finally:
+        engine.close()

@@ -220,7 +220,23 @@ class DeepSpeedEngine(nn.Module):
         """The DeepSpeed config dict (the Trainer reads ``config["zero_optimization"]``)."""
         self.optimizer = optimizer
         self.lr_scheduler = engine.lr_scheduler
+        self.training_dataloader: Any = None
+        """The loader ``initialize(training_data=)`` built (DeepSpeed's attribute), or None."""
         self._boundary: bool | None = None
+        self._applied = False
+
+    def __getattr__(self, name: str) -> Any:
+        """The engine's other DeepSpeed-named accessors (``global_samples``,
+        ``skipped_steps``, ``loss_scale``, ``micro_steps``) after the module's own names."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "engine":
+                raise
+        try:
+            return getattr(self.engine, name)
+        except AttributeError:
+            raise AttributeError(f"offloadd's DeepSpeedEngine has no attribute {name!r}") from None
 
     @property
     def module(self) -> nn.Module:
@@ -261,9 +277,16 @@ class DeepSpeedEngine(nn.Module):
 
     def step(self) -> None:
         skipped = self.engine.skipped_steps
+        boundary = self.engine.is_gradient_accumulation_boundary()
         self.engine.step()
         self.optimizer.overflow = self.engine.skipped_steps != skipped
+        self._applied = boundary and not self.optimizer.overflow
         self._boundary = None
+
+    def was_step_applied(self) -> bool:
+        """DeepSpeed's: whether the last ``step()`` updated the parameters (False inside an
+        accumulation window and on an fp16 overflow's skipped step)."""
+        return self._applied
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.engine.is_gradient_accumulation_boundary()
@@ -276,6 +299,46 @@ class DeepSpeedEngine(nn.Module):
 
     def get_lr(self) -> list[float]:
         return self.engine.get_lr()
+
+    def get_mom(self) -> list[tuple[float, float]]:
+        """Each group's Adam ``betas`` (DeepSpeed's momentum of an Adam optimizer)."""
+        return [tuple(group["betas"]) for group in self.optimizer.param_groups]
+
+    def gradient_clipping(self) -> float:
+        return self.engine.config.gradient_clipping
+
+    def get_batch_info(self) -> tuple[int, int, int]:
+        """``(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps)``."""
+        return (self.train_batch_size(), self.train_micro_batch_size_per_gpu(),
+                self.gradient_accumulation_steps())
+
+    def zero_offload_optimizer(self) -> bool:
+        return self.engine.config.zero_optimization.offload_optimizer.device != "none"
+
+    def zero_offload_param(self) -> bool:
+        return self.engine.config.zero_optimization.offload_param.device != "none"
+
+    def zero_cpu_offload(self) -> bool:
+        return self.engine.config.zero_optimization.offload_optimizer.device == "cpu"
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() >= 3
+
+    def steps_per_print(self) -> int:
+        """The config's value (DeepSpeed's default 10); offloadd logs no per-step lines."""
+        return int(self.config.get("steps_per_print", 10))
+
+    def wall_clock_breakdown(self) -> bool:
+        return bool(self.config.get("wall_clock_breakdown", False))
+
+    @property
+    def dp_world_size(self) -> int:
+        """Data-parallel ranks: every rank (offloadd has no model parallelism)."""
+        return self.engine.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        return 1
 
     @property
     def local_rank(self) -> int:
@@ -402,6 +465,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         engine.lr_scheduler = (lr_scheduler if hasattr(lr_scheduler, "step")
                                else lr_scheduler(view))
     wrapped = DeepSpeedEngine(engine, settings, view)
+    wrapped.training_dataloader = loader
     return wrapped, view, loader, wrapped.lr_scheduler
 
 
