@@ -69,12 +69,26 @@ def _edit_and_check(engine: Any, model: Any, rank: int) -> dict[str, Any]:
             wte[4].fill_(-7.0)  # not the modifier: must be discarded
     after = consolidate_fp32_state_dict(engine)
     ids = lm_tokens(0, 0)
+    everything = list(model.parameters())
     with torch.no_grad():
         engine.eval()
         loss = engine(input_ids=ids, labels=ids).loss.item()
+        # Inside GatheredParameters the parameters stay whole through a forward (its hooks
+        # released each unit after use) and through a nested context's exit (it released
+        # them for the outer context too).
+        with GatheredParameters(everything):
+            inside = engine(input_ids=ids, labels=ids).loss.item()
+            whole = [p.numel() == _numel(p) for p in everything]
+            with GatheredParameters([wte]):
+                pass
+            whole += [p.numel() == _numel(p) for p in everything]
         engine.train()
     return {"shape": gathered_shape, "sum": gathered_sum, "before": before, "after": after,
-            "loss": loss}
+            "loss": loss, "inside": inside, "whole": whole}
+
+
+def _numel(param: torch.Tensor) -> int:
+    return int(getattr(param, "ds_numel", param.numel()))
 
 
 def train_rank(rank: int, world: int, device: str) -> list[Any]:
@@ -141,6 +155,7 @@ def test_zero_init_offload_none_matches_eager() -> None:
         mask[3] = False
         assert torch.equal(after[wte][mask], before[wte][mask])  # fp32 master kept exactly
         assert torch.equal(after["lm_head.weight"], after[wte])
+        assert all(edits["whole"]) and edits["inside"] == edits["loss"]
     for case0, case1 in zip(results[0], results[1], strict=True):
         assert case0["edits"]["sum"] == case1["edits"]["sum"]
         assert case0["edits"]["loss"] == case1["edits"]["loss"]

@@ -182,8 +182,9 @@ class OptimizerView(torch.optim.Optimizer):
     the accumulation boundary inside ``backward``/``step``.
     """
 
-    def __init__(self, zero: ZeroOptimizer) -> None:  # no super().__init__: no params here
+    def __init__(self, zero: ZeroOptimizer, module: nn.Module) -> None:  # no params here
         self.zero = zero
+        self.parameter_offload = ParameterOffload(module)
         _bare_optimizer(self, {key: value for key, value in zero.param_groups[0].items()
                                if key != "params"})
         self.overflow = False
@@ -204,6 +205,29 @@ class OptimizerView(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.zero.load_state_dict(state_dict)
+
+
+class ParameterOffload:
+    """``engine.optimizer.parameter_offload`` (DeepSpeed's ``DeepSpeedZeRoOffload``), as TRL's
+    ``unwrap_model_for_generation`` uses it around a generation with every parameter
+    gathered: it removes the ``forward_hooks`` and ``backward_hooks`` listed here, then
+    registers the module's hooks again (``_register_deepspeed_module``).
+
+    offloadd's unit hooks are not in these lists and stay installed: inside
+    ``GatheredParameters`` over every parameter each unit is held gathered, so they gather
+    and release nothing (``tests/test_trl_generation.py`` counts it), and a generation with
+    the model's own hooks left in place is what the engine's evaluation passes already run.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.forward_hooks: list[Any] = []
+        self.backward_hooks: list[Any] = []
+
+    def _register_deepspeed_module(self, module: nn.Module, count: Any = None) -> None:
+        """Nothing was removed (the class docstring), so nothing is registered again."""
+
+    _register_hooks_recursively = _register_deepspeed_module  # DeepSpeed before 0.16.4
 
 
 class AccumulationMismatchError(ValueError):
@@ -459,7 +483,7 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
     if optimizer is not None:
         client = optimizer.client if isinstance(optimizer, DeepSpeedCPUAdam) else optimizer
         link_groups(client if client is not None else optimizer, zero)
-    view = OptimizerView(zero)
+    view = OptimizerView(zero, engine.module)
     mark_stepped_by(zero, view)  # HF builds its scheduler over the view (lr_scheduler=)
     if lr_scheduler is not None:  # the object itself, or the callable's over the view
         engine.lr_scheduler = (lr_scheduler if hasattr(lr_scheduler, "step")

@@ -360,7 +360,7 @@ class OffloaddStrategy(DDPStrategy):
             ds_facade.link_groups(client_optimizer, zero)
         self.engine = engine
         self.model = engine
-        self.optimizers = [ds_facade.OptimizerView(zero)]
+        self.optimizers = [ds_facade.OptimizerView(zero, engine.module)]
 
     def _initialize_evaluation_engine(self, trainer_: LightningTrainer) -> None:
         """An engine over a module no engine holds, for ``test``/``validate``/``predict``:

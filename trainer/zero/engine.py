@@ -521,6 +521,10 @@ class Engine(nn.Module):
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
+        """The last applied window's global gradient norm (unscaled), computed where a step
+        needs it: with ``gradient_clipping`` or fp16's overflow check. None otherwise (each
+        unit's step then starts in backward; DeepSpeed computes the norm anyway, which on
+        the host path is one more pass over every gradient a step)."""
         return self.optimizer.last_grad_norm
 
     def gradient_accumulation_steps(self) -> int:

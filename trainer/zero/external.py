@@ -27,6 +27,7 @@ engine's forward see the released parameter, as in DeepSpeed: gather it with
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 from collections.abc import Callable, Iterable
@@ -96,6 +97,13 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
         engine.external.forget(module, parameter)
 
 
+def external_parameters(module: nn.Module) -> list[tuple[int, nn.Parameter]]:
+    """DeepSpeed's ``module.ds_external_parameters()`` (every module of a stage-3 model has
+    it): the parameters declared used by ``module``'s forward (``register_external_parameter``),
+    as (id, parameter) pairs. TRL lists them beside a model's own parameters."""
+    return list(module.__dict__.get(_REGISTERED, {}).items())
+
+
 def _engine_of(parameter: nn.Parameter) -> Any:
     ref = getattr(parameter, "_zero_engine", None)
     return ref() if ref is not None else None
@@ -131,9 +139,12 @@ class ExternalParams:
         self.num_found = 0
         """Uses found by a read of a released parameter (each gathers on demand once)."""
         self._watch(model)
-        for module in model.modules():
+        self._described = list(model.modules())
+        for module in self._described:
             for param in module.__dict__.get(_REGISTERED, {}).values():
                 self.declare(module, param)
+            module.__dict__["ds_external_parameters"] = functools.partial(external_parameters,
+                                                                         module)
 
     def _watch(self, model: nn.Module) -> None:
         callback = _weak_method(self._on_released)
@@ -165,6 +176,9 @@ class ExternalParams:
             if isinstance(current, _WatchedParameters):
                 module.__dict__["_parameters"] = dict(current)
         self._watched.clear()
+        for module in self._described:
+            module.__dict__.pop("ds_external_parameters", None)
+        self._described.clear()
 
     # ------------------------------------------------------------- declared uses
 

@@ -98,6 +98,8 @@ class FullParams:
         self._held: dict[int, None] = {}
         """Indices of the units kept gathered past their backward (``hold``), oldest first
         (a dict as an ordered set)."""
+        self._pins: dict[int, int] = {}
+        """Unit index -> open ``pin`` calls (``zero.GatheredParameters`` contexts)."""
 
     def adopt(self, unit: Unit) -> None:
         unit.release_params()
@@ -136,8 +138,27 @@ class FullParams:
             self.num_prefetched += 1
             inflight += 1
 
-    def free(self, unit: Unit) -> None:
-        """Drop the full parameters (after any all-gather into them completes)."""
+    def pin(self, unit: Unit) -> None:
+        """Gather ``unit`` and keep it gathered until as many ``unpin`` calls: the forward
+        and backward hooks' releases pass it over (a generation inside
+        ``GatheredParameters`` over every parameter gathers nothing again, and a nested
+        context's exit leaves the outer one's parameters in place)."""
+        self._pins[unit.index] = self._pins.get(unit.index, 0) + 1
+        self.gather(unit)
+
+    def unpin(self, unit: Unit) -> None:
+        left = self._pins.pop(unit.index) - 1
+        if left:
+            self._pins[unit.index] = left
+        else:
+            self.free(unit)
+
+    def free(self, unit: Unit, *, stale: bool = False) -> None:
+        """Drop the full parameters (after any all-gather into them completes); a pinned
+        unit's stay, unless ``stale`` (its partition was stepped: the next use gathers the
+        new values, and they stay while pinned)."""
+        if unit.index in self._pins and not stale:
+            return
         buffer = self._buffers[unit.index]
         if buffer.state is GatherState.GATHERING:
             self._finish(buffer)
@@ -165,7 +186,7 @@ class FullParams:
         Backward runs the forward's order in reverse, so the unit held last is the first
         the next forward needs: older held units are freed first to make room."""
         buffer = self._buffers[unit.index]
-        if buffer.state is GatherState.FREE:
+        if buffer.state is GatherState.FREE or unit.index in self._pins:
             return
         self._held.pop(unit.index, None)
         while self.live_numel > limit_numel and self._held:

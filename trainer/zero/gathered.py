@@ -60,7 +60,7 @@ class GatheredParameters:
         if not self.enabled:
             return self
         for engine, unit in self._targets:
-            engine.placement.gather(unit)
+            engine.placement.pin(unit)  # the engine's hooks leave it gathered until __exit__
             if self.modifier_rank is not None:
                 self._before.append(unit.flatten_params(engine.precision.dtype))
         return self
@@ -68,13 +68,12 @@ class GatheredParameters:
     def __exit__(self, *exc: object) -> None:
         if not self.enabled:
             return
-        if self.modifier_rank is None:
-            for engine, unit in self._targets:
-                engine.placement.release(unit)
-            return
-        for (engine, unit), before in zip(self._targets, self._before, strict=True):
-            _write_back(engine, unit, before, self.modifier_rank)
-        self._before = []
+        if self.modifier_rank is not None:
+            for (engine, unit), before in zip(self._targets, self._before, strict=True):
+                _write_back(engine, unit, before, self.modifier_rank)  # while still pinned
+            self._before = []
+        for engine, unit in self._targets:
+            engine.placement.unpin(unit)
 
 
 def _write_back(engine: Engine, unit: Unit, before: torch.Tensor, modifier_rank: int) -> None:

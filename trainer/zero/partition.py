@@ -136,8 +136,9 @@ class Unit:
         which libraries read where ``numel()`` is 0 between gathers: ``ds_numel`` and
         ``ds_shape`` (the whole parameter: HF Trainer's and PEFT's parameter counts, PEFT's
         layer shapes), ``ds_id`` (unique, from ``first_id``) and ``partition_numel()`` (its
-        elements in this rank's partition: Lightning's ZeRO-3 model summary), and
-        ``ds_status`` (``ZeroParamStatus``, kept by every gather and release from now on).
+        elements in this rank's partition: Lightning's ZeRO-3 model summary),
+        ``ds_status`` (``ZeroParamStatus``, kept by every gather and release from now on)
+        and ``ds_active_sub_modules``.
         Returns the next free id."""
         for offset, slot in enumerate(self.slots):
             param: Any = slot.param
@@ -148,6 +149,7 @@ class Unit:
             param.partition_numel = _Constant(end - begin)
             param.ds_status = (ZeroParamStatus.AVAILABLE if param.numel() == slot.numel
                                else ZeroParamStatus.NOT_AVAILABLE)
+            param.ds_active_sub_modules = set()  # DeepSpeed's; TRL clears it, nothing reads it
         self.described = True
         return first_id + len(self.slots)
 

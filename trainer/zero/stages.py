@@ -134,6 +134,12 @@ class Placement(abc.ABC):
     def release(self, unit: Unit) -> None:  # noqa: B027 - replicated params are always there
         """Drop the unit's full parameters."""
 
+    def pin(self, unit: Unit) -> None:  # noqa: B027 - replicated params are always there
+        """Gather the unit and keep it gathered until ``unpin`` (``FullParams.pin``)."""
+
+    def unpin(self, unit: Unit) -> None:  # noqa: B027 - replicated params are always there
+        """End one ``pin``; the last one releases the unit."""
+
     def hold(self, unit: Unit, limit_numel: int) -> None:  # noqa: B027 - always there
         """Keep the unit's full parameters past its backward while everything gathered
         fits ``limit_numel`` elements, else drop them (``FullParams.hold``)."""
@@ -210,6 +216,12 @@ class Sharded(Placement):
     def release(self, unit: Unit) -> None:
         self.full.free(unit)
 
+    def pin(self, unit: Unit) -> None:
+        self.full.pin(unit)
+
+    def unpin(self, unit: Unit) -> None:
+        self.full.unpin(unit)
+
     def hold(self, unit: Unit, limit_numel: int) -> None:
         self.full.hold(unit, limit_numel)
 
@@ -225,7 +237,7 @@ class Sharded(Placement):
         return self.full.live_numel
 
     def after_step(self, unit: Unit) -> None:
-        self.full.free(unit)  # gathered before this step: stale now
+        self.full.free(unit, stale=True)  # gathered before this step: stale now
         self.source.refresh(unit)
 
 
