@@ -261,6 +261,17 @@ class CheckpointedNet(TinyNet):
         return torch.nn.functional.cross_entropy(self.head(hidden).float(), labels)
 
 
+def tiny_gpt2(n_layer: int) -> Any:
+    """A seeded GPT-2 LM of ``n_layer`` blocks (width 32, vocabulary 97, no dropout; token 0
+    is BOS, EOS and padding) for generation tests."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=n_layer, n_embd=32, n_head=2, vocab_size=97, n_positions=32, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+
+
 def make_batch(step: int, micro: int, rank: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
     features = torch.randn(batch, 7, generator=generator)

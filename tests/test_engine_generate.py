@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import run_ranks, shared_daemon
+from _dist import run_ranks, shared_daemon, tiny_gpt2
 
 import trainer
 
@@ -25,10 +25,7 @@ PROMPT = 5
 
 
 def _model() -> Any:
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=3, n_embd=32, n_head=2, vocab_size=97, n_positions=32, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    return tiny_gpt2(3)
 
 
 def _prompt(rank: int) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from _dist import max_relative_error, run_ranks
+from _dist import max_relative_error, run_ranks, tiny_gpt2
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 pytest.importorskip("accelerate", reason="the hf extra is not installed")
@@ -33,10 +33,7 @@ NEW_TOKENS = 4
 
 
 def gpt2() -> Any:
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=97, n_positions=32, resid_pdrop=0.0,
-        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    return tiny_gpt2(2)
 
 
 def adamw(params: Any) -> torch.optim.AdamW:
