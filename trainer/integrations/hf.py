@@ -34,7 +34,7 @@ from trainer.dist import comm
 from trainer.integrations import ds_facade
 from trainer.integrations.versions import check_versions
 from trainer.state import zero_to_fp32
-from trainer.zero import checkpointing, estimate, external, param_state
+from trainer.zero import checkpointing, estimate, external, param_state, partition
 from trainer.zero import init as zero_init
 from trainer.zero.partition import ZeroParamStatus
 
@@ -103,7 +103,9 @@ def _facade_modules() -> dict[str, types.ModuleType]:
             "deepspeed.checkpointing",
             **{name: getattr(checkpointing, name) for name in checkpointing.DEEPSPEED_NAMES}),
         "deepspeed.utils": _module("deepspeed.utils", logger=ds_facade.logger,
-                                   **param_state.DEEPSPEED_NAMES),
+                                   **param_state.DEEPSPEED_NAMES,
+                                   **{name: getattr(partition, name)
+                                      for name in partition.LEAF_NAMES}),
         "deepspeed.utils.zero_to_fp32": _module(
             "deepspeed.utils.zero_to_fp32",
             **{name: getattr(zero_to_fp32, name) for name in zero_to_fp32.DEEPSPEED_NAMES}),

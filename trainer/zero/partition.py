@@ -187,7 +187,8 @@ _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
 
 def find_unit_modules(model: nn.Module, config: UnitsConfig) -> list[tuple[str, nn.Module]]:
-    """Root first, then unit submodules in module-traversal order."""
+    """Root first, then unit submodules in module-traversal order; none strictly inside a
+    leaf module (``set_z3_leaf_modules``): a leaf with units inside is their unit."""
     if config.module_classes:
         chosen = _modules_by_class(model, config.module_classes)
     elif config.min_num_params is not None:
@@ -195,10 +196,65 @@ def find_unit_modules(model: nn.Module, config: UnitsConfig) -> list[tuple[str, 
         _auto_wrap(model, config.min_num_params, chosen, is_root=True)
     else:
         chosen = _default_blocks(model)
+    chosen = _lift_to_leaves(model, chosen)
     units = [("", model)]
     units += [(name, module) for name, module in model.named_modules()
               if module is not model and id(module) in chosen]
     return units
+
+
+LEAF_NAMES = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "z3_leaf_module",
+              "get_z3_leaf_modules")
+"""The leaf-module functions ``deepspeed.utils`` has (the DeepSpeed facade exports them)."""
+
+LEAF_ATTRIBUTE = "_z3_leaf"
+"""DeepSpeed's flag on a module whose whole subtree is gathered at its forward."""
+
+
+def set_z3_leaf_modules(model: nn.Module, leaf_module_classes: list[type | str]
+                        ) -> list[nn.Module]:
+    """DeepSpeed's ``deepspeed.utils.set_z3_leaf_modules``, before ``initialize``: the
+    modules of these classes (types or class names) are gathered whole when their forward
+    starts, with no unit inside them. A mixture-of-experts block runs only the experts its
+    router picks, a different set on each rank; an expert that was a unit of its own would
+    gather (a collective) on some ranks only (LLaMA-Factory and TRL mark the MoE blocks of
+    Mixtral, Qwen-MoE and DeepSeek this way). Returns the modules marked."""
+    return _mark_leaves(model, leaf_module_classes, True)
+
+
+def unset_z3_leaf_modules(model: nn.Module, leaf_module_classes: list[type | str]
+                          ) -> list[nn.Module]:
+    """Undo ``set_z3_leaf_modules`` for these classes (before ``initialize``)."""
+    return _mark_leaves(model, leaf_module_classes, False)
+
+
+def z3_leaf_module(model: nn.Module) -> bool:
+    """Whether ``set_z3_leaf_modules`` marked this module."""
+    return bool(getattr(model, LEAF_ATTRIBUTE, False))
+
+
+def get_z3_leaf_modules(model: nn.Module) -> list[nn.Module]:
+    return [module for module in model.modules() if z3_leaf_module(module)]
+
+
+def _mark_leaves(model: nn.Module, classes: list[type | str], flag: bool) -> list[nn.Module]:
+    names = {cls if isinstance(cls, str) else cls.__name__ for cls in classes}
+    marked = [module for module in model.modules() if type(module).__name__ in names]
+    if not marked:
+        raise ValueError(f"no module of the classes {sorted(names)} in the model: name the "
+                         f"classes of its blocks (e.g. MixtralSparseMoeBlock)")
+    for module in marked:
+        setattr(module, LEAF_ATTRIBUTE, flag)
+    return marked
+
+
+def _lift_to_leaves(model: nn.Module, chosen: set[int]) -> set[int]:
+    """``chosen`` with the modules strictly inside a leaf replaced by the leaf."""
+    for leaf in get_z3_leaf_modules(model):  # outer leaves first (pre-order)
+        inner = {id(module) for module in leaf.modules() if module is not leaf}
+        if chosen & inner:
+            chosen = (chosen - inner) | {id(leaf)}
+    return chosen
 
 
 def _modules_by_class(model: nn.Module, class_names: tuple[str, ...]) -> set[int]:

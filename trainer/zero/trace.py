@@ -31,8 +31,9 @@ FIX = ("Under ZeRO stage 3 every rank must run the same units in the same order 
        "(rank-dependent control flow such as MoE experts that got no tokens or LayerDrop "
        "skips units on some ranks). Run every unit on every rank (call idle experts on an "
        "empty batch; draw LayerDrop decisions from a generator seeded identically on all "
-       "ranks), put the conditional modules inside one unit (units.module_classes), or use "
-       "stage 2, which does not gather parameters.")
+       "ranks), put the conditional modules inside one unit (units.module_classes, or mark "
+       "the enclosing block a leaf before initialize: deepspeed.utils.set_z3_leaf_modules("
+       "model, [MoeBlockClass])), or use stage 2, which does not gather parameters.")
 
 
 class TraceDivergenceError(RuntimeError):
