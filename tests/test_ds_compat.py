@@ -241,3 +241,45 @@ def test_the_engine_answers_deepspeeds_step_and_config_accessors() -> None:
             engine.no_such  # noqa: B018
     finally:
         engine.close()
+
+
+def test_trl_reference_model_config_with_dotted_keys() -> None:
+    """TRL's ``prepare_deepspeed`` (its DPO/GRPO reference model under ZeRO-3) copies the
+    Accelerate plugin's config and adds ``"zero_optimization.reduce_bucket_size"``-style
+    top-level keys, then ``deepspeed.initialize(model=model, config=config_kwargs)`` with no
+    optimizer. Before: unknown top-level keys. Now each is read at its path where the
+    section leaves it unset; where the section sets it, the section's value stands (all
+    DeepSpeed reads) with a warning; a dotted key naming no config key is still refused.
+    The reference model's forward then equals the plain model's."""
+    import warnings
+
+    from trainer.integrations.ds_facade import initialize
+
+    hidden = 13
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 4,
+        "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 1000},
+        "zero_optimization.reduce_bucket_size": hidden * hidden,
+        "zero_optimization.stage3_param_persistence_threshold": 10 * hidden,
+        "zero_optimization.stage3_max_live_parameters": 2_000_000,
+        "zero_optimization.stage3_prefetch_bucket_size": 0.9 * hidden * hidden,
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        parsed = parse_config(config)
+    assert parsed.zero_optimization.stage3_max_live_parameters == 2_000_000
+    assert parsed.zero_optimization.stage3_prefetch_bucket_size == 1000
+    assert [str(w.message) for w in caught if "stage3_prefetch_bucket_size" in str(w.message)]
+    assert "zero_optimization.reduce_bucket_size" in config  # the caller's dict is unchanged
+    with pytest.raises(ValueError, match="no_such_key"):
+        parse_config({**config, "zero_optimization.no_such_key": 1})
+
+    model = make_model()
+    expected = model(*make_batch(0, 0, 0, 4)).item()
+    engine, *_ = initialize(model=model, config=config)
+    try:
+        engine.eval()
+        with torch.no_grad():
+            assert engine(*make_batch(0, 0, 0, 4)).item() == pytest.approx(expected, rel=1e-6)
+    finally:
+        engine.close()

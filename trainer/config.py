@@ -34,6 +34,7 @@ from trainer.config_parse import (
     build_section,
     check_value,
     flatten_typed_section,
+    nest_dotted_keys,
     reporting_ignored,
 )
 from trainer.config_schedulers import (
@@ -513,7 +514,7 @@ def parse_config(source: dict[str, Any] | str | Path | EngineConfig) -> EngineCo
             source = json.load(handle)
     if not isinstance(source, dict):
         raise ValueError(f"config must be a dict or a JSON file path, got {type(source).__name__}")
-    flat = dict(source)
+    flat = nest_dotted_keys(source)
     with reporting_ignored():
         if isinstance(flat.get("optimizer"), dict):
             flat["optimizer"] = flatten_typed_section(flat["optimizer"], "optimizer")

@@ -92,6 +92,35 @@ def reporting_ignored() -> Iterator[None]:
         _IGNORED_SEEN.clear()
 
 
+def nest_dotted_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with each top-level key that spells a nested path with dots (TRL's
+    ``prepare_deepspeed`` writes ``"zero_optimization.stage3_prefetch_bucket_size"`` so) put
+    at that path. DeepSpeed never reads such keys (it passes over unknown top-level keys):
+    here the value is used where the section does not set the key; where it does, the
+    section's value stands, as in DeepSpeed, and a warning names both. The sections of
+    ``data`` are copied, not changed."""
+    nested = {key: value for key, value in data.items() if "." not in key}
+    for key, value in data.items():
+        if "." not in key:
+            continue
+        *path, leaf = key.split(".")
+        section = nested
+        for depth, part in enumerate(path):
+            inner = section.get(part)
+            if inner is not None and not isinstance(inner, dict):
+                raise ValueError(f"config key {key}: {'.'.join(path[:depth + 1])} is not a "
+                                 "section")
+            section[part] = inner = dict(inner or {})
+            section = inner
+        if leaf not in section:
+            section[leaf] = value
+        elif section[leaf] != value:
+            warnings.warn(f"config key {key!r} at the top level and {leaf!r} in its section "
+                          f"are both set: the section's {section[leaf]!r} is used (DeepSpeed "
+                          "reads only the section)", UserWarning, stacklevel=3)
+    return nested
+
+
 def flatten_typed_section(section: dict[str, Any], name: str) -> dict[str, Any]:
     """A ``{"type", "params"}`` section (``optimizer``, ``scheduler``) as one dict: its
     params, renamed and ignored keys handled, and its ``type``."""
