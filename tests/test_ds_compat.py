@@ -283,3 +283,34 @@ def test_trl_reference_model_config_with_dotted_keys() -> None:
             assert engine(*make_batch(0, 0, 0, 4)).item() == pytest.approx(expected, rel=1e-6)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_model_without_an_optimizer_below_stage_3_is_the_module_on_the_device(
+        stage: int) -> None:
+    """TRL's reference model when the policy is not on ZeRO-3 (``prepare_deepspeed``: stage 0,
+    the user's config otherwise, no optimizer), or Accelerate's ``prepare(model)`` alone:
+    DeepSpeed wraps the module on the device in the training dtype, with no optimizer.
+    Before: a training engine with a default AdamW, its optimizer state offloaded (a private
+    daemon started for it). Now the module itself in bf16 (its outputs are the bf16
+    module's), no optimizer, and a training call is refused."""
+    from trainer.integrations.ds_facade import DeepSpeedEngine, initialize
+    from trainer.zero.engine import EngineInferenceError
+
+    config = {"train_micro_batch_size_per_gpu": 4, "bf16": {"enabled": True},
+              "zero_optimization": {"stage": stage, "offload_optimizer": {"device": "cpu"}}}
+    features, labels = make_batch(0, 0, 0, 4)
+    expected = make_model().bfloat16()(features.bfloat16(), labels)
+    engine, optimizer, _, scheduler = initialize(model=make_model(), config=config)
+    try:
+        assert isinstance(engine, DeepSpeedEngine) and optimizer is None and scheduler is None
+        assert engine.zero_optimization_stage() == stage and engine.bfloat16_enabled()
+        assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+        engine.eval()
+        with torch.no_grad():
+            loss = engine(features.bfloat16().to(engine.device), labels.to(engine.device))
+        assert torch.equal(loss.cpu(), expected.detach())
+        with pytest.raises(EngineInferenceError, match="no optimizer"):
+            engine.backward(loss)
+    finally:
+        engine.close()

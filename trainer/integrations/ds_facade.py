@@ -48,14 +48,17 @@ import torch
 from torch import nn
 
 from trainer import api
-from trainer.device.compute import resolve_device
+from trainer.config import parse_config
+from trainer.device.compute import activate, resolve_device
+from trainer.device.twin import adopt_module
 from trainer.dist import distributed
 from trainer.dist.distributed import default_backend
 from trainer.state.checkpoint import consolidate_fp32_state_dict
 from trainer.zero import gathered
 from trainer.zero import init as zero_init
-from trainer.zero.engine import Engine
+from trainer.zero.engine import Engine, EngineInferenceError
 from trainer.zero.optimizer import ZeroOptimizer
+from trainer.zero.precision import DTYPES
 
 logger = logging.getLogger("offloadd.deepspeed")
 
@@ -448,11 +451,98 @@ class DeepSpeedEngine(nn.Module):
         self.engine.destroy()
 
 
+class ModuleEngine(DeepSpeedEngine):
+    """``deepspeed.initialize`` of a model with neither an optimizer object nor an
+    ``optimizer`` section below ZeRO stage 3 (TRL's reference model, which its
+    ``prepare_deepspeed`` builds at stage 0 unless the policy runs ZeRO-3; Accelerate's
+    ``prepare(model)`` for an evaluation): as DeepSpeed does, the module on the rank's device
+    in the training dtype, and no optimizer. Below stage 3 every rank keeps whole weights,
+    so nothing is partitioned or offloaded and no daemon or optimizer state is made (a
+    training engine with a default AdamW held 16 bytes a parameter for a model that never
+    steps). ``backward`` and ``step`` are refused."""
+
+    def __init__(self, model: nn.Module, config: dict[str, Any],
+                 dist_init_required: bool | None) -> None:
+        nn.Module.__init__(self)
+        parsed = parse_config(config)
+        if any(param.is_meta for param in model.parameters()):
+            raise ValueError("the model's parameters are on meta (built under zero.Init), "
+                             "which only ZeRO stage 3 materialises: use stage 3, or build the "
+                             "model outside zero.Init")
+        compute = resolve_device(parsed.device)
+        activate(compute)
+        if dist_init_required is not False:
+            distributed.init_distributed(compute.dist_backend)
+        self.dtype = DTYPES[parsed.dtype_name]
+        model.to(device=compute.device, dtype=self.dtype)
+        if compute.device.type == "twin":  # the strict twin: its tensors become device ones
+            adopt_module(model, count_params=True)
+        self.wrapped = model
+        self.config = config
+        self.stage = parsed.zero_optimization.stage
+        self.compute_device = compute.device
+        self.optimizer: Any = None
+        self.lr_scheduler = None
+        self.training_dataloader = None
+
+    def __getattr__(self, name: str) -> Any:
+        return nn.Module.__getattr__(self, name)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.wrapped
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.wrapped(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, scale_wrt_gas: bool = True,
+                 **_kwargs: Any) -> torch.Tensor:
+        raise EngineInferenceError(
+            "backward(): this engine has no optimizer (neither an optimizer object nor an "
+            "'optimizer' config section was given, as for a reference model); pass one to "
+            "initialize to train")
+
+    def step(self) -> None:
+        raise EngineInferenceError("step(): this engine has no optimizer; pass one to "
+                                   "initialize to train")
+
+    @property
+    def device(self) -> torch.device:
+        return self.compute_device
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def global_rank(self) -> int:
+        return torch.distributed.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return torch.distributed.get_world_size()
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def bfloat16_enabled(self) -> bool:
+        return self.dtype == torch.bfloat16
+
+    def fp16_enabled(self) -> bool:
+        return self.dtype == torch.float16
+
+    def close(self) -> None:
+        """Nothing is held beyond the module."""
+
+    def destroy(self) -> None:
+        """Nothing is held beyond the module."""
+
+
 def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any = None,
                model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
                mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Any = None,
                config: Any = None, config_params: Any = None, **unused: Any
-               ) -> tuple[DeepSpeedEngine, OptimizerView, Any, Any]:
+               ) -> tuple[DeepSpeedEngine, OptimizerView | None, Any, Any]:
     """``deepspeed.initialize`` as accelerate calls it; returns DeepSpeed's 4-tuple."""
     if model is None:
         raise ValueError("initialize() needs model=")
@@ -475,7 +565,10 @@ def initialize(args: Any = None, model: nn.Module | None = None, optimizer: Any 
         settings["optimizer"], model_parameters = optimizer_section(optimizer)
     _check_client_scheduler(lr_scheduler, optimizer, settings)
     stage = settings.get("zero_optimization", {}).get("stage", 0)
-    inference = "optimizer" not in settings and stage == 3
+    if "optimizer" not in settings and stage < 3:
+        engine_only = ModuleEngine(model, settings, dist_init_required)
+        return engine_only, None, None, None
+    inference = "optimizer" not in settings
     engine, zero, loader, _built = api.initialize(
         model=model, model_parameters=model_parameters, config=settings,
         training_data=training_data, collate_fn=collate_fn,
