@@ -113,8 +113,18 @@ def chat_style(rank: int, world: int, socket: str, tmp: str, kind: str, cut: int
 
     # isort: split
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.utils import see_memory_usage
 
     from trainer.state.checkpoint import consolidate_fp32_state_dict
+
+    # DeepSpeed-Chat's main.py preamble (the twin has one device a process: device_name(i)
+    # names it, where DeepSpeed-Chat builds torch.device("cuda", local_rank))
+    get_accelerator().set_device(rank)
+    device = torch.device(get_accelerator().device_name(rank))
+    get_accelerator().manual_seed_all(1234)
+    see_memory_usage("before initialize", force=True)
 
     def initialize() -> Any:
         model = make_model()
@@ -125,6 +135,8 @@ def chat_style(rank: int, world: int, socket: str, tmp: str, kind: str, cut: int
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer,
                                           lr_scheduler=schedule(optimizer), config=config,
                                           dist_init_required=True)
+        assert isinstance(engine, DeepSpeedEngine) and engine.device == device
+        get_accelerator().empty_cache()
         block = model.blocks[1]  # a unit; its fc1 runs while it is gathered
         block.fc1.register_forward_pre_hook(lambda *_: status_matches_storage(block, seen))
         return engine

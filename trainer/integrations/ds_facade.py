@@ -52,7 +52,6 @@ from trainer.config import parse_config
 from trainer.device.compute import activate, resolve_device
 from trainer.device.twin import adopt_module
 from trainer.dist import distributed
-from trainer.dist.distributed import default_backend
 from trainer.state.checkpoint import consolidate_fp32_state_dict
 from trainer.zero import gathered
 from trainer.zero import init as zero_init
@@ -744,26 +743,3 @@ def clone_tensors_for_torch_save(item: Any, device: torch.device | None = None) 
     if isinstance(item, (list, tuple)):
         return type(item)(clone_tensors_for_torch_save(value, device) for value in item)
     return item
-
-
-class Accelerator:
-    """``deepspeed.accelerator.get_accelerator()``: the rank's compute device."""
-
-    def current_device_name(self) -> str:
-        return str(resolve_device("auto").device)
-
-    def device_name(self, device_index: int | None = None) -> str:
-        """DeepSpeed's: the device type, or with an index (a local rank) that device,
-        ``cuda:<index>``. A device of one per process (the strict twin's) or the CPU has no
-        other index: its own name."""
-        current = torch.device(self.current_device_name())
-        if device_index is None:
-            return current.type
-        return f"cuda:{device_index}" if current.type == "cuda" else str(current)
-
-    def communication_backend_name(self) -> str:
-        return default_backend()
-
-
-def get_accelerator() -> Accelerator:
-    return Accelerator()

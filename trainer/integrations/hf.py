@@ -31,7 +31,7 @@ import torch
 
 from trainer import api
 from trainer.dist import comm
-from trainer.integrations import ds_facade
+from trainer.integrations import ds_accelerator, ds_facade
 from trainer.integrations.versions import check_versions
 from trainer.state import zero_to_fp32
 from trainer.zero import checkpointing, estimate, external, param_state, partition
@@ -114,13 +114,17 @@ def _facade_modules() -> dict[str, types.ModuleType]:
             "deepspeed.checkpoint.utils",
             clone_tensors_for_torch_save=ds_facade.clone_tensors_for_torch_save),
         "deepspeed.runtime": _module("deepspeed.runtime"),
+        "deepspeed.runtime.engine": _module("deepspeed.runtime.engine",
+                                            DeepSpeedEngine=ds_facade.DeepSpeedEngine),
+        "deepspeed.runtime.utils": _module("deepspeed.runtime.utils",
+                                           see_memory_usage=ds_accelerator.see_memory_usage),
         "deepspeed.runtime.zero": _module(
             "deepspeed.runtime.zero", ZeroParamStatus=ZeroParamStatus, Init=zero_init.Init,
             GatheredParameters=ds_facade.GatheredParameters),
         "deepspeed.runtime.zero.partition_parameters": _module(
             "deepspeed.runtime.zero.partition_parameters",
             zero_wrapper_for_fp_tensor_constructor=ds_facade.zero_wrapper_for_fp_tensor_constructor,
-            _orig_torch_arange=torch.arange, get_accelerator=ds_facade.get_accelerator,
+            _orig_torch_arange=torch.arange, get_accelerator=ds_accelerator.get_accelerator,
             ZeroParamStatus=ZeroParamStatus, Init=zero_init.Init,
             GatheredParameters=ds_facade.GatheredParameters),
         "deepspeed.runtime.zero.stage3": _module(
@@ -136,7 +140,7 @@ def _facade_modules() -> dict[str, types.ModuleType]:
                                       DeepSpeedCPUAdam=ds_facade.DeepSpeedCPUAdam,
                                       FusedAdam=ds_facade.FusedAdam),
         "deepspeed.accelerator": _module("deepspeed.accelerator",
-                                         get_accelerator=ds_facade.get_accelerator),
+                                         get_accelerator=ds_accelerator.get_accelerator),
         # accelerate launch reads it before it starts torchrun (its multi-node pdsh
         # launcher writes the file; torchrun's, the one offloadd runs under, does not)
         "deepspeed.launcher": _module("deepspeed.launcher"),
