@@ -306,6 +306,7 @@ def test_a_model_without_an_optimizer_below_stage_3_is_the_module_on_the_device(
         assert isinstance(engine, DeepSpeedEngine) and optimizer is None and scheduler is None
         assert engine.zero_optimization_stage() == stage and engine.bfloat16_enabled()
         assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+        assert engine.head is engine.module.head  # the model's names, through the engine
         engine.eval()
         with torch.no_grad():
             loss = engine(features.bfloat16().to(engine.device), labels.to(engine.device))

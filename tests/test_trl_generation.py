@@ -11,7 +11,9 @@ dependency of the suite).
 Before: ``parameter_offload``, ``ds_active_sub_modules`` and ``ds_external_parameters``
 did not exist (AttributeError). Now: 2 gloo ranks on the strict device twin, an
 Accelerate loop over offloadd (``import trainer.hf``, ZeRO-3 with parameters and optimizer
-offloaded to the module's daemon): a step, a generation, a step. The greedy tokens equal
+offloaded to the module's daemon; HF activation checkpointing switched on through the
+engine, ``engine.gradient_checkpointing_enable()``, as DeepSpeed-Chat does): a step, a
+generation, a step. The greedy tokens equal
 plain HF ``generate`` on the weights the first step made, the generation gathers no unit
 (everything is held by ``GatheredParameters``), and the final weights equal two steps of
 torch AdamW on both ranks' batches.
@@ -106,6 +108,7 @@ def trl_loop(rank: int, world: int, socket: str) -> dict[str, Any]:
     model = gpt2()
     optimizer = adamw(model.parameters())
     model, optimizer = accelerator.prepare(model, optimizer)
+    model.gradient_checkpointing_enable()  # the model's method, through the engine (DeepSpeed's)
     step(accelerator, model, optimizer, 0, rank)
     stepped = consolidate_fp32_state_dict(model.engine)
     generated, gathers = generate_as_trl(accelerator, model, tokens(7, rank)[:, :5])
@@ -124,7 +127,8 @@ def test_trl_style_generation_between_zero3_steps(daemon: Any) -> None:
         if number == 1:  # greedy generate on the weights the first step made
             stepped = gpt2()
             stepped.load_state_dict(results[0]["stepped"])
-            stepped.eval()
+            stepped.gradient_checkpointing_enable()  # as the engine's model: HF's generation
+            stepped.train()  # differs in train mode with checkpointing (no KV cache, ...)
             for rank, result in enumerate(results):
                 with torch.no_grad():
                     expected = stepped.generate(tokens(7, rank)[:, :5],

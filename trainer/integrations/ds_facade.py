@@ -252,17 +252,21 @@ class DeepSpeedEngine(nn.Module):
         self._applied = False
 
     def __getattr__(self, name: str) -> Any:
-        """The engine's other DeepSpeed-named accessors (``global_samples``,
-        ``skipped_steps``, ``loss_scale``, ``micro_steps``) after the module's own names."""
+        """After this class's own names: the engine's other DeepSpeed-named accessors
+        (``global_samples``, ``skipped_steps``, ``loss_scale``), then, as DeepSpeed's engine
+        does, the wrapped model's (DeepSpeed-Chat calls
+        ``engine.gradient_checkpointing_enable()``)."""
         try:
             return super().__getattr__(name)
         except AttributeError:
             if name == "engine":
                 raise
-        try:
-            return getattr(self.engine, name)
-        except AttributeError:
-            raise AttributeError(f"offloadd's DeepSpeedEngine has no attribute {name!r}") from None
+        for owner in (self.engine, self.engine.module):
+            try:
+                return getattr(owner, name)
+            except AttributeError:
+                continue
+        raise AttributeError(f"offloadd's DeepSpeedEngine has no attribute {name!r}")
 
     @property
     def module(self) -> nn.Module:
@@ -485,7 +489,12 @@ class ModuleEngine(DeepSpeedEngine):
         self.training_dataloader = None
 
     def __getattr__(self, name: str) -> Any:
-        return nn.Module.__getattr__(self, name)
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            if name == "wrapped":
+                raise
+        return getattr(self.wrapped, name)  # the model's, as DeepSpeed's engine forwards them
 
     @property
     def module(self) -> nn.Module:
