@@ -14,6 +14,7 @@ import asyncio
 import compileall
 import fcntl
 import itertools
+import multiprocessing.forkserver
 import multiprocessing.util
 import os
 import re
@@ -180,8 +181,23 @@ def pytest_configure(config: pytest.Config) -> None:
     test, and the next test's ranks failed to reach the fork server. So each pytest process
     makes it here, before any test. Not at this module's import: rank processes import it
     too (a test module's ``from conftest import ...``), and they leave without the
-    interpreter's teardown, so each left a ``pymp-*`` dir in /tmp."""
-    multiprocessing.util.get_temp_dir()
+    interpreter's teardown, so each left a ``pymp-*`` dir in /tmp.
+
+    Hazard: the rank fork server keeps the environment it starts with, and a rank
+    unpickles its function (importing the test's module, transformers, torch's inductor)
+    before it takes its caller's (``_dist._adopt``). Started inside a test, the server
+    held that test's ``TORCHINDUCTOR_CACHE_DIR`` under its temp dir, which a later rank's
+    imports made again after the test had removed it: empty ``ot-*/torchinductor`` dirs
+    in /tmp after a suite run. So the server starts here, with a cache dir that lives as
+    long as this process (inside multiprocessing's temp dir, removed at exit)."""
+    temp_dir = multiprocessing.util.get_temp_dir()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(temp_dir, "torchinductor")
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return  # xdist's controller runs no test
+    from _dist import rank_context
+
+    rank_context()
+    multiprocessing.forkserver.ensure_running()
 
 
 @pytest.fixture(autouse=True)

@@ -271,12 +271,13 @@ def test_trl_reference_model_config_with_dotted_keys() -> None:
     assert parsed.zero_optimization.stage3_prefetch_bucket_size == 1000
     assert [str(w.message) for w in caught if "stage3_prefetch_bucket_size" in str(w.message)]
     assert "zero_optimization.reduce_bucket_size" in config  # the caller's dict is unchanged
-    with pytest.raises(ValueError, match="no_such_key"):
+    with pytest.raises(ValueError, match="no_such_key"), pytest.warns(UserWarning):
         parse_config({**config, "zero_optimization.no_such_key": 1})
 
     model = make_model()
     expected = model(*make_batch(0, 0, 0, 4)).item()
-    engine, *_ = initialize(model=model, config=config)
+    with pytest.warns(UserWarning, match="both set"):
+        engine, *_ = initialize(model=model, config=config)
     try:
         engine.eval()
         with torch.no_grad():
