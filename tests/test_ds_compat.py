@@ -314,5 +314,7 @@ def test_a_model_without_an_optimizer_below_stage_3_is_the_module_on_the_device(
         assert torch.equal(loss.cpu(), expected.detach())
         with pytest.raises(EngineInferenceError, match="no optimizer"):
             engine.backward(loss)
+        with pytest.raises(AttributeError, match="given no optimizer"):
+            engine.get_lr()
     finally:
         engine.close()

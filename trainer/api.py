@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from trainer.config import EngineConfig, parse_config
-from trainer.device.compute import activate, resolve_device
+from trainer.device.compute import ComputeDevice, activate, resolve_device
 from trainer.dist.collectives import Collectives
 from trainer.dist.distributed import init_distributed
 from trainer.offload.backend import InProcessBackend, StateBackend
@@ -81,10 +81,7 @@ def initialize(
     _release_previous_engines(model)
     groups = resolve_param_groups(model, model_parameters, parsed.optimizer)
     groups.inference = inference
-    compute = resolve_device(parsed.device)
-    activate(compute)
-    if dist_init_required is not False:
-        init_distributed(compute.dist_backend)
+    compute = start_compute(parsed, dist_init_required)
     collectives = Collectives(compute)
     parsed.batch_sizes(collectives.world_size)  # fail before any daemon or collective work
     backend = _build_backend(parsed, collectives, model)
@@ -129,6 +126,16 @@ def _release_previous_engines(model: nn.Module) -> None:
     for engine in previous:
         log.info("handing the model over from an earlier engine: destroying it first")
         engine.destroy(handover=True)
+
+
+def start_compute(parsed: EngineConfig, dist_init_required: bool | None) -> ComputeDevice:
+    """The config's compute device, made current, and the process group unless the caller
+    has set it up (``dist_init_required=False``)."""
+    compute = resolve_device(parsed.device)
+    activate(compute)
+    if dist_init_required is not False:
+        init_distributed(compute.dist_backend)
+    return compute
 
 
 def _build_backend(config: EngineConfig, collectives: Collectives,

@@ -49,13 +49,11 @@ from torch import nn
 
 from trainer import api
 from trainer.config import parse_config
-from trainer.device.compute import activate, resolve_device
-from trainer.device.twin import adopt_module
 from trainer.dist import distributed
 from trainer.state.checkpoint import consolidate_fp32_state_dict
 from trainer.zero import gathered
 from trainer.zero import init as zero_init
-from trainer.zero.engine import Engine, EngineInferenceError
+from trainer.zero.engine import Engine, EngineInferenceError, move_model
 from trainer.zero.optimizer import ZeroOptimizer
 from trainer.zero.precision import DTYPES
 
@@ -472,14 +470,9 @@ class ModuleEngine(DeepSpeedEngine):
             raise ValueError("the model's parameters are on meta (built under zero.Init), "
                              "which only ZeRO stage 3 materialises: use stage 3, or build the "
                              "model outside zero.Init")
-        compute = resolve_device(parsed.device)
-        activate(compute)
-        if dist_init_required is not False:
-            distributed.init_distributed(compute.dist_backend)
+        compute = api.start_compute(parsed, dist_init_required)
         self.dtype = DTYPES[parsed.dtype_name]
-        model.to(device=compute.device, dtype=self.dtype)
-        if compute.device.type == "twin":  # the strict twin: its tensors become device ones
-            adopt_module(model, count_params=True)
+        move_model(model, compute.device, self.dtype, sharded=False)
         self.wrapped = model
         self.config = config
         self.stage = parsed.zero_optimization.stage
@@ -494,6 +487,9 @@ class ModuleEngine(DeepSpeedEngine):
         except AttributeError:
             if name == "wrapped":
                 raise
+            if name == "engine":  # what DeepSpeedEngine's training methods reach for
+                raise AttributeError("this engine wraps the module only (it was given no "
+                                     "optimizer): pass one to initialize to train") from None
         return getattr(self.wrapped, name)  # the model's, as DeepSpeed's engine forwards them
 
     @property

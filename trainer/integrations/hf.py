@@ -36,7 +36,6 @@ from trainer.integrations.versions import check_versions
 from trainer.state import zero_to_fp32
 from trainer.zero import checkpointing, estimate, external, param_state, partition
 from trainer.zero import init as zero_init
-from trainer.zero.partition import ZeroParamStatus
 
 FACADE_VERSION = "0.18.0+offloadd"
 """The DeepSpeed version the facade reports: the API level accelerate/transformers
@@ -119,13 +118,13 @@ def _facade_modules() -> dict[str, types.ModuleType]:
         "deepspeed.runtime.utils": _module("deepspeed.runtime.utils",
                                            see_memory_usage=ds_accelerator.see_memory_usage),
         "deepspeed.runtime.zero": _module(
-            "deepspeed.runtime.zero", ZeroParamStatus=ZeroParamStatus, Init=zero_init.Init,
-            GatheredParameters=ds_facade.GatheredParameters),
+            "deepspeed.runtime.zero", ZeroParamStatus=partition.ZeroParamStatus,
+            Init=zero_init.Init, GatheredParameters=ds_facade.GatheredParameters),
         "deepspeed.runtime.zero.partition_parameters": _module(
             "deepspeed.runtime.zero.partition_parameters",
             zero_wrapper_for_fp_tensor_constructor=ds_facade.zero_wrapper_for_fp_tensor_constructor,
             _orig_torch_arange=torch.arange, get_accelerator=ds_accelerator.get_accelerator,
-            ZeroParamStatus=ZeroParamStatus, Init=zero_init.Init,
+            ZeroParamStatus=partition.ZeroParamStatus, Init=zero_init.Init,
             GatheredParameters=ds_facade.GatheredParameters),
         "deepspeed.runtime.zero.stage3": _module(
             "deepspeed.runtime.zero.stage3",

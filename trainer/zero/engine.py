@@ -53,7 +53,7 @@ from trainer.zero.stages import PrefetchPlanner, ReducedGrad, Sharded, build_sta
 from trainer.zero.trace import GatherTrace
 
 
-def _move_model(model: nn.Module, device: torch.device, dtype: torch.dtype, *,
+def move_model(model: nn.Module, device: torch.device, dtype: torch.dtype, *,
                 sharded: bool) -> None:
     """The training dtype everywhere, and the compute device for every real tensor.
 
@@ -144,7 +144,7 @@ class Engine(nn.Module):
         ``_prefetch_after``)."""
         stage = config.zero_optimization.stage
         num_parts = collectives.world_size if stage >= 1 else 1
-        _move_model(model, collectives.device, self.precision.dtype, sharded=stage == 3)
+        move_model(model, collectives.device, self.precision.dtype, sharded=stage == 3)
         groups = param_groups or resolve_param_groups(model, None, config.optimizer)
         self.inference = groups.inference
         """Built without an optimizer (``trainer.zero.groups.ParamGroups.inference``): it
