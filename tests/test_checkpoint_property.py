@@ -90,9 +90,13 @@ CLOSE = 1e-5
 another offload device and the uninterrupted one (a few fp32 ulps per step)."""
 HALF_CLOSE = 1e-2
 """The same for bf16 / fp16 training: the devices may reduce the half-precision gradients
-in another order or dtype, so a gradient may land a half-precision ulp (4e-3 of it in
-bf16) away, and the moments with it. A restore that lost the moments or the step count
-is off by far more."""
+in another order or dtype, and the optimizers' fp32 rounding moves a master weight across
+a bf16 rounding boundary now and then, so a gradient may land a half-precision ulp or two
+(4e-3 of it in bf16) away, and the moments with it: ``exp_avg_sq``, a square, twice as
+far, so ``assert_same`` compares its square root (a found case: bf16, stage 2, two
+micro-batches, saved without offload and resumed on cpu; the uninterrupted runs on
+either device differ as much: ``exp_avg_sq`` 1.27e-2, its root 7.2e-3, ``exp_avg``
+6.7e-3). A restore that lost the moments or the step count is off by far more."""
 
 
 @st.composite
@@ -262,8 +266,13 @@ def assert_same(straight: Any, resumed: Any, where: str, close: float = 0.0) -> 
                 f"{where}: {(straight.float() - resumed.float()).abs().max().item()} apart")
             return
         tolerance = max(close, 2 * torch.finfo(straight.dtype).eps)
-        scale = straight.float().abs().max().item()
-        apart = (straight.float() - resumed.float()).abs().max().item()
+        straight, resumed = straight.float(), resumed.float()
+        if where.endswith(".exp_avg_sq"):
+            # A second moment moves by twice its gradients' relative difference: its
+            # square root (their RMS) is held to the gradients' tolerance.
+            straight, resumed = straight.sqrt(), resumed.sqrt()
+        scale = straight.abs().max().item()
+        apart = (straight - resumed).abs().max().item()
         assert apart <= tolerance * scale, f"{where}: {apart} apart (scale {scale})"
     elif isinstance(straight, dict):
         assert isinstance(resumed, dict) and sorted(map(str, straight)) == sorted(
@@ -318,6 +327,9 @@ def assert_partial_load(loaded: dict[str, Any], case: Case, where: str) -> None:
 @example(Case(stage=1, offload="cpu", ratio=0.5, state_dtype="fp32", speculative=False,
               precision="fp16", overflow=False, accumulation=2, clip=True, schedule=True,
               tight_arena=False, save_at=1, frozen=True, load="module", resume_offload="none"))
+@example(Case(stage=2, offload="none", ratio=1.0, state_dtype="fp32", speculative=True,
+              precision="bf16", overflow=False, accumulation=2, clip=False, schedule=False,
+              tight_arena=False, save_at=1, resume_offload="cpu"))
 @given(case=cases())
 def test_checkpoint_resumes_exactly(pool: Any, case: Case) -> None:
     ranks = pool().run(round_trip, asdict(case))
